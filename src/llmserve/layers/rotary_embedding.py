@@ -1,0 +1,97 @@
+"""Rotary position embeddings (RoPE), in the "half rotation" (GPT-NeoX / HF) layout: the first
+half of each head's rotary dims pairs with the second half.
+
+Frequencies follow the HF `rope_parameters` (transformers >= 5) or `rope_theta` + `rope_scaling`
+(earlier versions): `default`, `linear`, `llama3`. The cos/sin table is computed once per device
+and indexed by position at each forward.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any]:
+    """The RoPE settings of an HF config as one dict with at least `rope_type` and `rope_theta`."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and params:
+        if layer_type is not None and layer_type in params:
+            params = params[layer_type]
+        if "rope_theta" in params:
+            out = dict(params)
+            out.setdefault("rope_type", out.pop("type", "default"))
+            return out
+    # transformers < 5: rope_theta plus an optional rope_scaling dict.
+    out = dict(getattr(config, "rope_scaling", None) or {})
+    out["rope_type"] = out.pop("type", out.get("rope_type", "default"))
+    out["rope_theta"] = getattr(config, "rope_theta", 10000.0)
+    return out
+
+
+def _inv_freq(rotary_dim: int, params: dict[str, Any]) -> torch.Tensor:
+    base = float(params["rope_theta"])
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    rope_type = params.get("rope_type") or "default"
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(params["factor"])
+    if rope_type == "llama3":
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+        factor = float(params["factor"])
+        low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+        old_len = float(params["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(_SUPPORTED_ROPE_TYPES)}")
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, rotary_dim: int, max_position: int, params: dict[str, Any]) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim
+        self.max_position = max_position
+        self.inv_freq = _inv_freq(rotary_dim, params)  # validated here, at construction
+        self._cos_sin: torch.Tensor | None = None  # [max_position, rotary_dim] as [cos | sin]
+
+    def _table(self, device: torch.device) -> torch.Tensor:
+        if self._cos_sin is None or self._cos_sin.device != device:
+            t = torch.arange(self.max_position, dtype=torch.float32)
+            freqs = torch.outer(t, self.inv_freq)  # [P, rotary_dim / 2]
+            self._cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+        return self._cos_sin
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for `positions`, each [T, 1, rotary_dim] (halves repeated), computed once per forward."""
+        cs = self._table(positions.device).index_select(0, positions)
+        half = self.rotary_dim // 2
+        cos = cs[:, :half].repeat(1, 2).unsqueeze(1).to(dtype)
+        sin = cs[:, half:].repeat(1, 2).unsqueeze(1).to(dtype)
+        return cos, sin
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, n_heads, head_dim]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        rd = self.rotary_dim
+        x_rot = x[..., :rd]
+        x1, x2 = x_rot[..., : rd // 2], x_rot[..., rd // 2 :]
+        rotated = torch.cat((-x2, x1), dim=-1)
+        out = x_rot * cos + rotated * sin
+        if rd == self.head_dim:
+            return out
+        return torch.cat((out, x[..., rd:]), dim=-1)

@@ -1,0 +1,160 @@
+"""Load a model named by the user into a native llmserve model.
+
+resolve name -> read config (config.json or GGUF metadata) -> pick the class from the registry
+-> build the model with uninitialised tensors on the target device -> stream checkpoint tensors
+into it (dequantising GGUF tensors) -> check nothing is missing -> report what was loaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from llmserve.config import ModelConfig
+from llmserve.layers.attention import get_attention_backend
+from llmserve.model_executor.model_loader import hf_folder
+from llmserve.model_executor.model_loader.source import ModelSource, resolve_model
+from llmserve.models import CausalLM, resolve_model_class
+
+logger = logging.getLogger("llmserve")
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    model: CausalLM
+    hf_config: Any
+    source: ModelSource
+    dtype: torch.dtype
+    device: torch.device
+    checkpoint_format: str
+    """"safetensors", "bin" or "gguf (Q4_1, Q8_0, F32)" - what was on disk."""
+    num_params: int
+    weight_bytes: int
+    load_seconds: float
+    max_model_len: int
+
+    def summary(self) -> str:
+        return (
+            f"loaded {self.source.name} ({type(self.model).__name__}, {self.checkpoint_format}) in "
+            f"{self.load_seconds:.1f} s: {self.num_params / 1e6:.1f}M parameters, "
+            f"{self.weight_bytes / 2**20:.0f} MiB of {str(self.dtype).removeprefix('torch.')} weights "
+            f"on {self.device}, max_model_len {self.max_model_len}"
+        )
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} was requested but CUDA is not available")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device, hf_config: Any) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # 16-bit matmuls are far slower than fp32 on most CPUs
+    ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(ckpt, str):
+        ckpt = _DTYPES.get(ckpt)
+    return ckpt if ckpt in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _max_model_len(config: ModelConfig, hf_config: Any) -> int:
+    limit = int(
+        getattr(hf_config, "max_position_embeddings", 0) or getattr(hf_config, "n_positions", 0) or 2048
+    )
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} exceeds the model's maximum context of {limit} tokens"
+        )
+    return config.max_model_len
+
+
+def load_model(config: ModelConfig, attention_backend: str = "torch") -> LoadedModel:
+    """Load `config.model` (see `resolve_model` for what names a model) onto `config.device`."""
+    start = time.perf_counter()
+    source = resolve_model(config.model)
+    if source.kind == "gguf":
+        from llmserve.model_executor.model_loader.gguf_loader import GGUFCheckpoint
+
+        ckpt = GGUFCheckpoint(source.gguf_files)
+        hf_config = ckpt.hf_config()
+        num_tensors: int | None = ckpt.num_tensors()
+        fmt = f"gguf ({', '.join(ckpt.tensor_types())})"
+
+        def weights(dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor, str]]:
+            return ckpt.iter_weights(dtype)
+    else:
+        hf_config = hf_folder.load_hf_config(source.path)
+        fmt, files = hf_folder.weight_files(source.path)
+        num_tensors = hf_folder.count_tensors(fmt, files)
+
+        def weights(dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor, str]]:
+            return hf_folder.iter_weights(fmt, files, dtype)
+
+    model_cls = resolve_model_class(getattr(hf_config, "architectures", None), str(source.path))
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device, hf_config)
+    max_model_len = _max_model_len(config, hf_config)
+
+    # Parameters are created with torch.empty (no initialisation pass) directly on the target
+    # device; each checkpoint tensor is then copied into its place exactly once.
+    with torch.device(device), _default_dtype(dtype):
+        model = model_cls(hf_config, get_attention_backend(attention_backend))
+    bar = tqdm(
+        total=num_tensors, desc=f"Loading {source.name}", unit="tensor", disable=not config.show_progress
+    )
+    with bar:
+        model.load_weights(_tracked(weights(dtype), bar))
+    model.eval()
+
+    params = {id(p): p for p in model.parameters()}.values()  # tied tensors once
+    loaded = LoadedModel(
+        model=model,
+        hf_config=hf_config,
+        source=source,
+        dtype=dtype,
+        device=device,
+        checkpoint_format=fmt,
+        num_params=sum(p.numel() for p in params),
+        weight_bytes=sum(p.numel() * p.element_size() for p in params),
+        load_seconds=time.perf_counter() - start,
+        max_model_len=max_model_len,
+    )
+    logger.info(loaded.summary())
+    return loaded
+
+
+def _tracked(
+    weights: Iterator[tuple[str, torch.Tensor, str]], bar: tqdm
+) -> Iterator[tuple[str, torch.Tensor, str]]:
+    for item in weights:
+        bar.update(1)
+        yield item
+
+
+__all__ = ["LoadedModel", "ModelSource", "load_model", "resolve_model"]

@@ -1,0 +1,488 @@
+"""GGUF checkpoints (llama.cpp's format, one file or a `gguf-split` set) read as HF checkpoints.
+
+Owns: opening the parts (memory-mapped), reading metadata, building a transformers config from it,
+mapping GGUF tensor names to HF checkpoint names, dequantizing, and undoing what llama.cpp's
+converter changed so each tensor equals the HF original:
+
+    llama   attn_q / attn_k rows permuted for ggml's interleaved RoPE  -> un-permute
+    gemma3  every RMSNorm weight stored as (w + 1)                     -> subtract 1
+    gpt2    Conv1D weights stored transposed ([out, in])               -> transpose back to [in, out]
+
+Does not know models, devices or tokenizers (the GGUF vocabulary is the tokenizer's business).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import transformers
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
+from gguf.quants import dequantize
+
+from llmserve.model_executor.model_loader.errors import (
+    ModelLoadError,
+    ModelNotFoundError,
+    UnexpectedWeightError,
+    UnsupportedArchitectureError,
+    UnsupportedTensorTypeError,
+)
+
+_Q = GGMLQuantizationType
+SUPPORTED_TENSOR_TYPES: tuple[GGMLQuantizationType, ...] = (
+    _Q.F32, _Q.F16, _Q.BF16, _Q.Q8_0, _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K,
+)  # fmt: skip
+# llama.cpp-only tensors with no HF counterpart (rope_freqs is folded into the config instead).
+_NON_HF_TENSORS = ("rope_freqs", "blk.{bid}.attn_rot_embd")
+# transformers 5 describes RoPE with one `rope_parameters` dict; 4.x with rope_theta + rope_scaling.
+_HF_ROPE_PARAMETERS = int(transformers.__version__.split(".")[0]) >= 5
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+class _FastReader(GGUFReader):
+    """GGUFReader that parses metadata arrays in bulk.
+
+    The stock reader makes two memmap views per array element, so a 262k-token vocabulary costs
+    about 10 s (Gemma 3 270M, 2-core CPU) just to open the file. This builds the same fields (same
+    parts, data indices and types) in one pass; byte-swapped files and nested arrays take the stock path.
+    """
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list[Any], list[int], list[Any]]:
+        if raw_type != GGUFValueType.ARRAY or self.byte_order != "I":
+            return super()._get_field_parts(orig_offs, raw_type)
+        raw_itype, alen = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+        itype, n, offs = GGUFValueType(int(raw_itype[0])), int(alen[0]), orig_offs + 12
+        types = [GGUFValueType.ARRAY, itype] if n else [GGUFValueType.ARRAY]
+        raw = self.data.view(np.ndarray)  # plain views are ~10x cheaper to make than memmap views
+        nptype = self.gguf_scalar_to_np.get(itype)
+        if nptype is not None:
+            values = raw[offs : offs + n * np.dtype(nptype).itemsize].view(nptype)
+            return 12 + values.nbytes, [raw_itype, alen, *values.reshape(n, 1)], list(range(2, 2 + n)), types
+        if itype != GGUFValueType.STRING:
+            return super()._get_field_parts(orig_offs, raw_type)
+        if offs + 8 * n > len(raw):  # a corrupt length would otherwise loop for a very long time
+            raise ValueError(f"metadata array of {n} strings runs past the end of the file")
+        parts: list[Any] = [raw_itype, alen]
+        buf = memoryview(raw)
+        for _ in range(n):  # each string: uint64 length, then its bytes
+            slen = int.from_bytes(buf[offs : offs + 8], sys.byteorder)
+            parts += (raw[offs : offs + 8].view(np.uint64), raw[offs + 8 : offs + 8 + slen])
+            offs += 8 + slen
+        return offs - orig_offs, parts, list(range(3, 3 + 2 * n, 2)), types
+
+
+def _open(path: Path) -> GGUFReader:
+    try:
+        return _FastReader(path)
+    except FileNotFoundError:
+        raise ModelNotFoundError(f"{path}: no such GGUF file") from None
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
+
+
+# -- per-architecture tables ----------------------------------------------------------------------
+
+_LLAMA_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "blk.{bid}.attn_norm": "model.layers.{bid}.input_layernorm",
+    "blk.{bid}.attn_q": "model.layers.{bid}.self_attn.q_proj",
+    "blk.{bid}.attn_k": "model.layers.{bid}.self_attn.k_proj",
+    "blk.{bid}.attn_v": "model.layers.{bid}.self_attn.v_proj",
+    "blk.{bid}.attn_output": "model.layers.{bid}.self_attn.o_proj",
+    "blk.{bid}.ffn_norm": "model.layers.{bid}.post_attention_layernorm",
+    "blk.{bid}.ffn_gate": "model.layers.{bid}.mlp.gate_proj",
+    "blk.{bid}.ffn_up": "model.layers.{bid}.mlp.up_proj",
+    "blk.{bid}.ffn_down": "model.layers.{bid}.mlp.down_proj",
+}
+_QWEN3_NAMES = _LLAMA_NAMES | {
+    "blk.{bid}.attn_q_norm": "model.layers.{bid}.self_attn.q_norm",
+    "blk.{bid}.attn_k_norm": "model.layers.{bid}.self_attn.k_norm",
+}
+# Gemma 3 has four norms per layer; GGUF's ffn_norm is the *pre*-feedforward one.
+_GEMMA3_NAMES = _QWEN3_NAMES | {
+    "blk.{bid}.post_attention_norm": "model.layers.{bid}.post_attention_layernorm",
+    "blk.{bid}.ffn_norm": "model.layers.{bid}.pre_feedforward_layernorm",
+    "blk.{bid}.post_ffw_norm": "model.layers.{bid}.post_feedforward_layernorm",
+}
+_GPT2_NAMES = {
+    "token_embd": "transformer.wte",
+    "position_embd": "transformer.wpe",
+    "output_norm": "transformer.ln_f",
+    "output": "lm_head",
+    "blk.{bid}.attn_norm": "transformer.h.{bid}.ln_1",
+    "blk.{bid}.attn_qkv": "transformer.h.{bid}.attn.c_attn",
+    "blk.{bid}.attn_output": "transformer.h.{bid}.attn.c_proj",
+    "blk.{bid}.ffn_norm": "transformer.h.{bid}.ln_2",
+    "blk.{bid}.ffn_up": "transformer.h.{bid}.mlp.c_fc",
+    "blk.{bid}.ffn_down": "transformer.h.{bid}.mlp.c_proj",
+}
+
+# A fix takes the tensor (float32, GGUF layout) and the checkpoint, and returns the HF tensor.
+Fix = Callable[[torch.Tensor, "GGUFCheckpoint"], torch.Tensor]
+
+
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Invert llama.cpp's `permute`: within each head, rows (x0, x1, ..., y0, y1, ...) became
+    (x0, y0, x1, y1, ...) so that ggml's RoPE rotates adjacent pairs. Works for weights and biases."""
+    rows = w.shape[0]
+    if rows % (2 * n_head):
+        raise ModelLoadError(f"cannot un-permute a tensor of {rows} rows for {n_head} heads")
+    # [n_head, half, 2, ...] (GGUF) -> [n_head, 2, half, ...] (HF)
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+_LLAMA_FIXES: dict[str, Fix] = {
+    "blk.{bid}.attn_q": lambda w, c: _unpermute(w, c.require("attention.head_count")),
+    "blk.{bid}.attn_k": lambda w, c: _unpermute(
+        w, c.arch_field("attention.head_count_kv") or c.require("attention.head_count")
+    ),
+}
+# Gemma's RMSNorm multiplies by (1 + w); llama.cpp stores 1 + w.
+_GEMMA3_FIXES: dict[str, Fix] = {key: lambda w, c: w - 1.0 for key in _GEMMA3_NAMES if key.endswith("norm")}
+# HF's Conv1D keeps [in, out]; llama.cpp stores the nn.Linear layout [out, in]. Biases stay as they are.
+_GPT2_FIXES: dict[str, Fix] = {
+    f"blk.{{bid}}.{n}": lambda w, c: w.T.contiguous() if w.dim() == 2 else w
+    for n in ("attn_qkv", "attn_output", "ffn_up", "ffn_down")
+}
+
+
+@dataclass(frozen=True, slots=True)
+class _ArchSpec:
+    """How one GGUF `general.architecture` maps onto its HF counterpart."""
+
+    hf_architecture: str
+    names: dict[str, str]  # GGUF base name -> HF base name (".weight" / ".bias" are appended)
+    fixes: dict[str, Fix]  # GGUF base name -> what undoes llama.cpp's conversion of it
+    build_config: Callable[[GGUFCheckpoint], transformers.PretrainedConfig]
+
+
+# -- config builders --------------------------------------------------------------------------------
+
+
+def _rope_kwargs(params: dict[str, Any]) -> dict[str, Any]:
+    """One RoPE dict ({"rope_type", "rope_theta", ...}) as the installed transformers wants it."""
+    if _HF_ROPE_PARAMETERS:
+        return {"rope_parameters": params}
+    scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    return {"rope_theta": params["rope_theta"], "rope_scaling": scaling if len(scaling) > 1 else None}
+
+
+def _llama3_rope(factors: np.ndarray, theta: float, orig_ctx: int) -> dict[str, Any]:
+    """HF's `llama3` RoPE parameters from llama.cpp's `rope_freqs` tensor (per-frequency divisors f_i).
+
+    HF's curve: f = 1 for short wavelengths, `factor` for long ones, and between them
+        1 / f = (1 - s) / factor + s,   s = (L / wavelen - low) / (high - low),   clamped to [0, 1].
+    s is linear in 1 / wavelen, so in-between points fix its slope a = L / (high - low) and intercept
+    b = -low / (high - low); every L gives the same curve, so L is the stored original context (or 8192).
+    The recovered parameters are checked by recomputing the divisors.
+    """
+    dim = 2 * len(factors)
+    inv_wavelen = theta ** -(np.arange(0, dim, 2, dtype=np.float64) / dim) / (2 * np.pi)
+    f = factors.astype(np.float64)
+    factor = float(f.max())
+    mid = (f > 1 + 1e-4) & (f < factor * (1 - 1e-4))
+    if mid.sum() >= 2:
+        s = (1 / f[mid] - 1 / factor) / (1 - 1 / factor)
+        a, b = np.polyfit(inv_wavelen[mid], s, 1)
+        low, high = float(-b * orig_ctx / a), float((1 - b) * orig_ctx / a)
+    else:  # too few points to fit: try Llama 3.1's published values
+        low, high = 1.0, 4.0
+    s = np.clip((orig_ctx * inv_wavelen - low) / (high - low), 0.0, 1.0)
+    if not np.allclose(1 / ((1 - s) / factor + s), f, rtol=1e-3):
+        raise ModelLoadError("the GGUF's rope_freqs tensor does not describe a llama3 RoPE scaling")
+    return {
+        "rope_type": "llama3", "rope_theta": theta, "factor": factor, "low_freq_factor": round(low, 6),
+        "high_freq_factor": round(high, 6), "original_max_position_embeddings": orig_ctx,
+    }  # fmt: skip
+
+
+def _rope(ckpt: GGUFCheckpoint) -> dict[str, Any]:
+    """The model's (global) RoPE as one dict: base frequency plus any `rope.scaling.*` keys."""
+    theta = ckpt.arch_field("rope.freq_base", 10000.0)
+    kind = ckpt.arch_field("rope.scaling.type", "none")
+    orig_ctx = ckpt.arch_field("rope.scaling.original_context_length")
+    if ckpt.has_tensor("rope_freqs.weight") and kind == "none":
+        return _llama3_rope(ckpt.tensor_data("rope_freqs.weight"), theta, orig_ctx or 8192)
+    if kind == "none":
+        return {"rope_type": "default", "rope_theta": theta}
+    params = {"rope_type": kind, "rope_theta": theta, "factor": ckpt.arch_field("rope.scaling.factor")}
+    extra = {"original_max_position_embeddings": orig_ctx} | {
+        k: ckpt.arch_field(f"rope.scaling.yarn_{k}") for k in ("beta_fast", "beta_slow")
+    }
+    return params | {k: v for k, v in extra.items() if v is not None}
+
+
+def _common_kwargs(ckpt: GGUFCheckpoint) -> dict[str, Any]:
+    """What every config here takes under the same name."""
+    return {
+        "architectures": [ckpt._spec.hf_architecture],
+        "vocab_size": ckpt.vocab_size(),
+        "tie_word_embeddings": not ckpt.has_tensor("output.weight"),
+        "bos_token_id": ckpt.field("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": ckpt.field("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": ckpt.field("tokenizer.ggml.padding_token_id"),
+    }
+
+
+def _decoder_kwargs(ckpt: GGUFCheckpoint) -> dict[str, Any]:
+    """Llama-shaped decoders (llama, qwen2, qwen3, gemma3) name their hyperparameters alike."""
+    hidden, n_head = ckpt.require("embedding_length"), ckpt.require("attention.head_count")
+    # key_length is written when head_dim != hidden / heads (Qwen3, Gemma 3, Mistral Nemo...).
+    head_dim = ckpt.arch_field("attention.key_length") or ckpt.arch_field("rope.dimension_count")
+    return _common_kwargs(ckpt) | {
+        "hidden_size": hidden,
+        "intermediate_size": ckpt.require("feed_forward_length"),
+        "num_hidden_layers": ckpt.require("block_count"),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": ckpt.arch_field("attention.head_count_kv", n_head),
+        "head_dim": head_dim or hidden // n_head,
+        "max_position_embeddings": ckpt.require("context_length"),
+        "rms_norm_eps": ckpt.require("attention.layer_norm_rms_epsilon"),
+    }
+
+
+def _llama_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
+    return transformers.LlamaConfig(
+        **_decoder_kwargs(ckpt),
+        **_rope_kwargs(_rope(ckpt)),
+        attention_bias=ckpt.has_tensor("blk.0.attn_q.bias"),
+        mlp_bias=ckpt.has_tensor("blk.0.ffn_up.bias"),
+    )
+
+
+def _qwen2_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
+    return transformers.Qwen2Config(**_decoder_kwargs(ckpt), **_rope_kwargs(_rope(ckpt)))
+
+
+def _qwen3_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
+    return transformers.Qwen3Config(
+        **_decoder_kwargs(ckpt),
+        **_rope_kwargs(_rope(ckpt)),
+        attention_bias=ckpt.has_tensor("blk.0.attn_q.bias"),
+    )
+
+
+def _gemma3_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
+    """Gemma 3 (text). llama.cpp hard-codes what the GGUF leaves out; so do we, with the same values."""
+    kw = _decoder_kwargs(ckpt)
+    n_layer, head_dim = kw["num_hidden_layers"], kw["head_dim"]
+    # Five local (sliding-window) layers, then one global: every 6th layer is global.
+    layer_types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n_layer)]
+    # Queries are scaled by 1/sqrt(query_pre_attn_scalar): head_dim, except in 27B (62 layers),
+    # which uses hidden / heads (llama.cpp's rule, from Google's gemma_pytorch config).
+    scalar = kw["hidden_size"] // kw["num_attention_heads"] if n_layer == 62 else head_dim
+    global_rope = _rope(ckpt)
+    local_rope = {"rope_type": "default", "rope_theta": ckpt.arch_field("rope.freq_base_swa", 10000.0)}
+    if _HF_ROPE_PARAMETERS:
+        rope = {"rope_parameters": {"full_attention": global_rope, "sliding_attention": local_rope}}
+    else:
+        rope = _rope_kwargs(global_rope) | {"rope_local_base_freq": local_rope["rope_theta"]}
+    return transformers.Gemma3TextConfig(
+        **kw,
+        **rope,
+        layer_types=layer_types,
+        sliding_window=ckpt.require("attention.sliding_window"),
+        query_pre_attn_scalar=scalar,
+        hidden_activation="gelu_pytorch_tanh",
+        final_logit_softcapping=ckpt.arch_field("final_logit_softcapping"),
+        attn_logit_softcapping=None,
+    )
+
+
+def _gpt2_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
+    return transformers.GPT2Config(
+        **_common_kwargs(ckpt),
+        n_positions=ckpt.require("context_length"),
+        n_embd=ckpt.require("embedding_length"),
+        n_layer=ckpt.require("block_count"),
+        n_head=ckpt.require("attention.head_count"),
+        n_inner=ckpt.arch_field("feed_forward_length"),  # None means 4 * n_embd
+        layer_norm_epsilon=ckpt.require("attention.layer_norm_epsilon"),
+    )
+
+
+_ARCHS: dict[str, _ArchSpec] = {
+    "llama": _ArchSpec("LlamaForCausalLM", _LLAMA_NAMES, _LLAMA_FIXES, _llama_config),
+    "qwen2": _ArchSpec("Qwen2ForCausalLM", _LLAMA_NAMES, {}, _qwen2_config),
+    "qwen3": _ArchSpec("Qwen3ForCausalLM", _QWEN3_NAMES, {}, _qwen3_config),
+    "gemma3": _ArchSpec("Gemma3ForCausalLM", _GEMMA3_NAMES, _GEMMA3_FIXES, _gemma3_config),
+    "gpt2": _ArchSpec("GPT2LMHeadModel", _GPT2_NAMES, _GPT2_FIXES, _gpt2_config),
+}
+
+
+def _f32(v: float) -> float:
+    return float(str(np.float32(v)))
+
+
+def _table_key(base: str) -> tuple[str, str | None]:
+    """Table key and block index: blk.3.attn_q -> ("blk.{bid}.attn_q", "3"); token_embd -> (.., None)."""
+    m = _BLOCK_RE.match(base)
+    return (f"blk.{{bid}}.{m.group(2)}", m.group(1)) if m else (base, None)
+
+
+# -- the checkpoint ---------------------------------------------------------------------------------
+
+
+class GGUFCheckpoint:
+    """All parts of one GGUF model: metadata from the first part, tensors from every part."""
+
+    def __init__(self, parts: Sequence[Path]) -> None:
+        if not parts:
+            raise ModelNotFoundError("no GGUF files were given")
+        self.parts = [Path(p) for p in parts]
+        self._readers = [_open(p) for p in self.parts]
+        self._file = str(self.parts[0])
+        arch = self.field("general.architecture")
+        if not isinstance(arch, str):
+            raise ModelLoadError(f"{self._file}: GGUF metadata has no general.architecture")
+        self.architecture: str = arch
+        self._check_split()
+        # GGUF name -> (file, tensor); names must be unique across parts.
+        self._tensors: dict[str, tuple[str, ReaderTensor]] = {}
+        for path, reader in zip(self.parts, self._readers, strict=True):
+            for t in reader.tensors:
+                if t.name in self._tensors:
+                    raise ModelLoadError(f"{path}: tensor {t.name!r} is also in {self._tensors[t.name][0]}")
+                self._tensors[t.name] = (str(path), t)
+        expected, n = self.field("split.tensors.count"), len(self._tensors)
+        if expected is not None and expected != n:
+            raise ModelLoadError(f"{self._file}: split GGUF declares {expected} tensors, holds {n}")
+
+    def _check_split(self) -> None:
+        """A gguf-split set must be given whole and in order (each part stores its `split.no`)."""
+        count = self.field("split.count")
+        if count is not None and count != len(self.parts):
+            raise ModelLoadError(f"{self._file}: split GGUF has {count} parts, {len(self.parts)} given")
+        for i, reader in enumerate(self._readers):
+            no = reader.fields.get("split.no")
+            if no is not None and no.contents() != i:
+                raise ModelLoadError(f"{self.parts[i]}: is split part {no.contents() + 1}, given as {i + 1}")
+
+    # -- metadata ---------------------------------------------------------------------------------
+
+    def field(self, key: str, default: Any = None) -> Any:
+        """A metadata value (str, int, float, bool or list) from the first part, or `default`."""
+        f = self._readers[0].fields.get(key)
+        if f is None or not f.types:
+            return default
+        value = f.contents()
+        if f.types[-1] is GGUFValueType.FLOAT32:  # shortest float32 decimal: 1e-05, not 9.99999974e-06
+            return [_f32(v) for v in value] if isinstance(value, list) else _f32(value)
+        return value
+
+    def arch_field(self, key: str, default: Any = None) -> Any:
+        """`field("<architecture>.<key>")`: the per-architecture hyperparameters."""
+        return self.field(f"{self.architecture}.{key}", default)
+
+    def require(self, key: str) -> Any:
+        """`arch_field(key)` that llama.cpp also requires: missing is an error, not a default."""
+        value = self.arch_field(key)
+        if value is None:
+            raise ModelLoadError(f"{self._file}: GGUF metadata lacks {self.architecture}.{key}")
+        return value
+
+    def has_tensor(self, gguf_name: str) -> bool:
+        return gguf_name in self._tensors
+
+    def tensor_data(self, gguf_name: str) -> np.ndarray:
+        """One tensor dequantized to float32 in its GGUF layout (no name mapping, no fixes)."""
+        t = self._tensors[gguf_name][1]
+        return np.asarray(dequantize(t.data, t.tensor_type))
+
+    def vocab_size(self) -> int:
+        """The explicit key, else the embedding's rows (what the weights need), else the token list."""
+        if (n := self.arch_field("vocab_size")) is not None:
+            return int(n)
+        if "token_embd.weight" in self._tensors:
+            return int(self._tensors["token_embd.weight"][1].shape[-1])  # ggml order: [hidden, vocab]
+        tokens = self._readers[0].fields.get("tokenizer.ggml.tokens")
+        if tokens is None:
+            raise ModelLoadError(f"{self._file}: vocabulary size unknown (no vocab_size, token_embd, tokens)")
+        return len(tokens.data)
+
+    @property
+    def _spec(self) -> _ArchSpec:
+        spec = _ARCHS.get(self.architecture)
+        if spec is None:
+            raise UnsupportedArchitectureError(
+                f"{self._file}: GGUF architecture {self.architecture!r} is not supported; "
+                f"supported: {', '.join(sorted(_ARCHS))}"
+            )
+        return spec
+
+    def hf_config(self) -> transformers.PretrainedConfig:
+        """A transformers config for this model, with `.architectures` set to the HF class name."""
+        spec = self._spec
+        try:
+            return spec.build_config(self)
+        except ModelLoadError:
+            raise
+        except Exception as exc:  # transformers validates configs with several exception types
+            raise ModelLoadError(
+                f"{self._file}: GGUF metadata does not make a valid {spec.hf_architecture} config ({exc})"
+            ) from exc
+
+    # -- tensors ----------------------------------------------------------------------------------
+
+    def tensor_types(self) -> list[str]:
+        """The storage types of the tensors, most common first (e.g. ["Q4_1", "F32", "Q8_0"])."""
+        counts = Counter(t.tensor_type.name for _, t in self._tensors.values())
+        return [name for name, _ in counts.most_common()]
+
+    def num_tensors(self) -> int:
+        """How many tensors `iter_weights` yields."""
+        return sum(_table_key(n.rpartition(".")[0])[0] not in _NON_HF_TENSORS for n in self._tensors)
+
+    def iter_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor, str]]:
+        """(HF name, tensor in the HF checkpoint's shape and values as `dtype` on CPU, file) per tensor.
+
+        Every tensor's type and name is checked here, before the first one is dequantized."""
+        plan = self._plan()
+        return self._dequantized(plan, dtype)
+
+    def _plan(self) -> list[tuple[str, str, Fix | None]]:
+        """(GGUF name, HF name, fix) for every tensor; raises on an unsupported type or unknown name."""
+        spec, plan = self._spec, []
+        bad = [(f, t) for f, t in self._tensors.values() if t.tensor_type not in SUPPORTED_TENSOR_TYPES]
+        if bad:
+            (file, t), more = bad[0], f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
+            raise UnsupportedTensorTypeError(
+                f"{file}: tensor {t.name!r} has type {t.tensor_type.name}{more}, which this loader cannot "
+                f"dequantize; supported: {', '.join(q.name for q in SUPPORTED_TENSOR_TYPES)}"
+            )
+        for name, (file, _) in self._tensors.items():
+            base, _, suffix = name.rpartition(".")
+            key, bid = _table_key(base)
+            if key in _NON_HF_TENSORS:
+                continue
+            hf_base = spec.names.get(key)
+            if hf_base is None or suffix not in ("weight", "bias"):
+                raise UnexpectedWeightError(
+                    f"{file}: GGUF tensor {name!r} has no HF name ({self.architecture})"
+                )
+            plan.append((name, f"{hf_base.format(bid=bid)}.{suffix}", spec.fixes.get(key)))
+        return plan
+
+    def _dequantized(
+        self, plan: list[tuple[str, str, Fix | None]], dtype: torch.dtype
+    ) -> Iterator[tuple[str, torch.Tensor, str]]:
+        for name, hf_name, fix in plan:
+            file, t = self._tensors[name]
+            # dequantize gives float32 in the logical (row-major) shape: ggml's dims reversed.
+            arr = dequantize(t.data, t.tensor_type)
+            assert arr.shape == tuple(reversed(t.shape.tolist())), (name, arr.shape, t.shape)
+            if not arr.flags.writeable:  # F32 comes back as a read-only view of the memory map
+                arr = np.array(arr)
+            tensor = torch.from_numpy(arr)
+            if fix is not None:
+                tensor = fix(tensor, self)  # in float32, before rounding to `dtype`
+            yield hf_name, tensor.to(dtype), file

@@ -1,0 +1,113 @@
+"""Weights and config of an HF model folder.
+
+Safetensors (one file, or shards listed by `model.safetensors.index.json`) are memory-mapped:
+each tensor is read straight from the page cache into the model's own tensor, so no second full
+copy of the checkpoint ever exists. `pytorch_model.bin` (and its sharded form) is read only with
+`torch.load(weights_only=True)`, which refuses pickles that import or call anything.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from llmserve.model_executor.model_loader.errors import (
+    ModelLoadError,
+    ModelNotFoundError,
+    UnsafeCheckpointError,
+)
+
+_SAFETENSORS_INDEX = "model.safetensors.index.json"
+_BIN_INDEX = "pytorch_model.bin.index.json"
+
+
+def load_hf_config(folder: Path) -> Any:
+    """The folder's transformers config (local files only: nothing is fetched)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"{folder / 'config.json'}: cannot read the model config: {e}") from e
+
+
+def _files_from_index(folder: Path, index_name: str) -> list[Path]:
+    index_path = folder / index_name
+    try:
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ModelLoadError(f"{index_path}: not a valid shard index ({e})") from e
+    files = [folder / f for f in sorted(set(weight_map.values()))]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise ModelNotFoundError(f"{index_path} lists shard(s) that do not exist: {', '.join(missing)}")
+    return files
+
+
+def weight_files(folder: Path) -> tuple[str, list[Path]]:
+    """("safetensors" | "bin", files) for the folder, preferring safetensors."""
+    if (folder / _SAFETENSORS_INDEX).is_file():
+        return "safetensors", _files_from_index(folder, _SAFETENSORS_INDEX)
+    single = sorted(folder.glob("*.safetensors"))
+    if single:
+        return "safetensors", single
+    if (folder / _BIN_INDEX).is_file():
+        return "bin", _files_from_index(folder, _BIN_INDEX)
+    if (folder / "pytorch_model.bin").is_file():
+        return "bin", [folder / "pytorch_model.bin"]
+    raise ModelNotFoundError(
+        f"model folder {folder} has no weights: expected *.safetensors, {_SAFETENSORS_INDEX}, "
+        f"pytorch_model.bin or {_BIN_INDEX}"
+    )
+
+
+def _open_safetensors(path: Path):
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as e:  # safetensors raises its own error types for corrupt headers
+        raise ModelLoadError(f"{path}: cannot read safetensors file: {e}") from e
+
+
+def count_tensors(kind: str, files: list[Path]) -> int | None:
+    """Number of tensors (for the progress bar) without reading data; None when unknown cheaply."""
+    if kind != "safetensors":
+        return None
+    total = 0
+    for f in files:
+        with _open_safetensors(f) as sf:
+            total += len(list(sf.keys()))
+    return total
+
+
+def load_bin_safely(path: Path) -> dict[str, torch.Tensor]:
+    """`torch.load` restricted to tensors and plain containers; anything else is refused."""
+    try:
+        state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as e:
+        raise UnsafeCheckpointError(
+            f"{path}: refused to load: the pickle holds more than tensors (it may try to run code). "
+            f"Only weights_only checkpoints are accepted; convert it to safetensors. Detail: {e}"
+        ) from None
+    except (RuntimeError, EOFError, OSError) as e:
+        raise ModelLoadError(f"{path}: not a readable PyTorch checkpoint: {e}") from e
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ModelLoadError(f"{path}: expected a dict of tensor names to tensors")
+    return state
+
+
+def iter_weights(kind: str, files: list[Path], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """(name, tensor in `dtype`, file) for every tensor of the checkpoint, one file at a time."""
+    for f in files:
+        if kind == "safetensors":
+            with _open_safetensors(f) as sf:
+                for name in sf.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    yield name, sf.get_tensor(name).to(dtype), str(f)
+        else:
+            for name, tensor in load_bin_safely(f).items():
+                yield name, tensor.to(dtype), str(f)

@@ -1,0 +1,74 @@
+"""`ModelRunner`: owns the model's KV cache and runs one forward pass over a flat batch.
+
+The caller says, per sequence, which new tokens to run, how long the context becomes and which
+cache blocks hold it; the runner flattens that into (input_ids, positions, AttentionMetadata),
+runs the model, and returns logits for the last new token of each sequence (or for every new
+token when asked, for prompt logprobs and parity tests). One host->device copy of the inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmserve.layers.attention import AttentionMetadata, KVCacheSpec
+from llmserve.models import CausalLM
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceBatchEntry:
+    """One sequence's part of a forward pass."""
+
+    new_token_ids: list[int]
+    """Tokens to run now: the last `len(new_token_ids)` tokens of the context."""
+    seq_len: int
+    """Context length after this step (tokens already cached + new ones)."""
+    block_ids: list[int]
+    """Cache blocks holding this sequence, in order; enough for `seq_len` tokens."""
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int = 16) -> None:
+        shape = model.kv_cache_shape()
+        param = next(model.parameters())
+        self.model = model
+        self.device, self.dtype = param.device, param.dtype
+        self.spec = KVCacheSpec(num_blocks, block_size, shape.num_kv_heads, shape.head_dim, self.dtype)
+        # One [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer.
+        self.kv_caches = [
+            torch.zeros(self.spec.shape(), dtype=self.dtype, device=self.device)
+            for _ in range(shape.num_layers)
+        ]
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.block_size
+
+    def kv_bytes_per_token(self) -> int:
+        """2 x layers x kv_heads x head_dim x dtype bytes."""
+        return self.spec.bytes_per_token() * len(self.kv_caches)
+
+    @torch.inference_mode()
+    def execute(self, batch: list[SequenceBatchEntry], all_logits: bool = False) -> torch.Tensor:
+        """Logits [num_seqs, vocab] for each sequence's last new token ([num_new_tokens, vocab]
+        over the whole batch when `all_logits`)."""
+        ids: list[int] = []
+        positions: list[int] = []
+        for entry in batch:
+            ids.extend(entry.new_token_ids)
+            positions.extend(range(entry.seq_len - len(entry.new_token_ids), entry.seq_len))
+        md = AttentionMetadata.build(
+            query_lens=[len(e.new_token_ids) for e in batch],
+            seq_lens=[e.seq_len for e in batch],
+            block_tables=[e.block_ids for e in batch],
+            block_size=self.block_size,
+            device=self.device,
+        )
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, pos, self.kv_caches, md)  # [T, hidden]
+        if not all_logits:
+            last = torch.tensor(md.query_start_loc[1:], device=self.device) - 1
+            hidden = hidden.index_select(0, last)  # only the rows that are sampled
+        return self.model.compute_logits(hidden)

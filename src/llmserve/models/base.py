@@ -1,0 +1,139 @@
+"""What every native model provides, and the shared logic that copies checkpoint tensors into it.
+
+A model takes a flat batch of tokens from many sequences:
+
+    input_ids [T], positions [T], kv_caches (one per layer), AttentionMetadata  ->  hidden [T, H]
+
+and `compute_logits` maps selected hidden rows to vocabulary logits. Checkpoint tensors arrive
+under their HF names; `load_weights` routes each to its parameter (or to a shard of a fused one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from llmserve.layers.attention import AttentionMetadata
+from llmserve.layers.linear import Linear
+from llmserve.layers.vocab_embedding import LMHead, VocabEmbedding
+from llmserve.load_errors import (
+    MissingWeightsError,
+    UnexpectedWeightError,
+    WeightShapeError,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheShape:
+    """Per-layer KV geometry the runner needs to allocate the cache."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+class CausalLM(nn.Module):
+    """Base class of native decoder-only models."""
+
+    # Checkpoint sub-name -> (fused sub-name, shard index). E.g. "q_proj" -> ("qkv_proj", 0).
+    stacked_params: ClassVar[dict[str, tuple[str, int]]] = {}
+    # Checkpoint names (regex-free substrings) that carry nothing we need (old rotary buffers...).
+    ignored_weights: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def kv_cache_shape(self) -> KVCacheShape:
+        raise NotImplementedError
+
+    def map_weight_name(self, name: str) -> str | None:
+        """HF checkpoint name -> this module's parameter name (None: skip the tensor)."""
+        return name
+
+    # -- weight loading -------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor, str]]) -> None:
+        """Copy every (name, tensor, file) into its parameter; raise if a tensor is unknown or
+        misshapen (naming its file) or if the checkpoint lacks one the model needs."""
+        loaded: set[tuple[str, int]] = set()
+        for ckpt_name, tensor, file in weights:
+            if any(s in ckpt_name for s in self.ignored_weights):
+                continue
+            name = self.map_weight_name(ckpt_name)
+            if name is None:
+                continue
+            try:
+                loaded.add(self._load_one(ckpt_name, name, tensor))
+            except WeightShapeError as e:
+                raise e.with_file(file) from None
+            except UnexpectedWeightError as e:
+                raise UnexpectedWeightError(f"{file}: {e}") from None
+        missing = sorted(f"{n}" + (f"[shard {s}]" if s else "") for n, s in self._expected() - loaded)
+        if missing:
+            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise MissingWeightsError(f"checkpoint lacks {len(missing)} tensor(s) the model needs: {shown}")
+
+    def _load_one(self, ckpt_name: str, name: str, tensor: torch.Tensor) -> tuple[str, int]:
+        module_path, _, attr = name.rpartition(".")
+        shard = 0
+        leaf, _, sub = module_path.rpartition(".")
+        if sub in self.stacked_params:
+            fused, shard = self.stacked_params[sub]
+            module_path = f"{leaf}.{fused}" if leaf else fused
+        try:
+            module = self.get_submodule(module_path)
+        except AttributeError:
+            raise UnexpectedWeightError(
+                f"checkpoint tensor {ckpt_name!r} has no place in {type(self).__name__}"
+            ) from None
+        if isinstance(module, Linear) and attr in ("weight", "bias"):
+            module.load_shard(ckpt_name, tensor, shard, is_bias=attr == "bias")
+        elif isinstance(module, (VocabEmbedding, LMHead)) and attr == "weight":
+            module.load(ckpt_name, tensor)
+        else:
+            param = getattr(module, attr, None)
+            if not isinstance(param, torch.Tensor):
+                raise UnexpectedWeightError(
+                    f"checkpoint tensor {ckpt_name!r} has no place in {type(self).__name__}"
+                )
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise WeightShapeError(ckpt_name, tuple(param.shape), tuple(tensor.shape))
+            param.data.copy_(tensor)
+        return f"{module_path}.{attr}", shard
+
+    def _expected(self) -> set[tuple[str, int]]:
+        """Every (parameter, shard) a checkpoint must provide."""
+        expected: set[tuple[str, int]] = set()
+        for mod_name, module in self.named_modules():
+            prefix = f"{mod_name}." if mod_name else ""
+            if isinstance(module, Linear):
+                for shard in range(len(module.output_sizes)):
+                    expected.add((f"{prefix}weight", shard))
+                    if module.bias is not None:
+                        expected.add((f"{prefix}bias", shard))
+            elif isinstance(module, LMHead):
+                if not module.tied_to:
+                    expected.add((f"{prefix}weight", 0))
+            elif isinstance(module, VocabEmbedding):
+                expected.add((f"{prefix}weight", 0))
+            else:
+                for p_name, _ in module.named_parameters(recurse=False):
+                    expected.add((f"{prefix}{p_name}", 0))
+        return expected

@@ -1,0 +1,234 @@
+"""Gemma 3 text models (Gemma3ForCausalLM: 270M, 1B, and the text half of the larger ones).
+
+    x = embed(ids) * sqrt(hidden)                  the scale rounded to the activation dtype, as HF does
+    for each layer (sliding or full attention, each type with its own RoPE base):
+        q, k, v = split(qkv_proj(norm_in(x)));  q, k = rope(q_norm(q)), rope(k_norm(k))   (per head)
+        x = x + norm_post_attn(o_proj(attn(q, k, v)))      scale = query_pre_attn_scalar ** -0.5
+        x = x + norm_post_ff(down_proj(gelu_tanh(gate) * up))   gate, up = split(gate_up_proj(norm_pre_ff(x)))
+    logits = softcap(embed^T @ norm(x))            softcap only if final_logit_softcapping is set
+
+Every norm is Gemma's RMSNorm: x / rms(x) * (1 + w), computed in float32. Sliding layers see the
+last `sliding_window` positions (the current one included). This file owns the architecture only:
+which layer is which type comes from the HF config (`layer_types`, or the older
+`sliding_window_pattern`); the KV cache keeps every layer's full context.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmserve.layers.activation import gated, get_activation
+from llmserve.layers.attention import Attention, AttentionBackend, AttentionMetadata
+from llmserve.layers.layernorm import RMSNorm
+from llmserve.layers.linear import Linear
+from llmserve.layers.rotary_embedding import RotaryEmbedding, rope_parameters
+from llmserve.layers.vocab_embedding import LMHead, VocabEmbedding
+from llmserve.models.base import CausalLM, KVCacheShape
+from llmserve.models.llama import head_dim_of
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+CosSin = tuple[torch.Tensor, torch.Tensor]
+
+
+def layer_types_of(config: Any) -> list[str]:
+    """Each layer's attention type. transformers >= 4.53 lists them; older configs give a period
+    (every `sliding_window_pattern`-th layer is full attention, the others sliding)."""
+    types = getattr(config, "layer_types", None)
+    if not types:
+        pattern = int(getattr(config, "sliding_window_pattern", 6))
+        types = [SLIDING if (i + 1) % pattern else FULL for i in range(config.num_hidden_layers)]
+    unknown = sorted(set(types) - {SLIDING, FULL})
+    if unknown:
+        raise ValueError(f"Gemma 3: unsupported layer types {unknown}; supported: {SLIDING}, {FULL}")
+    return list(types)
+
+
+def gemma3_rope_parameters(config: Any, layer_type: str) -> dict[str, Any]:
+    """RoPE settings of one layer type. transformers 5 keeps one dict per type in
+    `rope_parameters`; transformers 4 had `rope_theta` + `rope_scaling` for full attention and an
+    unscaled `rope_local_base_freq` for sliding attention."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and layer_type in params:
+        return rope_parameters(config, layer_type)
+    if layer_type == SLIDING:
+        return {"rope_type": "default", "rope_theta": float(getattr(config, "rope_local_base_freq", 10000.0))}
+    return rope_parameters(config)
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, config: Any, layer_type: str, backend: AttentionBackend) -> None:
+        super().__init__()
+        H, D = config.hidden_size, head_dim_of(config)
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            D,
+        )
+        self.q_size, self.kv_size = self.num_heads * D, self.num_kv_heads * D
+        bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = Linear(H, [self.q_size, self.kv_size, self.kv_size], bias=bias)
+        self.o_proj = Linear(self.q_size, H, bias=bias)
+        self.q_norm = RMSNorm(D, config.rms_norm_eps, weight_offset=1.0)
+        self.k_norm = RMSNorm(D, config.rms_norm_eps, weight_offset=1.0)
+        # `attn_logit_softcapping` is deliberately not passed: transformers' Gemma 3 attention never
+        # applies it (Gemma 2 did; Gemma 3 replaced it with q/k norms), and we match its logits.
+        window = getattr(config, "sliding_window", None)
+        self.attn = Attention(
+            self.num_heads,
+            D,
+            self.num_kv_heads,
+            scale=float(config.query_pre_attn_scalar) ** -0.5,
+            backend=backend,
+            sliding_window=int(window) if layer_type == SLIDING and window else None,
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        cos_sin: CosSin,
+        rope: RotaryEmbedding,
+        kv_cache: torch.Tensor,
+        md: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H]
+        T = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        q = qkv[:, : self.q_size].view(T, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(T, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :]
+        q = rope(self.q_norm(q), *cos_sin)  # norm per head, then rotate
+        k = rope(self.k_norm(k), *cos_sin)
+        out = self.attn(q.reshape(T, self.q_size), k.reshape(T, self.kv_size), v, kv_cache, md)
+        return self.o_proj(out)
+
+
+class Gemma3MLP(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        H, inner = config.hidden_size, config.intermediate_size
+        self.gate_up_proj = Linear(H, [inner, inner])
+        self.down_proj = Linear(inner, H)
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "gelu_pytorch_tanh")
+        self.act = get_activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        return self.down_proj(gated(self.act, self.gate_up_proj(x)))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_type: str, backend: AttentionBackend) -> None:
+        super().__init__()
+        H, eps = config.hidden_size, config.rms_norm_eps
+        self.layer_type = layer_type
+        self.input_layernorm = RMSNorm(H, eps, weight_offset=1.0)
+        self.self_attn = Gemma3Attention(config, layer_type, backend)
+        self.post_attention_layernorm = RMSNorm(H, eps, weight_offset=1.0)
+        self.pre_feedforward_layernorm = RMSNorm(H, eps, weight_offset=1.0)
+        self.mlp = Gemma3MLP(config)
+        self.post_feedforward_layernorm = RMSNorm(H, eps, weight_offset=1.0)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: CosSin,
+        rope: RotaryEmbedding,
+        kv_cache: torch.Tensor,
+        md: AttentionMetadata,
+    ) -> torch.Tensor:
+        # Gemma normalises both the input and the output of each sublayer ("sandwich" norms).
+        h = self.self_attn(self.input_layernorm(x), cos_sin, rope, kv_cache, md)
+        x = x + self.post_attention_layernorm(h)
+        h = self.mlp(self.pre_feedforward_layernorm(x))
+        return x + self.post_feedforward_layernorm(h)
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, config: Any, backend: AttentionBackend) -> None:
+        super().__init__()
+        if getattr(config, "use_bidirectional_attention", False):
+            raise ValueError(
+                "Gemma 3 with use_bidirectional_attention (an embedding model) is not a causal LM"
+            )
+        H = config.hidden_size
+        self.embed_tokens = VocabEmbedding(config.vocab_size, H)
+        # HF multiplies by this fp32 scalar cast to the weight dtype: sqrt(640) = 25.298 becomes
+        # 25.25 in bf16, and the model was trained with the rounded value.
+        self.register_buffer("embed_scale", torch.tensor(H**0.5, dtype=torch.float32), persistent=False)
+        self.layer_types = layer_types_of(config)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, t, backend) for t in self.layer_types)
+        self.norm = RMSNorm(H, config.rms_norm_eps, weight_offset=1.0)
+        D = head_dim_of(config)
+        self.rotary_emb = nn.ModuleDict(
+            {
+                t: RotaryEmbedding(D, D, config.max_position_embeddings, gemma3_rope_parameters(config, t))
+                for t in sorted(set(self.layer_types))
+            }
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[torch.Tensor],
+        md: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H]
+        x = self.embed_tokens(input_ids)
+        x = x * self.embed_scale.to(x.dtype)
+        # One cos/sin per layer type, shared by every layer of that type.
+        cos_sin = {t: rope.cos_sin(positions, x.dtype) for t, rope in self.rotary_emb.items()}
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            t = layer.layer_type
+            x = layer(x, cos_sin[t], self.rotary_emb[t], kv_cache, md)
+        return self.norm(x)
+
+
+class Gemma3ForCausalLM(CausalLM):
+    stacked_params = {  # noqa: RUF012 - class-level constant table
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    # Where the text weights sit in multimodal Gemma 3 checkpoints (new and old transformers).
+    _TEXT_PREFIXES = ("model.language_model.", "language_model.model.")
+
+    def __init__(self, config: Any, backend: AttentionBackend) -> None:
+        super().__init__(config)
+        self.model = Gemma3Model(config, backend)
+        tied = getattr(config, "tie_word_embeddings", True)
+        self.lm_head = LMHead(
+            config.vocab_size, config.hidden_size, self.model.embed_tokens if tied else None
+        )
+        self.final_logit_softcap: float | None = getattr(config, "final_logit_softcapping", None)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, vocab]
+        logits = self.lm_head(hidden)
+        if self.final_logit_softcap is not None:
+            cap = self.final_logit_softcap
+            logits = cap * torch.tanh(logits / cap)
+        return logits
+
+    def kv_cache_shape(self) -> KVCacheShape:
+        c = self.config
+        return KVCacheShape(c.num_hidden_layers, c.num_key_value_heads, head_dim_of(c))
+
+    def map_weight_name(self, name: str) -> str | None:
+        for prefix in self._TEXT_PREFIXES:
+            if name.startswith(prefix):
+                name = "model." + name.removeprefix(prefix)
+                break
+        if name == "lm_head.weight" and self.lm_head.tied_to:
+            return None  # some tied checkpoints still store a copy
+        return name

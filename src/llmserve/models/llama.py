@@ -1,0 +1,180 @@
+"""Llama family (Llama 2/3, Mistral, SmolLM; Qwen2/Qwen3 subclass it).
+
+x = embed(ids)
+for each layer:
+    h = x + o_proj(attn(rope(q), rope(k), v))      q, k, v = split(qkv_proj(rms_norm(x)))
+    x = h + down_proj(silu(gate) * up)             gate, up = split(gate_up_proj(rms_norm(h)))
+logits = lm_head(rms_norm(x))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmserve.layers.activation import gated, get_activation
+from llmserve.layers.attention import Attention, AttentionBackend, AttentionMetadata
+from llmserve.layers.layernorm import RMSNorm
+from llmserve.layers.linear import Linear
+from llmserve.layers.rotary_embedding import RotaryEmbedding, rope_parameters
+from llmserve.layers.vocab_embedding import LMHead, VocabEmbedding
+from llmserve.models.base import CausalLM, KVCacheShape
+
+
+@dataclass(frozen=True, slots=True)
+class ArchFlags:
+    """Where the Llama-shaped architectures differ from each other."""
+
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+
+
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def sliding_window_of(config: Any, layer_idx: int) -> int | None:
+    """The window of layer `layer_idx`, or None for full attention."""
+    window = getattr(config, "sliding_window", None)
+    if window is None or getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and layer_types[layer_idx] != "sliding_attention":
+        return None
+    return int(window)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, backend: AttentionBackend, arch: ArchFlags):
+        super().__init__()
+        H, D = config.hidden_size, head_dim_of(config)
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            D,
+        )
+        self.q_size, self.kv_size = self.num_heads * D, self.num_kv_heads * D
+        self.qkv_proj = Linear(H, [self.q_size, self.kv_size, self.kv_size], bias=arch.qkv_bias)
+        self.o_proj = Linear(self.q_size, H, bias=arch.o_bias)
+        # Qwen3 normalises each head's q and k before RoPE.
+        self.q_norm = RMSNorm(D, config.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(D, config.rms_norm_eps) if arch.qk_norm else None
+        self.attn = Attention(
+            self.num_heads,
+            D,
+            self.num_kv_heads,
+            scale=D**-0.5,
+            backend=backend,
+            sliding_window=sliding_window_of(config, layer_idx),
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        rope: RotaryEmbedding,
+        kv_cache: torch.Tensor,
+        md: AttentionMetadata,
+    ) -> torch.Tensor:
+        T = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        qk_size = self.q_size + self.kv_size
+        if self.q_norm is None:
+            # q and k are adjacent columns: rotate all their heads in one call.
+            qk = rope(qkv[:, :qk_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim), *cos_sin)
+        else:
+            q = self.q_norm(qkv[:, : self.q_size].view(T, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size : qk_size].view(T, self.num_kv_heads, self.head_dim))
+            qk = rope(torch.cat([q, k], dim=1), *cos_sin)
+        qk = qk.view(T, qk_size)
+        out = self.attn(qk[:, : self.q_size], qk[:, self.q_size :], qkv[:, qk_size:], kv_cache, md)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_up_proj = Linear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.act = get_activation(getattr(config, "hidden_act", "silu"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(gated(self.act, self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, backend: AttentionBackend, arch: ArchFlags):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_idx, backend, arch)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, x, cos_sin, rope, kv_cache, md) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, rope, kv_cache, md)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, backend: AttentionBackend, arch: ArchFlags):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, backend, arch) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        D = head_dim_of(config)
+        rotary_dim = int(D * getattr(config, "partial_rotary_factor", 1.0))
+        self.rotary_emb = RotaryEmbedding(
+            D, rotary_dim, config.max_position_embeddings, rope_parameters(config)
+        )
+
+    def forward(self, input_ids, positions, kv_caches, md) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos_sin = self.rotary_emb.cos_sin(positions, x.dtype)  # shared by every layer
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos_sin, self.rotary_emb, kv_cache, md)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(CausalLM):
+    stacked_params = {  # noqa: RUF012 - class-level constant table
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    @classmethod
+    def arch_flags(cls, config: Any) -> ArchFlags:
+        bias = bool(getattr(config, "attention_bias", False))
+        return ArchFlags(qkv_bias=bias, o_bias=bias, qk_norm=False)
+
+    def __init__(self, config: Any, backend: AttentionBackend) -> None:
+        super().__init__(config)
+        self.model = LlamaModel(config, backend, self.arch_flags(config))
+        tied = getattr(config, "tie_word_embeddings", False)
+        self.lm_head = LMHead(
+            config.vocab_size, config.hidden_size, self.model.embed_tokens if tied else None
+        )
+
+    def forward(self, input_ids, positions, kv_caches, attn_metadata) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def kv_cache_shape(self) -> KVCacheShape:
+        c = self.config
+        return KVCacheShape(c.num_hidden_layers, c.num_key_value_heads, head_dim_of(c))
+
+    def map_weight_name(self, name: str) -> str | None:
+        if name == "lm_head.weight" and self.lm_head.tied_to:
+            return None  # some tied checkpoints still store a copy
+        return name

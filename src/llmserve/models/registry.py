@@ -1,0 +1,33 @@
+"""HF `architectures` names -> native model classes. Modules are imported on first use."""
+
+from __future__ import annotations
+
+import importlib
+
+from llmserve.load_errors import UnsupportedArchitectureError
+from llmserve.models.base import CausalLM
+
+# architecture name -> (module, class)
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+    "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def resolve_model_class(architectures: list[str] | None, source: str) -> type[CausalLM]:
+    """The first supported class among `architectures`, else a clear error naming `source`."""
+    for arch in architectures or []:
+        if arch in _MODELS:
+            module, cls = _MODELS[arch]
+            return getattr(importlib.import_module(f"llmserve.models.{module}"), cls)
+    raise UnsupportedArchitectureError(
+        f"{source}: architecture {architectures} is not supported; supported: {', '.join(supported_architectures())}"
+    )

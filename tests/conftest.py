@@ -1,0 +1,28 @@
+"""Shared test fixtures: the reference vectors in ../shared/testdata and the embedded model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TESTDATA = REPO.parent / "shared" / "testdata" / "smollm2-135m-llamacpp.json"
+
+
+@pytest.fixture(scope="session")
+def llamacpp_reference() -> dict:
+    """llama.cpp's token ids and greedy continuations for the embedded SmolLM2 model."""
+    if not TESTDATA.is_file():
+        pytest.fail(f"reference vectors missing: {TESTDATA} (the repo expects ../shared beside it)")
+    return json.loads(TESTDATA.read_text())
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The embedded default model, loaded once per test session."""
+    from llmserve.config import ModelConfig
+    from llmserve.model_executor.model_loader import load_model
+
+    return load_model(ModelConfig(show_progress=False))

@@ -1,0 +1,218 @@
+"""Test helper: write GGUF files the way llama.cpp's `convert_hf_to_gguf.py` and `gguf-split` do.
+
+Independent of the loader under test: GGUF tensor names come from the gguf package's own
+HF -> GGUF name map, and the converter's changes are re-done here from llama.cpp's description:
+
+    llama   q_proj / k_proj rows permuted per head: (x0..x_{h-1}, y0..y_{h-1}) -> (x0, y0, x1, y1, ...)
+    gemma3  every `*norm.weight` stored as (w + 1)
+    gpt2    Conv1D weights ([in, out] in HF) stored transposed; the causal-mask buffers dropped
+
+Also ggml's reference dequantization of one block per type, written from ggml's C reference
+(`dequantize_row_*`), so that tests do not check the gguf package's numpy code against itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType as Q
+
+# (array, type): the array is float32 (written as F32 / F16) or already-quantized uint8 blocks.
+GGUFTensor = tuple[np.ndarray, GGMLQuantizationType]
+
+
+def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's LlamaModel.permute: [n_head, 2, half, ...] -> [n_head, half, 2, ...]."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def convert_state_dict(arch: str, config: Any, state_dict: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """HF state dict -> {GGUF name: float32 array}, as llama.cpp's converter writes it."""
+    n_layer = config.n_layer if arch == "gpt2" else config.num_hidden_layers
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], n_layer)
+    out: dict[str, np.ndarray] = {}
+    for name, w in state_dict.items():
+        w = w.detach().float().clone()
+        if arch == "gpt2":
+            if name.endswith((".attn.bias", ".attn.masked_bias")):
+                continue
+            if name.endswith((".c_attn.weight", ".c_proj.weight", ".c_fc.weight")):
+                w = w.T
+        if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+            w = _permute(w, config.num_attention_heads)
+        if arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+            w = _permute(w, config.num_key_value_heads)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            w = w + 1
+        gguf_name = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, f"gguf has no name for {name}"
+        out[gguf_name] = np.ascontiguousarray(w.numpy())
+    return out
+
+
+def hf_metadata(arch: str, config: Any) -> Callable[[GGUFWriter], None]:
+    """The metadata llama.cpp writes for `config` (plus a token list and bos/eos ids)."""
+
+    def write(w: GGUFWriter) -> None:
+        if arch == "gpt2":
+            w.add_block_count(config.n_layer)
+            w.add_context_length(config.n_positions)
+            w.add_embedding_length(config.n_embd)
+            w.add_feed_forward_length(4 * config.n_embd)
+            w.add_head_count(config.n_head)
+            w.add_layer_norm_eps(config.layer_norm_epsilon)
+        else:
+            w.add_block_count(config.num_hidden_layers)
+            w.add_context_length(config.max_position_embeddings)
+            w.add_embedding_length(config.hidden_size)
+            w.add_feed_forward_length(config.intermediate_size)
+            w.add_head_count(config.num_attention_heads)
+            w.add_head_count_kv(config.num_key_value_heads)
+            w.add_layer_norm_rms_eps(config.rms_norm_eps)
+            rope = config.rope_parameters
+            w.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            if arch in ("qwen3", "gemma3") or head_dim != config.hidden_size // config.num_attention_heads:
+                w.add_key_length(head_dim)
+                w.add_value_length(head_dim)
+            if arch == "llama":  # LlamaModel also writes these
+                w.add_vocab_size(config.vocab_size)
+                w.add_rope_dimension_count(head_dim)
+            if arch == "gemma3":
+                w.add_sliding_window(config.sliding_window)
+        # Only the token list tells the vocabulary size when `<arch>.vocab_size` is absent.
+        w.add_token_list([f"tok{i}" for i in range(config.vocab_size)])
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+
+    return write
+
+
+def write_gguf(
+    path: Path,
+    arch: str,
+    tensors: dict[str, np.ndarray | GGUFTensor],
+    metadata: Callable[[GGUFWriter], None] | None = None,
+    num_parts: int = 1,
+) -> list[Path]:
+    """Write `tensors` as one GGUF, or as `num_parts` gguf-split parts `<stem>-0000i-of-0000n.gguf`.
+
+    Like gguf-split, every part carries split.no / split.count / split.tensors.count and only the
+    first carries the model metadata. Returns the files in order."""
+    names = list(tensors)
+    chunks = [names[i::num_parts] for i in range(num_parts)]  # round-robin, so every part has tensors
+    if num_parts == 1:
+        paths = [path]
+    else:
+        paths = [path.with_name(f"{path.stem}-{i + 1:05d}-of-{num_parts:05d}.gguf") for i in range(num_parts)]
+    for i, (part, chunk) in enumerate(zip(paths, chunks, strict=True)):
+        w = GGUFWriter(part, arch)
+        if i > 0:
+            w.kv_data[0].pop(gguf.Keys.General.ARCHITECTURE)  # gguf-split: split keys only
+        elif metadata is not None:
+            metadata(w)
+        if num_parts > 1:
+            w.add_uint16(gguf.Keys.Split.LLM_KV_SPLIT_NO, i)
+            w.add_uint16(gguf.Keys.Split.LLM_KV_SPLIT_COUNT, num_parts)
+            w.add_int32(gguf.Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT, len(names))
+        for name in chunk:
+            value = tensors[name]
+            arr, qtype = value if isinstance(value, tuple) else (value, GGMLQuantizationType.F32)
+            if arr.dtype == np.uint8:  # pre-quantized blocks: the writer derives the logical shape
+                w.add_tensor(name, arr, raw_dtype=qtype)
+            else:
+                w.add_tensor(name, gguf.quants.quantize(arr.astype(np.float32), qtype), raw_dtype=qtype)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    return paths
+
+
+def write_hf_model(
+    path: Path, arch: str, config: Any, state_dict: dict[str, torch.Tensor], num_parts: int = 1
+) -> list[Path]:
+    """A tiny HF model as llama.cpp would convert it (F32 storage)."""
+    tensors = convert_state_dict(arch, config, state_dict)
+    return write_gguf(path, arch, dict(tensors), hf_metadata(arch, config), num_parts)
+
+
+# -- ggml's reference dequantization, one block at a time ------------------------------------------
+
+
+def _f16(b: bytes, o: int) -> float:
+    return float(np.frombuffer(b[o : o + 2], np.float16)[0])
+
+
+def _scale_min_k4(j: int, q: bytes) -> tuple[int, int]:
+    """ggml's get_scale_min_k4: 6-bit scale and min j of a K-quant super-block."""
+    if j < 4:
+        return q[j] & 63, q[j + 4] & 63
+    return (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4)
+
+
+def _ref_q8_0(b: bytes) -> list[float]:
+    return [_f16(b, 0) * q for q in np.frombuffer(b[2:34], np.int8).tolist()]
+
+
+def _ref_q4_0(b: bytes) -> list[float]:
+    d, qs = _f16(b, 0), b[2:18]
+    return [d * ((q & 0xF) - 8) for q in qs] + [d * ((q >> 4) - 8) for q in qs]
+
+
+def _ref_q4_1(b: bytes) -> list[float]:
+    d, m, qs = _f16(b, 0), _f16(b, 2), b[4:20]
+    return [d * (q & 0xF) + m for q in qs] + [d * (q >> 4) + m for q in qs]
+
+
+def _ref_q5(b: bytes, has_min: bool) -> list[float]:
+    d, m = _f16(b, 0), (_f16(b, 2) if has_min else 0.0)
+    o = 4 if has_min else 2
+    qh, qs, off = int.from_bytes(b[o : o + 4], "little"), b[o + 4 : o + 20], 0 if has_min else 16
+    lo = [d * (((qs[j] & 0xF) | (((qh >> j) & 1) << 4)) - off) + m for j in range(16)]
+    return lo + [d * (((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - off) + m for j in range(16)]
+
+
+def _ref_q45_k(b: bytes, five_bit: bool) -> list[float]:
+    d, dmin, scales = _f16(b, 0), _f16(b, 2), b[4:16]
+    qh, ql = (b[16:48], b[48:176]) if five_bit else (bytes(32), b[16:144])
+    y: list[float] = []
+    for i in range(4):  # 64 values per step: low nibbles with scale 2i, high nibbles with 2i + 1
+        (s1, m1), (s2, m2) = _scale_min_k4(2 * i, scales), _scale_min_k4(2 * i + 1, scales)
+        q = ql[32 * i : 32 * i + 32]
+        y += [
+            d * s1 * ((v & 0xF) + 16 * ((h >> (2 * i)) & 1)) - dmin * m1 for v, h in zip(q, qh, strict=True)
+        ]
+        y += [
+            d * s2 * ((v >> 4) + 16 * ((h >> (2 * i + 1)) & 1)) - dmin * m2
+            for v, h in zip(q, qh, strict=True)
+        ]
+    return y
+
+
+def _ref_q6_k(b: bytes) -> list[float]:
+    ql, qh, sc, d = b[0:128], b[128:192], np.frombuffer(b[192:208], np.int8).tolist(), _f16(b, 208)
+    y = [0.0] * 256
+    for n in range(2):  # two halves of 128 values
+        L, H, S = ql[64 * n :], qh[32 * n :], sc[8 * n :]
+        for i in range(32):
+            qs = [(L[i] & 0xF) | ((H[i] & 3) << 4), (L[i + 32] & 0xF) | (((H[i] >> 2) & 3) << 4),
+                  (L[i] >> 4) | (((H[i] >> 4) & 3) << 4), (L[i + 32] >> 4) | (((H[i] >> 6) & 3) << 4)]  # fmt: skip
+            for k, q in enumerate(qs):
+                y[128 * n + 32 * k + i] = d * S[i // 16 + 2 * k] * (q - 32)
+    return y
+
+
+# type -> (dequantization of one block, byte offsets of its f16 scale fields)
+REFERENCE_DEQUANT: dict[GGMLQuantizationType, tuple[Callable[[bytes], list[float]], tuple[int, ...]]] = {
+    Q.Q8_0: (_ref_q8_0, (0,)), Q.Q4_0: (_ref_q4_0, (0,)), Q.Q4_1: (_ref_q4_1, (0, 2)),
+    Q.Q5_0: (lambda b: _ref_q5(b, False), (0,)), Q.Q5_1: (lambda b: _ref_q5(b, True), (0, 2)),
+    Q.Q4_K: (lambda b: _ref_q45_k(b, False), (0, 2)), Q.Q5_K: (lambda b: _ref_q45_k(b, True), (0, 2)),
+    Q.Q6_K: (_ref_q6_k, (208,)),
+}  # fmt: skip

@@ -1,0 +1,85 @@
+"""Tiny random HF models for parity tests: built with transformers' config classes, saved with
+`save_pretrained` (safetensors), so llmserve loads them exactly as it loads a real checkpoint."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import transformers
+
+# A larger init than HF's 0.02 so logits are well separated: greedy choices among near-ties
+# would make token-for-token comparisons flaky for reasons unrelated to correctness.
+_COMMON = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, initializer_range=0.15)
+_LLAMA_LIKE = dict(
+    _COMMON, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256
+)
+
+
+def _llama() -> transformers.PretrainedConfig:
+    return transformers.LlamaConfig(**_LLAMA_LIKE, rope_theta=10000.0, tie_word_embeddings=False)
+
+
+def _llama3_scaled_tied() -> transformers.PretrainedConfig:
+    return transformers.LlamaConfig(
+        **_LLAMA_LIKE,
+        tie_word_embeddings=True,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    )
+
+
+def _mistral() -> transformers.PretrainedConfig:
+    return transformers.MistralConfig(**_LLAMA_LIKE, sliding_window=8)
+
+
+def _qwen2() -> transformers.PretrainedConfig:
+    return transformers.Qwen2Config(**_LLAMA_LIKE, tie_word_embeddings=True)
+
+
+def _qwen3() -> transformers.PretrainedConfig:
+    return transformers.Qwen3Config(**_LLAMA_LIKE, head_dim=32, tie_word_embeddings=False)
+
+
+def _gemma3() -> transformers.PretrainedConfig:
+    return transformers.Gemma3TextConfig(
+        **_LLAMA_LIKE,
+        head_dim=32,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        query_pre_attn_scalar=24,  # != head_dim, so a wrong attention scale shows
+    )
+
+
+def _gpt2() -> transformers.PretrainedConfig:
+    return transformers.GPT2Config(
+        vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=256, initializer_range=0.15
+    )
+
+
+TINY_CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
+    "llama": _llama,
+    "llama3-rope-tied": _llama3_scaled_tied,
+    "mistral-sliding": _mistral,
+    "qwen2": _qwen2,
+    "qwen3": _qwen3,
+    "gemma3": _gemma3,
+    "gpt2": _gpt2,
+}
+
+
+def make_tiny_model(name: str, folder: Path, seed: int = 0) -> transformers.PreTrainedModel:
+    """Build, save (safetensors) and return the HF reference model for `name`."""
+    torch.manual_seed(seed)
+    config = TINY_CONFIGS[name]()
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.eval()
+    model.save_pretrained(folder)
+    return model
