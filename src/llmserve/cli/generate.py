@@ -40,7 +40,6 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-tokens must be >= 1; got {args.max_tokens}")
     prompts = args.prompts or ["What is the capital of France?"]
     loaded = load_model(ModelConfig(model=args.model, dtype=args.dtype, device=args.device))
-    print(loaded.summary(), file=sys.stderr)
     tokenizer = load_tokenizer(loaded.source)
 
     use_chat = not args.raw and tokenizer.chat_template is not None

@@ -1,0 +1,70 @@
+"""Shared layers against plain torch: the chunked input-major Linear (any chunk count, shards that
+straddle chunk boundaries, bias), the chunked embedding/LM head, and paged attention metadata."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmserve.layers.attention import AttentionMetadata
+from llmserve.layers.linear import Linear
+from llmserve.layers.vocab_embedding import LMHead, VocabEmbedding
+from llmserve.load_errors import WeightShapeError
+
+
+@pytest.fixture(params=[1, 2, 3, 4])
+def threads(request):
+    """Chunk count follows the thread count at construction time."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("M", [1, 5])
+def test_fused_linear_matches_f_linear(threads, M):
+    torch.manual_seed(0)
+    sizes = [10, 7, 7]  # 24 columns; shards straddle chunk boundaries for 3 and 4 chunks
+    layer = Linear(16, sizes, bias=True)
+    assert layer.weight.shape[0] == threads
+    parts = [torch.randn(n, 16) for n in sizes]
+    biases = [torch.randn(n) for n in sizes]
+    for i, (w, b) in enumerate(zip(parts, biases, strict=True)):
+        layer.load_shard(f"w{i}", w, i)
+        layer.load_shard(f"b{i}", b, i, is_bias=True)
+    x = torch.randn(M, 16)
+    ref = F.linear(x, torch.cat(parts), torch.cat(biases))
+    torch.testing.assert_close(layer(x), ref)
+    torch.testing.assert_close(layer(x.view(1, M, 16)), ref.view(1, M, -1))
+
+
+def test_linear_shape_errors_name_the_tensor():
+    layer = Linear(8, [4, 4])
+    with pytest.raises(WeightShapeError, match=r"'q'.*\[4, 9\].*\[4, 8\]"):
+        layer.load_shard("q", torch.zeros(4, 9), 0)
+
+
+def test_tied_embedding_and_head(threads):
+    torch.manual_seed(0)
+    table = torch.randn(12, 6)  # [vocab, hidden]
+    emb = VocabEmbedding(12, 6)
+    emb.load("embed", table)
+    head = LMHead(12, 6, tied_to=emb)
+    ids = torch.tensor([0, 11, 5, 6, 5])
+    torch.testing.assert_close(emb(ids), table[ids])
+    h = torch.randn(3, 6)
+    torch.testing.assert_close(head(h), h @ table.t())
+    with pytest.raises(WeightShapeError):
+        emb.load("embed", torch.zeros(6, 12))
+
+
+def test_attention_metadata_slot_mapping():
+    # seq 0: 3 cached + 2 new tokens in blocks [4, 7]; seq 1: a 1-token decode at position 4 in [2, 9]
+    md = AttentionMetadata.build(
+        query_lens=[2, 1], seq_lens=[5, 5], block_tables=[[4, 7], [2, 9]], block_size=4
+    )
+    assert md.query_start_loc == [0, 2, 3]
+    # positions 3, 4 of seq 0 -> block 4 offset 3, block 7 offset 0; position 4 of seq 1 -> block 9 offset 0
+    assert md.slot_mapping.tolist() == [4 * 4 + 3, 7 * 4 + 0, 9 * 4 + 0]
+    assert md.block_tables.tolist() == [[4, 7], [2, 9]]
