@@ -67,7 +67,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="GGUF path or bundled name (default: embedded SmolLM2)")
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--decode-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default="benchmarks/results/bench_decode.json")
     args = ap.parse_args()
 

@@ -7,8 +7,8 @@ A weight W (logically [in, out]) is stored as `num_chunks` contiguous column blo
 
 and applied as one batched matmul, `bmm(x, weight)`, whose batch dimension is the chunk. On a CPU
 there is one chunk per thread, so each thread streams its own contiguous block of memory; at
-batch 1 this reads SmolLM2's 538 MB of weights at ~32 GB/s where `x @ W` reaches ~22 GB/s and
-`F.linear` less (benchmarks/bench_linear.py). On CUDA there is one chunk and it is `x @ W`.
+batch 1 this reads SmolLM2's 538 MB of weights at ~28 GB/s where `x @ W` reaches ~21 GB/s and
+`F.linear` ~16 GB/s (benchmarks/bench_linear.py, figures in docs/benchmarks.md). On CUDA there is one chunk and it is `x @ W`.
 
 Checkpoints store [out, in]; `load_shard` transposes while copying into the model's tensor, so a
 weight is materialised exactly once. A fused layer (qkv, gate_up) is one matmul whose output
@@ -72,6 +72,8 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(self.out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        if x.dim() == 2:  # the model's flat [T, in] batch: no reshapes
+            return chunked_matmul(x, self.weight, self.bias)
         lead = x.shape[:-1]
         out = chunked_matmul(x.reshape(-1, self.in_features), self.weight, self.bias)
         return out.view(*lead, self.out_features)

@@ -74,11 +74,16 @@ class RotaryEmbedding(nn.Module):
         return self._cos_sin
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for `positions`, each [T, 1, rotary_dim] (halves repeated), computed once per forward."""
+        """cos and signed sin for `positions`, each [T, 1, rotary_dim], computed once per forward.
+
+        With c, s the per-frequency halves: cos = [c | c] and sin = [-s | s], so that
+        rotate_half(x) * [s | s] == roll(x, half) * [-s | s] and `forward` needs no negation.
+        """
         cs = self._table(positions.device).index_select(0, positions)
         half = self.rotary_dim // 2
         cos = cs[:, :half].repeat(1, 2).unsqueeze(1).to(dtype)
-        sin = cs[:, half:].repeat(1, 2).unsqueeze(1).to(dtype)
+        sin = cs[:, half:]
+        sin = torch.cat((-sin, sin), dim=-1).unsqueeze(1).to(dtype)
         return cos, sin
 
     def forward(
@@ -87,11 +92,10 @@ class RotaryEmbedding(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
     ) -> torch.Tensor:
+        # x * cos + rotate_half(x) * sin, with rotate_half(x) = [-x2 | x1] = roll(x, half) * [-1 | 1].
         rd = self.rotary_dim
-        x_rot = x[..., :rd]
-        x1, x2 = x_rot[..., : rd // 2], x_rot[..., rd // 2 :]
-        rotated = torch.cat((-x2, x1), dim=-1)
-        out = x_rot * cos + rotated * sin
         if rd == self.head_dim:
-            return out
+            return x * cos + x.roll(rd // 2, dims=-1) * sin
+        x_rot = x[..., :rd]
+        out = x_rot * cos + x_rot.roll(rd // 2, dims=-1) * sin
         return torch.cat((out, x[..., rd:]), dim=-1)

@@ -45,7 +45,7 @@ class Attention(nn.Module):
             kv_cache,
             metadata,
         )
-        return out.view(T, p.num_heads * p.head_dim)
+        return out.reshape(T, p.num_heads * p.head_dim)  # a copy only when out is strided
 
     def kv_cache_shape_args(self) -> tuple[int, int]:
         return self.params.num_kv_heads, self.params.head_dim

@@ -94,28 +94,41 @@ class TorchAttentionBackend:
         key_cache.index_copy_(0, metadata.slot_mapping, key)
         value_cache.index_copy_(0, metadata.slot_mapping, value)
 
-        out = torch.empty_like(query)
-        bs = metadata.block_size
-        for i in range(metadata.num_seqs):
-            start, end = metadata.query_start_loc[i], metadata.query_start_loc[i + 1]
-            q_len, s_len = metadata.query_lens[i], metadata.seq_lens[i]
-            if q_len == s_len:
-                # The whole context is new: read it from the batch, not the cache.
-                k_ctx, v_ctx = key[start:end], value[start:end]
-            else:
-                blocks = metadata.block_tables[i, : (s_len + bs - 1) // bs]
-                k_ctx = kv_cache[0].index_select(0, blocks).view(-1, H_kv, D)[:s_len]
-                v_ctx = kv_cache[1].index_select(0, blocks).view(-1, H_kv, D)[:s_len]
-            mask = _context_mask(metadata, i, params.sliding_window, query.device)
-            o = _attend(
-                params,
-                query[start:end].transpose(0, 1),  # [H, q_len, D]
-                k_ctx.transpose(0, 1),  # [H_kv, s_len, D]
-                v_ctx.transpose(0, 1),
-                mask,
-            )
-            out[start:end] = o.transpose(0, 1)
-        return out
+        outs = [
+            self._sequence(params, i, query, key, value, kv_cache, metadata) for i in range(metadata.num_seqs)
+        ]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+    @staticmethod
+    def _sequence(
+        params: AttentionParams,
+        i: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Attention output [q_len, H, D] of sequence i."""
+        H_kv, D, bs = params.num_kv_heads, params.head_dim, metadata.block_size
+        start, end = metadata.query_start_loc[i], metadata.query_start_loc[i + 1]
+        q_len, s_len = metadata.query_lens[i], metadata.seq_lens[i]
+        if q_len == s_len:
+            # The whole context is new: read it from the batch, not the cache.
+            k_ctx, v_ctx = key[start:end], value[start:end]
+        else:
+            blocks = metadata.block_tables[i, : (s_len + bs - 1) // bs]
+            kv = kv_cache.index_select(1, blocks).view(2, -1, H_kv, D)  # K and V in one gather
+            k_ctx, v_ctx = kv[0, :s_len], kv[1, :s_len]
+        mask = _context_mask(metadata, i, params.sliding_window, query.device)
+        o = _attend(
+            params,
+            query[start:end].transpose(0, 1),  # [H, q_len, D]
+            k_ctx.transpose(0, 1),  # [H_kv, s_len, D]
+            v_ctx.transpose(0, 1),
+            mask,
+        )
+        return o.transpose(0, 1)
 
 
 @register_attention_backend("torch")
