@@ -49,7 +49,8 @@ def llmserve_run(runner: ModelRunner, prompt: list[int], n_decode: int) -> tuple
 @torch.inference_mode()
 def transformers_run(model, prompt: list[int], n_decode: int) -> tuple[float, float, list[int]]:
     t0 = time.perf_counter()
-    res = model(torch.tensor([prompt]), use_cache=True)
+    # logits_to_keep=1: like generate(), project only the last position to the vocabulary
+    res = model(torch.tensor([prompt]), use_cache=True, logits_to_keep=1)
     tok = int(res.logits[0, -1].argmax())
     t1 = time.perf_counter()
     out, past = [tok], res.past_key_values

@@ -63,3 +63,33 @@ def test_greedy_matches_transformers_alone_and_batched(pair):
     for p, exp in zip(PROMPTS, expected, strict=True):
         assert generate_greedy(runner, [p], NUM_TOKENS) == [exp]
     assert generate_greedy(runner, PROMPTS, NUM_TOKENS) == expected
+
+
+def test_chunked_prefill_through_the_cache(pair):
+    """A prompt fed in chunks (each chunk attends to cached K/V plus itself, across block and
+    sliding-window boundaries) gives transformers' logits at every position."""
+    hf, ours = pair
+    prompt = PROMPTS[1] + PROMPTS[0] + PROMPTS[1]  # 44 tokens
+    runner = ModelRunner(ours.model, num_blocks=16, block_size=4)
+    blocks = [9, 3, 12, 0, 5, 7, 1, 14, 2, 8, 6]  # deliberately out of order
+    pieces = []
+    for start in range(0, len(prompt), 7):
+        chunk = prompt[start : start + 7]
+        entry = SequenceBatchEntry(chunk, start + len(chunk), blocks)
+        pieces.append(runner.execute([entry], all_logits=True))
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(torch.cat(pieces), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_bfloat16_dtype(tmp_path):
+    """dtype is configurable: bf16 weights and activations track the fp32 model within bf16 precision."""
+    make_tiny_model("llama", tmp_path)
+    fp32 = load_model(ModelConfig(model=str(tmp_path), show_progress=False))
+    bf16 = load_model(ModelConfig(model=str(tmp_path), dtype="bfloat16", show_progress=False))
+    assert bf16.dtype == torch.bfloat16 and bf16.weight_bytes * 2 == fp32.weight_bytes
+    entry = [SequenceBatchEntry(PROMPTS[1], len(PROMPTS[1]), list(range(5)))]
+    ref = ModelRunner(fp32.model, num_blocks=8, block_size=4).execute(entry, all_logits=True)
+    out = ModelRunner(bf16.model, num_blocks=8, block_size=4).execute(entry, all_logits=True)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, rtol=0.05, atol=0.15)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from llmserve.layers.attention import AttentionMetadata
 from llmserve.layers.linear import Linear
+from llmserve.layers.mlp import GatedMLP
 from llmserve.layers.vocab_embedding import LMHead, VocabEmbedding
 from llmserve.load_errors import WeightShapeError
 
@@ -68,3 +69,41 @@ def test_attention_metadata_slot_mapping():
     # positions 3, 4 of seq 0 -> block 4 offset 3, block 7 offset 0; position 4 of seq 1 -> block 9 offset 0
     assert md.slot_mapping.tolist() == [4 * 4 + 3, 7 * 4 + 0, 9 * 4 + 0]
     assert md.block_tables.tolist() == [[4, 7], [2, 9]]
+
+
+def test_accelerator_weights_are_not_chunked():
+    """Chunking is a CPU-thread layout: on any other device a weight is one plain [in, out] block."""
+    with torch.device("meta"):
+        layer = Linear(16, [8, 8])
+        emb = VocabEmbedding(12, 6)
+    assert layer.weight.shape == (1, 16, 16)
+    assert emb.weight_t.shape == (1, 6, 12)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("M", [1, 5])
+def test_gated_mlp_matches_reference(threads, bias, M):
+    """Thread-sliced gate_up / down layout against the plain SwiGLU formula."""
+    torch.manual_seed(0)
+    H, inner = 8, 12  # 12 splits into 1, 2, 3 or 4 slices
+    mlp = GatedMLP(H, inner, "silu", bias=bias)
+    assert mlp.gate_up_proj.weight.shape[0] == threads
+    gate, up, down = torch.randn(inner, H), torch.randn(inner, H), torch.randn(H, inner)
+    mlp.gate_up_proj.load_shard("gate", gate, 0)
+    mlp.gate_up_proj.load_shard("up", up, 1)
+    mlp.down_proj.load_shard("down", down)
+    bg, bu, bd = torch.randn(inner), torch.randn(inner), torch.randn(H)
+    if bias:
+        mlp.gate_up_proj.load_shard("gate.b", bg, 0, is_bias=True)
+        mlp.gate_up_proj.load_shard("up.b", bu, 1, is_bias=True)
+        mlp.down_proj.load_shard("down.b", bd, is_bias=True)
+    else:
+        bg, bu, bd = None, None, None
+    x = torch.randn(M, H)
+    g, u = F.linear(x, gate, bg), F.linear(x, up, bu)
+    torch.testing.assert_close(mlp.gate_up_proj(x), torch.cat([g, u], dim=-1))
+    h = F.silu(g) * u
+    torch.testing.assert_close(mlp.down_proj(h), F.linear(h, down, bd))
+    torch.testing.assert_close(mlp(x), F.linear(h, down, bd))
+    with pytest.raises(WeightShapeError, match="gate"):
+        mlp.gate_up_proj.load_shard("gate", torch.zeros(H, inner), 0)

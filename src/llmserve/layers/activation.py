@@ -1,4 +1,4 @@
-"""Activations, including the gated forms applied to a fused [gate | up] projection."""
+"""Activations by their HF `hidden_act` names."""
 
 from __future__ import annotations
 
@@ -28,9 +28,3 @@ def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if name not in _ACTIVATIONS:
         raise ValueError(f"unsupported activation {name!r}; supported: {', '.join(sorted(_ACTIVATIONS))}")
     return _ACTIVATIONS[name]
-
-
-def gated(act: Callable[[torch.Tensor], torch.Tensor], gate_up: torch.Tensor) -> torch.Tensor:
-    """act(gate) * up for gate_up = [..., 2 * d] laid out as [gate | up]."""
-    d = gate_up.shape[-1] // 2
-    return act(gate_up[..., :d]) * gate_up[..., d:]

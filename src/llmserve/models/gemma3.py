@@ -20,10 +20,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmserve.layers.activation import gated, get_activation
 from llmserve.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from llmserve.layers.layernorm import RMSNorm
 from llmserve.layers.linear import Linear
+from llmserve.layers.mlp import GatedMLP
 from llmserve.layers.rotary_embedding import RotaryEmbedding, rope_parameters
 from llmserve.layers.vocab_embedding import LMHead, VocabEmbedding
 from llmserve.models.base import CausalLM, KVCacheShape
@@ -104,19 +104,6 @@ class Gemma3Attention(nn.Module):
         return self.o_proj(out)
 
 
-class Gemma3MLP(nn.Module):
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        H, inner = config.hidden_size, config.intermediate_size
-        self.gate_up_proj = Linear(H, [inner, inner])
-        self.down_proj = Linear(inner, H)
-        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "gelu_pytorch_tanh")
-        self.act = get_activation(act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        return self.down_proj(gated(self.act, self.gate_up_proj(x)))
-
-
 class Gemma3DecoderLayer(nn.Module):
     def __init__(self, config: Any, layer_type: str, backend: AttentionBackend) -> None:
         super().__init__()
@@ -126,7 +113,8 @@ class Gemma3DecoderLayer(nn.Module):
         self.self_attn = Gemma3Attention(config, layer_type, backend)
         self.post_attention_layernorm = RMSNorm(H, eps, weight_offset=1.0)
         self.pre_feedforward_layernorm = RMSNorm(H, eps, weight_offset=1.0)
-        self.mlp = Gemma3MLP(config)
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "gelu_pytorch_tanh")
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, act)
         self.post_feedforward_layernorm = RMSNorm(H, eps, weight_offset=1.0)
 
     def forward(

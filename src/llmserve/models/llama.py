@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmserve.layers.activation import gated, get_activation
 from llmserve.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from llmserve.layers.layernorm import RMSNorm
 from llmserve.layers.linear import Linear
+from llmserve.layers.mlp import GatedMLP
 from llmserve.layers.rotary_embedding import RotaryEmbedding, rope_parameters
 from llmserve.layers.vocab_embedding import LMHead, VocabEmbedding
 from llmserve.models.base import CausalLM, KVCacheShape
@@ -95,25 +95,18 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out)
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = Linear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
-        self.act = get_activation(getattr(config, "hidden_act", "silu"))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gated(self.act, self.gate_up_proj(x)))
-
-
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, layer_idx: int, backend: AttentionBackend, arch: ArchFlags):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, layer_idx, backend, arch)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = GatedMLP(
+            config.hidden_size,
+            config.intermediate_size,
+            getattr(config, "hidden_act", "silu"),
+            bias=getattr(config, "mlp_bias", False),
+        )
 
     def forward(self, x, cos_sin, rope, kv_cache, md) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, rope, kv_cache, md)

@@ -26,8 +26,6 @@ class AttentionParams:
     scale: float
     sliding_window: int | None = None
     """Attend only to the last `sliding_window` positions (the current one included)."""
-    logit_softcap: float | None = None
-    """Scores become `softcap * tanh(scores / softcap)` before the softmax (Gemma 2)."""
 
 
 class AttentionBackend(Protocol):

@@ -19,12 +19,11 @@ class Attention(nn.Module):
         scale: float,
         backend: AttentionBackend,
         sliding_window: int | None = None,
-        logit_softcap: float | None = None,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-        self.params = AttentionParams(num_heads, num_kv_heads, head_dim, scale, sliding_window, logit_softcap)
+        self.params = AttentionParams(num_heads, num_kv_heads, head_dim, scale, sliding_window)
         self.backend = backend
 
     def forward(

