@@ -7,7 +7,7 @@ A weight W (logically [in, out]) is stored as `num_chunks` contiguous column blo
 
 and applied as one batched matmul, `bmm(x, weight)`, whose batch dimension is the chunk. On a CPU
 there is one chunk per thread, so each thread streams its own contiguous block of memory; at
-batch 1 this reads SmolLM2's 538 MB of weights at ~28 GB/s where `x @ W` reaches ~21 GB/s and
+batch 1 this reads SmolLM2's 538 MB of weights at ~33 GB/s where `x @ W` reaches ~21 GB/s and
 `F.linear` ~16 GB/s (benchmarks/bench_linear.py, figures in docs/benchmarks.md). On CUDA there is one chunk and it is `x @ W`.
 
 Checkpoints store [out, in]; `load_shard` transposes while copying into the model's tensor, so a
