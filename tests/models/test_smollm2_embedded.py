@@ -44,3 +44,10 @@ def test_greedy_matches_llamacpp_f32(smollm2, llamacpp_reference, batched):
 
 def llamacpp_reference_eos(loaded) -> int:
     return int(loaded.hf_config.eos_token_id)
+
+
+def test_kv_cache_size_per_token(smollm2):
+    """2 (K and V) x 30 layers x 3 KV heads x 64 dims x 4 bytes."""
+    runner = ModelRunner(smollm2.model, num_blocks=2, block_size=16)
+    assert runner.kv_bytes_per_token() == 2 * 30 * 3 * 64 * 4
+    assert runner.kv_caches[0].shape == (2, 2, 16, 3, 64) and len(runner.kv_caches) == 30

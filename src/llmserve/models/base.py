@@ -26,6 +26,15 @@ from llmserve.load_errors import (
     WeightShapeError,
 )
 
+# The fused projections of Llama-shaped attention and gated MLPs.
+QKV_GATE_UP_STACKING: dict[str, tuple[str, int]] = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
 
 @dataclass(frozen=True, slots=True)
 class KVCacheShape:
@@ -41,6 +50,7 @@ class CausalLM(nn.Module):
 
     # Checkpoint sub-name -> (fused sub-name, shard index). E.g. "q_proj" -> ("qkv_proj", 0).
     stacked_params: ClassVar[dict[str, tuple[str, int]]] = {}
+
     # Checkpoint names (regex-free substrings) that carry nothing we need (old rotary buffers...).
     ignored_weights: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 
@@ -48,23 +58,29 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
 
+    backbone_name: ClassVar[str] = "model"
+    """The attribute holding the decoder stack (its name is the checkpoint's prefix)."""
+    lm_head: LMHead
+
     def forward(
         self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[torch.Tensor],  # one per layer
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        raise NotImplementedError
+    ) -> torch.Tensor:  # [T, hidden]
+        return getattr(self, self.backbone_name)(input_ids, positions, kv_caches, attn_metadata)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
+        return self.lm_head(hidden)
 
     def kv_cache_shape(self) -> KVCacheShape:
         raise NotImplementedError
 
     def map_weight_name(self, name: str) -> str | None:
         """HF checkpoint name -> this module's parameter name (None: skip the tensor)."""
+        if name == "lm_head.weight" and self.lm_head.tied_to:
+            return None  # some tied checkpoints still store a copy
         return name
 
     # -- weight loading -------------------------------------------------------------------------

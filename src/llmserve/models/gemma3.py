@@ -26,7 +26,7 @@ from llmserve.layers.linear import Linear
 from llmserve.layers.mlp import GatedMLP
 from llmserve.layers.rotary_embedding import RotaryEmbedding, rope_parameters
 from llmserve.layers.vocab_embedding import LMHead, VocabEmbedding
-from llmserve.models.base import CausalLM, KVCacheShape
+from llmserve.models.base import QKV_GATE_UP_STACKING, CausalLM, KVCacheShape
 from llmserve.models.llama import head_dim_of
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -173,13 +173,7 @@ class Gemma3Model(nn.Module):
 
 
 class Gemma3ForCausalLM(CausalLM):
-    stacked_params = {  # noqa: RUF012 - class-level constant table
-        "q_proj": ("qkv_proj", 0),
-        "k_proj": ("qkv_proj", 1),
-        "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
+    stacked_params = QKV_GATE_UP_STACKING
     # Where the text weights sit in multimodal Gemma 3 checkpoints (new and old transformers).
     _TEXT_PREFIXES = ("model.language_model.", "language_model.model.")
 
@@ -191,15 +185,6 @@ class Gemma3ForCausalLM(CausalLM):
             config.vocab_size, config.hidden_size, self.model.embed_tokens if tied else None
         )
         self.final_logit_softcap: float | None = getattr(config, "final_logit_softcapping", None)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, vocab]
         logits = self.lm_head(hidden)
@@ -217,6 +202,4 @@ class Gemma3ForCausalLM(CausalLM):
             if name.startswith(prefix):
                 name = "model." + name.removeprefix(prefix)
                 break
-        if name == "lm_head.weight" and self.lm_head.tied_to:
-            return None  # some tied checkpoints still store a copy
-        return name
+        return super().map_weight_name(name)

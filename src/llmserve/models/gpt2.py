@@ -128,23 +128,13 @@ def _conv1d_as_linear(
 
 
 class GPT2LMHeadModel(CausalLM):
+    backbone_name = "transformer"
+
     def __init__(self, config: Any, backend: AttentionBackend) -> None:
         super().__init__(config)
         self.transformer = GPT2Model(config, backend)
         tied = getattr(config, "tie_word_embeddings", True)
         self.lm_head = LMHead(config.vocab_size, config.n_embd, self.transformer.wte if tied else None)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        return self.transformer(input_ids, positions, kv_caches, attn_metadata)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, vocab]
-        return self.lm_head(hidden)
 
     def kv_cache_shape(self) -> KVCacheShape:
         c = self.config
@@ -155,7 +145,7 @@ class GPT2LMHeadModel(CausalLM):
 
     def map_weight_name(self, name: str) -> str | None:
         if name == "lm_head.weight":
-            return None if self.lm_head.tied_to else name  # some tied checkpoints still store a copy
+            return super().map_weight_name(name)
         if not name.startswith("transformer."):
             name = "transformer." + name  # the original hub checkpoint: "h.0.attn.c_attn.weight"
         return name

@@ -21,7 +21,7 @@ from llmserve.layers.linear import Linear
 from llmserve.layers.mlp import GatedMLP
 from llmserve.layers.rotary_embedding import RotaryEmbedding, rope_parameters
 from llmserve.layers.vocab_embedding import LMHead, VocabEmbedding
-from llmserve.models.base import CausalLM, KVCacheShape
+from llmserve.models.base import QKV_GATE_UP_STACKING, CausalLM, KVCacheShape
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,13 +136,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
-    stacked_params = {  # noqa: RUF012 - class-level constant table
-        "q_proj": ("qkv_proj", 0),
-        "k_proj": ("qkv_proj", 1),
-        "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
+    stacked_params = QKV_GATE_UP_STACKING
 
     @classmethod
     def arch_flags(cls, config: Any) -> ArchFlags:
@@ -157,17 +151,6 @@ class LlamaForCausalLM(CausalLM):
             config.vocab_size, config.hidden_size, self.model.embed_tokens if tied else None
         )
 
-    def forward(self, input_ids, positions, kv_caches, attn_metadata) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
     def kv_cache_shape(self) -> KVCacheShape:
         c = self.config
         return KVCacheShape(c.num_hidden_layers, c.num_key_value_heads, head_dim_of(c))
-
-    def map_weight_name(self, name: str) -> str | None:
-        if name == "lm_head.weight" and self.lm_head.tied_to:
-            return None  # some tied checkpoints still store a copy
-        return name

@@ -45,6 +45,3 @@ class Attention(nn.Module):
             metadata,
         )
         return out.reshape(T, p.num_heads * p.head_dim)  # a copy only when out is strided
-
-    def kv_cache_shape_args(self) -> tuple[int, int]:
-        return self.params.num_kv_heads, self.params.head_dim
