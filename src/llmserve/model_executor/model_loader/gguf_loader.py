@@ -27,6 +27,7 @@ import transformers
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
 from gguf.quants import dequantize
 
+from llmserve.model_executor.model_loader import gguf_config
 from llmserve.model_executor.model_loader.errors import (
     ModelLoadError,
     ModelNotFoundError,
@@ -41,8 +42,6 @@ SUPPORTED_TENSOR_TYPES: tuple[GGMLQuantizationType, ...] = (
 )  # fmt: skip
 # llama.cpp-only tensors with no HF counterpart (rope_freqs is folded into the config instead).
 _NON_HF_TENSORS = ("rope_freqs", "blk.{bid}.attn_rot_embd")
-# transformers 5 describes RoPE with one `rope_parameters` dict; 4.x with rope_theta + rope_scaling.
-_HF_ROPE_PARAMETERS = int(transformers.__version__.split(".")[0]) >= 5
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
@@ -165,157 +164,12 @@ class _ArchSpec:
     build_config: Callable[[GGUFCheckpoint], transformers.PretrainedConfig]
 
 
-# -- config builders --------------------------------------------------------------------------------
-
-
-def _rope_kwargs(params: dict[str, Any]) -> dict[str, Any]:
-    """One RoPE dict ({"rope_type", "rope_theta", ...}) as the installed transformers wants it."""
-    if _HF_ROPE_PARAMETERS:
-        return {"rope_parameters": params}
-    scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    return {"rope_theta": params["rope_theta"], "rope_scaling": scaling if len(scaling) > 1 else None}
-
-
-def _llama3_rope(factors: np.ndarray, theta: float, orig_ctx: int) -> dict[str, Any]:
-    """HF's `llama3` RoPE parameters from llama.cpp's `rope_freqs` tensor (per-frequency divisors f_i).
-
-    HF's curve: f = 1 for short wavelengths, `factor` for long ones, and between them
-        1 / f = (1 - s) / factor + s,   s = (L / wavelen - low) / (high - low),   clamped to [0, 1].
-    s is linear in 1 / wavelen, so in-between points fix its slope a = L / (high - low) and intercept
-    b = -low / (high - low); every L gives the same curve, so L is the stored original context (or 8192).
-    The recovered parameters are checked by recomputing the divisors.
-    """
-    dim = 2 * len(factors)
-    inv_wavelen = theta ** -(np.arange(0, dim, 2, dtype=np.float64) / dim) / (2 * np.pi)
-    f = factors.astype(np.float64)
-    factor = float(f.max())
-    mid = (f > 1 + 1e-4) & (f < factor * (1 - 1e-4))
-    if mid.sum() >= 2:
-        s = (1 / f[mid] - 1 / factor) / (1 - 1 / factor)
-        a, b = np.polyfit(inv_wavelen[mid], s, 1)
-        low, high = float(-b * orig_ctx / a), float((1 - b) * orig_ctx / a)
-    else:  # too few points to fit: try Llama 3.1's published values
-        low, high = 1.0, 4.0
-    s = np.clip((orig_ctx * inv_wavelen - low) / (high - low), 0.0, 1.0)
-    if not np.allclose(1 / ((1 - s) / factor + s), f, rtol=1e-3):
-        raise ModelLoadError("the GGUF's rope_freqs tensor does not describe a llama3 RoPE scaling")
-    return {
-        "rope_type": "llama3", "rope_theta": theta, "factor": factor, "low_freq_factor": round(low, 6),
-        "high_freq_factor": round(high, 6), "original_max_position_embeddings": orig_ctx,
-    }  # fmt: skip
-
-
-def _rope(ckpt: GGUFCheckpoint) -> dict[str, Any]:
-    """The model's (global) RoPE as one dict: base frequency plus any `rope.scaling.*` keys."""
-    theta = ckpt.arch_field("rope.freq_base", 10000.0)
-    kind = ckpt.arch_field("rope.scaling.type", "none")
-    orig_ctx = ckpt.arch_field("rope.scaling.original_context_length")
-    if ckpt.has_tensor("rope_freqs.weight") and kind == "none":
-        return _llama3_rope(ckpt.tensor_data("rope_freqs.weight"), theta, orig_ctx or 8192)
-    if kind == "none":
-        return {"rope_type": "default", "rope_theta": theta}
-    params = {"rope_type": kind, "rope_theta": theta, "factor": ckpt.arch_field("rope.scaling.factor")}
-    extra = {"original_max_position_embeddings": orig_ctx} | {
-        k: ckpt.arch_field(f"rope.scaling.yarn_{k}") for k in ("beta_fast", "beta_slow")
-    }
-    return params | {k: v for k, v in extra.items() if v is not None}
-
-
-def _common_kwargs(ckpt: GGUFCheckpoint) -> dict[str, Any]:
-    """What every config here takes under the same name."""
-    return {
-        "architectures": [ckpt._spec.hf_architecture],
-        "vocab_size": ckpt.vocab_size(),
-        "tie_word_embeddings": not ckpt.has_tensor("output.weight"),
-        "bos_token_id": ckpt.field("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": ckpt.field("tokenizer.ggml.eos_token_id"),
-        "pad_token_id": ckpt.field("tokenizer.ggml.padding_token_id"),
-    }
-
-
-def _decoder_kwargs(ckpt: GGUFCheckpoint) -> dict[str, Any]:
-    """Llama-shaped decoders (llama, qwen2, qwen3, gemma3) name their hyperparameters alike."""
-    hidden, n_head = ckpt.require("embedding_length"), ckpt.require("attention.head_count")
-    # key_length is written when head_dim != hidden / heads (Qwen3, Gemma 3, Mistral Nemo...).
-    head_dim = ckpt.arch_field("attention.key_length") or ckpt.arch_field("rope.dimension_count")
-    return _common_kwargs(ckpt) | {
-        "hidden_size": hidden,
-        "intermediate_size": ckpt.require("feed_forward_length"),
-        "num_hidden_layers": ckpt.require("block_count"),
-        "num_attention_heads": n_head,
-        "num_key_value_heads": ckpt.arch_field("attention.head_count_kv", n_head),
-        "head_dim": head_dim or hidden // n_head,
-        "max_position_embeddings": ckpt.require("context_length"),
-        "rms_norm_eps": ckpt.require("attention.layer_norm_rms_epsilon"),
-    }
-
-
-def _llama_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
-    return transformers.LlamaConfig(
-        **_decoder_kwargs(ckpt),
-        **_rope_kwargs(_rope(ckpt)),
-        attention_bias=ckpt.has_tensor("blk.0.attn_q.bias"),
-        mlp_bias=ckpt.has_tensor("blk.0.ffn_up.bias"),
-    )
-
-
-def _qwen2_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
-    return transformers.Qwen2Config(**_decoder_kwargs(ckpt), **_rope_kwargs(_rope(ckpt)))
-
-
-def _qwen3_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
-    return transformers.Qwen3Config(
-        **_decoder_kwargs(ckpt),
-        **_rope_kwargs(_rope(ckpt)),
-        attention_bias=ckpt.has_tensor("blk.0.attn_q.bias"),
-    )
-
-
-def _gemma3_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
-    """Gemma 3 (text). llama.cpp hard-codes what the GGUF leaves out; so do we, with the same values."""
-    kw = _decoder_kwargs(ckpt)
-    n_layer, head_dim = kw["num_hidden_layers"], kw["head_dim"]
-    # Five local (sliding-window) layers, then one global: every 6th layer is global.
-    layer_types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n_layer)]
-    # Queries are scaled by 1/sqrt(query_pre_attn_scalar): head_dim, except in 27B (62 layers),
-    # which uses hidden / heads (llama.cpp's rule, from Google's gemma_pytorch config).
-    scalar = kw["hidden_size"] // kw["num_attention_heads"] if n_layer == 62 else head_dim
-    global_rope = _rope(ckpt)
-    local_rope = {"rope_type": "default", "rope_theta": ckpt.arch_field("rope.freq_base_swa", 10000.0)}
-    if _HF_ROPE_PARAMETERS:
-        rope = {"rope_parameters": {"full_attention": global_rope, "sliding_attention": local_rope}}
-    else:
-        rope = _rope_kwargs(global_rope) | {"rope_local_base_freq": local_rope["rope_theta"]}
-    return transformers.Gemma3TextConfig(
-        **kw,
-        **rope,
-        layer_types=layer_types,
-        sliding_window=ckpt.require("attention.sliding_window"),
-        query_pre_attn_scalar=scalar,
-        hidden_activation="gelu_pytorch_tanh",
-        final_logit_softcapping=ckpt.arch_field("final_logit_softcapping"),
-        attn_logit_softcapping=None,
-    )
-
-
-def _gpt2_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
-    return transformers.GPT2Config(
-        **_common_kwargs(ckpt),
-        n_positions=ckpt.require("context_length"),
-        n_embd=ckpt.require("embedding_length"),
-        n_layer=ckpt.require("block_count"),
-        n_head=ckpt.require("attention.head_count"),
-        n_inner=ckpt.arch_field("feed_forward_length"),  # None means 4 * n_embd
-        layer_norm_epsilon=ckpt.require("attention.layer_norm_epsilon"),
-    )
-
-
 _ARCHS: dict[str, _ArchSpec] = {
-    "llama": _ArchSpec("LlamaForCausalLM", _LLAMA_NAMES, _LLAMA_FIXES, _llama_config),
-    "qwen2": _ArchSpec("Qwen2ForCausalLM", _LLAMA_NAMES, {}, _qwen2_config),
-    "qwen3": _ArchSpec("Qwen3ForCausalLM", _QWEN3_NAMES, {}, _qwen3_config),
-    "gemma3": _ArchSpec("Gemma3ForCausalLM", _GEMMA3_NAMES, _GEMMA3_FIXES, _gemma3_config),
-    "gpt2": _ArchSpec("GPT2LMHeadModel", _GPT2_NAMES, _GPT2_FIXES, _gpt2_config),
+    "llama": _ArchSpec("LlamaForCausalLM", _LLAMA_NAMES, _LLAMA_FIXES, gguf_config.llama_config),
+    "qwen2": _ArchSpec("Qwen2ForCausalLM", _LLAMA_NAMES, {}, gguf_config.qwen2_config),
+    "qwen3": _ArchSpec("Qwen3ForCausalLM", _QWEN3_NAMES, {}, gguf_config.qwen3_config),
+    "gemma3": _ArchSpec("Gemma3ForCausalLM", _GEMMA3_NAMES, _GEMMA3_FIXES, gguf_config.gemma3_config),
+    "gpt2": _ArchSpec("GPT2LMHeadModel", _GPT2_NAMES, _GPT2_FIXES, gguf_config.gpt2_config),
 }
 
 
@@ -418,6 +272,11 @@ class GGUFCheckpoint:
                 f"supported: {', '.join(sorted(_ARCHS))}"
             )
         return spec
+
+    @property
+    def hf_architecture(self) -> str:
+        """The HF `architectures` name this GGUF loads as (e.g. "LlamaForCausalLM")."""
+        return self._spec.hf_architecture
 
     def hf_config(self) -> transformers.PretrainedConfig:
         """A transformers config for this model, with `.architectures` set to the HF class name."""
