@@ -7,16 +7,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from llmserve.layers import linear
 from llmserve.layers.attention import AttentionMetadata
-from llmserve.layers.linear import Linear
+from llmserve.layers.linear import Linear, num_weight_chunks
 from llmserve.layers.mlp import GatedMLP
 from llmserve.layers.vocab_embedding import LMHead, VocabEmbedding
 from llmserve.load_errors import WeightShapeError
 
 
 @pytest.fixture(params=[1, 2, 3, 4])
-def threads(request):
-    """Chunk count follows the thread count at construction time."""
+def threads(request, monkeypatch):
+    """Chunk count follows the thread count at construction time (any chunk width allowed here,
+    so that tiny layers split too)."""
+    monkeypatch.setattr(linear, "MIN_CHUNK_COLUMNS", 1)
     old = torch.get_num_threads()
     torch.set_num_threads(request.param)
     yield request.param
@@ -107,3 +110,14 @@ def test_gated_mlp_matches_reference(threads, bias, M):
     torch.testing.assert_close(mlp(x), F.linear(h, down, bd))
     with pytest.raises(WeightShapeError, match="gate"):
         mlp.gate_up_proj.load_shard("gate", torch.zeros(H, inner), 0)
+
+
+def test_chunks_stay_wide_on_many_threads():
+    old = torch.get_num_threads()
+    torch.set_num_threads(64)
+    try:
+        assert num_weight_chunks(576) == 9  # 64 columns each, not 64 chunks of 9
+        assert num_weight_chunks(49152) == 64
+        assert num_weight_chunks(100) == 1
+    finally:
+        torch.set_num_threads(old)

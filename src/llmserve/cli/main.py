@@ -10,12 +10,14 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from llmserve import __version__
 from llmserve.cli import generate
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llmserve", description="LLM inference engine and server.")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--version", action="version", version=f"llmserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     generate.add_parser(sub)
     return parser

@@ -22,13 +22,16 @@ from torch import nn
 
 from llmserve.load_errors import WeightShapeError
 
+MIN_CHUNK_COLUMNS = 64
+
 
 def num_weight_chunks(out_features: int) -> int:
     """Column chunks for a weight created on the current default device: one per CPU thread
     (fewer if `out_features` does not divide evenly), one on accelerators."""
     if torch.get_default_device().type != "cpu":
         return 1
-    n = max(1, torch.get_num_threads())
+    # Below ~64 columns per chunk the per-chunk matmuls get too thin to stream well.
+    n = max(1, min(torch.get_num_threads(), out_features // MIN_CHUNK_COLUMNS))
     while out_features % n:
         n -= 1
     return n
