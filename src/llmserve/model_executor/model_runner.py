@@ -3,7 +3,7 @@
 The caller says, per sequence, which new tokens to run, how long the context becomes and which
 cache blocks hold it; the runner flattens that into (input_ids, positions, AttentionMetadata),
 runs the model, and returns logits for the last new token of each sequence (or for every new
-token when asked, for prompt logprobs and parity tests). One host->device copy of the inputs.
+token when asked, for prompt logprobs and parity tests).
 """
 
 from __future__ import annotations
