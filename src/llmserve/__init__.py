@@ -1,3 +1,32 @@
-"""llmserve: an LLM inference engine and OpenAI-compatible server with a real CPU path."""
+"""llmserve: an LLM inference engine and OpenAI-compatible server with a real CPU path.
+
+from llmserve import LLM, SamplingParams
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from llmserve.engine.llm import LLM
+    from llmserve.outputs import CompletionOutput, RequestOutput
+    from llmserve.sampling_params import SamplingParams
+
+_LAZY = {
+    "LLM": "llmserve.engine.llm",
+    "SamplingParams": "llmserve.sampling_params",
+    "RequestOutput": "llmserve.outputs",
+    "CompletionOutput": "llmserve.outputs",
+}
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: `llmserve --version` and the config classes should not pay for importing torch.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'llmserve' has no attribute {name!r}")

@@ -75,11 +75,36 @@ TINY_CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
 }
 
 
+def save_tiny_tokenizer(folder: Path, vocab_size: int = 512) -> None:
+    """A byte-level BPE tokenizer trained on a few sentences and padded to exactly `vocab_size`
+    ids (every id a sampler can pick decodes), with `<|endoftext|>` = 0 as EOS."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["The quick brown fox jumps over the lazy dog. 0123456789 naïve café."] * 50
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(corpus, trainer)
+    extra = vocab_size - tok.get_vocab_size()
+    tok.add_tokens([f"<extra_{i}>" for i in range(extra)])
+    assert tok.get_vocab_size() == vocab_size
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        '{"eos_token": "<|endoftext|>", "bos_token": null, "add_bos_token": false}'
+    )
+
+
 def make_tiny_model(name: str, folder: Path, seed: int = 0) -> transformers.PreTrainedModel:
-    """Build, save (safetensors) and return the HF reference model for `name`."""
+    """Build, save (safetensors + a tokenizer) and return the HF reference model for `name`."""
     torch.manual_seed(seed)
     config = TINY_CONFIGS[name]()
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.eval()
     model.save_pretrained(folder)
+    save_tiny_tokenizer(Path(folder), config.vocab_size)
     return model

@@ -49,10 +49,8 @@ class ModelRunner:
         """2 x layers x kv_heads x head_dim x dtype bytes."""
         return self.spec.bytes_per_token() * len(self.kv_caches)
 
-    @torch.inference_mode()
-    def execute(self, batch: list[SequenceBatchEntry], all_logits: bool = False) -> torch.Tensor:
-        """Logits [num_seqs, vocab] for each sequence's last new token ([num_new_tokens, vocab]
-        over the whole batch when `all_logits`)."""
+    def forward(self, batch: list[SequenceBatchEntry]) -> tuple[torch.Tensor, AttentionMetadata]:
+        """Run the model over the flat batch: hidden states [num_new_tokens, hidden] and the metadata."""
         ids: list[int] = []
         positions: list[int] = []
         for entry in batch:
@@ -67,7 +65,13 @@ class ModelRunner:
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, pos, self.kv_caches, md)  # [T, hidden]
+        return self.model(input_ids, pos, self.kv_caches, md), md
+
+    @torch.inference_mode()
+    def execute(self, batch: list[SequenceBatchEntry], all_logits: bool = False) -> torch.Tensor:
+        """Logits [num_seqs, vocab] for each sequence's last new token ([num_new_tokens, vocab]
+        over the whole batch when `all_logits`)."""
+        hidden, md = self.forward(batch)
         if not all_logits:
             last = torch.tensor(md.query_start_loc[1:], device=self.device) - 1
             hidden = hidden.index_select(0, last)  # only the rows that are sampled

@@ -1,0 +1,60 @@
+"""`CacheConfig`: the paged KV cache's block size and memory budget, and prefix caching."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_KV_CACHE_MEMORY = 2 * 2**30
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per KV-cache block."""
+
+    kv_cache_memory: int | None = None
+    """Bytes of memory for the KV cache (all layers, K and V). Default: 2 GiB unless
+    `num_kv_blocks` is given."""
+
+    num_kv_blocks: int | None = None
+    """Number of KV-cache blocks; overrides `kv_cache_memory`."""
+
+    enable_prefix_caching: bool = True
+    """Reuse the KV blocks of earlier requests that share a prompt prefix."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size > 1024:
+            raise ValueError(f"block_size must be in [1, 1024]; got {self.block_size}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes; got {self.kv_cache_memory}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1; got {self.num_kv_blocks}")
+
+    def num_blocks(self, kv_bytes_per_token: int) -> int:
+        """Blocks that fit the budget, given the model's KV bytes per token (all layers)."""
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        budget = self.kv_cache_memory if self.kv_cache_memory is not None else DEFAULT_KV_CACHE_MEMORY
+        n = budget // (kv_bytes_per_token * self.block_size)
+        if n < 1:
+            raise ValueError(
+                f"kv_cache_memory {budget} bytes holds no block of {self.block_size} tokens "
+                f"({kv_bytes_per_token * self.block_size} bytes per block)"
+            )
+        return n
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB', '512MiB', '1.5GB', '1000000' -> bytes."""
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+    s = text.strip().lower().replace(" ", "")
+    num = s.rstrip("kmgib")
+    unit = s[len(num) :]
+    if unit not in units or not num:
+        raise ValueError(f"cannot read {text!r} as a size in bytes (examples: 2GiB, 512MiB, 1000000)")
+    try:
+        return int(float(num) * units[unit])
+    except ValueError:
+        raise ValueError(
+            f"cannot read {text!r} as a size in bytes (examples: 2GiB, 512MiB, 1000000)"
+        ) from None

@@ -1,0 +1,284 @@
+"""`Scheduler`: decides, each step, which requests run and how many of their tokens.
+
+One step of continuous (in-flight) batching with chunked prefill:
+
+  1. Running requests first, oldest first: each gets its next token (a decode), or the next chunk
+     of its prompt when it is still prefilling, within the step's token budget. When the KV pool
+     cannot hold a request's new tokens, the newest running request is preempted: it gives back
+     all of its blocks at once, returns to the front of the waiting queue and is recomputed later
+     (its prefix may still be in the prefix cache).
+  2. If nothing was preempted, waiting requests are admitted in queue order while the budget,
+     `max_num_seqs` and the KV pool allow: the longest cached prefix is reused, the rest of the
+     prompt is scheduled, split into chunks when it does not fit the remaining budget.
+
+Admission `reserve` admits a request only when blocks for its whole prompt + max_tokens are free
+after every running request's own reservation, so step 1 never runs out of blocks. Mode
+`static` admits a new batch only once the running batch has completely finished.
+
+The scheduler owns the request objects and the KV-cache manager; it never touches tensors.
+`update_from_output` consumes the runner's sampled tokens as data and decides who finished.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from llmserve.config import CacheConfig, SchedulerConfig
+from llmserve.core.kv_cache.manager import KVCacheManager
+from llmserve.core.request import Request, RequestStatus
+from llmserve.core.request_queue import QUEUES, RequestQueue
+from llmserve.core.sched_output import (
+    CachedRequestData,
+    Logprobs,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """What one request produced in one step."""
+
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: Logprobs | None = None
+    prompt_logprobs: Logprobs | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """A snapshot taken once per step."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    step_tokens: int = 0
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    """What one `schedule()` call decided (filled by the two passes)."""
+
+    budget: int
+    num_tokens: dict[str, int] = field(default_factory=dict)
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_kv_blocks: int,
+        max_model_len: int,
+    ) -> None:
+        self.config = scheduler_config
+        self.max_model_len = max_model_len
+        self.kv_cache_manager = KVCacheManager(
+            num_kv_blocks, cache_config.block_size, enable_caching=cache_config.enable_prefix_caching
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting: RequestQueue = QUEUES[scheduler_config.policy]()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        # Requests that left since the last step; the runner drops their state.
+        self._finished_req_ids: set[str] = set()
+
+    # -- requests in and out ----------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        assert request.request_id not in self.requests, f"duplicate request id {request.request_id!r}"
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def abort_requests(
+        self, req_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> None:
+        """Finish requests now (abort, or a stop string found by output processing); frees their blocks."""
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv_cache_manager.free(request)
+        self._finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    # -- one step -----------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        plan = _StepPlan(budget=self.config.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if not plan.preempted:
+            self._schedule_waiting(plan)
+        # The scheduled tokens will be computed by this step: count them now, so the next
+        # schedule() sees the right progress even before update_from_output runs.
+        for req_id, n in plan.num_tokens.items():
+            self.requests[req_id].num_computed_tokens += n
+        finished, self._finished_req_ids = self._finished_req_ids, set()
+        return SchedulerOutput(
+            scheduled_new_reqs=plan.new_reqs,
+            scheduled_cached_reqs=plan.cached_reqs,
+            num_scheduled_tokens=plan.num_tokens,
+            total_num_scheduled_tokens=sum(plan.num_tokens.values()),
+            finished_req_ids=finished,
+            preempted_req_ids={r.request_id for r in plan.preempted},
+        )
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        i = 0
+        while i < len(self.running) and plan.budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, plan.budget)
+            if num_new <= 0:  # nothing to compute (cannot happen for a live request)
+                i += 1
+                continue
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            while new_blocks is None:
+                assert self.config.admission == "optimistic", "reserve admission must never run out of blocks"
+                victim = self.running.pop()  # the most recently admitted request
+                self._preempt(victim, plan)
+                if victim is request:
+                    return
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            plan.cached_reqs.append(
+                CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens)
+            )
+            plan.num_tokens[request.request_id] = num_new
+            plan.budget -= num_new
+            i += 1
+
+    def _preempt(self, request: Request, plan: _StepPlan) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(request)
+        plan.preempted.append(request)
+        # Victims come from the tail of `running`, which this step has not reached yet (or is the
+        # request being scheduled itself), so no already-scheduled work is undone.
+        assert request.request_id not in plan.num_tokens
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        if self.config.mode == "static" and self.running:
+            return
+        kv = self.kv_cache_manager
+        while len(self.waiting) > 0 and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            # Prompt logprobs need every prompt position computed: no prefix-cache hit then.
+            wants_prompt_logprobs = request.sampling_params.prompt_logprobs is not None
+            computed_blocks, num_computed = (
+                ([], 0) if wants_prompt_logprobs else kv.get_computed_blocks(request)
+            )
+            if self.config.admission == "reserve" and not self._fits_reservation(request):
+                break
+            num_new = min(request.num_tokens - num_computed, plan.budget)
+            new_blocks = kv.allocate_slots(request, num_new, computed_blocks, num_computed)
+            if new_blocks is None:
+                break
+            self.waiting.pop()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_computed
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed
+            plan.new_reqs.append(
+                NewRequestData(
+                    req_id=request.request_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    output_token_ids=list(request.output_token_ids),
+                    sampling_params=request.sampling_params,
+                    eos_token_ids=request.eos_token_ids,
+                    block_ids=kv.get_block_ids(request.request_id),
+                    num_computed_tokens=num_computed,
+                )
+            )
+            plan.num_tokens[request.request_id] = num_new
+            plan.budget -= num_new
+
+    def _total_len(self, request: Request) -> int:
+        return min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
+
+    def _fits_reservation(self, request: Request) -> bool:
+        """Reserve admission: blocks for this request's whole length must be free after every
+        running request is guaranteed its own."""
+        kv = self.kv_cache_manager
+        reserved = sum(kv.num_blocks_needed(r, self._total_len(r)) for r in self.running)
+        return kv.num_blocks_needed(request, self._total_len(request)) <= kv.get_num_free_blocks() - reserved
+
+    # -- after the forward pass --------------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply stop conditions, free finished requests."""
+        outputs: list[EngineCoreOutput] = []
+        for req_id, sampled in zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True):
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            prompt_lp = runner_output.prompt_logprobs.get(req_id)
+            if not sampled and prompt_lp is None:
+                continue
+            out = EngineCoreOutput(
+                req_id, [], prompt_logprobs=prompt_lp, num_cached_tokens=request.num_cached_tokens
+            )
+            for token in sampled:
+                request.output_token_ids.append(token)
+                out.new_token_ids.append(token)
+                status = self._check_stop(request, token)
+                if status is not None:
+                    self.running.remove(request)
+                    self._finish(request, status)
+                    out.finish_reason = status.finish_reason()
+                    out.stop_reason = request.stop_reason
+                    break
+            if sampled:
+                out.logprobs = runner_output.logprobs.get(req_id)
+            outputs.append(out)
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token in request.eos_token_ids and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def stats(self, step_tokens: int = 0) -> SchedulerStats:
+        pc = self.kv_cache_manager.prefix_cache_stats
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_usage=self.kv_cache_manager.usage(),
+            num_preemptions=self.num_preemptions,
+            prefix_cache_queries=pc.queries,
+            prefix_cache_hits=pc.hits,
+            step_tokens=step_tokens,
+        )

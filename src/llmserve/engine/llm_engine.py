@@ -1,0 +1,179 @@
+"""`LLMEngine`: the synchronous engine: input processing, the core step, output processing.
+
+    add_request: prompt -> token ids (chat template applied by the caller), checks, fan-out of n
+    step():      scheduler.schedule() -> runner.execute_model() -> scheduler.update_from_output()
+                 -> output processing (detokenize, stop strings, logprobs) -> RequestOutputs
+
+The only place where the scheduler (core/) and the model runner (model_executor/) meet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from llmserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from llmserve.core.request import Request, RequestStatus
+from llmserve.core.scheduler import Scheduler, SchedulerStats
+from llmserve.engine.output_processor import OutputProcessor
+from llmserve.model_executor.engine_runner import EngineRunner
+from llmserve.model_executor.model_loader import LoadedModel, load_model
+from llmserve.outputs import RequestOutput
+from llmserve.sampling_params import SamplingParams
+from llmserve.tokenizer import Tokenizer, load_tokenizer
+
+logger = logging.getLogger("llmserve")
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheInfo:
+    """What start-up found out about the KV cache (discovered values, not configuration)."""
+
+    bytes_per_token: int
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def max_concurrency(self) -> float:
+        """Requests that fit at once if each used the full context."""
+        return self.num_tokens / self.max_model_len
+
+    def summary(self) -> str:
+        return (
+            f"KV cache: {self.bytes_per_token / 1024:.1f} KiB per token, {self.num_blocks} blocks of "
+            f"{self.block_size} tokens = {self.num_tokens} tokens "
+            f"({self.num_tokens * self.bytes_per_token / 2**30:.2f} GiB); "
+            f"max concurrency at full context ({self.max_model_len} tokens): {self.max_concurrency:.2f}x"
+        )
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig | None = None,
+        scheduler_config: SchedulerConfig | None = None,
+        loaded: LoadedModel | None = None,
+    ) -> None:
+        self.model_config = model_config
+        self.cache_config = cache_config or CacheConfig()
+        self.scheduler_config = scheduler_config or SchedulerConfig()
+        self.loaded = loaded or load_model(model_config)
+        self.tokenizer: Tokenizer = load_tokenizer(self.loaded.source)
+        self.max_model_len = self.loaded.max_model_len
+        self.vocab_size = int(self.loaded.hf_config.vocab_size)
+
+        shape = self.loaded.model.kv_cache_shape()
+        bytes_per_token = (
+            2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * self.loaded.dtype.itemsize
+        )
+        num_blocks = self.cache_config.num_blocks(bytes_per_token)
+        self.kv_info = KVCacheInfo(
+            bytes_per_token, num_blocks, self.cache_config.block_size, self.max_model_len
+        )
+        logger.info(self.kv_info.summary())
+
+        self.scheduler = Scheduler(self.scheduler_config, self.cache_config, num_blocks, self.max_model_len)
+        self.runner = EngineRunner(
+            self.loaded.model, num_blocks, self.cache_config.block_size, self.vocab_size
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.last_stats: SchedulerStats | None = None
+
+    # -- input processing ------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt token ids must not be empty")
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id(s) {bad[:5]} outside the vocabulary (size {self.vocab_size})")
+        return None, ids
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> None:
+        """Validate and queue a request; raises ValueError (nothing queued) for bad input."""
+        if self.output_processor.has_request(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self.encode_prompt(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty after tokenization")
+        params.validate_for_model(self.vocab_size)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
+        if len(ids) + max(max_tokens, 1) > self.max_model_len:
+            raise ValueError(
+                f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds the model's context of "
+                f"{self.max_model_len} tokens"
+            )
+        arrival = time.monotonic()
+        child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        self.output_processor.add_request(request_id, text, ids, params, child_ids, arrival)
+        for i, child_id in enumerate(child_ids):
+            child_params = params
+            if params.n > 1:
+                # Each sample is its own request; n seeded samples must differ, and only the
+                # first needs the (shared) prompt logprobs.
+                child_params = dataclasses.replace(
+                    params,
+                    n=1,
+                    seed=None if params.seed is None else params.seed + i,
+                    prompt_logprobs=params.prompt_logprobs if i == 0 else None,
+                )
+            self.scheduler.add_request(
+                Request(
+                    request_id=child_id,
+                    prompt_token_ids=ids,
+                    sampling_params=child_params,
+                    eos_token_ids=self.tokenizer.eos_token_ids,
+                    priority=priority,
+                    arrival_time=arrival,
+                    max_tokens=max_tokens,
+                )
+            )
+
+    def abort_request(self, request_ids: Sequence[str]) -> list[RequestOutput]:
+        """Abort requests now: their KV blocks are freed immediately."""
+        outputs = []
+        for request_id in request_ids:
+            self.scheduler.abort_requests(self.output_processor.child_ids(request_id))
+            out = self.output_processor.abort_request(request_id)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -- one step --------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns the outputs of requests that progressed (finished or not)."""
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.runner.execute_model(scheduler_output)
+        core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs, stopped = self.output_processor.process_outputs(core_outputs)
+        if stopped:  # stop strings found by the detokenizer end those requests in the scheduler too
+            self.scheduler.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        self.last_stats = self.scheduler.stats(scheduler_output.total_num_scheduled_tokens)
+        return outputs
+
+    def kv_waste(self) -> float:
+        """Fraction of allocated KV slots that hold no token right now (0 when nothing is allocated)."""
+        allocated, stored = self.scheduler.kv_cache_manager.waste()
+        return 0.0 if allocated == 0 else 1.0 - stored / allocated

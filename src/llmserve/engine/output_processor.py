@@ -1,0 +1,175 @@
+"""Output processing: engine-core outputs (token ids per request per step) -> `RequestOutput`s.
+
+Owns, per user request: the `n` child sequences the engine fanned it out into, their incremental
+detokenizers (stop strings are found here, and the engine then aborts that child in the
+scheduler), their logprobs in the user-facing shape, and the prompt logprobs (first entry None).
+Runs once per step over the requests that produced something; no work for idle requests.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from llmserve.core.sched_output import Logprobs
+from llmserve.core.scheduler import EngineCoreOutput
+from llmserve.engine.detokenizer import IncrementalDetokenizer
+from llmserve.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
+from llmserve.sampling_params import SamplingParams
+from llmserve.tokenizer import Tokenizer
+
+
+def _positions(lp: Logprobs) -> list[PositionLogprobs]:
+    """Rows of (chosen token first, then top-k) -> {token: (logprob, rank)} per position."""
+    out: list[PositionLogprobs] = []
+    for ids, lps, rank in zip(lp.token_ids, lp.logprobs, lp.ranks, strict=True):
+        position = {ids[0]: (lps[0], rank)}
+        for j in range(1, len(ids)):
+            position.setdefault(ids[j], (lps[j], j))
+        out.append(position)
+    return out
+
+
+@dataclass(slots=True)
+class _Child:
+    completion: CompletionOutput
+    detokenizer: IncrementalDetokenizer | None
+
+
+@dataclass(slots=True)
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: dict[str, _Child]
+    metrics: RequestMetrics
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+    num_unfinished: int = 0
+    child_order: list[str] = field(default_factory=list)
+
+    def to_output(self, finished: bool) -> RequestOutput:
+        for child in self.children.values():
+            if child.detokenizer is not None:
+                child.completion.text = child.detokenizer.get_next_output_text(
+                    child.completion.finished, False
+                )
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[self.children[c].completion for c in self.child_order],
+            finished=finished,
+            prompt_logprobs=self.prompt_logprobs,
+            num_cached_tokens=self.num_cached_tokens,
+            metrics=self.metrics,
+        )
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._requests: dict[str, _RequestState] = {}
+        self._parent_of: dict[str, str] = {}  # child id -> request id
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        child_ids: list[str],
+        arrival_time: float,
+    ) -> None:
+        children = {
+            cid: _Child(
+                CompletionOutput(
+                    index=i,
+                    text="",
+                    token_ids=[],
+                    logprobs=[] if params.logprobs is not None else None,
+                    cumulative_logprob=0.0 if params.logprobs is not None else None,
+                ),
+                IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
+            )
+            for i, cid in enumerate(child_ids)
+        }
+        self._requests[request_id] = _RequestState(
+            request_id, prompt, prompt_token_ids, params, children, RequestMetrics(arrival_time),
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            num_unfinished=len(child_ids), child_order=list(child_ids),
+        )  # fmt: skip
+        for cid in child_ids:
+            self._parent_of[cid] = request_id
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def child_ids(self, request_id: str) -> list[str]:
+        state = self._requests.get(request_id)
+        return list(state.child_order) if state else []
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Mark every unfinished child aborted; returns the final output."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return None
+        for cid, child in state.children.items():
+            self._parent_of.pop(cid, None)
+            if not child.completion.finished:
+                child.completion.finish_reason = "abort"
+        return state.to_output(finished=True)
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """(outputs of requests that changed this step, child ids to abort because of a stop string)."""
+        now = time.monotonic()
+        changed: dict[str, _RequestState] = {}
+        to_abort: list[str] = []
+        for out in outputs:
+            request_id = self._parent_of.get(out.req_id)
+            if request_id is None:
+                continue
+            state = self._requests[request_id]
+            child = state.children[out.req_id]
+            state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+            if out.prompt_logprobs is not None and state.prompt_logprobs is not None:
+                state.prompt_logprobs.extend(_positions(out.prompt_logprobs))
+            if out.new_token_ids and state.metrics.first_token_time is None:
+                state.metrics.first_token_time = now
+            if self._update_child(child, out):
+                to_abort.append(out.req_id)
+            if child.completion.finished:
+                state.num_unfinished -= 1
+            changed[request_id] = state
+        results = []
+        for request_id, state in changed.items():
+            finished = state.num_unfinished == 0
+            if finished:
+                state.metrics.finished_time = now
+                del self._requests[request_id]
+                for cid in state.child_order:
+                    self._parent_of.pop(cid, None)
+            results.append(state.to_output(finished))
+        return results, to_abort
+
+    def _update_child(self, child: _Child, out: EngineCoreOutput) -> bool:
+        """Apply one step to a child; True when a stop string finished it (the engine must abort it)."""
+        c = child.completion
+        c.token_ids.extend(out.new_token_ids)
+        if out.logprobs is not None and c.logprobs is not None:
+            positions = _positions(out.logprobs)
+            c.logprobs.extend(positions)
+            c.cumulative_logprob = (c.cumulative_logprob or 0.0) + sum(
+                p[t][0] for p, t in zip(positions, out.new_token_ids, strict=True)
+            )
+        stop_string = None
+        if child.detokenizer is not None and out.new_token_ids:
+            stop_terminated = out.finish_reason == "stop"
+            stop_string = child.detokenizer.update(out.new_token_ids, stop_terminated)
+        if stop_string is not None:  # a stop string wins over a length cap in the same step
+            c.finish_reason, c.stop_reason = "stop", stop_string
+            return out.finish_reason is None  # still running in the scheduler: abort it there
+        if out.finish_reason is not None:
+            c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
+        return False

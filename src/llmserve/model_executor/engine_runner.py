@@ -1,0 +1,158 @@
+"""`EngineRunner`: the model runner as the scheduler sees it.
+
+`execute_model(SchedulerOutput) -> ModelRunnerOutput`. It keeps one `CachedRequestState` per live
+request (token ids, block table, progress, sampling state) so the scheduler only sends what
+changed, and per step:
+
+  1. drops finished requests (and the blocks of preempted ones, keeping their sampling state);
+  2. registers new requests and extends the block tables of running ones;
+  3. flattens every scheduled chunk into one batch and runs the model once;
+  4. projects to the vocabulary only the rows that are needed: the last position of each request
+     whose known tokens are now all computed (it samples), and the prompt positions of requests
+     that asked for prompt logprobs;
+  5. samples all requests together, then appends the tokens to their states.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmserve.core.sched_output import Logprobs, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from llmserve.model_executor.model_runner import ModelRunner, SequenceBatchEntry
+from llmserve.models import CausalLM
+from llmserve.sample import RequestSamplingState, Sampler, SamplingMetadata, compute_logprobs, make_generator
+
+
+@dataclass(slots=True)
+class CachedRequestState:
+    req_id: str
+    prompt_token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling: RequestSamplingState
+    """Holds `output_token_ids` (the list the sampler reads for penalties) and the generator."""
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.sampling.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.sampling.output_token_ids)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        P = len(self.prompt_token_ids)
+        if end <= P:
+            return self.prompt_token_ids[start:end]
+        out = self.sampling.output_token_ids
+        return self.prompt_token_ids[start:P] + out[max(start - P, 0) : end - P]
+
+
+class EngineRunner:
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, vocab_size: int) -> None:
+        self.runner = ModelRunner(model, num_blocks, block_size)
+        self.device = self.runner.device
+        self.vocab_size = vocab_size
+        self.sampler = Sampler()
+        self.requests: dict[str, CachedRequestState] = {}
+        # Sampling states of preempted requests, waiting for them to be rescheduled.
+        self._parked: dict[str, RequestSamplingState] = {}
+
+    def _add(self, new: NewRequestData) -> None:
+        sampling = self._parked.pop(new.req_id, None)
+        if sampling is None:
+            sampling = RequestSamplingState(
+                params=new.sampling_params,
+                prompt_token_ids=new.prompt_token_ids,
+                output_token_ids=list(new.output_token_ids),
+                eos_token_ids=new.eos_token_ids,
+                generator=make_generator(new.sampling_params.seed, self.device),
+            )
+        else:
+            sampling.output_token_ids[:] = new.output_token_ids
+        self.requests[new.req_id] = CachedRequestState(
+            new.req_id, new.prompt_token_ids, list(new.block_ids), new.num_computed_tokens, sampling
+        )
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+            self._parked.pop(req_id, None)
+        for req_id in so.preempted_req_ids:
+            state = self.requests.pop(req_id, None)
+            if state is not None:
+                self._parked[req_id] = state.sampling
+        for new in so.scheduled_new_reqs:
+            self._add(new)
+        for cached in so.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            state.block_ids.extend(cached.new_block_ids)
+            assert state.num_computed_tokens == cached.num_computed_tokens, cached.req_id
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        req_ids = list(so.num_scheduled_tokens)
+        if not req_ids:
+            return ModelRunnerOutput([], [])
+        batch: list[SequenceBatchEntry] = []
+        sample_rows: list[int] = []  # flat-batch row of each sampling request's last token
+        samplers: list[CachedRequestState] = []
+        prompt_rows: list[tuple[str, int, int]] = []  # (req_id, first row, first prompt position)
+        row = 0
+        for req_id in req_ids:
+            state, n = self.requests[req_id], so.num_scheduled_tokens[req_id]
+            start, end = state.num_computed_tokens, state.num_computed_tokens + n
+            batch.append(SequenceBatchEntry(state.token_slice(start, end), end, state.block_ids))
+            if state.sampling.params.prompt_logprobs is not None and start < len(state.prompt_token_ids) - 1:
+                prompt_rows.append((req_id, row, start))
+            if end == state.num_tokens:
+                sample_rows.append(row + n - 1)
+                samplers.append(state)
+            state.num_computed_tokens = end
+            row += n
+
+        hidden, _ = self.runner.forward(batch)
+        out = ModelRunnerOutput(req_ids, [[] for _ in req_ids])
+        if prompt_rows:
+            out.prompt_logprobs = self._prompt_logprobs(hidden, prompt_rows, so)
+        if samplers:
+            self._sample(hidden, sample_rows, samplers, out)
+        return out
+
+    def _sample(
+        self, hidden: torch.Tensor, rows: list[int], states: list[CachedRequestState], out: ModelRunnerOutput
+    ) -> None:
+        logits = self.runner.model.compute_logits(hidden[rows])  # [num_sampling, vocab]
+        metadata = SamplingMetadata.build([s.sampling for s in states], self.vocab_size, self.device)
+        result = self.sampler(logits, metadata)
+        tokens = result.sampled_token_ids.tolist()  # the step's one device->host sync
+        index = {req_id: i for i, req_id in enumerate(out.req_ids)}
+        for i, (state, token) in enumerate(zip(states, tokens, strict=True)):
+            state.output_token_ids.append(token)
+            out.sampled_token_ids[index[state.req_id]] = [token]
+            k = state.sampling.params.logprobs
+            if k is not None and result.logprobs is not None:
+                out.logprobs[state.req_id] = result.logprobs.to_lists(i, k)
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, rows: list[tuple[str, int, int]], so: SchedulerOutput
+    ) -> dict[str, Logprobs | None]:
+        """Logprobs of the prompt tokens this chunk predicts: position p scores prompt token p + 1."""
+        result: dict[str, Logprobs | None] = {}
+        for req_id, first_row, start in rows:
+            state = self.requests[req_id]
+            P = len(state.prompt_token_ids)
+            end = min(
+                start + so.num_scheduled_tokens[req_id], P - 1
+            )  # last position with a next prompt token
+            logits = self.runner.model.compute_logits(hidden[first_row : first_row + end - start])
+            targets = torch.tensor(state.prompt_token_ids[start + 1 : end + 1], device=logits.device)
+            k = state.sampling.params.prompt_logprobs or 0
+            lp = compute_logprobs(logits.float(), targets, k)
+            result[req_id] = Logprobs(
+                token_ids=lp.token_ids.tolist(), logprobs=lp.logprobs.tolist(), ranks=lp.ranks.tolist()
+            )
+        return result

@@ -1,0 +1,207 @@
+"""The engine end to end on real (tiny random, and the embedded) models: in-flight batching,
+chunked prefill, preemption, reservation, prefix caching, n > 1, seeds, stops and logprobs —
+each compared with a run that does not use the mechanism, or with transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmserve import LLM, SamplingParams
+from tests.models.tiny import make_tiny_model
+
+PROMPTS = [
+    [5, 17, 99, 3],
+    [200, 1, 1, 45, 67, 300, 12, 9, 8, 7, 6, 5, 4, 3, 2, 11, 400, 401, 402, 25, 88, 89, 90],
+    [42],
+    list(range(100, 160)),
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("engine-llama")
+    hf = make_tiny_model("llama", folder)
+    return folder, hf
+
+
+def make_llm(folder, **kw) -> LLM:
+    kw.setdefault("num_kv_blocks", 128)
+    kw.setdefault("block_size", 4)
+    return LLM(str(folder), show_progress=False, **kw)
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(n):
+            ids = torch.cat([ids, hf(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    _folder, hf = tiny
+    return [hf_greedy(hf, p, GREEDY.max_tokens) for p in PROMPTS]
+
+
+def test_batched_greedy_equals_alone_and_transformers(tiny, reference):
+    llm = make_llm(tiny[0])
+    assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference
+    for p, ref in zip(PROMPTS, reference, strict=True):
+        assert token_ids(llm.generate([p], GREEDY, use_tqdm=False)) == [ref]
+
+
+def test_chunked_prefill_gives_the_same_tokens(tiny, reference):
+    llm = make_llm(tiny[0], max_num_batched_tokens=7)  # the 60-token prompt takes 9 steps
+    assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference
+
+
+@pytest.mark.parametrize("admission", ["optimistic", "reserve"])
+def test_small_kv_pool(tiny, reference, admission):
+    # 24 blocks of 4 = 96 slots for four requests that need 28 + 47 + 25 + 84 tokens in total.
+    llm = make_llm(tiny[0], num_kv_blocks=24, admission_policy=admission, enable_prefix_caching=False)
+    assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference
+    preemptions = llm.engine.scheduler.num_preemptions
+    if admission == "optimistic":
+        assert preemptions > 0  # the pool really was too small
+    else:
+        assert preemptions == 0
+    assert llm.engine.scheduler.kv_cache_manager.get_num_free_blocks() == 24
+
+
+def test_prefix_cache_reuses_blocks_and_keeps_outputs(tiny):
+    system = list(range(300, 340))  # 40 shared tokens = 10 full blocks
+    prompts = [[*system, 7, 8, 9], [*system, 10, 11]]
+    cached = make_llm(tiny[0])
+    uncached = make_llm(tiny[0], enable_prefix_caching=False)
+    first = cached.generate(prompts[:1], GREEDY, use_tqdm=False)
+    second = cached.generate(prompts[1:], GREEDY, use_tqdm=False)
+    assert first[0].num_cached_tokens == 0 and second[0].num_cached_tokens == 40
+    stats = cached.engine.scheduler.kv_cache_manager.prefix_cache_stats
+    assert stats.hits >= 40
+    assert token_ids(first + second) == token_ids(uncached.generate(prompts, GREEDY, use_tqdm=False))
+
+
+def test_n_samples_share_the_prompt_and_seeds_reproduce(tiny):
+    llm = make_llm(tiny[0])
+    params = SamplingParams(n=3, temperature=1.0, seed=1234, max_tokens=12, ignore_eos=True)
+    out = llm.generate([PROMPTS[3]], params, use_tqdm=False)[0]
+    samples = [c.token_ids for c in out.outputs]
+    assert len(samples) == 3 and len({tuple(s) for s in samples}) == 3  # per-sample seeds differ
+    # The second and third sample found the first one's full prompt blocks in the cache.
+    assert out.num_cached_tokens == 56
+    # Same seed again, now inside a batch with other random requests: same samples.
+    others = SamplingParams(temperature=1.0, max_tokens=12)
+    batch = llm.generate([PROMPTS[0], PROMPTS[3], PROMPTS[1]], [others, params, others], use_tqdm=False)
+    assert [c.token_ids for c in batch[1].outputs] == samples
+
+
+def test_seeded_request_unchanged_by_preemption(tiny):
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=20, ignore_eos=True)
+    roomy = make_llm(tiny[0], enable_prefix_caching=False)
+    tight = make_llm(tiny[0], num_kv_blocks=24, enable_prefix_caching=False)
+    expected = token_ids(roomy.generate(PROMPTS, params, use_tqdm=False))
+    assert token_ids(tight.generate(PROMPTS, params, use_tqdm=False)) == expected
+    assert tight.engine.scheduler.num_preemptions > 0
+
+
+def test_static_batching_gives_the_same_tokens(tiny, reference):
+    llm = make_llm(tiny[0], batching_mode="static", max_num_seqs=2)
+    assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference
+
+
+def test_prompt_logprobs_match_transformers(tiny):
+    folder, hf = tiny
+    llm = make_llm(folder, max_num_batched_tokens=16)  # several chunks
+    params = SamplingParams(max_tokens=1, prompt_logprobs=2, logprobs=3, temperature=0.0)
+    out = llm.generate([PROMPTS[3]], params, use_tqdm=False)[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([PROMPTS[3]])).logits[0].float(), dim=-1)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(PROMPTS[3])
+    for pos in range(1, len(PROMPTS[3])):
+        entry = out.prompt_logprobs[pos]
+        tok = PROMPTS[3][pos]
+        assert entry[tok][0] == pytest.approx(ref[pos - 1, tok].item(), abs=1e-4)
+        assert len(entry) in (3, 4)  # the prompt token plus 2 alternatives (it may be one of them)
+    sampled = out.outputs[0]
+    (lp,) = sampled.logprobs
+    tok = sampled.token_ids[0]
+    assert lp[tok][1] == 1 and len(lp) == 3 + (tok not in lp or 0)  # greedy token has rank 1
+    assert sampled.cumulative_logprob == pytest.approx(lp[tok][0])
+
+
+def test_abort_frees_blocks(tiny):
+    llm = make_llm(tiny[0])
+    engine = llm.engine
+    engine.add_request("x", PROMPTS[3], SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    assert engine.scheduler.kv_cache_manager.get_num_free_blocks() < 128
+    (out,) = engine.abort_request(["x"])
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    assert engine.scheduler.kv_cache_manager.get_num_free_blocks() == 128
+    assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_k": -5}, "top_k"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 0}, "n must"),
+        ({"logprobs": 50}, "logprobs"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"stop": [""]}, "stop"),
+    ],
+)
+def test_invalid_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_bad_requests_are_refused_whole(tiny):
+    llm = make_llm(tiny[0])
+    with pytest.raises(ValueError, match="exceeds the model's context of 256"):
+        llm.generate([PROMPTS[0], list(range(250))], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([[1, 2, 9999]], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.generate([[1, 2]], SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()  # nothing half-queued
+
+
+def test_embedded_model_batch_matches_llamacpp(llamacpp_reference):
+    llm = LLM(show_progress=False)
+    cases = [g for g in llamacpp_reference["greedy"] if g["weights"] == "f32"]
+    outs = llm.generate(
+        [c["prompt_ids"] for c in cases], SamplingParams(temperature=0, max_tokens=32), use_tqdm=False
+    )
+    for case, out in zip(cases, outs, strict=True):
+        assert out.outputs[0].token_ids == case["greedy_ids"]
+        assert out.outputs[0].text == case["greedy_text"]
+        assert out.outputs[0].finish_reason == ("stop" if case["greedy_ids"][-1] == 2 else "length")
+
+
+def test_chat_and_stop_strings_on_the_embedded_model(llamacpp_reference):
+    llm = LLM(show_progress=False)
+    case = next(g for g in llamacpp_reference["greedy"] if g["weights"] == "f32" and g["kind"] == "chat")
+    (out,) = llm.chat(
+        [{"role": "user", "content": case["prompt"]}], SamplingParams(temperature=0, max_tokens=32)
+    )
+    assert out.prompt_token_ids == case["prompt_ids"]
+    assert out.outputs[0].text == case["greedy_text"]  # "The capital of France is Paris."
+    # A stop string spanning tokens: cut before it, reported as the stop reason.
+    (out,) = llm.chat(
+        [{"role": "user", "content": case["prompt"]}],
+        SamplingParams(temperature=0, max_tokens=32, stop=["France is"]),
+    )
+    assert out.outputs[0].text == "The capital of "
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == "France is"
+    assert not llm.engine.has_unfinished_requests()

@@ -1,0 +1,196 @@
+"""The scheduler as pure Python: fake runner outputs in, scheduling decisions out (no model)."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmserve.config import CacheConfig, SchedulerConfig
+from llmserve.core.request import Request, RequestStatus
+from llmserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from llmserve.core.scheduler import Scheduler
+from llmserve.sampling_params import SamplingParams
+
+EOS = 2
+
+
+def make_scheduler(num_blocks: int = 64, block_size: int = 4, caching: bool = True, **sched) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(**sched),
+        CacheConfig(block_size=block_size, enable_prefix_caching=caching),
+        num_kv_blocks=num_blocks,
+        max_model_len=256,
+    )
+
+
+def make_request(req_id: str, prompt_len: int, max_tokens: int = 8, first: int = 10, **params) -> Request:
+    return Request(
+        request_id=req_id,
+        prompt_token_ids=list(range(first, first + prompt_len)),
+        sampling_params=SamplingParams(max_tokens=max_tokens, **params),
+        eos_token_ids=frozenset({EOS}),
+        max_tokens=max_tokens,
+    )
+
+
+def fake_run(so: SchedulerOutput, sched: Scheduler, token: int = 7) -> ModelRunnerOutput:
+    """What a runner would return: a token for every request whose known tokens are all computed."""
+    req_ids = list(so.num_scheduled_tokens)
+    sampled = []
+    for rid in req_ids:
+        r = sched.requests[rid]
+        sampled.append([token] if r.num_computed_tokens == r.num_tokens else [])
+    return ModelRunnerOutput(req_ids, sampled)
+
+
+def step(sched: Scheduler, token: int = 7):
+    so = sched.schedule()
+    return so, sched.update_from_output(so, fake_run(so, sched, token))
+
+
+def test_decodes_first_then_prefill_chunks_within_budget():
+    sched = make_scheduler(max_num_batched_tokens=10)
+    sched.add_request(make_request("a", 3))
+    so, _ = step(sched)
+    assert so.num_scheduled_tokens == {"a": 3}
+    sched.add_request(make_request("b", 25, first=100))
+    so, _ = step(sched)
+    # a decodes (1 token), b gets the remaining 9 of the budget
+    assert so.num_scheduled_tokens == {"a": 1, "b": 9}
+    assert [n.req_id for n in so.scheduled_new_reqs] == ["b"]
+    so, outs = step(sched)
+    assert so.num_scheduled_tokens == {"a": 1, "b": 9}
+    assert [o.req_id for o in outs] == ["a"]  # b is mid-prefill: no token yet
+    so, outs = step(sched)
+    assert so.num_scheduled_tokens == {"a": 1, "b": 7}  # b's last chunk
+    assert {o.req_id for o in outs} == {"a", "b"}
+
+
+def test_max_num_seqs_bounds_the_batch():
+    sched = make_scheduler(max_num_seqs=2)
+    for i in range(4):
+        sched.add_request(make_request(f"r{i}", 3, first=10 * i))
+    so, _ = step(sched)
+    assert set(so.num_scheduled_tokens) == {"r0", "r1"}
+    assert len(sched.waiting) == 2
+
+
+def test_stop_conditions():
+    sched = make_scheduler()
+    sched.add_request(make_request("eos", 3))
+    _, outs = step(sched, token=EOS)
+    assert outs[0].finish_reason == "stop" and outs[0].stop_reason is None
+
+    sched.add_request(make_request("min", 3, min_tokens=2, first=50))
+    _, outs = step(sched, token=EOS)
+    assert outs[0].finish_reason is None  # EOS before min_tokens does not stop
+    _, outs = step(sched, token=EOS)
+    assert outs[0].finish_reason == "stop"
+
+    sched.add_request(make_request("ign", 3, max_tokens=3, ignore_eos=True, first=60))
+    reasons = [step(sched, token=EOS)[1][0].finish_reason for _ in range(3)]
+    assert reasons == [None, None, "length"]
+
+    sched.add_request(make_request("stopid", 3, stop_token_ids=[9], first=70))
+    _, outs = step(sched, token=9)
+    assert outs[0].finish_reason == "stop" and outs[0].stop_reason == 9
+    assert not sched.has_unfinished_requests()
+    assert sched.kv_cache_manager.get_num_free_blocks() == 64
+
+
+def test_abort_frees_blocks_at_once():
+    sched = make_scheduler()
+    sched.add_request(make_request("a", 10))
+    sched.add_request(make_request("b", 10, first=200))
+    step(sched)
+    used = 64 - sched.kv_cache_manager.get_num_free_blocks()
+    assert used == 6
+    sched.abort_requests(["a", "b"])
+    assert sched.kv_cache_manager.get_num_free_blocks() == 64
+    so = sched.schedule()
+    assert so.finished_req_ids == {"a", "b"} and so.is_empty
+
+
+def test_preemption_takes_the_newest_and_recomputes_it():
+    # 6 blocks of 4 tokens; three 7-token prompts take 2 blocks each, then decodes need more.
+    sched = make_scheduler(num_blocks=6, caching=False)
+    for i, rid in enumerate("abc"):
+        sched.add_request(make_request(rid, 7, max_tokens=6, first=20 * i))
+    step(sched)  # all three prefilled: 6 blocks used, each holds 7 tokens and sampled an 8th
+    step(sched)  # the 8th tokens still fit the second blocks
+    so, _ = step(sched)  # the 9th tokens need third blocks: c (newest) is preempted
+    assert so.preempted_req_ids == {"c"} and set(so.num_scheduled_tokens) == {"a", "b"}
+    assert sched.requests["c"].status == RequestStatus.PREEMPTED
+    assert sched.requests["c"].num_computed_tokens == 0
+    assert sched.num_preemptions >= 1
+    # Everything still completes, c last, with its already-sampled token kept.
+    finished = []
+    for _ in range(50):
+        if not sched.has_unfinished_requests():
+            break
+        so, outs = step(sched)
+        finished += [o.req_id for o in outs if o.finish_reason]
+    assert sorted(finished) == ["a", "b", "c"] and finished[-1] == "c"
+    assert sched.kv_cache_manager.get_num_free_blocks() == 6
+
+
+def test_reservation_never_preempts():
+    sched = make_scheduler(num_blocks=6, caching=False, admission="reserve")
+    for i, rid in enumerate("abc"):
+        sched.add_request(make_request(rid, 7, max_tokens=6, first=20 * i))
+    so, _ = step(sched)
+    # 7 + 6 = 13 tokens = 4 blocks each: only one fits its reservation at a time
+    assert set(so.num_scheduled_tokens) == {"a"}
+    while sched.has_unfinished_requests():
+        so, _ = step(sched)
+        assert not so.preempted_req_ids
+    assert sched.num_preemptions == 0
+
+
+def test_static_mode_waits_for_the_whole_batch():
+    sched = make_scheduler(mode="static")
+    sched.add_request(make_request("short", 3, max_tokens=1))
+    sched.add_request(make_request("long", 3, max_tokens=4, first=50))
+    step(sched)  # both admitted; short finishes immediately
+    sched.add_request(make_request("late", 3, first=90))
+    for _ in range(3):
+        so, _ = step(sched)
+        assert "late" not in so.num_scheduled_tokens
+    so, _ = step(sched)
+    assert "late" in so.num_scheduled_tokens
+
+
+def test_continuous_mode_admits_while_others_run():
+    sched = make_scheduler()
+    sched.add_request(make_request("long", 3, max_tokens=4))
+    step(sched)
+    sched.add_request(make_request("late", 3, first=90))
+    so, _ = step(sched)
+    assert set(so.num_scheduled_tokens) == {"long", "late"}
+
+
+def test_priority_policy_orders_admission():
+    sched = make_scheduler(policy="priority", max_num_seqs=1)
+    low, high = make_request("low", 3), make_request("high", 3, first=50)
+    low.priority, high.priority = 5, 0
+    sched.add_request(low)
+    sched.add_request(high)
+    so, _ = step(sched)
+    assert set(so.num_scheduled_tokens) == {"high"}
+
+
+def test_prefix_cache_hit_is_reported_and_skipped():
+    sched = make_scheduler()
+    sched.add_request(make_request("a", 13, max_tokens=1))
+    step(sched)
+    b = make_request("b", 13, max_tokens=1)  # same prompt
+    sched.add_request(b)
+    so, _ = step(sched)
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 12  # 3 full blocks reused
+    assert so.num_scheduled_tokens == {"b": 1} and b.num_cached_tokens == 12
+
+
+def test_invalid_scheduler_config():
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        SchedulerConfig(max_num_seqs=0)
+    with pytest.raises(ValueError, match="admission"):
+        SchedulerConfig(admission="lazy")  # type: ignore[arg-type]
