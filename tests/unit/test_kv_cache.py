@@ -140,10 +140,12 @@ def test_prefix_hit_reuses_exactly_the_shared_full_blocks():
     b = make_request("b", [1, 2, 3, 4, 5, 6, 0, 0, 0])
     ids, num_cached = mgr.get_computed_blocks(b)
     assert (ids, num_cached) == ([0], 4)
-    assert mgr.prefix_cache_stats.queries == 10 + 9 and mgr.prefix_cache_stats.hits == 4
-    assert mgr.prefix_cache_stats.requests == 2
+    assert mgr.get_computed_blocks(b) == (ids, num_cached)  # looking again (still waiting) ...
+    assert mgr.prefix_cache_stats.queries == 10  # ... counts nothing until b is admitted
     # The hit comes first; fresh blocks come from the never-used head of the queue, not a's tail.
     assert mgr.allocate_slots(b, 5, ids, num_cached) == [0, 3, 4]
+    assert mgr.prefix_cache_stats.queries == 10 + 9 and mgr.prefix_cache_stats.hits == 4
+    assert mgr.prefix_cache_stats.requests == 2
     assert mgr.block_pool.blocks[0].ref_cnt == 1
 
 

@@ -80,12 +80,9 @@ class KVCacheManager:
             if block is None:
                 break  # chained hashes: nothing after a miss can hit
             block_ids.append(block.block_id)
-        num_cached_tokens = len(block_ids) * self.block_size
-        stats = self.prefix_cache_stats
-        stats.requests += 1
-        stats.queries += request.num_tokens
-        stats.hits += num_cached_tokens
-        return block_ids, num_cached_tokens
+        # Stats are recorded by allocate_slots when the request is admitted: a request that waits
+        # is looked up again every step and must not count as a new query each time.
+        return block_ids, len(block_ids) * self.block_size
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached blocks; False (nothing done) while any request holds blocks."""
@@ -135,6 +132,11 @@ class KVCacheManager:
 
         if table is None:
             table = self._tables[request.request_id] = _BlockTable(request, [])
+            if self.enable_caching:  # first scheduling: one prefix-cache query
+                stats = self.prefix_cache_stats
+                stats.requests += 1
+                stats.queries += request.num_tokens
+                stats.hits += num_new_computed_tokens
         # 2-3. Touch hits before popping new blocks, so a free hit cannot be evicted and reused here.
         self.block_pool.touch(computed)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
