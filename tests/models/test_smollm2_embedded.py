@@ -50,4 +50,4 @@ def test_kv_cache_size_per_token(smollm2):
     """2 (K and V) x 30 layers x 3 KV heads x 64 dims x 4 bytes."""
     runner = ModelRunner(smollm2.model, num_blocks=2, block_size=16)
     assert runner.kv_bytes_per_token() == 2 * 30 * 3 * 64 * 4
-    assert runner.kv_caches[0].shape == (2, 2, 16, 3, 64) and len(runner.kv_caches) == 30
+    assert runner.kv_caches[0].shape == (2, 3, 2, 16, 64) and len(runner.kv_caches) == 30

@@ -1,10 +1,11 @@
 """The data one forward pass gives attention: where each sequence's tokens sit in the flat batch,
 how long each context is, and where its K/V live in the paged cache.
 
-KV cache layout, one tensor per layer:
+KV cache layout, one tensor per layer, head-major so that one KV head's context is contiguous
+block by block (a gather of whole blocks lands directly in [heads, tokens, head_dim] order):
 
-    kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]
-               |  '------ slot = block_id * block_size + offset
+    kv_cache: [2, num_kv_heads, num_blocks, block_size, head_dim]
+               |                '-------------------' slot = block_id * block_size + offset
                '-- 0 = K, 1 = V
 
 A sequence's block table lists its block ids in order; token i of the sequence lives in block
@@ -29,7 +30,7 @@ class KVCacheSpec:
     dtype: torch.dtype
 
     def shape(self) -> tuple[int, ...]:
-        return (2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return (2, self.num_kv_heads, self.num_blocks, self.block_size, self.head_dim)
 
     def bytes_per_token(self) -> int:
         """K and V for one token in one layer."""

@@ -1,14 +1,21 @@
-"""The reference attention backend: plain torch, any device, one sequence at a time.
+"""The reference attention backend: plain torch, any device.
 
-For each sequence:
-  1. scatter its new K/V rows into the cache at `slot_mapping`;
-  2. gather its whole context back through its block table (or, for a prefill that starts at
-     position 0, use the new K/V directly);
-  3. run scaled dot-product attention with a causal mask aligned to the END of the context
-     (the new tokens are the last `query_len` positions), optionally limited to a sliding window.
+  1. scatter the batch's new K/V rows into the cache at `slot_mapping` (one index_copy per half);
+  2. every sequence that runs a single token (a decode) is computed in one batched pass: its
+     blocks are gathered into [H_kv, B, S, D], padded to the longest context and masked;
+  3. every other sequence (a prefill chunk) reads its context through its block table (or, for a
+     prefill that starts at position 0, uses the new K/V directly) and runs scaled dot-product
+     attention with a causal mask aligned to the END of the context, optionally limited to a
+     sliding window.
+
+Gathers index dim 0 of a flat [H_kv * num_blocks, block_size, D] view: indexing any other dim
+of a multi-GiB cache tensor is an order of magnitude slower in torch.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -83,6 +90,91 @@ def _attend(
     )[0]
 
 
+@dataclass(frozen=True, slots=True)
+class _DecodePlan:
+    """The decode sequences of one forward, padded to a common length (shared by all layers)."""
+
+    rows: torch.Tensor  # [B] flat-batch row of each decode token
+    block_index: torch.Tensor  # [H_kv, B, max_blocks] rows of the flat cache view, padded with block 0
+    bias: torch.Tensor  # [B, max_blocks * block_size] 0 where a key is visible, -inf elsewhere
+    others: list[int]  # sequences with more than one new token
+
+
+def _decode_plan(
+    metadata: AttentionMetadata,
+    sliding_window: int | None,
+    num_kv_heads: int,
+    num_blocks: int,
+    device: torch.device,
+) -> _DecodePlan | None:
+    """Batch the sequences that run one token this step, when there are at least two."""
+    key = ("decode", sliding_window, num_kv_heads, num_blocks)
+    if key in metadata.derived:
+        return metadata.derived[key]  # type: ignore[return-value]
+    decodes = [i for i, q in enumerate(metadata.query_lens) if q == 1]
+    plan = None
+    if len(decodes) >= 2:
+        bs = metadata.block_size
+        seq_lens = torch.tensor([metadata.seq_lens[i] for i in decodes], device=device)
+        max_blocks = (int(seq_lens.max()) + bs - 1) // bs
+        idx = torch.tensor(decodes, device=device)
+        pos = torch.arange(max_blocks * bs, device=device)[None, :]  # [1, S]
+        visible = pos < seq_lens[:, None]
+        if sliding_window is not None:
+            visible &= pos >= seq_lens[:, None] - sliding_window
+        plan = _DecodePlan(
+            rows=torch.tensor([metadata.query_start_loc[i] for i in decodes], device=device),
+            block_index=_flat_block_index(
+                metadata.block_tables.index_select(0, idx)[:, :max_blocks], num_kv_heads, num_blocks
+            ),
+            bias=torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf")),
+            others=[i for i, q in enumerate(metadata.query_lens) if q != 1],
+        )
+    metadata.derived[key] = plan
+    return plan
+
+
+def _flat_block_index(blocks: torch.Tensor, num_kv_heads: int, num_blocks: int) -> torch.Tensor:
+    """Block ids [...] -> rows of the flat [H_kv * num_blocks, ...] cache view, [H_kv, ...]."""
+    heads = torch.arange(num_kv_heads, device=blocks.device).view(-1, *([1] * blocks.dim()))
+    return heads * num_blocks + blocks
+
+
+def _gather(cache: torch.Tensor, flat_index: torch.Tensor) -> torch.Tensor:
+    """One half of the cache [H_kv, num_blocks, bs, D] at `_flat_block_index` rows [H_kv, ...]
+    -> [H_kv, ..., bs, D]."""
+    H_kv, NB, bs, D = cache.shape
+    return cache.view(H_kv * NB, bs, D).index_select(0, flat_index.view(-1)).view(*flat_index.shape, bs, D)
+
+
+def _derived(metadata: AttentionMetadata, key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """A per-forward value shared by every layer (the same for all layers of one geometry)."""
+    value = metadata.derived.get(key)
+    if value is None:
+        value = metadata.derived[key] = make()
+    return value  # type: ignore[return-value]
+
+
+def _decode_batch(
+    params: AttentionParams, query: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodePlan
+) -> torch.Tensor:
+    """One query token per sequence, B sequences at once -> [B, H, D].
+
+    The query heads sharing a KV head form one matrix, as in `_attend_one_query`; the batch dims
+    (H_kv, B) of the gathered K/V are contiguous, so both matmuls run without copies.
+    """
+    H, H_kv, D = params.num_heads, params.num_kv_heads, params.head_dim
+    B = plan.rows.shape[0]
+    k = _gather(kv_cache[0], plan.block_index).view(H_kv, B, -1, D)  # [H_kv, B, S, D]
+    v = _gather(kv_cache[1], plan.block_index).view(H_kv, B, -1, D)
+    q = query.index_select(0, plan.rows).view(B, H_kv, H // H_kv, D).transpose(0, 1)  # [H_kv, B, g, D]
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(params.scale)  # [H_kv, B, g, S]
+    scores += plan.bias.to(scores.dtype)[None, :, None, :]
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.matmul(probs, v)  # [H_kv, B, g, D]
+    return out.transpose(0, 1).reshape(B, H, D)
+
+
 class TorchAttentionBackend:
     name = "torch"
 
@@ -96,15 +188,30 @@ class TorchAttentionBackend:
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         H_kv, D = params.num_kv_heads, params.head_dim
-        key_cache = kv_cache[0].view(-1, H_kv, D)  # [num_slots, H_kv, D]
-        value_cache = kv_cache[1].view(-1, H_kv, D)
-        key_cache.index_copy_(0, metadata.slot_mapping, key)
-        value_cache.index_copy_(0, metadata.slot_mapping, value)
+        num_slots = kv_cache.shape[2] * kv_cache.shape[3]
+        # Head h of slot s is row h * num_slots + s of the flat [H_kv * num_slots, D] view.
+        rows = _derived(
+            metadata,
+            ("write", H_kv, num_slots),
+            lambda: _flat_block_index(metadata.slot_mapping, H_kv, num_slots).view(-1),  # [H_kv * T]
+        )
+        kv_cache[0].view(-1, D).index_copy_(0, rows, key.transpose(0, 1).reshape(-1, D))
+        kv_cache[1].view(-1, D).index_copy_(0, rows, value.transpose(0, 1).reshape(-1, D))
 
-        outs = [
-            self._sequence(params, i, query, key, value, kv_cache, metadata) for i in range(metadata.num_seqs)
-        ]
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+        plan = _decode_plan(metadata, params.sliding_window, H_kv, kv_cache.shape[2], query.device)
+        if plan is None:
+            outs = [
+                self._sequence(params, i, query, key, value, kv_cache, metadata)
+                for i in range(metadata.num_seqs)
+            ]
+            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+        # Every single-token (decode) sequence in one batched computation; prefills one by one.
+        out = torch.empty_like(query)
+        out.index_copy_(0, plan.rows, _decode_batch(params, query, kv_cache, plan))
+        for i in plan.others:
+            start, end = metadata.query_start_loc[i], metadata.query_start_loc[i + 1]
+            out[start:end] = self._sequence(params, i, query, key, value, kv_cache, metadata)
+        return out
 
     @staticmethod
     def _sequence(
@@ -122,21 +229,18 @@ class TorchAttentionBackend:
         q_len, s_len = metadata.query_lens[i], metadata.seq_lens[i]
         if q_len == s_len:
             # The whole context is new: read it from the batch, not the cache.
-            k_ctx, v_ctx = key[start:end], value[start:end]
+            k_ctx, v_ctx = key[start:end].transpose(0, 1), value[start:end].transpose(0, 1)
         else:
-            blocks = metadata.block_tables[i, : (s_len + bs - 1) // bs]
-            # Gather along dim 0 of each half: index_select on dim 1 of the whole cache copies
-            # far more than the selected blocks (it was 20x slower with a 2 GiB cache).
-            k_ctx = kv_cache[0].index_select(0, blocks).view(-1, H_kv, D)[:s_len]
-            v_ctx = kv_cache[1].index_select(0, blocks).view(-1, H_kv, D)[:s_len]
+            NB = kv_cache.shape[2]
+            idx = _derived(
+                metadata,
+                ("read", i, H_kv, NB),
+                lambda: _flat_block_index(metadata.block_tables[i, : (s_len + bs - 1) // bs], H_kv, NB),
+            )
+            k_ctx = _gather(kv_cache[0], idx).view(H_kv, -1, D)[:, :s_len]  # [H_kv, s_len, D]
+            v_ctx = _gather(kv_cache[1], idx).view(H_kv, -1, D)[:, :s_len]
         mask = _context_mask(metadata, i, params.sliding_window, query.device)
-        o = _attend(
-            params,
-            query[start:end].transpose(0, 1),  # [H, q_len, D]
-            k_ctx.transpose(0, 1),  # [H_kv, s_len, D]
-            v_ctx.transpose(0, 1),
-            mask,
-        )
+        o = _attend(params, query[start:end].transpose(0, 1), k_ctx, v_ctx, mask)  # q: [H, q_len, D]
         return o.transpose(0, 1)
 
 
