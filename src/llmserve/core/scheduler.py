@@ -13,7 +13,8 @@ One step of continuous (in-flight) batching with chunked prefill:
 
 Admission `reserve` admits a request only when blocks for its whole prompt + max_tokens are free
 after every running request's own reservation, so step 1 never runs out of blocks. Mode
-`static` admits a new batch only once the running batch has completely finished.
+`static` forms a batch of the next `max_num_seqs` waiting requests and admits no other request
+until every member of that batch has finished (the classic fixed-batch baseline).
 
 The scheduler owns the request objects and the KV-cache manager; it never touches tensors.
 `update_from_output` consumes the runner's sampled tokens as data and decides who finished.
@@ -21,6 +22,7 @@ The scheduler owns the request objects and the KV-cache manager; it never touche
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -93,6 +95,8 @@ class Scheduler:
         self.num_preemptions = 0
         # Requests that left since the last step; the runner drops their state.
         self._finished_req_ids: set[str] = set()
+        # Static mode: the ids of the batch being run (empty when a new batch may form).
+        self._static_batch: set[str] = set()
 
     # -- requests in and out ----------------------------------------------------------------------
 
@@ -120,6 +124,7 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        self._static_batch.discard(request.request_id)
         self.kv_cache_manager.free(request)
         self._finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
@@ -181,11 +186,18 @@ class Scheduler:
         assert request.request_id not in plan.num_tokens
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
-        if self.config.mode == "static" and self.running:
-            return
+        static = self.config.mode == "static"
+        if static and not self._static_batch:
+            # A new static batch: the next max_num_seqs waiting requests, admitted as the budget
+            # allows; nobody else joins until every one of them has finished.
+            self._static_batch = {
+                r.request_id for r in itertools.islice(self.waiting, self.config.max_num_seqs)
+            }
         kv = self.kv_cache_manager
         while len(self.waiting) > 0 and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            if static and request.request_id not in self._static_batch:
+                break
             # Prompt logprobs need every prompt position computed: no prefix-cache hit then.
             wants_prompt_logprobs = request.sampling_params.prompt_logprobs is not None
             computed_blocks, num_computed = (
