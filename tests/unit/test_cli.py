@@ -3,6 +3,8 @@ detokenization give llama.cpp's reference text; bad input exits 2 with one clear
 
 from __future__ import annotations
 
+import json
+
 from llmserve.cli.main import main
 
 
@@ -25,4 +27,37 @@ def test_generate_bad_input_exits_2(capsys):
     err = capsys.readouterr().err
     assert "/no/such/model.gguf" in err and "Traceback" not in err
     assert main(["generate", "--max-tokens", "0", "hi"]) == 2
-    assert "--max-tokens" in capsys.readouterr().err
+    assert "max_tokens must be >= 1" in capsys.readouterr().err
+
+
+def test_generate_jsonl_in_and_out(tmp_path, capsys, llamacpp_reference):
+    chat, raw = (
+        next(g for g in llamacpp_reference["greedy"] if g["weights"] == "f32" and g["kind"] == kind)
+        for kind in ("chat", "raw")
+    )
+    src = tmp_path / "in.jsonl"
+    lines = [
+        {"id": "a", "messages": [{"role": "user", "content": chat["prompt"]}]},
+        {"id": "b", "prompt_token_ids": raw["prompt_ids"]},
+        {"prompt": chat["prompt"]},  # a text prompt goes through the chat template
+    ]
+    src.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
+    dst = tmp_path / "out.jsonl"
+    assert main(["generate", "--input", str(src), "--output", str(dst), "--max-tokens", "32"]) == 0
+    records = [json.loads(x) for x in dst.read_text().splitlines()]
+    assert [r["id"] for r in records] == ["a", "b", 2]
+    assert records[0]["outputs"][0]["text"] == chat["greedy_text"]
+    assert records[0]["outputs"][0]["finish_reason"] == "stop"
+    assert records[1]["outputs"][0]["token_ids"] == raw["greedy_ids"]
+    assert records[2]["outputs"][0]["text"] == chat["greedy_text"]
+    assert records[2]["num_cached_tokens"] > 0  # same chat prompt as "a": its blocks were reused
+
+
+def test_generate_rejects_bad_jsonl(tmp_path, capsys):
+    src = tmp_path / "bad.jsonl"
+    src.write_text('{"prompt": "ok"}\n{"prompt": \n')
+    assert main(["generate", "--input", str(src)]) == 2
+    assert "bad.jsonl:2" in capsys.readouterr().err
+    src.write_text('{"text": "no prompt key"}\n')
+    assert main(["generate", "--input", str(src)]) == 2
+    assert "exactly one of prompt" in capsys.readouterr().err

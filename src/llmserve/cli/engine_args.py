@@ -1,0 +1,61 @@
+"""Command-line flags for building an engine, shared by every subcommand that loads a model."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from llmserve.config.cache import parse_bytes
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and engine")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="model folder, .gguf file or bundled name (default: SmolLM2-135M-Instruct)",
+    )
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    g.add_argument(
+        "--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)"
+    )
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    g.add_argument(
+        "--kv-cache-memory", type=parse_bytes, default=None, help="KV-cache budget, e.g. 2GiB (default 2GiB)"
+    )
+    g.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="KV-cache size in blocks (overrides --kv-cache-memory)",
+    )
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget of one step")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    g.add_argument(
+        "--admission-policy",
+        default="optimistic",
+        choices=["optimistic", "reserve"],
+        help="optimistic: preempt when blocks run out; reserve: admit only when prompt + max_tokens fit",
+    )
+    g.add_argument("--batching-mode", default="continuous", choices=["continuous", "static"])
+
+
+def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "model": args.model,
+        "dtype": args.dtype,
+        "device": args.device,
+        "max_model_len": args.max_model_len,
+        "block_size": args.block_size,
+        "kv_cache_memory": args.kv_cache_memory,
+        "num_kv_blocks": args.num_kv_blocks,
+        "enable_prefix_caching": not args.no_prefix_caching,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "scheduling_policy": args.scheduling_policy,
+        "admission_policy": args.admission_policy,
+        "batching_mode": args.batching_mode,
+    }
