@@ -57,6 +57,19 @@ def test_batched_greedy_equals_alone_and_transformers(tiny, reference):
         assert token_ids(llm.generate([p], GREEDY, use_tqdm=False)) == [ref]
 
 
+def test_many_decodes_grouped_by_length(tiny):
+    """20 running sequences of spread-out lengths (decoded in several length groups) give the
+    tokens each gives alone (the single-sequence attention path)."""
+    import random
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(512) for _ in range(rng.randint(1, 70))] for _ in range(20)]
+    llm = make_llm(tiny[0], num_kv_blocks=512, max_num_batched_tokens=2048)
+    batched = token_ids(llm.generate(prompts, GREEDY, use_tqdm=False))
+    alone = [token_ids(llm.generate([p], GREEDY, use_tqdm=False))[0] for p in prompts]
+    assert batched == alone
+
+
 def test_chunked_prefill_gives_the_same_tokens(tiny, reference):
     llm = make_llm(tiny[0], max_num_batched_tokens=7)  # the 60-token prompt takes 9 steps
     assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference
@@ -134,6 +147,19 @@ def test_prompt_logprobs_match_transformers(tiny):
     tok = sampled.token_ids[0]
     assert lp[tok][1] == 1 and len(lp) == 3 + (tok not in lp or 0)  # greedy token has rank 1
     assert sampled.cumulative_logprob == pytest.approx(lp[tok][0])
+
+
+def test_prompt_logprobs_survive_preemption(tiny):
+    """A preempted request recomputes its prompt but returns each prompt logprob exactly once."""
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, prompt_logprobs=1)
+    roomy = make_llm(tiny[0], enable_prefix_caching=False).generate(PROMPTS, params, use_tqdm=False)
+    tight_llm = make_llm(tiny[0], num_kv_blocks=24, enable_prefix_caching=False)
+    tight = tight_llm.generate(PROMPTS, params, use_tqdm=False)
+    assert tight_llm.engine.scheduler.num_preemptions > 0
+    for a, b, prompt in zip(roomy, tight, PROMPTS, strict=True):
+        assert len(b.prompt_logprobs) == len(prompt)
+        assert [p and sorted(p) for p in a.prompt_logprobs] == [p and sorted(p) for p in b.prompt_logprobs]
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
 def test_abort_frees_blocks(tiny):

@@ -33,6 +33,9 @@ class CachedRequestState:
     num_computed_tokens: int
     sampling: RequestSamplingState
     """Holds `output_token_ids` (the list the sampler reads for penalties) and the generator."""
+    num_prompt_logprobs: int = 0
+    """Prompt positions whose logprobs were already returned (a preempted request recomputes
+    its prompt, but must not return them twice)."""
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -58,10 +61,10 @@ class EngineRunner:
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         # Sampling states of preempted requests, waiting for them to be rescheduled.
-        self._parked: dict[str, RequestSamplingState] = {}
+        self._parked: dict[str, tuple[RequestSamplingState, int]] = {}
 
     def _add(self, new: NewRequestData) -> None:
-        sampling = self._parked.pop(new.req_id, None)
+        sampling, num_prompt_logprobs = self._parked.pop(new.req_id, (None, 0))
         if sampling is None:
             sampling = RequestSamplingState(
                 params=new.sampling_params,
@@ -73,7 +76,12 @@ class EngineRunner:
         else:
             sampling.output_token_ids[:] = new.output_token_ids
         self.requests[new.req_id] = CachedRequestState(
-            new.req_id, new.prompt_token_ids, list(new.block_ids), new.num_computed_tokens, sampling
+            new.req_id,
+            new.prompt_token_ids,
+            list(new.block_ids),
+            new.num_computed_tokens,
+            sampling,
+            num_prompt_logprobs,
         )
 
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -83,7 +91,7 @@ class EngineRunner:
         for req_id in so.preempted_req_ids:
             state = self.requests.pop(req_id, None)
             if state is not None:
-                self._parked[req_id] = state.sampling
+                self._parked[req_id] = (state.sampling, state.num_prompt_logprobs)
         for new in so.scheduled_new_reqs:
             self._add(new)
         for cached in so.scheduled_cached_reqs:
@@ -106,8 +114,12 @@ class EngineRunner:
             state, n = self.requests[req_id], so.num_scheduled_tokens[req_id]
             start, end = state.num_computed_tokens, state.num_computed_tokens + n
             batch.append(SequenceBatchEntry(state.token_slice(start, end), end, state.block_ids))
-            if state.sampling.params.prompt_logprobs is not None and start < len(state.prompt_token_ids) - 1:
-                prompt_rows.append((req_id, row, start))
+            # Prompt logprobs for positions [first, end) of this chunk not returned before.
+            first = max(start, state.num_prompt_logprobs)
+            if state.sampling.params.prompt_logprobs is not None and first < min(
+                end, len(state.prompt_token_ids) - 1
+            ):
+                prompt_rows.append((req_id, row + first - start, first))
             if end == state.num_tokens:
                 sample_rows.append(row + n - 1)
                 samplers.append(state)
@@ -117,7 +129,7 @@ class EngineRunner:
         hidden, _ = self.runner.forward(batch)
         out = ModelRunnerOutput(req_ids, [[] for _ in req_ids])
         if prompt_rows:
-            out.prompt_logprobs = self._prompt_logprobs(hidden, prompt_rows, so)
+            out.prompt_logprobs = self._prompt_logprobs(hidden, prompt_rows)
         if samplers:
             self._sample(hidden, sample_rows, samplers, out)
         return out
@@ -138,16 +150,16 @@ class EngineRunner:
                 out.logprobs[state.req_id] = result.logprobs.to_lists(i, k)
 
     def _prompt_logprobs(
-        self, hidden: torch.Tensor, rows: list[tuple[str, int, int]], so: SchedulerOutput
+        self, hidden: torch.Tensor, rows: list[tuple[str, int, int]]
     ) -> dict[str, Logprobs | None]:
         """Logprobs of the prompt tokens this chunk predicts: position p scores prompt token p + 1."""
         result: dict[str, Logprobs | None] = {}
         for req_id, first_row, start in rows:
             state = self.requests[req_id]
             P = len(state.prompt_token_ids)
-            end = min(
-                start + so.num_scheduled_tokens[req_id], P - 1
-            )  # last position with a next prompt token
+            # Positions up to the chunk's end that still have a next prompt token to score.
+            end = min(state.num_computed_tokens, P - 1)
+            state.num_prompt_logprobs = end
             logits = self.runner.model.compute_logits(hidden[first_row : first_row + end - start])
             targets = torch.tensor(state.prompt_token_ids[start + 1 : end + 1], device=logits.device)
             k = state.sampling.params.prompt_logprobs or 0

@@ -91,13 +91,50 @@ def _attend(
 
 
 @dataclass(frozen=True, slots=True)
-class _DecodePlan:
-    """The decode sequences of one forward, padded to a common length (shared by all layers)."""
+class _DecodeGroup:
+    """Decode sequences of similar length, padded to the longest of them."""
 
     rows: torch.Tensor  # [B] flat-batch row of each decode token
     block_index: torch.Tensor  # [H_kv, B, max_blocks] rows of the flat cache view, padded with block 0
     bias: torch.Tensor  # [B, max_blocks * block_size] 0 where a key is visible, -inf elsewhere
+
+
+@dataclass(frozen=True, slots=True)
+class _DecodePlan:
+    """The decode sequences of one forward (shared by all layers), and the others."""
+
+    groups: list[_DecodeGroup]
     others: list[int]  # sequences with more than one new token
+
+
+# Decodes are split by context length into groups of at least this many sequences, at most
+# _MAX_GROUPS of them: padding every context to the batch's longest wasted up to half the
+# gather and matmul work when lengths spread widely, and each group costs a few more ops.
+_MIN_GROUP = 8
+_MAX_GROUPS = 4
+
+
+def _decode_group(
+    metadata: AttentionMetadata,
+    seqs: list[int],
+    sliding_window: int | None,
+    num_kv_heads: int,
+    num_blocks: int,
+    device: torch.device,
+) -> _DecodeGroup:
+    bs = metadata.block_size
+    seq_lens = torch.tensor([metadata.seq_lens[i] for i in seqs], device=device)
+    max_blocks = (max(metadata.seq_lens[i] for i in seqs) + bs - 1) // bs
+    pos = torch.arange(max_blocks * bs, device=device)[None, :]  # [1, S]
+    visible = pos < seq_lens[:, None]
+    if sliding_window is not None:
+        visible &= pos >= seq_lens[:, None] - sliding_window
+    tables = metadata.block_tables.index_select(0, torch.tensor(seqs, device=device))[:, :max_blocks]
+    return _DecodeGroup(
+        rows=torch.tensor([metadata.query_start_loc[i] for i in seqs], device=device),
+        block_index=_flat_block_index(tables, num_kv_heads, num_blocks),
+        bias=torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf")),
+    )
 
 
 def _decode_plan(
@@ -111,23 +148,20 @@ def _decode_plan(
     key = ("decode", sliding_window, num_kv_heads, num_blocks)
     if key in metadata.derived:
         return metadata.derived[key]  # type: ignore[return-value]
-    decodes = [i for i, q in enumerate(metadata.query_lens) if q == 1]
+    decodes = sorted(
+        (i for i, q in enumerate(metadata.query_lens) if q == 1), key=lambda i: metadata.seq_lens[i]
+    )
     plan = None
     if len(decodes) >= 2:
-        bs = metadata.block_size
-        seq_lens = torch.tensor([metadata.seq_lens[i] for i in decodes], device=device)
-        max_blocks = (int(seq_lens.max()) + bs - 1) // bs
-        idx = torch.tensor(decodes, device=device)
-        pos = torch.arange(max_blocks * bs, device=device)[None, :]  # [1, S]
-        visible = pos < seq_lens[:, None]
-        if sliding_window is not None:
-            visible &= pos >= seq_lens[:, None] - sliding_window
+        n_groups = max(1, min(_MAX_GROUPS, len(decodes) // _MIN_GROUP))
+        size = -(-len(decodes) // n_groups)
         plan = _DecodePlan(
-            rows=torch.tensor([metadata.query_start_loc[i] for i in decodes], device=device),
-            block_index=_flat_block_index(
-                metadata.block_tables.index_select(0, idx)[:, :max_blocks], num_kv_heads, num_blocks
-            ),
-            bias=torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf")),
+            groups=[
+                _decode_group(
+                    metadata, decodes[g : g + size], sliding_window, num_kv_heads, num_blocks, device
+                )
+                for g in range(0, len(decodes), size)
+            ],
             others=[i for i, q in enumerate(metadata.query_lens) if q != 1],
         )
     metadata.derived[key] = plan
@@ -178,7 +212,7 @@ def _derived(metadata: AttentionMetadata, key: tuple, make: Callable[[], torch.T
 
 
 def _decode_batch(
-    params: AttentionParams, query: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodePlan, ws: _Workspace
+    params: AttentionParams, query: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodeGroup, ws: _Workspace
 ) -> torch.Tensor:
     """One query token per sequence, B sequences at once -> [B, H, D].
 
@@ -235,7 +269,8 @@ class TorchAttentionBackend:
             return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
         # Every single-token (decode) sequence in one batched computation; prefills one by one.
         out = torch.empty_like(query)
-        out.index_copy_(0, plan.rows, _decode_batch(params, query, kv_cache, plan, self._workspace))
+        for group in plan.groups:
+            out.index_copy_(0, group.rows, _decode_batch(params, query, kv_cache, group, self._workspace))
         for i in plan.others:
             start, end = metadata.query_start_loc[i], metadata.query_start_loc[i + 1]
             out[start:end] = self._sequence(params, i, query, key, value, kv_cache, metadata)
