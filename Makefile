@@ -44,6 +44,8 @@ lint: install-test
 
 bench: install-test
 	$(PY) benchmarks/bench_decode.py
+	$(PY) benchmarks/bench_linear.py
+	$(PY) benchmarks/bench_throughput.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

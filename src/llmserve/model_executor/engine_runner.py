@@ -163,8 +163,5 @@ class EngineRunner:
             logits = self.runner.model.compute_logits(hidden[first_row : first_row + end - start])
             targets = torch.tensor(state.prompt_token_ids[start + 1 : end + 1], device=logits.device)
             k = state.sampling.params.prompt_logprobs or 0
-            lp = compute_logprobs(logits.float(), targets, k)
-            result[req_id] = Logprobs(
-                token_ids=lp.token_ids.tolist(), logprobs=lp.logprobs.tolist(), ranks=lp.ranks.tolist()
-            )
+            result[req_id] = compute_logprobs(logits.float(), targets, k).rows_to_lists(0, len(targets), k)
         return result
