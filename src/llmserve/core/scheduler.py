@@ -155,9 +155,7 @@ class Scheduler:
         while i < len(self.running) and plan.budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, plan.budget)
-            if num_new <= 0:  # nothing to compute (cannot happen for a live request)
-                i += 1
-                continue
+            assert num_new > 0, f"running request {request.request_id} has nothing to compute"
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
             while new_blocks is None:
                 assert self.config.admission == "optimistic", "reserve admission must never run out of blocks"
