@@ -107,10 +107,10 @@ class EngineRunner:
             return ModelRunnerOutput([], [])
         batch: list[SequenceBatchEntry] = []
         sample_rows: list[int] = []  # flat-batch row of each sampling request's last token
-        samplers: list[CachedRequestState] = []
+        samplers: list[tuple[int, CachedRequestState]] = []  # (position in req_ids, state)
         prompt_rows: list[tuple[str, int, int]] = []  # (req_id, first row, first prompt position)
         row = 0
-        for req_id in req_ids:
+        for pos, req_id in enumerate(req_ids):
             state, n = self.requests[req_id], so.num_scheduled_tokens[req_id]
             start, end = state.num_computed_tokens, state.num_computed_tokens + n
             batch.append(SequenceBatchEntry(state.token_slice(start, end), end, state.block_ids))
@@ -122,7 +122,7 @@ class EngineRunner:
                 prompt_rows.append((req_id, row + first - start, first))
             if end == state.num_tokens:
                 sample_rows.append(row + n - 1)
-                samplers.append(state)
+                samplers.append((pos, state))
             state.num_computed_tokens = end
             row += n
 
@@ -135,16 +135,19 @@ class EngineRunner:
         return out
 
     def _sample(
-        self, hidden: torch.Tensor, rows: list[int], states: list[CachedRequestState], out: ModelRunnerOutput
+        self,
+        hidden: torch.Tensor,
+        rows: list[int],
+        states: list[tuple[int, CachedRequestState]],
+        out: ModelRunnerOutput,
     ) -> None:
         logits = self.runner.model.compute_logits(hidden[rows])  # [num_sampling, vocab]
-        metadata = SamplingMetadata.build([s.sampling for s in states], self.vocab_size, self.device)
+        metadata = SamplingMetadata.build([s.sampling for _, s in states], self.vocab_size, self.device)
         result = self.sampler(logits, metadata)
         tokens = result.sampled_token_ids.tolist()  # the step's one device->host sync
-        index = {req_id: i for i, req_id in enumerate(out.req_ids)}
-        for i, (state, token) in enumerate(zip(states, tokens, strict=True)):
+        for i, ((pos, state), token) in enumerate(zip(states, tokens, strict=True)):
             state.output_token_ids.append(token)
-            out.sampled_token_ids[index[state.req_id]] = [token]
+            out.sampled_token_ids[pos] = [token]
             k = state.sampling.params.logprobs
             if k is not None and result.logprobs is not None:
                 out.logprobs[state.req_id] = result.logprobs.to_lists(i, k)
