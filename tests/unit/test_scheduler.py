@@ -159,6 +159,38 @@ def test_static_mode_waits_for_the_whole_batch():
     assert "late" in so.num_scheduled_tokens
 
 
+def test_static_mode_computes_finished_members_as_padding():
+    sched = make_scheduler(mode="static")
+    sched.add_request(make_request("short", 3, max_tokens=1))
+    sched.add_request(make_request("long", 3, max_tokens=4, first=50))
+    _, outs = step(sched)
+    assert {o.req_id: o.finish_reason for o in outs} == {"short": "length", "long": None}
+    used = sched.kv_cache_manager.get_num_free_blocks()
+    for _ in range(3):
+        so, outs = step(sched)
+        # short keeps its row (and its blocks) but reports nothing more
+        assert set(so.num_scheduled_tokens) == {"short", "long"}
+        assert [o.req_id for o in outs] == ["long"]
+        assert "short" not in so.finished_req_ids
+    assert outs[0].finish_reason == "length"
+    assert sched.requests == {} and sched.running == []
+    assert sched.kv_cache_manager.get_num_free_blocks() > used
+    so = sched.schedule()
+    assert so.finished_req_ids == {"short", "long"}
+
+
+def test_static_mode_abort_of_the_last_member_frees_the_padding():
+    sched = make_scheduler(mode="static")
+    sched.add_request(make_request("short", 3, max_tokens=1))
+    sched.add_request(make_request("long", 3, max_tokens=8, first=50))
+    step(sched)
+    sched.abort_requests(["short"])  # already finished for its user: nothing happens
+    assert "short" in sched.requests
+    sched.abort_requests(["long"])
+    assert sched.requests == {} and sched.running == []
+    assert sched.kv_cache_manager.get_num_free_blocks() == 64
+
+
 def test_continuous_mode_admits_while_others_run():
     sched = make_scheduler()
     sched.add_request(make_request("long", 3, max_tokens=4))

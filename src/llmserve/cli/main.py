@@ -1,6 +1,7 @@
 """`llmserve` entry point: one subcommand per job.
 
 llmserve generate [PROMPT ...] [--model M] [--max-tokens N] [--raw]
+llmserve serve [MODEL] [--host H] [--port P] [--api-key KEY]
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from llmserve import __version__
-from llmserve.cli import generate
+from llmserve.cli import generate, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"llmserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     generate.add_parser(sub)
+    serve.add_parser(sub)
     return parser
 
 

@@ -27,8 +27,9 @@ class SchedulerConfig:
     max_tokens are free, so nothing is ever preempted."""
 
     mode: BatchingMode = "continuous"
-    """`continuous`: in-flight batching, waiting requests join every step. `static`: a batch is
-    admitted only when the previous one has completely finished (for comparison)."""
+    """`continuous`: in-flight batching, waiting requests join every step. `static`: fixed batches, for
+    comparison: a batch runs until its longest member finishes (finished members are computed
+    as padding), and the next is admitted only then."""
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:

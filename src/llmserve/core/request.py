@@ -61,6 +61,8 @@ class Request:
     """The stop token id or stop string that ended the request, if any."""
     block_hashes: list[int] = field(default_factory=list)
     """Chained hashes of this request's full blocks, filled by the KV-cache manager."""
+    padding: bool = False
+    """Static batching: finished for its user, still computed until its batch is done."""
 
     @property
     def num_prompt_tokens(self) -> int:

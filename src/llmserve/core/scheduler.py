@@ -13,8 +13,11 @@ One step of continuous (in-flight) batching with chunked prefill:
 
 Admission `reserve` admits a request only when blocks for its whole prompt + max_tokens are free
 after every running request's own reservation, so step 1 never runs out of blocks. Mode
-`static` forms a batch of the next `max_num_seqs` waiting requests and admits no other request
-until every member of that batch has finished (the classic fixed-batch baseline).
+`static` is the classic fixed-batch baseline (HF `generate`, FasterTransformer): a batch of the
+next `max_num_seqs` waiting requests runs until its longest member finishes, and no other request
+joins meanwhile. A member that finishes early is reported finished at once but keeps its slot and
+its blocks as padding: it is still computed every step (its tokens are discarded), as a
+fixed-shape batch computes finished rows, until the whole batch is done.
 
 The scheduler owns the request objects and the KV-cache manager; it never touches tensors.
 `update_from_output` consumes the runner's sampled tokens as data and decides who finished.
@@ -95,8 +98,10 @@ class Scheduler:
         self.num_preemptions = 0
         # Requests that left since the last step; the runner drops their state.
         self._finished_req_ids: set[str] = set()
-        # Static mode: the ids of the batch being run (empty when a new batch may form).
+        # Static mode: the unfinished members of the batch being run (empty when a new batch may
+        # form), and the finished members still computed as padding until the batch is done.
         self._static_batch: set[str] = set()
+        self._padding: list[Request] = []
 
     # -- requests in and out ----------------------------------------------------------------------
 
@@ -113,14 +118,39 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.is_finished:
                 continue
+            if request.padding:
+                continue  # already finished for its user; the batch frees it
+            if status != RequestStatus.FINISHED_ABORTED and request.status == RequestStatus.RUNNING:
+                self._end(request, status)  # a stop string: padding in static mode
+                continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
             else:
                 self.waiting.remove(request)
             self._finish(request, status)
+        self._release_padding()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or len(self.waiting) > 0
+
+    def _end(self, request: Request, status: RequestStatus) -> None:
+        """A running request is done for its user: finished, or kept as static-batch padding."""
+        if self.config.mode == "static" and len(self._static_batch) > 1:
+            request.padding = True
+            self._static_batch.discard(request.request_id)
+            self._padding.append(request)
+            return
+        self.running.remove(request)
+        self._finish(request, status)
+
+    def _release_padding(self) -> None:
+        """Free the padding rows once their static batch has no unfinished member left."""
+        if self._static_batch or not self._padding:
+            return
+        for request in self._padding:
+            self.running.remove(request)
+            self._finish(request, RequestStatus.FINISHED_LENGTH_CAPPED)
+        self._padding = []
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
@@ -160,7 +190,11 @@ class Scheduler:
             while new_blocks is None:
                 assert self.config.admission == "optimistic", "reserve admission must never run out of blocks"
                 victim = self.running.pop()  # the most recently admitted request
-                self._preempt(victim, plan)
+                if victim.padding:  # padding has no user left: drop it instead of recomputing it
+                    self._padding.remove(victim)
+                    self._finish(victim, RequestStatus.FINISHED_LENGTH_CAPPED)
+                else:
+                    self._preempt(victim, plan)
                 if victim is request:
                     return
                 new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
@@ -248,6 +282,13 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
+            if request.padding:  # computed like the rest of the batch; its tokens go nowhere
+                request.output_token_ids.extend(sampled)
+                if request.num_tokens >= self.max_model_len:
+                    self._padding.remove(request)
+                    self.running.remove(request)
+                    self._finish(request, RequestStatus.FINISHED_LENGTH_CAPPED)
+                continue
             prompt_lp = runner_output.prompt_logprobs.get(req_id)
             if not sampled and prompt_lp is None:
                 continue
@@ -259,14 +300,14 @@ class Scheduler:
                 out.new_token_ids.append(token)
                 status = self._check_stop(request, token)
                 if status is not None:
-                    self.running.remove(request)
-                    self._finish(request, status)
+                    self._end(request, status)
                     out.finish_reason = status.finish_reason()
                     out.stop_reason = request.stop_reason
                     break
             if sampled:
                 out.logprobs = runner_output.logprobs.get(req_id)
             outputs.append(out)
+        self._release_padding()
         return outputs
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:

@@ -26,6 +26,48 @@ Prompt = str | Sequence[int]
 Message = dict[str, Any]
 
 
+def build_engine(
+    model: str | None = None,
+    *,
+    dtype: str = "auto",
+    device: str = "auto",
+    max_model_len: int | None = None,
+    show_progress: bool = True,
+    block_size: int = 16,
+    kv_cache_memory: int | None = None,
+    num_kv_blocks: int | None = None,
+    enable_prefix_caching: bool = True,
+    max_num_batched_tokens: int = 1024,
+    max_num_seqs: int = 64,
+    scheduling_policy: str = "fcfs",
+    admission_policy: str = "optimistic",
+    batching_mode: str = "continuous",
+) -> LLMEngine:
+    """An `LLMEngine` from flat options (the offline API's and the command line's)."""
+    return LLMEngine(
+        ModelConfig(
+            model=model,
+            dtype=dtype,
+            device=device,
+            max_model_len=max_model_len,
+            show_progress=show_progress,
+        ),  # type: ignore[arg-type]
+        CacheConfig(
+            block_size=block_size,
+            kv_cache_memory=kv_cache_memory,
+            num_kv_blocks=num_kv_blocks,
+            enable_prefix_caching=enable_prefix_caching,
+        ),
+        SchedulerConfig(
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            policy=scheduling_policy,  # type: ignore[arg-type]
+            admission=admission_policy,  # type: ignore[arg-type]
+            mode=batching_mode,  # type: ignore[arg-type]
+        ),
+    )
+
+
 def _is_token_ids(x: object) -> bool:
     return isinstance(x, (list, tuple)) and len(x) > 0 and all(isinstance(t, int) for t in x)
 
@@ -49,27 +91,21 @@ class LLM:
         batching_mode: str = "continuous",
         show_progress: bool = True,
     ) -> None:
-        self.engine = LLMEngine(
-            ModelConfig(
-                model=model,
-                dtype=dtype,
-                device=device,
-                max_model_len=max_model_len,
-                show_progress=show_progress,
-            ),  # type: ignore[arg-type]
-            CacheConfig(
-                block_size=block_size,
-                kv_cache_memory=kv_cache_memory,
-                num_kv_blocks=num_kv_blocks,
-                enable_prefix_caching=enable_prefix_caching,
-            ),
-            SchedulerConfig(
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_num_seqs=max_num_seqs,
-                policy=scheduling_policy,  # type: ignore[arg-type]
-                admission=admission_policy,  # type: ignore[arg-type]
-                mode=batching_mode,  # type: ignore[arg-type]
-            ),
+        self.engine = build_engine(
+            model=model,
+            dtype=dtype,
+            device=device,
+            max_model_len=max_model_len,
+            show_progress=show_progress,
+            block_size=block_size,
+            kv_cache_memory=kv_cache_memory,
+            num_kv_blocks=num_kv_blocks,
+            enable_prefix_caching=enable_prefix_caching,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            scheduling_policy=scheduling_policy,
+            admission_policy=admission_policy,
+            batching_mode=batching_mode,
         )
         self._ids = itertools.count()
 

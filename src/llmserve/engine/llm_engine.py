@@ -19,6 +19,7 @@ from llmserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from llmserve.core.request import Request, RequestStatus
 from llmserve.core.scheduler import Scheduler, SchedulerStats
 from llmserve.engine.output_processor import OutputProcessor
+from llmserve.errors import ParameterError
 from llmserve.model_executor.engine_runner import EngineRunner
 from llmserve.model_executor.model_loader import LoadedModel, load_model
 from llmserve.outputs import RequestOutput
@@ -26,6 +27,17 @@ from llmserve.sampling_params import SamplingParams
 from llmserve.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger("llmserve")
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessedPrompt:
+    """A prompt that passed every check: what `add_request` queues."""
+
+    text: str | None
+    token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    """Resolved output budget (max_tokens, or what the context leaves)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,35 +107,57 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt)
         ids = list(prompt)
         if not ids:
-            raise ValueError("prompt token ids must not be empty")
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+            raise ParameterError("prompt token ids must not be empty", param="prompt")
+        bad = [
+            t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size
+        ]
         if bad:
-            raise ValueError(f"prompt token id(s) {bad[:5]} outside the vocabulary (size {self.vocab_size})")
+            raise ParameterError(
+                f"prompt token id(s) {bad[:5]} outside the vocabulary (size {self.vocab_size})",
+                param="prompt",
+            )
         return None, ids
+
+    def process_inputs(self, prompt: str | Sequence[int], params: SamplingParams) -> ProcessedPrompt:
+        """Tokenize and check a prompt against the model; raises ValueError, changes nothing.
+
+        Safe to call from another thread than the one that runs `step()`.
+        """
+        text, ids = self.encode_prompt(prompt)
+        if not ids:
+            raise ParameterError("the prompt is empty after tokenization", param="prompt")
+        params.validate_for_model(self.vocab_size)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
+        if len(ids) + max(max_tokens, 1) > self.max_model_len:
+            raise ParameterError(
+                f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds the model's context of "
+                f"{self.max_model_len} tokens",
+                param="max_tokens" if params.max_tokens is not None else "prompt",
+            )
+        return ProcessedPrompt(text, ids, params, max_tokens)
 
     def add_request(
         self,
         request_id: str,
-        prompt: str | Sequence[int],
-        params: SamplingParams,
+        prompt: str | Sequence[int] | ProcessedPrompt,
+        params: SamplingParams | None = None,
         priority: int = 0,
+        delta: bool = False,
     ) -> None:
-        """Validate and queue a request; raises ValueError (nothing queued) for bad input."""
+        """Validate and queue a request; raises ValueError (nothing queued) for bad input.
+
+        `prompt` may be the result of `process_inputs`. `delta`: each step's output for this
+        request carries only the new tokens and text (streaming); otherwise it accumulates.
+        """
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, ids = self.encode_prompt(prompt)
-        if not ids:
-            raise ValueError("the prompt is empty after tokenization")
-        params.validate_for_model(self.vocab_size)
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
-        if len(ids) + max(max_tokens, 1) > self.max_model_len:
-            raise ValueError(
-                f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds the model's context of "
-                f"{self.max_model_len} tokens"
-            )
+        if not isinstance(prompt, ProcessedPrompt):
+            assert params is not None, "add_request needs sampling params with a raw prompt"
+            prompt = self.process_inputs(prompt, params)
+        params, ids = prompt.params, prompt.token_ids
         arrival = time.monotonic()
         child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
-        self.output_processor.add_request(request_id, text, ids, params, child_ids, arrival)
+        self.output_processor.add_request(request_id, prompt.text, ids, params, child_ids, arrival, delta)
         for i, child_id in enumerate(child_ids):
             child_params = params
             if params.n > 1:
@@ -143,7 +177,7 @@ class LLMEngine:
                     eos_token_ids=self.tokenizer.eos_token_ids,
                     priority=priority,
                     arrival_time=arrival,
-                    max_tokens=max_tokens,
+                    max_tokens=prompt.max_tokens,
                 )
             )
 

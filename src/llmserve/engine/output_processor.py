@@ -34,6 +34,23 @@ def _positions(lp: Logprobs) -> list[PositionLogprobs]:
 class _Child:
     completion: CompletionOutput
     detokenizer: IncrementalDetokenizer | None
+    num_sent_tokens: int = 0
+    """Delta mode: output tokens already handed out."""
+
+    def delta(self) -> CompletionOutput:
+        """A new `CompletionOutput` holding only what changed since the last delta (delta mode)."""
+        c, sent = self.completion, self.num_sent_tokens
+        self.num_sent_tokens = len(c.token_ids)
+        text = "" if self.detokenizer is None else self.detokenizer.get_next_output_text(c.finished, True)
+        return CompletionOutput(
+            index=c.index,
+            text=text,
+            token_ids=c.token_ids[sent:],
+            cumulative_logprob=c.cumulative_logprob,
+            logprobs=None if c.logprobs is None else c.logprobs[sent:],
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+        )
 
 
 @dataclass(slots=True)
@@ -48,20 +65,34 @@ class _RequestState:
     num_cached_tokens: int = 0
     num_unfinished: int = 0
     child_order: list[str] = field(default_factory=list)
+    delta: bool = False
+    """Each output carries only what is new (fresh objects, safe to hand to another thread);
+    otherwise the same accumulating `CompletionOutput`s are returned every step."""
+    prompt_logprobs_sent: bool = False
 
     def to_output(self, finished: bool) -> RequestOutput:
-        for child in self.children.values():
-            if child.detokenizer is not None:
-                child.completion.text = child.detokenizer.get_next_output_text(
-                    child.completion.finished, False
-                )
+        prompt_logprobs = self.prompt_logprobs
+        if self.delta:
+            outputs = [self.children[c].delta() for c in self.child_order]
+            # prompt logprobs go out once, with the first output after the whole prompt ran
+            prompt_done = any(o.token_ids or o.finished for o in outputs)
+            if self.prompt_logprobs_sent or not prompt_done:
+                prompt_logprobs = None
+            self.prompt_logprobs_sent |= prompt_done
+        else:
+            for child in self.children.values():
+                if child.detokenizer is not None:
+                    child.completion.text = child.detokenizer.get_next_output_text(
+                        child.completion.finished, False
+                    )
+            outputs = [self.children[c].completion for c in self.child_order]
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            outputs=[self.children[c].completion for c in self.child_order],
+            outputs=outputs,
             finished=finished,
-            prompt_logprobs=self.prompt_logprobs,
+            prompt_logprobs=prompt_logprobs,
             num_cached_tokens=self.num_cached_tokens,
             metrics=self.metrics,
         )
@@ -81,6 +112,7 @@ class OutputProcessor:
         params: SamplingParams,
         child_ids: list[str],
         arrival_time: float,
+        delta: bool = False,
     ) -> None:
         children = {
             cid: _Child(
@@ -98,7 +130,7 @@ class OutputProcessor:
         self._requests[request_id] = _RequestState(
             request_id, prompt, prompt_token_ids, params, children, RequestMetrics(arrival_time),
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
-            num_unfinished=len(child_ids), child_order=list(child_ids),
+            num_unfinished=len(child_ids), child_order=list(child_ids), delta=delta,
         )  # fmt: skip
         for cid in child_ids:
             self._parent_of[cid] = request_id

@@ -1,0 +1,125 @@
+"""`llmserve serve`: the OpenAI-compatible server.
+
+    llmserve serve                                  # the embedded SmolLM2-135M-Instruct on :8000
+    llmserve serve ./my-model --port 9000 --api-key $KEY
+    LLMSERVE_API_KEY=... llmserve serve model.gguf --max-queued-requests 64
+
+SIGTERM/SIGINT: stop accepting, let in-flight requests finish for up to --shutdown-timeout seconds,
+abort the rest, exit 0. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+from llmserve.cli.engine_args import add_engine_args, llm_kwargs
+from llmserve.config import ServerConfig
+from llmserve.config.cache import parse_bytes
+
+logger = logging.getLogger("llmserve.server")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve a model over the OpenAI API")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="same as --model")
+    s = p.add_argument_group("server")
+    defaults = ServerConfig()
+    s.add_argument("--host", default=defaults.host)
+    s.add_argument("--port", type=int, default=defaults.port)
+    s.add_argument("--served-model-name", default=None, help="the name clients use (default: MODEL)")
+    s.add_argument(
+        "--api-key",
+        default=os.environ.get("LLMSERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every route but /health (default: $LLMSERVE_API_KEY)",
+    )
+    s.add_argument("--allowed-origins", nargs="*", default=[], help="CORS origins (default: CORS off)")
+    s.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=defaults.max_queued_requests,
+        help="sequences that may wait for a slot; beyond, 429 with Retry-After (-1: unbounded)",
+    )
+    s.add_argument("--max-body-size", type=parse_bytes, default=defaults.max_body_bytes, help="e.g. 8MiB")
+    s.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout)
+    s.add_argument("--log-requests", action="store_true", help="log prompts and outputs (off by default)")
+    s.add_argument("--max-n", type=int, default=defaults.max_n)
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key or None,
+        allowed_origins=tuple(args.allowed_origins),
+        max_queued_requests=None if args.max_queued_requests < 0 else args.max_queued_requests,
+        max_body_bytes=args.max_body_size,
+        shutdown_timeout=args.shutdown_timeout,
+        log_requests=args.log_requests,
+        max_n=args.max_n,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from llmserve.engine.llm import build_engine
+    from llmserve.model_executor.model_loader.source import DEFAULT_MODEL
+    from llmserve.server.app import build_app
+
+    if args.model_tag is not None:
+        args.model = args.model_tag
+    config = server_config(args)
+    model_name = config.served_model_name or args.model or DEFAULT_MODEL
+    kwargs: dict[str, Any] = llm_kwargs(args)
+    app = build_app(lambda: build_engine(**kwargs), config, model_name)
+    state = app.state.server
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not state.draining:
+                logger.info(
+                    "%s: draining; in-flight requests have %.0f s to finish",
+                    signal.Signals(sig).name, config.shutdown_timeout,
+                )  # fmt: skip
+            state.draining = True
+            super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            with super().capture_signals():
+                yield
+                # uvicorn re-raises the captured signal after shutting down, so the process
+                # would die by it; a drained shutdown is a normal exit (status 0)
+                self._captured_signals.clear()
+
+    server = Server(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level=logging.getLevelName(logging.getLogger().level).lower(),
+            timeout_graceful_shutdown=config.shutdown_timeout,
+            access_log=False,
+        )
+    )
+    failed: list[BaseException] = []
+
+    def on_load_error(e: BaseException) -> None:
+        failed.append(e)
+        server.should_exit = True
+
+    state.on_load_error = on_load_error
+    logger.info("llmserve listening on http://%s:%d (model %r loading)", config.host, config.port, model_name)
+    server.run()
+    if failed:
+        raise ValueError(f"cannot serve {model_name!r}: {failed[0]}")
+    return 0

@@ -1,0 +1,47 @@
+"""`ServerConfig`: how the HTTP server listens, whom it lets in, and how much one request may ask for."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    """The name clients put in `model` (default: the model's own name)."""
+    api_key: str | None = None
+    """When set, every route except /health needs `Authorization: Bearer <key>`."""
+    allowed_origins: tuple[str, ...] = ()
+    """CORS origins; none (CORS off) by default."""
+    max_queued_requests: int | None = 256
+    """Sequences that may wait for a slot; beyond, 429 with Retry-After. None: unbounded."""
+    max_body_bytes: int = 8 * 2**20
+    """Larger request bodies get 413."""
+    shutdown_timeout: float = 30.0
+    """On SIGTERM/SIGINT: seconds to let in-flight requests finish before aborting them."""
+    log_requests: bool = False
+    """Log prompts and outputs (off: only ids, sizes and timings are logged)."""
+    max_n: int = 16
+    """Cap on `n`."""
+    max_logprobs: int = 20
+    """Cap on `logprobs` / `top_logprobs`."""
+    max_stop: int = 16
+    """Cap on the number of stop strings."""
+    max_stop_length: int = 256
+    """Cap on one stop string's length (characters)."""
+    max_prompts: int = 256
+    """Cap on the number of prompts in one completions request."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535]; got {self.port}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0; got {self.max_queued_requests}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024; got {self.max_body_bytes}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0; got {self.shutdown_timeout}")
+        if self.api_key == "":
+            raise ValueError("api_key must not be empty (leave it unset to disable authentication)")

@@ -1,0 +1,267 @@
+"""`AsyncEngine`: the engine behind an asyncio server.
+
+    engine thread:  loop { apply queued adds/aborts; step(); hand each step's outputs to the loop }
+    event loop:     add_request() -> RequestStream (an async iterator of per-step deltas)
+
+The step loop runs in one background thread, the only thread that touches the scheduler, the
+runner and the output processor; torch releases the GIL inside its kernels, so the event loop stays
+responsive while a step computes. Requests and aborts reach the thread through a command queue and
+are applied between steps; outputs come back once per step in one `call_soon_threadsafe`.
+
+Input checks (tokenization, context length, parameters against the vocabulary) run before a
+request is queued, so a bad request fails with a `ValueError` before any byte is streamed. The
+waiting queue is bounded: `QueueFullError` (the server's 429) when `max_queued_requests` sequences
+already wait for a slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+from llmserve.engine.llm_engine import LLMEngine, ProcessedPrompt
+from llmserve.outputs import RequestOutput
+from llmserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("llmserve")
+
+
+class QueueFullError(Exception):
+    """The waiting queue is at `max_queued_requests`; retry after `retry_after` seconds."""
+
+    def __init__(self, num_waiting: int, retry_after: int) -> None:
+        super().__init__(f"the server is busy: {num_waiting} requests are waiting; retry in {retry_after} s")
+        self.retry_after = retry_after
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop failed; no request can complete any more."""
+
+
+class RequestAbortedError(RuntimeError):
+    """The engine side aborted a request someone was still reading (shutdown)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """What the engine thread publishes after each step (read by the event loop, never locked)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+
+
+class RequestStream:
+    """The outputs of one request, one delta per engine step, until `finished`.
+
+    Use as an async iterator inside `async with`: leaving the block early (a client that
+    disconnected, a cancelled task) aborts the request, and its KV blocks are freed by the next step.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str, prompt: ProcessedPrompt) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self._engine = engine
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        while not self.finished:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                self.finished = True
+                raise item
+            self.finished = item.finished
+            yield item
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.request_id)
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.abort()
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_queued_requests: int | None = None) -> None:
+        self.engine = engine
+        self.max_queued_requests = max_queued_requests
+        self.snapshot = EngineSnapshot(kv_blocks_total=engine.kv_info.num_blocks)
+        self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}
+        self._ids = itertools.count()
+        self._pending_adds = 0  # sequences queued for the engine thread, not yet in the scheduler
+        self._pending_lock = threading.Lock()
+        self._mean_latency = 0.0  # seconds, moving average over finished requests (Retry-After)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.dead: BaseException | None = None
+
+    # -- life cycle ---------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the step loop; call from the event loop the streams will be consumed on."""
+        assert self._thread is None, "already started"
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="llmserve-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        """Abort everything still running and stop the step loop."""
+        for request_id in list(self._streams):
+            self.abort(request_id, "the server is shutting down")
+        self._commands.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    @property
+    def num_active(self) -> int:
+        """Requests accepted and not finished."""
+        return len(self._streams)
+
+    # -- requests (event loop side) -------------------------------------------------------------
+
+    def new_request_id(self, prefix: str = "req") -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    def check_queue(self, num_sequences: int = 1) -> None:
+        """Raise `QueueFullError` when `num_sequences` more would overflow the waiting queue."""
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine stopped: {self.dead}")
+        limit = self.max_queued_requests
+        if limit is None:
+            return
+        waiting = self.snapshot.num_waiting + self._pending_adds
+        if waiting + num_sequences > limit:
+            num_slots = max(1, self.engine.scheduler_config.max_num_seqs)
+            estimate = (waiting / num_slots + 1) * (self._mean_latency or 1.0)
+            raise QueueFullError(waiting, retry_after=min(60, max(1, math.ceil(estimate))))
+
+    async def process_inputs(self, prompt: str | Sequence[int], params: SamplingParams) -> ProcessedPrompt:
+        """Tokenize and check a prompt off the event loop (long prompts take milliseconds)."""
+        return await asyncio.to_thread(self.engine.process_inputs, prompt, params)
+
+    def add_request(self, request_id: str, prompt: ProcessedPrompt, priority: int = 0) -> RequestStream:
+        """Queue a checked prompt; raises `QueueFullError` when the waiting queue is full."""
+        n = prompt.params.n
+        self.check_queue(n)
+        stream = RequestStream(self, request_id, prompt)
+        self._streams[request_id] = stream
+        with self._pending_lock:
+            self._pending_adds += n
+
+        def add() -> None:
+            with self._pending_lock:
+                self._pending_adds -= n
+            try:
+                self.engine.add_request(request_id, prompt, priority=priority, delta=True)
+            except ValueError as e:
+                # A check only the engine makes (a derived per-sample seed, say) failed: fail this
+                # request alone, undoing a partial add; the step loop must live on.
+                self.engine.abort_request([request_id])
+                assert self._loop is not None
+                self._loop.call_soon_threadsafe(self._fail, request_id, e)
+
+        self._commands.put(add)
+        return stream
+
+    def abort(self, request_id: str, reason: str = "aborted") -> None:
+        """Abort a request; its blocks are freed before the next step runs. A reader still
+        waiting on its stream gets `RequestAbortedError(reason)`."""
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        stream._put(RequestAbortedError(reason))
+        self._commands.put(lambda: self.engine.abort_request([request_id]))
+
+    # -- the engine thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                # Block for work when idle; otherwise take whatever arrived during the last step.
+                if not engine.has_unfinished_requests():
+                    command = self._commands.get()
+                    if command is None:
+                        return
+                    command()
+                while True:
+                    try:
+                        command = self._commands.get_nowait()
+                    except queue.Empty:
+                        break
+                    if command is None:
+                        return
+                    command()
+                self._publish(stepped=False)
+                if engine.has_unfinished_requests():
+                    outputs = engine.step()
+                    self._publish(stepped=True)
+                    if outputs:
+                        assert self._loop is not None
+                        self._loop.call_soon_threadsafe(self._deliver, outputs)
+        except BaseException as e:  # a bug or an OOM in a step: fail every request, loudly
+            logger.exception("engine step loop failed")
+            self.dead = e
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(self._fail_all, e)
+
+    def _publish(self, stepped: bool) -> None:
+        scheduler = self.engine.scheduler
+        kv = scheduler.kv_cache_manager
+        self.snapshot = EngineSnapshot(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            kv_blocks_total=kv.num_blocks,
+            kv_blocks_used=kv.num_blocks - kv.get_num_free_blocks(),
+            num_preemptions=scheduler.num_preemptions,
+            num_steps=self.snapshot.num_steps + stepped,
+        )
+
+    # -- back on the event loop ------------------------------------------------------------------
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # aborted while the step ran
+            stream._put(out)
+            if out.finished:
+                del self._streams[out.request_id]
+                if out.metrics is not None:
+                    latency = now - out.metrics.arrival_time
+                    self._mean_latency = (
+                        0.9 * self._mean_latency + 0.1 * latency if self._mean_latency else latency
+                    )
+
+    def _fail(self, request_id: str, error: BaseException) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream._put(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for stream in self._streams.values():
+            stream._put(EngineDeadError(f"the engine stopped: {error!r}"))
+        self._streams.clear()

@@ -1,0 +1,255 @@
+"""The FastAPI application: routes (thin), the request gate, and the engine's life cycle.
+
+    CORS (only when origins are given)
+      -> gate: 503 while loading or draining, 401 without the API key, 413 for a large body
+        -> routes -> serving layer -> AsyncEngine
+
+The gate is deny-by-default: it runs before routing, so every route, including one added later and
+unknown paths, needs the key; only /health is open. The key is compared in constant time.
+
+The model loads in a background thread after the server starts listening, so /health can answer
+503 while it loads and 200 once requests can be served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from llmserve import __version__
+from llmserve.config import ServerConfig
+from llmserve.engine.async_engine import AsyncEngine
+from llmserve.engine.llm_engine import LLMEngine
+from llmserve.server.errors import error_body, install_error_handlers
+from llmserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from llmserve.server.serving import ChatServing, CompletionServing, ServingContext, TokenServing
+
+logger = logging.getLogger("llmserve.server")
+
+OPEN_PATHS = frozenset({"/health"})
+
+
+@dataclass
+class ServerState:
+    """What the gate and the routes need to know about the server's life."""
+
+    config: ServerConfig
+    ctx: ServingContext | None = None
+    load_error: BaseException | None = None
+    draining: bool = False
+    started: float = field(default_factory=time.time)
+    on_load_error: Callable[[BaseException], None] | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.ctx is not None and not self.draining
+
+
+async def _send_error(send: Send, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+    response = JSONResponse(error_body(status, message), status_code=status, headers=headers)
+    await response({"type": "http"}, _no_receive, send)
+
+
+async def _no_receive() -> Message:
+    return {"type": "http.disconnect"}
+
+
+class _Gate:
+    """Pure ASGI middleware: availability, authentication and body size, before any route runs."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+        key = state.config.api_key
+        self._expected = f"Bearer {key}".encode() if key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        headers = dict(scope["headers"])
+        if path not in OPEN_PATHS:
+            if self._expected is not None:
+                given = headers.get(b"authorization", b"")
+                if not hmac.compare_digest(given, self._expected):
+                    await _send_error(send, 401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                      {"WWW-Authenticate": "Bearer"})  # fmt: skip
+                    return
+            state = self.state
+            if state.draining:
+                await _send_error(send, 503, "the server is shutting down")
+                return
+            if state.ctx is None:
+                await _send_error(
+                    send, 503, "the model is still loading; retry shortly", {"Retry-After": "5"}
+                )
+                return
+        limit = self.state.config.max_body_bytes
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            await _send_error(send, 413, f"the request body has {int(length)} bytes; the limit is {limit}")
+            return
+        # Read the body here (chunked uploads have no content-length), then replay it to the app;
+        # later receive() calls reach the client again (disconnect detection).
+        chunks: list[bytes] = []
+        received = 0
+        more = scope["method"] in ("POST", "PUT", "PATCH")
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            received += len(chunks[-1])
+            if received > limit:
+                await _send_error(send, 413, f"the request body is larger than the limit of {limit} bytes")
+                return
+            more = message.get("more_body", False)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+def build_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig, model_name: str) -> FastAPI:
+    """The app for one model. `engine_factory` runs in a thread once the server listens."""
+    state = ServerState(config)
+
+    async def load() -> None:
+        try:
+            llm_engine = await asyncio.to_thread(engine_factory)
+        except BaseException as e:
+            logger.error("loading the model failed: %s", e)
+            state.load_error = e
+            if state.on_load_error is not None:
+                state.on_load_error(e)
+            return
+        engine = AsyncEngine(llm_engine, max_queued_requests=config.max_queued_requests)
+        engine.start()
+        state.ctx = ServingContext(engine, config, model_name)
+        logger.info("ready: serving %r", model_name)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loader = asyncio.create_task(load())
+        yield
+        state.draining = True
+        loader.cancel()
+        if state.ctx is not None:
+            active = state.ctx.engine.num_active
+            if active:
+                logger.info("shutdown: aborting %d unfinished request(s)", active)
+            state.ctx.engine.shutdown()
+
+    app = FastAPI(title="llmserve", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.server = state
+    install_error_handlers(app)
+    app.add_middleware(_Gate, state=state)
+    if config.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.allowed_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
+
+    def ctx() -> ServingContext:
+        assert state.ctx is not None  # the gate answers 503 until it is set
+        return state.ctx
+
+    @app.get("/health")
+    async def health() -> Any:
+        if state.load_error is not None:
+            return JSONResponse(
+                error_body(503, f"loading the model failed: {state.load_error}"), status_code=503
+            )
+        if state.draining:
+            return JSONResponse(error_body(503, "the server is shutting down"), status_code=503)
+        if state.ctx is None:
+            return JSONResponse(error_body(503, "the model is still loading"), status_code=503)
+        if state.ctx.engine.dead is not None:
+            return JSONResponse(
+                error_body(503, f"the engine stopped: {state.ctx.engine.dead}"), status_code=503
+            )
+        return {"status": "ok"}
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    def model_card() -> dict[str, Any]:
+        return {
+            "id": model_name,
+            "object": "model",
+            "created": int(state.started),
+            "owned_by": "llmserve",
+            "max_model_len": ctx().max_model_len,
+        }
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str) -> dict[str, Any]:
+        ctx().check_model(model)
+        return model_card()
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request) -> Any:
+        return await CompletionServing(ctx()).create(req, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Any:
+        return await ChatServing(ctx()).create(req, raw)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> Any:
+        return TokenServing(ctx()).tokenize(req)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> Any:
+        return TokenServing(ctx()).detokenize(req)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> Any:
+        return TokenServing(ctx()).info()
+
+    @app.get("/stats")
+    async def stats() -> dict[str, Any]:
+        """The engine's state right now (requests, KV blocks): for operators and tests."""
+        engine = ctx().engine
+        s = engine.snapshot
+        return {
+            "num_active_requests": engine.num_active,
+            "num_running": s.num_running,
+            "num_waiting": s.num_waiting,
+            "kv_blocks_total": s.kv_blocks_total,
+            "kv_blocks_used": s.kv_blocks_used,
+            "num_preemptions": s.num_preemptions,
+            "num_steps": s.num_steps,
+        }
+
+    return app

@@ -1,0 +1,118 @@
+"""Request schemas of the OpenAI API (and vLLM's extra sampling fields), as pydantic models.
+
+Types are checked here (a string where a number belongs is a 400 naming the field); value ranges
+are checked once, by `SamplingParams`, and the server's caps by the serving layer. Unknown fields
+are ignored, as vLLM does, so clients that send newer fields keep working. Responses are plain
+dicts built by the serving layer in OpenAI's shapes (validated by the tests with the `openai`
+client's own types).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+# Token ids are strict integers: `true` or `1.5` in a prompt is an error, not token 1.
+TokenIds = list[StrictInt]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
+
+
+class _SamplingFields(_Request):
+    """Fields shared by completions and chat completions."""
+
+    model: StrictStr | None = None
+    n: StrictInt = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    user: StrictStr | None = None
+    # vLLM's extras
+    top_k: StrictInt | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: StrictInt = 0
+    ignore_eos: StrictBool = False
+    stop_token_ids: list[StrictInt] | None = None
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
+    priority: StrictInt = 0
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
+    max_tokens: StrictInt | None = 16
+    logprobs: StrictInt | None = None
+    echo: StrictBool = False
+    best_of: StrictInt | None = None
+    suffix: StrictStr | None = None
+    prompt_logprobs: StrictInt | None = None
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class OtherPart(_Request):
+    """Any other content part (images, audio, files): recognized, then refused with a clear 400."""
+
+    type: StrictStr
+
+
+ContentPart = Annotated[TextPart | OtherPart, Field(union_mode="left_to_right")]
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[ContentPart] | None = None
+    name: StrictStr | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: StrictStr | None = None
+
+
+class ResponseFormat(_Request):
+    type: StrictStr
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    # vLLM's extras for templates
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(_Request):
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(_Request):
+    model: StrictStr | None = None
+    tokens: TokenIds

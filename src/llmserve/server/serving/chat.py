@@ -1,0 +1,258 @@
+"""`POST /v1/chat/completions`: messages through the model's chat template -> assistant messages.
+
+Streaming: the first chunk of each choice carries the role, content follows as deltas, each choice
+ends with exactly one chunk that has a `finish_reason`, then an optional usage chunk and [DONE].
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import jinja2
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import Request
+
+from llmserve.engine.llm_engine import ProcessedPrompt
+from llmserve.outputs import PositionLogprobs
+from llmserve.server.errors import APIError
+from llmserve.server.protocol import ChatCompletionRequest, ChatMessage
+from llmserve.server.serving.common import (
+    Choice,
+    ServingContext,
+    Usage,
+    check_caps,
+    engine_error,
+    merged,
+    new_id,
+    now,
+    process_prompt,
+    run_unless_disconnected,
+    sampling_params,
+    sse,
+    sse_with_errors,
+    start_requests,
+)
+
+
+def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The template's view of the messages: text content parts joined, other parts refused."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text":
+                    raise APIError(
+                        400, f"messages[{i}]: content parts of type {part.type!r} are not supported (text only)",
+                        param="messages",
+                    )  # fmt: skip
+                texts.append(part.text)  # type: ignore[union-attr]
+            content = "\n".join(texts)
+        d: dict[str, Any] = {"role": m.role, "content": content if content is not None else ""}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            value = getattr(m, key)
+            if value is not None:
+                d[key] = value
+        out.append(d)
+    return out
+
+
+def render_chat(ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool,
+                continue_final_message: bool = False, extra: dict[str, Any] | None = None) -> list[int]:  # fmt: skip
+    """Chat template -> token ids; a template that refuses the conversation is a 400."""
+    if continue_final_message and add_generation_prompt:
+        raise APIError(
+            400, "continue_final_message and add_generation_prompt cannot both be true",
+            param="continue_final_message",
+        )  # fmt: skip
+    if continue_final_message and messages[-1].role != "assistant":
+        raise APIError(400, "continue_final_message needs an assistant message last", param="messages")
+    reserved = sorted({"messages", "add_generation_prompt"} & set(extra or {}))
+    if reserved:  # they would collide with our own arguments (a TypeError, a 500)
+        raise APIError(
+            400, f"chat_template_kwargs cannot set {reserved}; use the request fields",
+            param="chat_template_kwargs",
+        )  # fmt: skip
+    dicts = messages_to_dicts(messages)
+    try:
+        text = ctx.tokenizer.apply_chat_template(
+            dicts, add_generation_prompt=add_generation_prompt, **(extra or {})
+        )
+    except (ValueError, jinja2.TemplateError) as e:
+        raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+    if continue_final_message:
+        # cut the rendering right after the final message's text, so generation continues it
+        final = dicts[-1]["content"]
+        cut = text.rfind(final)
+        if final and cut >= 0:
+            text = text[: cut + len(final)]
+    return ctx.tokenizer.encode(text, add_special_tokens=False)
+
+
+class ChatServing:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    async def create(self, req: ChatCompletionRequest, raw: Request) -> Any:
+        ctx = self.ctx
+        ctx.check_model(req.model)
+        top = req.top_logprobs
+        if top is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
+        check_caps(ctx, req, top, "top_logprobs")
+        if req.tools:
+            raise APIError(400, "tools (function calling) are not supported yet", param="tools")
+        if req.response_format is not None and req.response_format.type != "text":
+            raise APIError(
+                400, f"response_format {req.response_format.type!r} is not supported yet (only 'text')",
+                param="response_format",
+            )  # fmt: skip
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        param_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        if max_tokens is not None and max_tokens < 1:
+            raise APIError(400, f"{param_name} must be >= 1; got {max_tokens}", param=param_name)
+        ids = render_chat(
+            ctx, req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs
+        )
+        params = sampling_params(req, max_tokens, (top or 0) if req.logprobs else None, None)
+        prompt = await process_prompt(ctx, ids, params)
+        streams = start_requests(ctx, [prompt], req.priority, "chat")
+        request_id, created = new_id("chatcmpl"), now()
+        if req.stream:
+            body = sse_with_errors(self._stream(req, prompt, streams, request_id, created))
+            return StreamingResponse(body, media_type="text/event-stream")
+        return await run_unless_disconnected(
+            raw, lambda: self._full(req, prompt, streams, request_id, created), streams
+        )
+
+    def _logprobs(
+        self, token_ids: list[int], positions: list[PositionLogprobs], k: int
+    ) -> list[dict[str, Any]]:
+        ctx = self.ctx
+        content = []
+        for token_id, position in zip(token_ids, positions, strict=True):
+            s = ctx.token_str(token_id)
+            content.append(
+                {
+                    "token": s,
+                    "logprob": position[token_id][0],
+                    "bytes": list(s.encode("utf-8")),
+                    "top_logprobs": [
+                        {"token": (t := ctx.token_str(tid)), "logprob": lp, "bytes": list(t.encode("utf-8"))}
+                        for tid, lp in ctx.top_logprobs(position, k)
+                    ],
+                }
+            )
+        return content
+
+    async def _full(
+        self,
+        req: ChatCompletionRequest,
+        prompt: ProcessedPrompt,
+        streams: list,
+        request_id: str,
+        created: int,
+    ) -> JSONResponse:
+        choices = [Choice(i) for i in range(req.n)]
+        usage = Usage(prompt_tokens=len(prompt.token_ids))
+        try:
+            async for _, out in merged(self.ctx, streams):
+                usage.cached_tokens = out.num_cached_tokens
+                for c in out.outputs:
+                    choices[c.index].add(c)
+        except APIError:
+            raise
+        except Exception as e:
+            raise engine_error(e) from None
+        k = req.top_logprobs or 0
+        body = []
+        for choice in choices:
+            usage.completion_tokens += len(choice.token_ids)
+            body.append(
+                {
+                    "index": choice.index,
+                    "message": {"role": "assistant", "content": choice.text},
+                    "logprobs": {
+                        "content": self._logprobs(choice.token_ids, choice.logprobs, k),
+                        "refusal": None,
+                    }
+                    if req.logprobs
+                    else None,
+                    "finish_reason": choice.finish_reason,
+                    "stop_reason": choice.stop_reason,
+                }
+            )
+        return JSONResponse(
+            {
+                "id": request_id,
+                "object": "chat.completion",
+                "created": created,
+                "model": self.ctx.model_name,
+                "choices": body,
+                "usage": usage.as_dict(),
+            }
+        )
+
+    async def _stream(
+        self,
+        req: ChatCompletionRequest,
+        prompt: ProcessedPrompt,
+        streams: list,
+        request_id: str,
+        created: int,
+    ) -> AsyncIterator[str]:
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        usage = Usage(prompt_tokens=len(prompt.token_ids))
+        k = req.top_logprobs or 0
+
+        def chunk(choice: dict[str, Any]) -> str:
+            payload: dict[str, Any] = {
+                "id": request_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": self.ctx.model_name,
+                "choices": [choice],
+            }
+            if include_usage:
+                payload["usage"] = None
+            return sse(payload)
+
+        # the role goes first, in its own chunk per choice, before any token is computed
+        for i in range(req.n):
+            yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None})  # fmt: skip
+        finished = [False] * req.n
+        async for _, out in merged(self.ctx, streams):
+            usage.cached_tokens = out.num_cached_tokens
+            for c in out.outputs:
+                if finished[c.index] or not (c.text or c.token_ids or c.finished):
+                    continue
+                usage.completion_tokens += len(c.token_ids)
+                logprobs = None
+                if req.logprobs and c.token_ids:
+                    logprobs = {"content": self._logprobs(c.token_ids, c.logprobs or [], k), "refusal": None}
+                if not c.text and logprobs is None and not c.finished:
+                    continue
+                finished[c.index] = c.finished
+                yield chunk(
+                    {
+                        "index": c.index,
+                        "delta": {"content": c.text} if c.text or not c.finished else {},
+                        "logprobs": logprobs,
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                )
+        if include_usage:
+            yield sse(
+                {
+                    "id": request_id,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": self.ctx.model_name,
+                    "choices": [],
+                    "usage": usage.as_dict(),
+                }
+            )
