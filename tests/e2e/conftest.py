@@ -75,7 +75,8 @@ class ServerProcess:
         raise RuntimeError(f"server not healthy after {timeout} s:\n{self.log()}")
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text()
 
     def client(self, **kwargs):

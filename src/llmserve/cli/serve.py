@@ -11,10 +11,12 @@ abort the rest, exit 0. A second signal exits at once.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import os
 import signal
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,6 +25,8 @@ from llmserve.config import ServerConfig
 from llmserve.config.cache import parse_bytes
 
 logger = logging.getLogger("llmserve.server")
+
+SHUTDOWN_GRACE = 2.0  # seconds for aborted requests to send their error before uvicorn cancels them
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -90,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
                     "%s: draining; in-flight requests have %.0f s to finish",
                     signal.Signals(sig).name, config.shutdown_timeout,
                 )  # fmt: skip
+            if state.draining:
+                self.force_exit = True  # a second signal: stop waiting for anything
             state.draining = True
             super().handle_exit(sig, frame)
 
@@ -101,13 +107,28 @@ def run(args: argparse.Namespace) -> int:
                 # would die by it; a drained shutdown is a normal exit (status 0)
                 self._captured_signals.clear()
 
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            # uvicorn cancels the requests still open at its timeout: their clients see the
+            # connection cut and each leaves an ERROR traceback. So at --shutdown-timeout the
+            # engine aborts them instead (each ends with an SSE error event or a 503), and
+            # uvicorn's cancellation, SHUTDOWN_GRACE later, is the last resort.
+            abort = asyncio.get_running_loop().call_later(config.shutdown_timeout, abort_in_flight)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                abort.cancel()
+
+    def abort_in_flight() -> None:
+        if state.ctx is not None:
+            state.ctx.engine.abort_all("the server is shutting down")
+
     server = Server(
         uvicorn.Config(
             app,
             host=config.host,
             port=config.port,
             log_level=logging.getLevelName(logging.getLogger().level).lower(),
-            timeout_graceful_shutdown=config.shutdown_timeout,
+            timeout_graceful_shutdown=config.shutdown_timeout + SHUTDOWN_GRACE,
             access_log=False,
         )
     )

@@ -111,6 +111,7 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}
         self._ids = itertools.count()
         self._pending_adds = 0  # sequences queued for the engine thread, not yet in the scheduler
+        self._num_added = 0  # engine thread: sequences added since the last snapshot
         self._pending_lock = threading.Lock()
         self._mean_latency = 0.0  # seconds, moving average over finished requests (Retry-After)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -128,11 +129,15 @@ class AsyncEngine:
 
     def shutdown(self) -> None:
         """Abort everything still running and stop the step loop."""
-        for request_id in list(self._streams):
-            self.abort(request_id, "the server is shutting down")
+        self.abort_all("the server is shutting down")
         self._commands.put(None)
         if self._thread is not None:
             self._thread.join(timeout=30)
+
+    def abort_all(self, reason: str) -> None:
+        """Abort every accepted request; their readers get `RequestAbortedError(reason)`."""
+        for request_id in list(self._streams):
+            self.abort(request_id, reason)
 
     @property
     def num_active(self) -> int:
@@ -171,8 +176,8 @@ class AsyncEngine:
             self._pending_adds += n
 
         def add() -> None:
-            with self._pending_lock:
-                self._pending_adds -= n
+            # still counted as pending until a snapshot counts it as waiting (see _publish)
+            self._num_added += n
             try:
                 self.engine.add_request(request_id, prompt, priority=priority, delta=True)
             except ValueError as e:
@@ -238,6 +243,12 @@ class AsyncEngine:
             num_preemptions=scheduler.num_preemptions,
             num_steps=self.snapshot.num_steps + stepped,
         )
+        if self._num_added:
+            # Only now do the new requests show in `num_waiting`; uncounting them as pending any
+            # earlier would let `check_queue` see them nowhere and overfill the queue.
+            with self._pending_lock:
+                self._pending_adds -= self._num_added
+            self._num_added = 0
 
     # -- back on the event loop ------------------------------------------------------------------
 

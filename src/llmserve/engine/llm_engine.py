@@ -166,7 +166,7 @@ class LLMEngine:
                 child_params = dataclasses.replace(
                     params,
                     n=1,
-                    seed=None if params.seed is None else params.seed + i,
+                    seed=None if params.seed is None else (params.seed + i) % 2**63,
                     prompt_logprobs=params.prompt_logprobs if i == 0 else None,
                 )
             self.scheduler.add_request(

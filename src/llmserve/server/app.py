@@ -77,7 +77,7 @@ class _Gate:
         self.app = app
         self.state = state
         key = state.config.api_key
-        self._expected = f"Bearer {key}".encode() if key else None
+        self._expected = key.encode() if key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -87,8 +87,9 @@ class _Gate:
         headers = dict(scope["headers"])
         if path not in OPEN_PATHS:
             if self._expected is not None:
-                given = headers.get(b"authorization", b"")
-                if not hmac.compare_digest(given, self._expected):
+                scheme, _, given = headers.get(b"authorization", b"").partition(b" ")
+                # the scheme is case-insensitive (RFC 9110); the key is compared in constant time
+                if not (hmac.compare_digest(given.strip(), self._expected) and scheme.lower() == b"bearer"):
                     await _send_error(send, 401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                                       {"WWW-Authenticate": "Bearer"})  # fmt: skip
                     return
@@ -121,6 +122,12 @@ class _Gate:
                 await _send_error(send, 413, f"the request body is larger than the limit of {limit} bytes")
                 return
             more = message.get("more_body", False)
+        if chunks and not headers.get(b"content-type", b"").startswith(b"application/json"):
+            # Every body here is JSON: read it as such whatever the client declared (`curl -d`
+            # sends a form type), so the client gets JSON errors about its content, not its headers.
+            scope = dict(scope)
+            scope["headers"] = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+            scope["headers"].append((b"content-type", b"application/json"))
         replayed = False
 
         async def replay() -> Message:

@@ -154,8 +154,16 @@ def start_requests(
 ) -> list[RequestStream]:
     """Queue every prompt of one API request, or none of them (429 when the queue is full)."""
     engine = ctx.engine
+    num_sequences = sum(p.params.n for p in prompts)
+    limit = ctx.config.max_queued_requests
+    if limit is not None and num_sequences > max(limit, 1):
+        # retrying could never help: the request alone is larger than the queue
+        raise APIError(
+            400, f"this request needs {num_sequences} sequences (prompts x n); the server queues at most {limit}",
+            param="n",
+        )  # fmt: skip
     try:
-        engine.check_queue(sum(p.params.n for p in prompts))
+        engine.check_queue(num_sequences)
     except QueueFullError as e:
         raise APIError(429, str(e), code="queue_full", headers={"Retry-After": str(e.retry_after)}) from None
     except EngineDeadError as e:
@@ -322,6 +330,8 @@ async def sse_with_errors(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
             yield chunk
     except APIError as e:
         yield error_sse(e)
+    except RequestAbortedError as e:  # the server is shutting down: expected, no traceback
+        yield error_sse(engine_error(e))
     except Exception as e:
         logger.exception("error while streaming")
         yield error_sse(engine_error(e))

@@ -177,15 +177,23 @@ class CompletionServing:
                     builder.offset = len(echo)
                 builder.add(choice.token_ids, choice.logprobs)
                 logprobs = builder.as_dict()
-            body_choices.append(
-                {
-                    "index": choice.index,
-                    "text": echo + choice.text,
-                    "logprobs": logprobs,
-                    "finish_reason": choice.finish_reason,
-                    "stop_reason": choice.stop_reason,
-                }
-            )
+            body = {
+                "index": choice.index,
+                "text": echo + choice.text,
+                "logprobs": logprobs,
+                "finish_reason": choice.finish_reason,
+                "stop_reason": choice.stop_reason,
+            }
+            if req.prompt_logprobs is not None and not req.echo:
+                # vLLM's field: per prompt token, None first, then {token id: logprob, rank, text}
+                body["prompt_logprobs"] = [
+                    None if pos is None else {
+                        str(t): {"logprob": lp, "rank": rank, "decoded_token": ctx.token_str(t)}
+                        for t, (lp, rank) in pos.items()
+                    }
+                    for pos in prompt_lps[choice.index // n] or []
+                ]  # fmt: skip
+            body_choices.append(body)
         return JSONResponse(
             {
                 "id": request_id,
