@@ -249,6 +249,18 @@ class TorchAttentionBackend:
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
+        self._write_kv(params, key, value, kv_cache, metadata)
+        return self._attend_batch(params, query, key, value, kv_cache, metadata)
+
+    @staticmethod
+    def _write_kv(
+        params: AttentionParams,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> None:
+        """Scatter the batch's new K/V rows into the cache at `slot_mapping`."""
         H_kv, D = params.num_kv_heads, params.head_dim
         num_slots = kv_cache.shape[2] * kv_cache.shape[3]
         # Head h of slot s is row h * num_slots + s of the flat [H_kv * num_slots, D] view.
@@ -260,6 +272,17 @@ class TorchAttentionBackend:
         kv_cache[0].view(-1, D).index_copy_(0, rows, key.transpose(0, 1).reshape(-1, D))
         kv_cache[1].view(-1, D).index_copy_(0, rows, value.transpose(0, 1).reshape(-1, D))
 
+    def _attend_batch(
+        self,
+        params: AttentionParams,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Attention for every sequence of the batch, its new K/V already in the cache."""
+        H_kv = params.num_kv_heads
         plan = _decode_plan(metadata, params.sliding_window, H_kv, kv_cache.shape[2], query.device)
         if plan is None:
             outs = [

@@ -94,8 +94,9 @@ def _max_model_len(config: ModelConfig, hf_config: Any) -> int:
     return config.max_model_len
 
 
-def load_model(config: ModelConfig, attention_backend: str = "torch") -> LoadedModel:
-    """Load `config.model` (see `resolve_model` for what names a model) onto `config.device`."""
+def load_model(config: ModelConfig, attention_backend: str = "auto") -> LoadedModel:
+    """Load `config.model` (see `resolve_model` for what names a model) onto `config.device`;
+    `attention_backend` names a registered backend, or "auto" for the best one for that device."""
     start = time.perf_counter()
     source = resolve_model(config.model)
     if source.kind == "gguf":
@@ -124,7 +125,7 @@ def load_model(config: ModelConfig, attention_backend: str = "torch") -> LoadedM
     # Parameters are created with torch.empty (no initialisation pass) directly on the target
     # device; each checkpoint tensor is then copied into its place exactly once.
     with torch.device(device), _default_dtype(dtype):
-        model = model_cls(hf_config, get_attention_backend(attention_backend))
+        model = model_cls(hf_config, get_attention_backend(attention_backend, device))
     bar = tqdm(
         total=num_tensors, desc=f"Loading {source.name}", unit="tensor", disable=not config.show_progress
     )
