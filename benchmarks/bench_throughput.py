@@ -6,7 +6,8 @@ Workload: `--num-requests` requests whose prompt lengths (32-512) and output len
 are drawn from a fixed seed; prompts are random token ids; greedy, EOS ignored, so every engine
 produces exactly the requested number of tokens. Reported per engine: output tokens/s.
   - llmserve in-flight: continuous batching with chunked prefill (the default).
-  - llmserve static: a batch of `--max-num-seqs` is admitted only when the previous one is done.
+  - llmserve static: fixed batches of `--max-num-seqs`: a batch runs until its longest member is
+    done (finished members are computed as padding, as a fixed-shape batch does), then the next.
   - transformers: `generate` in batches of `--hf-batch` (left padded, run to the longest output of
     the batch); only the requested tokens count. It runs the first `--hf-requests` requests (the
     figure is a rate, so a subset measures it in reasonable time).

@@ -146,15 +146,13 @@ def build_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig, mod
 
     async def load() -> None:
         try:
-            llm_engine = await asyncio.to_thread(engine_factory)
-        except BaseException as e:
+            engine = await AsyncEngine.launch(engine_factory, max_queued_requests=config.max_queued_requests)
+        except Exception as e:
             logger.error("loading the model failed: %s", e)
             state.load_error = e
             if state.on_load_error is not None:
                 state.on_load_error(e)
             return
-        engine = AsyncEngine(llm_engine, max_queued_requests=config.max_queued_requests)
-        engine.start()
         state.ctx = ServingContext(engine, config, model_name)
         logger.info("ready: serving %r", model_name)
 
