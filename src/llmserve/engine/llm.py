@@ -73,40 +73,11 @@ def _is_token_ids(x: object) -> bool:
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        dtype: str = "auto",
-        device: str = "auto",
-        max_model_len: int | None = None,
-        block_size: int = 16,
-        kv_cache_memory: int | None = None,
-        num_kv_blocks: int | None = None,
-        enable_prefix_caching: bool = True,
-        max_num_batched_tokens: int = 1024,
-        max_num_seqs: int = 64,
-        scheduling_policy: str = "fcfs",
-        admission_policy: str = "optimistic",
-        batching_mode: str = "continuous",
-        show_progress: bool = True,
-    ) -> None:
-        self.engine = build_engine(
-            model=model,
-            dtype=dtype,
-            device=device,
-            max_model_len=max_model_len,
-            show_progress=show_progress,
-            block_size=block_size,
-            kv_cache_memory=kv_cache_memory,
-            num_kv_blocks=num_kv_blocks,
-            enable_prefix_caching=enable_prefix_caching,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            scheduling_policy=scheduling_policy,
-            admission_policy=admission_policy,
-            batching_mode=batching_mode,
-        )
+    def __init__(self, model: str | None = None, **engine_options: Any) -> None:
+        """`engine_options`: the keyword arguments of `build_engine` (dtype, device, max_model_len,
+        block_size, kv_cache_memory, num_kv_blocks, enable_prefix_caching, max_num_batched_tokens,
+        max_num_seqs, scheduling_policy, admission_policy, batching_mode, show_progress)."""
+        self.engine = build_engine(model, **engine_options)
         self._ids = itertools.count()
 
     def get_tokenizer(self):
