@@ -293,7 +293,9 @@ def test_signal_drains_in_flight_requests_then_aborts_the_rest(fleet: Fleet, sig
                 async with httpx.AsyncClient(base_url=server.url, timeout=10) as fresh:
                     try:
                         probes.append(await fresh.get("/v1/models"))
-                    except httpx.ConnectError as e:
+                    except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError) as e:
+                        # refused, or reset: a connection still in the kernel's backlog when
+                        # uvicorn closes its listening socket is dropped without an answer
                         probes.append(e)
             done = await in_flight
             cut = await asyncio.gather(*backlog_tasks)
