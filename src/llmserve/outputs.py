@@ -29,10 +29,15 @@ class CompletionOutput:
 
 @dataclass(slots=True)
 class RequestMetrics:
+    """`time.monotonic()` timestamps of a request (the earliest / latest over its n samples)."""
+
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None
     finished_time: float | None = None
+    num_generation_tokens: int = 0
+    """Tokens generated so far, over all samples."""
 
 
 @dataclass(slots=True)

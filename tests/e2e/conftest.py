@@ -46,10 +46,14 @@ def free_port() -> int:
 class ServerProcess:
     """`llmserve serve` in a subprocess; `start()` returns once /health answers 200."""
 
-    def __init__(self, model: Path, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, model: Path | str, *args: str, env: dict[str, str] | None = None, log_dir: Path | None = None
+    ) -> None:
+        """`model`: a model folder or file (the log goes beside it) or a name such as the embedded
+        model's (give `log_dir` then)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = model.parent / f"server-{self.port}.log"
+        self.log_path = (log_dir or Path(model).parent) / f"server-{self.port}.log"
         cmd = [
             sys.executable, "-m", "llmserve.cli.main", "serve", str(model),
             "--port", str(self.port), "--served-model-name", MODEL_NAME,

@@ -53,6 +53,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout)
     s.add_argument("--log-requests", action="store_true", help="log prompts and outputs (off by default)")
     s.add_argument("--max-n", type=int, default=defaults.max_n)
+    s.add_argument("--disable-metrics", action="store_true", help="no Prometheus metrics at /metrics")
+    s.add_argument(
+        "--stats-log-interval", type=float, default=defaults.stats_log_interval,
+        help="seconds between engine stats log lines while busy (0: off)",
+    )  # fmt: skip
+    s.add_argument(
+        "--enable-response-timings", action="store_true",
+        help="add llama.cpp-style `timings` to every response (else only with return_timings: true)",
+    )  # fmt: skip
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -69,6 +78,9 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         shutdown_timeout=args.shutdown_timeout,
         log_requests=args.log_requests,
         max_n=args.max_n,
+        enable_metrics=not args.disable_metrics,
+        stats_log_interval=args.stats_log_interval,
+        enable_response_timings=args.enable_response_timings,
     )
 
 

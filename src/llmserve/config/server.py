@@ -33,6 +33,13 @@ class ServerConfig:
     """Cap on one stop string's length (characters)."""
     max_prompts: int = 256
     """Cap on the number of prompts in one completions request."""
+    enable_metrics: bool = True
+    """Serve Prometheus metrics at /metrics."""
+    stats_log_interval: float = 5.0
+    """Seconds between the engine's periodic log lines while busy (0: no such lines)."""
+    enable_response_timings: bool = False
+    """Every response carries `timings` (llama.cpp's shape); otherwise only when a request sends
+    `return_timings: true`."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -41,6 +48,8 @@ class ServerConfig:
             raise ValueError(f"max_queued_requests must be >= 0; got {self.max_queued_requests}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024; got {self.max_body_bytes}")
+        if self.stats_log_interval < 0:
+            raise ValueError(f"stats_log_interval must be >= 0; got {self.stats_log_interval}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0; got {self.shutdown_timeout}")
         if self.api_key == "":

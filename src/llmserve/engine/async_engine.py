@@ -12,6 +12,10 @@ Input checks (tokenization, context length, parameters against the vocabulary) r
 request is queued, so a bad request fails with a `ValueError` before any byte is streamed. The
 waiting queue is bounded: `QueueFullError` (the server's 429) when `max_queued_requests` sequences
 already wait for a slot.
+
+Statistics: the engine thread takes each step's `IterationStats` (plain numbers gathered while the
+outputs were processed) and hands them over with the outputs; the stat loggers (Prometheus, the
+periodic log line) record them on the event loop, so metrics add no work to the step loop itself.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from llmserve.engine.llm_engine import LLMEngine, ProcessedPrompt
+from llmserve.metrics.loggers import StatLogger
+from llmserve.metrics.stats import IterationStats
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
 
@@ -59,6 +65,9 @@ class EngineSnapshot:
     kv_blocks_used: int = 0
     num_preemptions: int = 0
     num_steps: int = 0
+    prefix_cache_queries: int = 0
+    """Prompt tokens looked up in the prefix cache, and found there (cumulative)."""
+    prefix_cache_hits: int = 0
 
 
 class RequestStream:
@@ -103,9 +112,16 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_queued_requests: int | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        max_queued_requests: int | None = None,
+        stat_loggers: Sequence[StatLogger] = (),
+    ) -> None:
         self.engine = engine
         self.max_queued_requests = max_queued_requests
+        self.stat_loggers = list(stat_loggers)
+        engine.log_stats = bool(self.stat_loggers)
         self.snapshot = EngineSnapshot(kv_blocks_total=engine.kv_info.num_blocks)
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
@@ -117,6 +133,11 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.dead: BaseException | None = None
+
+    def add_stat_logger(self, stat_logger: StatLogger) -> None:
+        """Record every step's statistics with `stat_logger` from now on (call on the event loop)."""
+        self.stat_loggers.append(stat_logger)
+        self.engine.log_stats = True
 
     # -- life cycle ---------------------------------------------------------------------------------
 
@@ -130,7 +151,10 @@ class AsyncEngine:
 
     @classmethod
     async def launch(
-        cls, factory: Callable[[], LLMEngine], max_queued_requests: int | None = None
+        cls,
+        factory: Callable[[], LLMEngine],
+        max_queued_requests: int | None = None,
+        stat_loggers: Sequence[StatLogger] = (),
     ) -> AsyncEngine:
         """Build the engine with `factory` in a new thread, which then runs the step loop.
 
@@ -152,7 +176,7 @@ class AsyncEngine:
 
         def main() -> None:
             try:
-                engine = cls(factory(), max_queued_requests)
+                engine = cls(factory(), max_queued_requests, stat_loggers)
             except BaseException as e:
                 loop.call_soon_threadsafe(resolve, e)
                 return
@@ -257,12 +281,15 @@ class AsyncEngine:
                         return
                     command()
                 self._publish(stepped=False)
+                outputs: list[RequestOutput] = []
                 if engine.has_unfinished_requests():
                     outputs = engine.step()
                     self._publish(stepped=True)
-                    if outputs:
-                        assert self._loop is not None
-                        self._loop.call_soon_threadsafe(self._deliver, outputs)
+                # this step's statistics, or the aborts applied above when nothing runs any more
+                stats = engine.take_stats() if self.stat_loggers else None
+                if outputs or stats is not None:
+                    assert self._loop is not None
+                    self._loop.call_soon_threadsafe(self._deliver, outputs, stats)
         except BaseException as e:  # a bug or an OOM in a step: fail every request, loudly
             logger.exception("engine step loop failed")
             self.dead = e
@@ -279,6 +306,8 @@ class AsyncEngine:
             kv_blocks_used=kv.num_blocks - kv.get_num_free_blocks(),
             num_preemptions=scheduler.num_preemptions,
             num_steps=self.snapshot.num_steps + stepped,
+            prefix_cache_queries=kv.prefix_cache_stats.queries,
+            prefix_cache_hits=kv.prefix_cache_stats.hits,
         )
         if self._num_added:
             # Only now do the new requests show in `num_waiting`; uncounting them as pending any
@@ -289,7 +318,13 @@ class AsyncEngine:
 
     # -- back on the event loop ------------------------------------------------------------------
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def _deliver(self, outputs: list[RequestOutput], stats: IterationStats | None) -> None:
+        if stats is not None:
+            for stat_logger in self.stat_loggers:
+                try:
+                    stat_logger.record(stats)
+                except Exception:  # a metrics bug must not take requests down with it
+                    logger.exception("stat logger %r failed", stat_logger)
         now = time.monotonic()
         for out in outputs:
             stream = self._streams.get(out.request_id)

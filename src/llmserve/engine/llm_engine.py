@@ -20,6 +20,7 @@ from llmserve.core.request import Request, RequestStatus
 from llmserve.core.scheduler import Scheduler, SchedulerStats
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.errors import ParameterError
+from llmserve.metrics.stats import IterationStats
 from llmserve.model_executor.engine_runner import EngineRunner
 from llmserve.model_executor.model_loader import LoadedModel, load_model
 from llmserve.outputs import RequestOutput
@@ -74,7 +75,10 @@ class LLMEngine:
         cache_config: CacheConfig | None = None,
         scheduler_config: SchedulerConfig | None = None,
         loaded: LoadedModel | None = None,
+        log_stats: bool = False,
     ) -> None:
+        """`log_stats`: keep each step's `IterationStats` until `take_stats()` collects them (a
+        server's metrics); otherwise they are dropped at the next step."""
         self.model_config = model_config
         self.cache_config = cache_config or CacheConfig()
         self.scheduler_config = scheduler_config or SchedulerConfig()
@@ -99,6 +103,8 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.last_stats: SchedulerStats | None = None
+        self.log_stats = log_stats
+        self._stats = IterationStats(time.monotonic())
 
     # -- input processing ------------------------------------------------------------------------
 
@@ -157,7 +163,9 @@ class LLMEngine:
         params, ids = prompt.params, prompt.token_ids
         arrival = time.monotonic()
         child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
-        self.output_processor.add_request(request_id, prompt.text, ids, params, child_ids, arrival, delta)
+        self.output_processor.add_request(
+            request_id, prompt.text, ids, params, child_ids, arrival, delta, prompt.max_tokens
+        )
         for i, child_id in enumerate(child_ids):
             child_params = params
             if params.n > 1:
@@ -186,7 +194,7 @@ class LLMEngine:
         outputs = []
         for request_id in request_ids:
             self.scheduler.abort_requests(self.output_processor.child_ids(request_id))
-            out = self.output_processor.abort_request(request_id)
+            out = self.output_processor.abort_request(request_id, self._stats)
             if out is not None:
                 outputs.append(out)
         return outputs
@@ -198,14 +206,31 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the outputs of requests that progressed (finished or not)."""
+        if not self.log_stats:  # nobody collects them: keep only this step's
+            self._stats = IterationStats(0.0)
         scheduler_output = self.scheduler.schedule()
+        if scheduler_output.scheduled_new_reqs:
+            self.output_processor.mark_scheduled(
+                [r.req_id for r in scheduler_output.scheduled_new_reqs], time.monotonic()
+            )
         runner_output = self.runner.execute_model(scheduler_output)
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        outputs, stopped = self.output_processor.process_outputs(core_outputs)
+        stats = self._stats
+        stats.timestamp = time.monotonic()
+        outputs, stopped = self.output_processor.process_outputs(core_outputs, stats)
         if stopped:  # stop strings found by the detokenizer end those requests in the scheduler too
             self.scheduler.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        self.last_stats = self.scheduler.stats(scheduler_output.total_num_scheduled_tokens)
+        self.last_stats = stats.scheduler = self.scheduler.stats(scheduler_output.total_num_scheduled_tokens)
         return outputs
+
+    def take_stats(self) -> IterationStats | None:
+        """The statistics gathered since the last call (steps and aborts); None when nothing
+        happened. With several steps in between, only the last step's gauges are kept."""
+        stats = self._stats
+        if stats.is_empty:
+            return None
+        self._stats = IterationStats(time.monotonic())
+        return stats
 
     def kv_waste(self) -> float:
         """Fraction of allocated KV slots that hold no token right now (0 when nothing is allocated)."""

@@ -3,7 +3,8 @@
 Owns, per user request: the `n` child sequences the engine fanned it out into, their incremental
 detokenizers (stop strings are found here, and the engine then aborts that child in the
 scheduler), their logprobs in the user-facing shape, and the prompt logprobs (first entry None).
-Runs once per step over the requests that produced something; no work for idle requests.
+Runs once per step over the requests that produced something; no work for idle requests. The
+same pass keeps each sequence's timestamps and feeds the step's `IterationStats` (metrics).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from llmserve.core.sched_output import Logprobs
 from llmserve.core.scheduler import EngineCoreOutput
 from llmserve.engine.detokenizer import IncrementalDetokenizer
+from llmserve.metrics.stats import IterationStats, SequenceTimes
 from llmserve.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from llmserve.sampling_params import SamplingParams
 from llmserve.tokenizer import Tokenizer
@@ -34,6 +36,7 @@ def _positions(lp: Logprobs) -> list[PositionLogprobs]:
 class _Child:
     completion: CompletionOutput
     detokenizer: IncrementalDetokenizer | None
+    times: SequenceTimes
     num_sent_tokens: int = 0
     """Delta mode: output tokens already handed out."""
 
@@ -113,6 +116,7 @@ class OutputProcessor:
         child_ids: list[str],
         arrival_time: float,
         delta: bool = False,
+        max_tokens: int = 0,
     ) -> None:
         children = {
             cid: _Child(
@@ -124,6 +128,7 @@ class OutputProcessor:
                     cumulative_logprob=0.0 if params.logprobs is not None else None,
                 ),
                 IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
+                SequenceTimes(arrival_time, len(prompt_token_ids), max_tokens, params.n),
             )
             for i, cid in enumerate(child_ids)
         }
@@ -142,20 +147,38 @@ class OutputProcessor:
         state = self._requests.get(request_id)
         return list(state.child_order) if state else []
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
+    def mark_scheduled(self, child_ids: list[str], now: float) -> None:
+        """These sequences were scheduled for the first time (or again, after a preemption)."""
+        for cid in child_ids:
+            request_id = self._parent_of.get(cid)
+            if request_id is None:
+                continue
+            state = self._requests[request_id]
+            times = state.children[cid].times
+            if times.first_scheduled is None:
+                times.first_scheduled = now
+                if state.metrics.first_scheduled_time is None:
+                    state.metrics.first_scheduled_time = now
+
+    def abort_request(self, request_id: str, stats: IterationStats) -> RequestOutput | None:
         """Mark every unfinished child aborted; returns the final output."""
         state = self._requests.pop(request_id, None)
         if state is None:
             return None
+        now = time.monotonic()
         for cid, child in state.children.items():
             self._parent_of.pop(cid, None)
             if not child.completion.finished:
                 child.completion.finish_reason = "abort"
+                stats.observe_finished(child.times, "abort", now)
+        state.metrics.finished_time = now
         return state.to_output(finished=True)
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+    def process_outputs(
+        self, outputs: list[EngineCoreOutput], stats: IterationStats
+    ) -> tuple[list[RequestOutput], list[str]]:
         """(outputs of requests that changed this step, child ids to abort because of a stop string)."""
-        now = time.monotonic()
+        now = stats.timestamp
         changed: dict[str, _RequestState] = {}
         to_abort: list[str] = []
         for out in outputs:
@@ -167,12 +190,17 @@ class OutputProcessor:
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
             if out.prompt_logprobs is not None and state.prompt_logprobs is not None:
                 state.prompt_logprobs.extend(_positions(out.prompt_logprobs))
-            if out.new_token_ids and state.metrics.first_token_time is None:
-                state.metrics.first_token_time = now
+            if out.new_token_ids:
+                stats.observe_tokens(child.times, len(out.new_token_ids), now)
+                if state.metrics.first_token_time is None:
+                    state.metrics.first_token_time = now
+                state.metrics.last_token_time = now
+                state.metrics.num_generation_tokens += len(out.new_token_ids)
             if self._update_child(child, out):
                 to_abort.append(out.req_id)
             if child.completion.finished:
                 state.num_unfinished -= 1
+                stats.observe_finished(child.times, child.completion.finish_reason, now)
             changed[request_id] = state
         results = []
         for request_id, state in changed.items():

@@ -1,7 +1,8 @@
 """The FastAPI application: routes (thin), the request gate, and the engine's life cycle.
 
     CORS (only when origins are given)
-      -> gate: 503 while loading or draining, 401 without the API key, 413 for a large body
+      -> gate: 503 while loading or draining, 401 without the API key, 413 for a large body;
+       counts every refused request by reason (the request_rejected metric)
         -> routes -> serving layer -> AsyncEngine
 
 The gate is deny-by-default: it runs before routing, so every route, including one added later and
@@ -24,13 +25,15 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llmserve import __version__
 from llmserve.config import ServerConfig
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.llm_engine import LLMEngine
+from llmserve.metrics.loggers import LoggingStatLogger
+from llmserve.metrics.prometheus import PrometheusStatLogger
 from llmserve.server.errors import error_body, install_error_handlers
 from llmserve.server.protocol import (
     ChatCompletionRequest,
@@ -44,6 +47,12 @@ logger = logging.getLogger("llmserve.server")
 
 OPEN_PATHS = frozenset({"/health"})
 
+# HTTP status of a refused request -> the `reason` label of llmserve:request_rejected
+REJECT_REASONS = {
+    400: "validation", 422: "validation", 401: "auth", 404: "not_found", 405: "not_found",
+    413: "too_large", 429: "queue_full", 503: "unavailable",
+}  # fmt: skip
+
 
 @dataclass
 class ServerState:
@@ -53,6 +62,7 @@ class ServerState:
     ctx: ServingContext | None = None
     load_error: BaseException | None = None
     draining: bool = False
+    metrics: PrometheusStatLogger | None = None
     started: float = field(default_factory=time.time)
     on_load_error: Callable[[BaseException], None] | None = None
 
@@ -83,6 +93,7 @@ class _Gate:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        send = self._counting(send)
         path: str = scope["path"]
         headers = dict(scope["headers"])
         if path not in OPEN_PATHS:
@@ -139,6 +150,19 @@ class _Gate:
 
         await self.app(scope, replay, send)
 
+    def _counting(self, send: Send) -> Send:
+        """`send`, counting a refused request (by its status) in the metrics."""
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                reason = REJECT_REASONS.get(message["status"])
+                metrics = self.state.metrics
+                if reason is not None and metrics is not None:
+                    metrics.record_rejected(reason)
+            await send(message)
+
+        return counting_send
+
 
 def build_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig, model_name: str) -> FastAPI:
     """The app for one model. `engine_factory` runs in a thread once the server listens."""
@@ -153,6 +177,21 @@ def build_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig, mod
             if state.on_load_error is not None:
                 state.on_load_error(e)
             return
+        core = engine.engine
+        if config.enable_metrics:
+            state.metrics = PrometheusStatLogger(
+                model_name,
+                core.max_model_len,
+                cache_info={
+                    "block_size": str(core.kv_info.block_size),
+                    "num_kv_blocks": str(core.kv_info.num_blocks),
+                    "kv_bytes_per_token": str(core.kv_info.bytes_per_token),
+                    "enable_prefix_caching": str(core.cache_config.enable_prefix_caching),
+                },
+            )
+            engine.add_stat_logger(state.metrics)
+        if config.stats_log_interval > 0:
+            engine.add_stat_logger(LoggingStatLogger(config.stats_log_interval))
         state.ctx = ServingContext(engine, config, model_name)
         logger.info("ready: serving %r", model_name)
 
@@ -242,6 +281,16 @@ def build_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig, mod
     async def tokenizer_info() -> Any:
         return TokenServing(ctx()).info()
 
+    if config.enable_metrics:
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            """Prometheus exposition (docs/metrics.md lists every metric)."""
+            ctx()
+            assert state.metrics is not None
+            body, content_type = state.metrics.exposition()
+            return Response(body, media_type=content_type)
+
     @app.get("/stats")
     async def stats() -> dict[str, Any]:
         """The engine's state right now (requests, KV blocks): for operators and tests."""
@@ -255,6 +304,8 @@ def build_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig, mod
             "kv_blocks_used": s.kv_blocks_used,
             "num_preemptions": s.num_preemptions,
             "num_steps": s.num_steps,
+            "prefix_cache_queries": s.prefix_cache_queries,
+            "prefix_cache_hits": s.prefix_cache_hits,
         }
 
     return app

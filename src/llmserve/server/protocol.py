@@ -51,6 +51,8 @@ class _SamplingFields(_Request):
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
     priority: StrictInt = 0
+    # llmserve: llama.cpp-style `timings` in the response (None: the server's default)
+    return_timings: StrictBool | None = None
 
 
 class CompletionRequest(_SamplingFields):

@@ -20,6 +20,7 @@ from llmserve.server.protocol import ChatCompletionRequest, ChatMessage
 from llmserve.server.serving.common import (
     Choice,
     ServingContext,
+    Timings,
     Usage,
     check_caps,
     engine_error,
@@ -32,6 +33,7 @@ from llmserve.server.serving.common import (
     sse,
     sse_with_errors,
     start_requests,
+    wants_timings,
 )
 
 
@@ -157,8 +159,9 @@ class ChatServing:
     ) -> JSONResponse:
         choices = [Choice(i) for i in range(req.n)]
         usage = Usage(prompt_tokens=len(prompt.token_ids))
+        timings = Timings() if wants_timings(self.ctx, req) else None
         try:
-            async for _, out in merged(self.ctx, streams):
+            async for _, out in merged(self.ctx, streams, timings):
                 usage.cached_tokens = out.num_cached_tokens
                 for c in out.outputs:
                     choices[c.index].add(c)
@@ -184,16 +187,17 @@ class ChatServing:
                     "stop_reason": choice.stop_reason,
                 }
             )
-        return JSONResponse(
-            {
-                "id": request_id,
-                "object": "chat.completion",
-                "created": created,
-                "model": self.ctx.model_name,
-                "choices": body,
-                "usage": usage.as_dict(),
-            }
-        )
+        response = {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": created,
+            "model": self.ctx.model_name,
+            "choices": body,
+            "usage": usage.as_dict(),
+        }
+        if timings is not None:
+            response["timings"] = timings.as_dict()
+        return JSONResponse(response)
 
     async def _stream(
         self,
@@ -206,6 +210,7 @@ class ChatServing:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         usage = Usage(prompt_tokens=len(prompt.token_ids))
         k = req.top_logprobs or 0
+        timings = Timings() if wants_timings(self.ctx, req) else None
 
         def chunk(choice: dict[str, Any]) -> str:
             payload: dict[str, Any] = {
@@ -224,7 +229,7 @@ class ChatServing:
             yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                          "finish_reason": None})  # fmt: skip
         finished = [False] * req.n
-        async for _, out in merged(self.ctx, streams):
+        async for _, out in merged(self.ctx, streams, timings):
             usage.cached_tokens = out.num_cached_tokens
             for c in out.outputs:
                 if finished[c.index] or not (c.text or c.token_ids or c.finished):
@@ -245,14 +250,16 @@ class ChatServing:
                         "stop_reason": c.stop_reason,
                     }
                 )
-        if include_usage:
-            yield sse(
-                {
-                    "id": request_id,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": self.ctx.model_name,
-                    "choices": [],
-                    "usage": usage.as_dict(),
-                }
-            )
+        if include_usage or timings is not None:
+            last: dict[str, Any] = {
+                "id": request_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": self.ctx.model_name,
+                "choices": [],
+            }
+            if include_usage:
+                last["usage"] = usage.as_dict()
+            if timings is not None:
+                last["timings"] = timings.as_dict()
+            yield sse(last)

@@ -1,6 +1,6 @@
 """What the completions and chat serving layers share: the model check, request caps, sampling
-parameters, token strings for logprobs, usage, running requests to the end or as SSE, and
-aborting a request whose client went away."""
+parameters, token strings for logprobs, usage and timings, running requests to the end or as SSE,
+and aborting a request whose client went away."""
 
 from __future__ import annotations
 
@@ -246,8 +246,61 @@ class Usage:
         }
 
 
+class Timings:
+    """llama.cpp's per-response `timings`, from the engine's timestamps of the finished requests.
+
+    prompt: the tokens computed for the prompts (cached tokens apart, as `cache_n`), from the first
+    scheduling to the first token; predicted: every generated token, timed from the first token to
+    the last, so the rate counts the tokens after each sequence's first. Several prompts (or n > 1)
+    are timed as one span from the earliest start to the latest end.
+    """
+
+    def __init__(self) -> None:
+        self.outputs: list[RequestOutput] = []
+
+    def add(self, out: RequestOutput) -> None:
+        if out.finished and out.metrics is not None:
+            self.outputs.append(out)
+
+    def as_dict(self) -> dict[str, Any]:
+        ms = [o.metrics for o in self.outputs if o.metrics is not None]
+        cache_n = sum(o.num_cached_tokens for o in self.outputs)
+        prompt_n = sum(len(o.prompt_token_ids) for o in self.outputs) - cache_n
+        predicted_n = sum(m.num_generation_tokens for m in ms)
+        scheduled = [m.first_scheduled_time for m in ms if m.first_scheduled_time is not None]
+        firsts = [m.first_token_time for m in ms if m.first_token_time is not None]
+        lasts = [m.last_token_time for m in ms if m.last_token_time is not None]
+        prompt_s = max(firsts) - min(scheduled) if scheduled and firsts else 0.0
+        predicted_s = max(lasts) - min(firsts) if firsts else 0.0
+        num_sequences = sum(
+            len(o.outputs) for o, m in zip(self.outputs, ms, strict=True) if m.first_token_time
+        )
+        after_first = max(predicted_n - num_sequences, 0)
+        queue_s = min(scheduled) - min(m.arrival_time for m in ms) if scheduled else 0.0
+
+        def rate(n: float, seconds: float) -> float:
+            return n / seconds if seconds > 0 else 0.0
+
+        return {
+            "cache_n": cache_n,
+            "prompt_n": prompt_n,
+            "prompt_ms": 1000 * prompt_s,
+            "prompt_per_token_ms": rate(1000 * prompt_s, prompt_n),
+            "prompt_per_second": rate(prompt_n, prompt_s),
+            "predicted_n": predicted_n,
+            "predicted_ms": 1000 * predicted_s,
+            "predicted_per_token_ms": rate(1000 * predicted_s, after_first),
+            "predicted_per_second": rate(after_first, predicted_s),
+            "queue_ms": 1000 * queue_s,
+        }
+
+
+def wants_timings(ctx: ServingContext, req: _SamplingFields) -> bool:
+    return ctx.config.enable_response_timings if req.return_timings is None else req.return_timings
+
+
 async def merged(
-    ctx: ServingContext, streams: list[RequestStream]
+    ctx: ServingContext, streams: list[RequestStream], timings: Timings | None = None
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, delta) from several streams as they come; aborts all of them when left early."""
     logs = [_RequestLog(ctx, s) for s in streams]
@@ -255,6 +308,8 @@ async def merged(
         async with streams[0] as s:
             async for out in s:
                 logs[0].add(out)
+                if timings is not None:
+                    timings.add(out)
                 yield 0, out
         return
     q: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
@@ -279,6 +334,8 @@ async def merged(
                 raise item
             else:
                 logs[i].add(item)
+                if timings is not None:
+                    timings.add(item)
                 yield i, item
     finally:
         for t in tasks:

@@ -20,6 +20,7 @@ from llmserve.server.protocol import CompletionRequest
 from llmserve.server.serving.common import (
     Choice,
     ServingContext,
+    Timings,
     Usage,
     check_caps,
     engine_error,
@@ -32,6 +33,7 @@ from llmserve.server.serving.common import (
     sse,
     sse_with_errors,
     start_requests,
+    wants_timings,
 )
 
 
@@ -147,8 +149,9 @@ class CompletionServing:
         prompt_lps: list[list[PositionLogprobs | None] | None] = [None] * len(prompts)
         usage = Usage(prompt_tokens=sum(len(p.token_ids) for p in prompts))
         cached = [0] * len(prompts)
+        timings = Timings() if wants_timings(ctx, req) else None
         try:
-            async for i, out in merged(ctx, streams):
+            async for i, out in merged(ctx, streams, timings):
                 if out.prompt_logprobs is not None:
                     prompt_lps[i] = out.prompt_logprobs
                 cached[i] = out.num_cached_tokens
@@ -194,16 +197,17 @@ class CompletionServing:
                     for pos in prompt_lps[choice.index // n] or []
                 ]  # fmt: skip
             body_choices.append(body)
-        return JSONResponse(
-            {
-                "id": request_id,
-                "object": "text_completion",
-                "created": created,
-                "model": ctx.model_name,
-                "choices": body_choices,
-                "usage": usage.as_dict(),
-            }
-        )
+        response = {
+            "id": request_id,
+            "object": "text_completion",
+            "created": created,
+            "model": ctx.model_name,
+            "choices": body_choices,
+            "usage": usage.as_dict(),
+        }
+        if timings is not None:
+            response["timings"] = timings.as_dict()
+        return JSONResponse(response)
 
     async def _stream(
         self,
@@ -225,6 +229,7 @@ class CompletionServing:
         echoed = [not req.echo] * (len(prompts) * n)
         finished = [False] * (len(prompts) * n)
         prompt_lps: list[list[PositionLogprobs | None] | None] = [None] * len(prompts)
+        timings = Timings() if wants_timings(ctx, req) else None
 
         def chunk(index: int, text: str, logprobs: dict | None, finish: str | None, stop: Any) -> str:
             payload: dict[str, Any] = {
@@ -246,7 +251,7 @@ class CompletionServing:
                 payload["usage"] = None
             return sse(payload)
 
-        async for i, out in merged(ctx, streams):
+        async for i, out in merged(ctx, streams, timings):
             cached[i] = out.num_cached_tokens
             if out.prompt_logprobs is not None:
                 prompt_lps[i] = out.prompt_logprobs
@@ -275,15 +280,17 @@ class CompletionServing:
                     continue  # nothing to show yet (text held back for a possible stop string)
                 finished[index] = finish is not None
                 yield chunk(index, text, builder.take() if builder is not None else None, finish, stop)
-        if include_usage:
+        if include_usage or timings is not None:
             usage.cached_tokens = sum(cached)
-            yield sse(
-                {
-                    "id": request_id,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": ctx.model_name,
-                    "choices": [],
-                    "usage": usage.as_dict(),
-                }
-            )
+            last: dict[str, Any] = {
+                "id": request_id,
+                "object": "text_completion",
+                "created": created,
+                "model": ctx.model_name,
+                "choices": [],
+            }
+            if include_usage:
+                last["usage"] = usage.as_dict()
+            if timings is not None:
+                last["timings"] = timings.as_dict()
+            yield sse(last)

@@ -1,0 +1,206 @@
+"""`PrometheusStatLogger`: the /metrics exposition, vLLM's metric set under the `llmserve:` prefix.
+
+Every metric carries a `model_name` label; names, types and meanings follow vLLM's (V1) metrics
+one for one, so a vLLM dashboard ports by replacing the `vllm:` prefix (docs/metrics.md has the
+table). Counters and histograms are updated from each step's `IterationStats` on the event loop;
+the gauges are set from the step's scheduler snapshot. Rejected requests (which never reach the
+engine) are counted by the server through `record_rejected`.
+
+Each logger owns its own `CollectorRegistry` (two servers in one process, or tests, never collide),
+with the process and Python collectors that prometheus-client's default registry carries.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from llmserve.metrics.stats import IterationStats
+
+PREFIX = "llmserve:"
+
+FINISH_REASONS = ("stop", "length", "abort")
+REJECT_REASONS = ("validation", "auth", "not_found", "too_large", "queue_full", "unavailable")
+
+# Seconds. CPU serving spans milliseconds (a decode step) to minutes (a long batch under load).
+_LATENCY_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5,
+    10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 120.0, 300.0, 600.0, 1800.0,
+)  # fmt: skip
+_TOKEN_LATENCY_BUCKETS = (
+    0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+    1.0, 2.0, 5.0, 10.0, 30.0,
+)  # fmt: skip
+
+
+def _token_buckets(max_model_len: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to the context length."""
+    buckets: list[float] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return [*buckets, float(max_model_len)] if buckets[-1] < max_model_len else buckets
+            buckets.append(float(m * scale))
+        scale *= 10
+
+
+class PrometheusStatLogger:
+    def __init__(
+        self,
+        model_name: str,
+        max_model_len: int,
+        cache_info: dict[str, str] | None = None,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        if registry is None:
+            for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+                self.registry.register(collector)
+        label = {"model_name": model_name}
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, ["model_name"], registry=r).labels(**label)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, ["model_name"], registry=r).labels(**label)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets, registry=r).labels(**label)
+
+        tokens = _token_buckets(max_model_len)
+        # scheduler state (gauges)
+        self.running = gauge("num_requests_running", "Number of requests in model execution batches.")
+        self.waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        # counters
+        self.cache_queries = counter(
+            "prefix_cache_queries", "Prefix-cache queries, in terms of number of queried tokens."
+        )
+        self.cache_hits = counter(
+            "prefix_cache_hits", "Prefix-cache hits, in terms of number of cached tokens."
+        )
+        self.preemptions = counter("num_preemptions", "Cumulative number of preemptions from the engine.")
+        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
+        success = Counter(
+            PREFIX + "request_success",
+            "Count of successfully processed requests.",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
+        self.success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
+        rejected = Counter(
+            PREFIX + "request_rejected",
+            "Requests refused before reaching the engine, by reason (llmserve only).",
+            ["model_name", "reason"],
+            registry=r,
+        )
+        self.rejected = {reason: rejected.labels(model_name, reason) for reason in REJECT_REASONS}
+        # histograms
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+            [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
+        )  # fmt: skip
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Histogram of time to first token in seconds.", _LATENCY_BUCKETS
+        )
+        self.itl = histogram(
+            "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+            _TOKEN_LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.tpot = histogram(
+            "request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.", _TOKEN_LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", _LATENCY_BUCKETS
+        )
+        self.queue_time = histogram(
+            "request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+            _LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.inference_time = histogram(
+            "request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.",
+            _LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.prefill_time = histogram(
+            "request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
+            _LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.decode_time = histogram(
+            "request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
+            _LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.prompt_len = histogram("request_prompt_tokens", "Number of prefill tokens processed.", tokens)
+        self.generation_len = histogram(
+            "request_generation_tokens", "Number of generation tokens processed.", tokens
+        )
+        self.params_n = histogram(
+            "request_params_n", "Histogram of the n request parameter.", [1, 2, 5, 10, 20]
+        )
+        self.params_max_tokens = histogram(
+            "request_params_max_tokens", "Histogram of the max_tokens request parameter.", tokens
+        )
+        if cache_info:
+            Gauge(
+                PREFIX + "cache_config_info", "Information of the LLMEngine CacheConfig.",
+                sorted(cache_info), registry=r,
+            ).labels(**cache_info).set(1)  # fmt: skip
+        self._last_queries = self._last_hits = self._last_preemptions = 0
+
+    def record(self, stats: IterationStats) -> None:
+        sched = stats.scheduler
+        if sched is not None:
+            self.running.set(sched.num_running)
+            self.waiting.set(sched.num_waiting)
+            self.kv_usage.set(sched.kv_usage)
+            # the scheduler's counters are cumulative: add what changed since the last step
+            self.cache_queries.inc(sched.prefix_cache_queries - self._last_queries)
+            self.cache_hits.inc(sched.prefix_cache_hits - self._last_hits)
+            self.preemptions.inc(sched.num_preemptions - self._last_preemptions)
+            self._last_queries, self._last_hits = sched.prefix_cache_queries, sched.prefix_cache_hits
+            self._last_preemptions = sched.num_preemptions
+            if sched.step_tokens:
+                self.iteration_tokens.observe(sched.step_tokens)
+        if stats.num_prompt_tokens:
+            self.prompt_tokens.inc(stats.num_prompt_tokens)
+        if stats.num_generation_tokens:
+            self.generation_tokens.inc(stats.num_generation_tokens)
+        for ttft in stats.time_to_first_tokens:
+            self.ttft.observe(ttft)
+        for itl in stats.inter_token_latencies:
+            self.itl.observe(itl)
+        for f in stats.finished:
+            self.success[f.finish_reason].inc()
+            self.e2e.observe(f.e2e_latency)
+            self.prompt_len.observe(f.num_prompt_tokens)
+            self.generation_len.observe(f.num_generation_tokens)
+            self.params_n.observe(f.n)
+            self.params_max_tokens.observe(f.max_tokens)
+            for value, histogram in (
+                (f.queue_time, self.queue_time),
+                (f.prefill_time, self.prefill_time),
+                (f.decode_time, self.decode_time),
+                (f.inference_time, self.inference_time),
+                (f.time_per_output_token, self.tpot),
+            ):
+                if value is not None:
+                    histogram.observe(value)
+
+    def record_rejected(self, reason: str) -> None:
+        self.rejected[reason].inc()
+
+    def exposition(self) -> tuple[bytes, str]:
+        """(body, content type) of the /metrics response."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

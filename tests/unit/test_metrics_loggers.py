@@ -1,0 +1,102 @@
+"""The stat loggers without a server: the periodic log line's timing and figures, and the
+Prometheus logger's counters fed from scheduler snapshots (cumulative -> deltas)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from llmserve.core.scheduler import SchedulerStats
+from llmserve.metrics.loggers import LoggingStatLogger
+from llmserve.metrics.prometheus import PrometheusStatLogger, _token_buckets
+from llmserve.metrics.stats import IterationStats, SequenceTimes
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def step(running: int, waiting: int, prompt: int = 0, generated: int = 0, queries: int = 0, hits: int = 0):
+    stats = IterationStats(0.0, SchedulerStats(running, waiting, 0.25, 0, queries, hits, prompt + generated))
+    stats.num_prompt_tokens, stats.num_generation_tokens = prompt, generated
+    return stats
+
+
+def test_log_line_every_interval_while_busy_and_once_when_idle(caplog: pytest.LogCaptureFixture) -> None:
+    clock = Clock()
+    stat_logger = LoggingStatLogger(interval=5.0, clock=clock)
+    caplog.set_level(logging.INFO, logger="llmserve")
+    clock.now = 1000.0  # a long idle time before the first request is not part of any rate
+    stat_logger.record(step(1, 2, prompt=100, queries=100, hits=0))
+    for _ in range(4):
+        clock.now += 1.0
+        stat_logger.record(step(1, 2, generated=10, queries=100, hits=0))
+    assert not caplog.records  # 4 s into the busy period
+    clock.now += 1.0
+    stat_logger.record(step(3, 0, generated=10, queries=300, hits=150))
+    (line,) = [r.getMessage() for r in caplog.records]
+    # 5 s: 100 prompt tokens, 50 generated; 150 of the 300 queried tokens hit
+    assert line == (
+        "engine: 3 running, 0 waiting, KV cache 25.0% used, prefix-cache hit rate 50.0%, "
+        "prompt 20.0 tok/s, generation 10.0 tok/s"
+    )
+    clock.now += 0.5
+    stat_logger.record(step(0, 0, generated=5, queries=300, hits=150))  # idle: the tail is logged
+    assert len(caplog.records) == 2
+    assert (
+        caplog.records[-1]
+        .getMessage()
+        .endswith("prefix-cache hit rate -, prompt 0.0 tok/s, generation 10.0 tok/s")
+    )
+    clock.now += 60
+    stat_logger.record(step(0, 0))  # nothing happened: no line
+    assert len(caplog.records) == 2
+
+
+def sample(logger: PrometheusStatLogger, name: str, **labels: str) -> float:
+    body, _ = logger.exposition()
+    for family in text_string_to_metric_families(body.decode()):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    raise KeyError(name)
+
+
+def test_prometheus_counters_from_cumulative_scheduler_counts() -> None:
+    logger = PrometheusStatLogger("m", max_model_len=2048)
+    logger.record(IterationStats(0.0, SchedulerStats(2, 1, 0.5, 1, 64, 16, 40)))
+    logger.record(IterationStats(0.0, SchedulerStats(1, 0, 0.125, 3, 96, 48, 2)))
+    assert sample(logger, "llmserve:num_preemptions_total", model_name="m") == 3
+    assert sample(logger, "llmserve:prefix_cache_queries_total") == 96
+    assert sample(logger, "llmserve:prefix_cache_hits_total") == 48
+    assert sample(logger, "llmserve:num_requests_running") == 1
+    assert sample(logger, "llmserve:kv_cache_usage_perc") == 0.125
+    assert sample(logger, "llmserve:iteration_tokens_total_count") == 2
+    assert sample(logger, "llmserve:iteration_tokens_total_sum") == 42
+    # two loggers in one process do not collide (each has its own registry)
+    PrometheusStatLogger("other", max_model_len=16)
+
+
+def test_finished_sequence_intervals() -> None:
+    stats = IterationStats(0.0)
+    seq = SequenceTimes(arrival=10.0, num_prompt_tokens=7, max_tokens=4, n=1, first_scheduled=10.5)
+    stats.observe_tokens(seq, 1, 11.0)
+    stats.observe_tokens(seq, 1, 11.25)
+    stats.observe_tokens(seq, 1, 11.75)
+    stats.observe_finished(seq, "length", 12.0)
+    (f,) = stats.finished
+    assert (f.queue_time, f.prefill_time, f.decode_time, f.inference_time) == (0.5, 0.5, 0.75, 1.25)
+    assert f.e2e_latency == 2.0 and f.time_per_output_token == 0.375
+    assert stats.time_to_first_tokens == [1.0] and stats.inter_token_latencies == [0.25, 0.5]
+    assert stats.num_prompt_tokens == 7 and stats.num_generation_tokens == 3
+
+
+def test_token_buckets_end_at_the_context() -> None:
+    assert _token_buckets(2048) == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 2048]
+    assert _token_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
