@@ -86,7 +86,9 @@ async def _one(client: httpx.AsyncClient, url: str, prompt: list[int], output_le
     return first, tokens
 
 
-async def run_server(base_url: str, prompts: list[list[int]], concurrency: int, output_len: int) -> dict[str, float]:
+async def run_server(
+    base_url: str, prompts: list[list[int]], concurrency: int, output_len: int
+) -> dict[str, float]:
     queue: asyncio.Queue[list[int]] = asyncio.Queue()
     for p in prompts:
         queue.put_nowait(p)

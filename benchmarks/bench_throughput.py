@@ -61,19 +61,32 @@ def run_llmserve(llm: LLM, work: list[tuple[list[int], int]]) -> dict[str, float
     }
 
 
+def load_transformers(gguf: Path):
+    """The transformers model of a GGUF file (its weights dequantized to fp32), in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
+
+
 @torch.inference_mode()
+def hf_generate(model, prompts: list[list[int]], num_new_tokens: int, pad_id: int) -> None:
+    """One greedy transformers `generate` over a left-padded batch, exactly `num_new_tokens` each."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=num_new_tokens, min_new_tokens=num_new_tokens,
+        do_sample=False, pad_token_id=pad_id,
+    )  # fmt: skip
+
+
 def run_transformers(model, work: list[tuple[list[int], int]], batch: int, pad_id: int) -> dict[str, float]:
     start, produced = time.perf_counter(), 0
     for b in range(0, len(work), batch):
         group = work[b : b + batch]
-        width = max(len(p) for p, _ in group)
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p, _ in group])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in group])
-        longest = max(n for _, n in group)
-        model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
-            do_sample=False, pad_token_id=pad_id,
-        )  # fmt: skip
+        hf_generate(model, [p for p, _ in group], max(n for _, n in group), pad_id)
         produced += sum(n for _, n in group)
     elapsed = time.perf_counter() - start
     return {"output_tok_s": produced / elapsed, "seconds": elapsed, "requests": len(work)}
@@ -130,12 +143,7 @@ def main() -> None:
     del static
 
     if not args.skip_transformers:
-        from transformers import AutoModelForCausalLM
-
-        gguf = llm.engine.loaded.source.gguf_files[0]
-        hf = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-        ).eval()
+        hf = load_transformers(llm.engine.loaded.source.gguf_files[0])
         pad = llm.engine.tokenizer.pad_token_id or 0
         results["transformers"] = run_transformers(hf, work[: args.hf_requests], args.hf_batch, pad)
         print("transformers", results["transformers"])

@@ -2,6 +2,7 @@
 
 llmserve generate [PROMPT ...] [--model M] [--max-tokens N] [--raw]
 llmserve serve [MODEL] [--host H] [--port P] [--api-key KEY]
+llmserve bench serve|throughput|latency ...
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from llmserve import __version__
-from llmserve.cli import generate, serve
+from llmserve.cli import bench, generate, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     generate.add_parser(sub)
     serve.add_parser(sub)
+    bench.add_parser(sub)
     return parser
 
 
