@@ -23,6 +23,7 @@ from llmserve.server.serving.common import (
     Timings,
     Usage,
     check_caps,
+    closing_chunk,
     engine_error,
     merged,
     new_id,
@@ -250,16 +251,15 @@ class ChatServing:
                         "stop_reason": c.stop_reason,
                     }
                 )
-        if include_usage or timings is not None:
-            last: dict[str, Any] = {
+        last = closing_chunk(
+            {
                 "id": request_id,
                 "object": "chat.completion.chunk",
                 "created": created,
                 "model": self.ctx.model_name,
-                "choices": [],
-            }
-            if include_usage:
-                last["usage"] = usage.as_dict()
-            if timings is not None:
-                last["timings"] = timings.as_dict()
-            yield sse(last)
+            },
+            usage if include_usage else None,
+            timings,
+        )
+        if last is not None:
+            yield last

@@ -295,6 +295,19 @@ class Timings:
         }
 
 
+def closing_chunk(header: dict[str, Any], usage: Usage | None, timings: Timings | None) -> str | None:
+    """The stream's last event before [DONE], when there is anything to close with: no choices,
+    then `usage` (stream_options.include_usage) and/or `timings`."""
+    if usage is None and timings is None:
+        return None
+    last: dict[str, Any] = {**header, "choices": []}
+    if usage is not None:
+        last["usage"] = usage.as_dict()
+    if timings is not None:
+        last["timings"] = timings.as_dict()
+    return sse(last)
+
+
 def wants_timings(ctx: ServingContext, req: _SamplingFields) -> bool:
     return ctx.config.enable_response_timings if req.return_timings is None else req.return_timings
 

@@ -23,6 +23,7 @@ from llmserve.server.serving.common import (
     Timings,
     Usage,
     check_caps,
+    closing_chunk,
     engine_error,
     merged,
     new_id,
@@ -280,17 +281,11 @@ class CompletionServing:
                     continue  # nothing to show yet (text held back for a possible stop string)
                 finished[index] = finish is not None
                 yield chunk(index, text, builder.take() if builder is not None else None, finish, stop)
-        if include_usage or timings is not None:
-            usage.cached_tokens = sum(cached)
-            last: dict[str, Any] = {
-                "id": request_id,
-                "object": "text_completion",
-                "created": created,
-                "model": ctx.model_name,
-                "choices": [],
-            }
-            if include_usage:
-                last["usage"] = usage.as_dict()
-            if timings is not None:
-                last["timings"] = timings.as_dict()
-            yield sse(last)
+        usage.cached_tokens = sum(cached)
+        last = closing_chunk(
+            {"id": request_id, "object": "text_completion", "created": created, "model": ctx.model_name},
+            usage if include_usage else None,
+            timings,
+        )
+        if last is not None:
+            yield last
