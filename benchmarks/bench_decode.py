@@ -1,5 +1,6 @@
 """Batch-1 prefill and greedy decode speed of the embedded model: llmserve next to transformers,
-same weights (the GGUF dequantized to float32), same prompt, same machine, in one run.
+same weights (the GGUF dequantized to float32), same prompt, same machine, in one run. llmserve
+runs twice: with its default CPU matmul (oneDNN, when usable) and with `cpu_gemm="blas"` (MKL).
 
     python benchmarks/bench_decode.py [--prompt-tokens 256] [--decode-tokens 128] [--repeats 3]
 
@@ -14,6 +15,7 @@ import json
 import platform
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -75,7 +77,11 @@ def main() -> None:
     loaded = load_model(ModelConfig(model=args.model, show_progress=False))
     tok = load_tokenizer(loaded.source)
     prompt = (tok.encode(TEXT * 40, add_special_tokens=False))[: args.prompt_tokens]
-    runner = ModelRunner(loaded.model, num_blocks=(args.prompt_tokens + args.decode_tokens) // 16 + 2)
+    num_blocks = (args.prompt_tokens + args.decode_tokens) // 16 + 2
+    runners = {f"llmserve ({loaded.linear_kernel})": ModelRunner(loaded.model, num_blocks=num_blocks)}
+    if loaded.linear_kernel != "blas":
+        blas = load_model(ModelConfig(model=args.model, cpu_gemm="blas", show_progress=False))
+        runners["llmserve (blas)"] = ModelRunner(blas.model, num_blocks=num_blocks)
 
     from transformers import AutoModelForCausalLM
 
@@ -84,35 +90,32 @@ def main() -> None:
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
     ).eval()
 
-    results: dict[str, dict[str, list[float]]] = {"llmserve": {}, "transformers": {}}
+    engines = {name: partial(llmserve_run, runner) for name, runner in runners.items()}
+    engines["transformers"] = partial(transformers_run, hf)
+    results: dict[str, dict[str, list[float]]] = {name: {} for name in engines}
     outputs: dict[str, list[int]] = {}
-    # Warm-up both (first calls allocate and pick kernels), then interleave timed repeats.
-    llmserve_run(runner, prompt, 4)
-    transformers_run(hf, prompt, 4)
+    # Warm up every engine (first calls allocate and pick kernels), then interleave timed repeats.
+    for fn in engines.values():
+        fn(prompt, 4)
     for _ in range(args.repeats):
-        for name, fn in (
-            ("llmserve", lambda: llmserve_run(runner, prompt, args.decode_tokens)),
-            ("transformers", lambda: transformers_run(hf, prompt, args.decode_tokens)),
-        ):
-            pre, dec, out = fn()
+        for name, fn in engines.items():
+            pre, dec, out = fn(prompt, args.decode_tokens)
             results[name].setdefault("prefill_tok_s", []).append(len(prompt) / pre)
             results[name].setdefault("decode_tok_s", []).append(args.decode_tokens / dec)
             outputs[name] = out
 
     med = {n: {k: statistics.median(v) for k, v in r.items()} for n, r in results.items()}
-    same = outputs["llmserve"] == outputs["transformers"]
+    same = all(out == outputs["transformers"] for out in outputs.values())
     print(
         f"model {loaded.source.name}, {len(prompt)} prompt tokens, {args.decode_tokens} decode tokens, "
         f"batch 1, fp32, {torch.get_num_threads()} threads, median of {args.repeats}"
     )
-    print(f"{'engine':<14}{'prefill tok/s':>15}{'decode tok/s':>14}")
+    print(f"{'engine':<20}{'prefill tok/s':>15}{'decode tok/s':>14}{'÷ transformers':>22}")
+    ref = med["transformers"]
     for n, m in med.items():
-        print(f"{n:<14}{m['prefill_tok_s']:>15.1f}{m['decode_tok_s']:>14.1f}")
-    print(
-        f"ratio llmserve/transformers: prefill {med['llmserve']['prefill_tok_s'] / med['transformers']['prefill_tok_s']:.2f}x, "
-        f"decode {med['llmserve']['decode_tok_s'] / med['transformers']['decode_tok_s']:.2f}x; "
-        f"greedy tokens identical: {same}"
-    )
+        ratio = f"{m['prefill_tok_s'] / ref['prefill_tok_s']:.2f}x / {m['decode_tok_s'] / ref['decode_tok_s']:.2f}x"
+        print(f"{n:<20}{m['prefill_tok_s']:>15.1f}{m['decode_tok_s']:>14.1f}{ratio:>22}")
+    print(f"greedy tokens identical across engines: {same}")
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

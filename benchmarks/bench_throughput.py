@@ -6,6 +6,8 @@ Workload: `--num-requests` requests whose prompt lengths (32-512) and output len
 are drawn from a fixed seed; prompts are random token ids; greedy, EOS ignored, so every engine
 produces exactly the requested number of tokens. Reported per engine: output tokens/s.
   - llmserve in-flight: continuous batching with chunked prefill (the default).
+  - llmserve in-flight (blas): the same with `cpu_gemm="blas"` (torch's bmm/MKL instead of
+    oneDNN), the baseline for the matmul kernel (skip with --skip-blas).
   - llmserve static: fixed batches of `--max-num-seqs`: a batch runs until its longest member is
     done (finished members are computed as padding, as a fixed-shape batch does), then the next.
   - transformers: `generate` in batches of `--hf-batch` (left padded, run to the longest output of
@@ -119,6 +121,7 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--skip-blas", action="store_true", help="skip the in-flight run on the blas kernel")
     ap.add_argument("--out", default="benchmarks/results/bench_throughput.json")
     args = ap.parse_args()
 
@@ -137,6 +140,11 @@ def main() -> None:
 
     results["llmserve_inflight"] = run_llmserve(llm, work)
     print("in-flight", results["llmserve_inflight"])
+    if not args.skip_blas and llm.engine.loaded.linear_kernel != "blas":
+        blas = LLM(**common, cpu_gemm="blas")
+        results["llmserve_inflight_blas"] = run_llmserve(blas, work)
+        print("in-flight (blas)", results["llmserve_inflight_blas"])
+        del blas
     static = LLM(**common, batching_mode="static")
     results["llmserve_static"] = run_llmserve(static, work)
     print("static", results["llmserve_static"])
@@ -160,7 +168,7 @@ def main() -> None:
 
     inflight = results["llmserve_inflight"]["output_tok_s"]
     print("\n| engine | output tok/s | ratio (in-flight / engine) |\n| --- | ---: | ---: |")
-    for name in ("llmserve_inflight", "llmserve_static", "transformers"):
+    for name in ("llmserve_inflight", "llmserve_inflight_blas", "llmserve_static", "transformers"):
         if name in results:
             r = results[name]["output_tok_s"]
             print(f"| {name} | {r:.1f} | {inflight / r:.2f}x |")

@@ -1,5 +1,6 @@
 """llmserve's native models against transformers on tiny random checkpoints: logits within fp32
-tolerance and identical 32-token greedy continuations, alone and in a mixed-length batch."""
+tolerance and identical 32-token greedy continuations, alone and in a mixed-length batch, with
+each CPU matmul kernel (oneDNN on packed weights, and torch's bmm on the chunked layout)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from llmserve.config import ModelConfig
+from llmserve.layers import onednn
 from llmserve.model_executor.greedy import generate_greedy
 from llmserve.model_executor.model_loader import load_model
 from llmserve.model_executor.model_runner import ModelRunner, SequenceBatchEntry
@@ -21,10 +23,18 @@ NUM_TOKENS = 32
 
 
 @pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
-def pair(request, tmp_path_factory):
+def checkpoint(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
-    hf = make_tiny_model(request.param, folder)
-    ours = load_model(ModelConfig(model=str(folder), show_progress=False))
+    return make_tiny_model(request.param, folder), folder
+
+
+@pytest.fixture(scope="module", params=["onednn", "blas"])
+def pair(request, checkpoint):
+    if request.param == "onednn" and not onednn.available():
+        pytest.skip("this torch build has no working oneDNN")
+    hf, folder = checkpoint
+    ours = load_model(ModelConfig(model=str(folder), cpu_gemm=request.param, show_progress=False))
+    assert ours.linear_kernel == request.param
     return hf, ours
 
 

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from llmserve.config import ModelConfig
+from llmserve.layers import onednn
 from llmserve.model_executor.model_loader import load_model
 from llmserve.model_executor.model_loader.errors import (
     MissingWeightsError,
@@ -207,3 +208,30 @@ def test_bad_model_config_values():
         ModelConfig(dtype="float64")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="device"):
         ModelConfig(device="tpu")
+    with pytest.raises(ValueError, match="cpu_gemm must be one of auto, onednn, blas; got 'mkl'"):
+        ModelConfig(cpu_gemm="mkl")  # type: ignore[arg-type]
+
+
+def test_cpu_gemm_choice(tiny):
+    """auto picks oneDNN for float32 where it works; blas is always there; oneDNN on bf16 is refused."""
+    folder, _ = tiny
+    auto = _load(folder)
+    assert auto.linear_kernel == ("onednn" if onednn.available() else "blas")
+    assert f"({auto.linear_kernel} matmuls)" in auto.summary()
+    blas = _load(folder, cpu_gemm="blas")
+    assert blas.linear_kernel == "blas"
+    assert blas.weight_bytes == auto.weight_bytes  # repacking neither adds nor drops a copy
+    torch.testing.assert_close(_logits(auto), _logits(blas), rtol=1e-4, atol=1e-4)
+    assert _load(folder, dtype="bfloat16").linear_kernel == "blas"
+    with pytest.raises(ValueError, match="cpu_gemm 'onednn' needs float32 weights.*dtype is torch.bfloat16"):
+        _load(folder, dtype="bfloat16", cpu_gemm="onednn")
+
+
+def test_cpu_gemm_falls_back_to_blas_without_onednn(tiny, monkeypatch):
+    folder, ref = tiny
+    monkeypatch.setattr(onednn, "available", lambda: False)
+    loaded = _load(folder)
+    assert loaded.linear_kernel == "blas"
+    torch.testing.assert_close(_logits(loaded), ref, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="cpu_gemm 'onednn' needs .* oneDNN failed its check"):
+        _load(folder, cpu_gemm="onednn")

@@ -1,5 +1,6 @@
 """Shared layers against plain torch: the chunked input-major Linear (any chunk count, shards that
-straddle chunk boundaries, bias), the chunked embedding/LM head, and paged attention metadata."""
+straddle chunk boundaries, bias), the chunked embedding/LM head, the same layers after repacking
+for oneDNN, and paged attention metadata."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmserve.layers import linear
+from llmserve.layers import linear, onednn
 from llmserve.layers.attention import AttentionMetadata
 from llmserve.layers.linear import Linear, num_weight_chunks
 from llmserve.layers.mlp import GatedMLP
@@ -26,8 +27,20 @@ def threads(request, monkeypatch):
     torch.set_num_threads(old)
 
 
+@pytest.fixture(params=["chunked", "onednn"])
+def kernel(request):
+    """Run a layer as loaded (chunked, torch's bmm) or after `use_onednn` repacked it."""
+    if request.param == "onednn" and not onednn.available():
+        pytest.skip("this torch build has no working oneDNN")
+    return request.param
+
+
+# oneDNN sums in a different order than MKL: the same fp32 products, rounded differently.
+ONEDNN_TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
 @pytest.mark.parametrize("M", [1, 5])
-def test_fused_linear_matches_f_linear(threads, M):
+def test_fused_linear_matches_f_linear(threads, kernel, M):
     torch.manual_seed(0)
     sizes = [10, 7, 7]  # 24 columns; shards straddle chunk boundaries for 3 and 4 chunks
     layer = Linear(16, sizes, bias=True)
@@ -37,10 +50,14 @@ def test_fused_linear_matches_f_linear(threads, M):
     for i, (w, b) in enumerate(zip(parts, biases, strict=True)):
         layer.load_shard(f"w{i}", w, i)
         layer.load_shard(f"b{i}", b, i, is_bias=True)
+    torch.testing.assert_close(layer.logical_weight(), torch.cat(parts))
+    if kernel == "onednn":
+        layer.use_onednn()
+        assert layer.packed and layer.weight.is_mkldnn
     x = torch.randn(M, 16)
     ref = F.linear(x, torch.cat(parts), torch.cat(biases))
-    torch.testing.assert_close(layer(x), ref)
-    torch.testing.assert_close(layer(x.view(1, M, 16)), ref.view(1, M, -1))
+    torch.testing.assert_close(layer(x), ref, **ONEDNN_TOL)
+    torch.testing.assert_close(layer(x.view(1, M, 16)), ref.view(1, M, -1), **ONEDNN_TOL)
 
 
 def test_linear_shape_errors_name_the_tensor():
@@ -49,18 +66,35 @@ def test_linear_shape_errors_name_the_tensor():
         layer.load_shard("q", torch.zeros(4, 9), 0)
 
 
-def test_tied_embedding_and_head(threads):
+def test_tied_embedding_and_head(threads, kernel):
     torch.manual_seed(0)
     table = torch.randn(12, 6)  # [vocab, hidden]
     emb = VocabEmbedding(12, 6)
     emb.load("embed", table)
     head = LMHead(12, 6, tied_to=emb)
+    with pytest.raises(WeightShapeError):
+        emb.load("embed", torch.zeros(6, 12))
+    if kernel == "onednn":
+        emb.use_rows()
+        head.use_onednn(emb)
+        assert head.weight is emb.weight  # still one table
+        assert emb.weight_t is None and head.weight_t is None
     ids = torch.tensor([0, 11, 5, 6, 5])
     torch.testing.assert_close(emb(ids), table[ids])
     h = torch.randn(3, 6)
-    torch.testing.assert_close(head(h), h @ table.t())
-    with pytest.raises(WeightShapeError):
-        emb.load("embed", torch.zeros(6, 12))
+    torch.testing.assert_close(head(h), h @ table.t(), **ONEDNN_TOL)
+
+
+def test_untied_head_packs_its_own_table(threads, kernel):
+    torch.manual_seed(0)
+    table = torch.randn(40, 8)
+    head = LMHead(40, 8)
+    head.load("lm_head.weight", table)
+    if kernel == "onednn":
+        head.use_onednn(None)
+        assert head.weight.is_mkldnn
+    h = torch.randn(5, 8)
+    torch.testing.assert_close(head(h), h @ table.t(), **ONEDNN_TOL)
 
 
 def test_attention_metadata_slot_mapping():
@@ -85,7 +119,7 @@ def test_accelerator_weights_are_not_chunked():
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("M", [1, 5])
-def test_gated_mlp_matches_reference(threads, bias, M):
+def test_gated_mlp_matches_reference(threads, kernel, bias, M):
     """Thread-sliced gate_up / down layout against the plain SwiGLU formula."""
     torch.manual_seed(0)
     H, inner = 8, 12  # 12 splits into 1, 2, 3 or 4 slices
@@ -102,14 +136,19 @@ def test_gated_mlp_matches_reference(threads, bias, M):
         mlp.down_proj.load_shard("down.b", bd, is_bias=True)
     else:
         bg, bu, bd = None, None, None
-    x = torch.randn(M, H)
-    g, u = F.linear(x, gate, bg), F.linear(x, up, bu)
-    torch.testing.assert_close(mlp.gate_up_proj(x), torch.cat([g, u], dim=-1))
-    h = F.silu(g) * u
-    torch.testing.assert_close(mlp.down_proj(h), F.linear(h, down, bd))
-    torch.testing.assert_close(mlp(x), F.linear(h, down, bd))
     with pytest.raises(WeightShapeError, match="gate"):
         mlp.gate_up_proj.load_shard("gate", torch.zeros(H, inner), 0)
+    torch.testing.assert_close(mlp.gate_up_proj.logical_weight(), torch.cat([gate, up]))
+    torch.testing.assert_close(mlp.down_proj.logical_weight(), down)
+    if kernel == "onednn":
+        mlp.gate_up_proj.use_onednn()
+        mlp.down_proj.use_onednn()
+    x = torch.randn(M, H)
+    g, u = F.linear(x, gate, bg), F.linear(x, up, bu)
+    torch.testing.assert_close(mlp.gate_up_proj(x), torch.cat([g, u], dim=-1), **ONEDNN_TOL)
+    h = F.silu(g) * u
+    torch.testing.assert_close(mlp.down_proj(h), F.linear(h, down, bd), **ONEDNN_TOL)
+    torch.testing.assert_close(mlp(x), F.linear(h, down, bd), **ONEDNN_TOL)
 
 
 def test_chunks_stay_wide_on_many_threads():

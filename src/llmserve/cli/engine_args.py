@@ -18,6 +18,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     g.add_argument(
+        "--cpu-gemm",
+        default="auto",
+        choices=["auto", "onednn", "blas"],
+        help="CPU matmul kernel: oneDNN on prepacked weights, or torch's bmm/MKL (auto: oneDNN when usable)",
+    )
+    g.add_argument(
         "--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)"
     )
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
@@ -48,6 +54,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "model": args.model,
         "dtype": args.dtype,
         "device": args.device,
+        "cpu_gemm": args.cpu_gemm,
         "max_model_len": args.max_model_len,
         "block_size": args.block_size,
         "kv_cache_memory": args.kv_cache_memory,

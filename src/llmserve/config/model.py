@@ -11,6 +11,8 @@ from typing import Literal
 
 DTypeName = Literal["auto", "float32", "float16", "bfloat16"]
 _DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
+CpuGemmName = Literal["auto", "onednn", "blas"]
+_CPU_GEMMS: tuple[str, ...] = ("auto", "onednn", "blas")
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,12 +32,20 @@ class ModelConfig:
     max_model_len: int | None = None
     """Longest sequence (prompt + output) the engine accepts. None: the model's own limit."""
 
+    cpu_gemm: CpuGemmName = "auto"
+    """Matmul kernel of the linear layers on CPU. `onednn`: weights repacked into oneDNN's blocked
+    layout (1.7-2.4x faster than MKL on AMD CPUs from batch 4 up; needs a torch build with oneDNN, as the official
+    wheels are). `blas`: torch's bmm (MKL/OpenBLAS) on a column-chunked layout, one chunk per thread.
+    `auto`: onednn for float32 weights where it is available, else blas. Ignored on CUDA."""
+
     show_progress: bool = True
     """Show a progress bar while loading weights."""
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}; got {self.dtype!r}")
+        if self.cpu_gemm not in _CPU_GEMMS:
+            raise ValueError(f"cpu_gemm must be one of {', '.join(_CPU_GEMMS)}; got {self.cpu_gemm!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1; got {self.max_model_len}")
         if self.device != "auto" and not self.device.startswith(("cpu", "cuda")):

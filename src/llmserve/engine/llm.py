@@ -31,6 +31,7 @@ def build_engine(
     *,
     dtype: str = "auto",
     device: str = "auto",
+    cpu_gemm: str = "auto",
     max_model_len: int | None = None,
     show_progress: bool = True,
     block_size: int = 16,
@@ -49,6 +50,7 @@ def build_engine(
             model=model,
             dtype=dtype,
             device=device,
+            cpu_gemm=cpu_gemm,
             max_model_len=max_model_len,
             show_progress=show_progress,
         ),  # type: ignore[arg-type]
@@ -74,7 +76,7 @@ def _is_token_ids(x: object) -> bool:
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
-        """`engine_options`: the keyword arguments of `build_engine` (dtype, device, max_model_len,
+        """`engine_options`: the keyword arguments of `build_engine` (dtype, device, cpu_gemm, max_model_len,
         block_size, kv_cache_memory, num_kv_blocks, enable_prefix_caching, max_num_batched_tokens,
         max_num_seqs, scheduling_policy, admission_policy, batching_mode, show_progress)."""
         self.engine = build_engine(model, **engine_options)

@@ -12,6 +12,9 @@ This is the tensor-parallel split of Megatron-style MLPs, applied to the threads
 
 Each bmm streams one contiguous weight block per thread and nothing is transposed between the two
 matmuls; the only extra work is summing C partial outputs of size [M, H].
+
+After `use_onednn()` (linear.py) both projections hold oneDNN-packed [out, in] weights and the MLP is
+two plain matmuls: x -> [M, gate | up] -> act(gate) * up -> [M, H].
 """
 
 from __future__ import annotations
@@ -43,11 +46,27 @@ class GateUpLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The logical [M, 2I] output as [gate | up] (for callers that want the plain layout)."""
+        if self.packed:
+            return super().forward(x)
         out = self.forward_chunks(x)
         Ic = out.shape[-1] // 2
         gate = out[..., :Ic].transpose(0, 1).reshape(x.shape[0], -1)
         up = out[..., Ic:].transpose(0, 1).reshape(x.shape[0], -1)
         return torch.cat([gate, up], dim=-1)
+
+    def _halves(self, chunked: torch.Tensor) -> torch.Tensor:
+        """[C, rows, 2 * I/C] -> [rows, 2I] as [gate | up]."""
+        C, rows, two_ic = chunked.shape
+        Ic = two_ic // 2
+        gate = chunked[..., :Ic].permute(1, 0, 2).reshape(rows, C * Ic)
+        up = chunked[..., Ic:].permute(1, 0, 2).reshape(rows, C * Ic)
+        return torch.cat([gate, up], dim=1)
+
+    def logical_weight(self) -> torch.Tensor:  # [2I, H]: gate_proj's rows, then up_proj's
+        return self._halves(self.weight).t()
+
+    def logical_bias(self) -> torch.Tensor | None:
+        return None if self.bias is None else self._halves(self.bias)[0]
 
     def load_shard(self, name: str, loaded: torch.Tensor, shard: int = 0, is_bias: bool = False) -> None:
         """shard 0 = gate_proj, 1 = up_proj; a weight is [I, H], a bias [I]."""
@@ -79,7 +98,12 @@ class DownLinear(Linear):
         out = partial[0] if partial.shape[0] == 1 else partial.sum(0)
         return out if self.bias is None else out + self.bias
 
+    def logical_weight(self) -> torch.Tensor:  # [H, I]
+        return self.weight.view(self.in_features, self.out_features).t()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, I] -> [M, H]
+        if self.packed:
+            return super().forward(x)
         # [C, I/C, H] is [I, H] in memory.
         out = x @ self.weight.view(self.in_features, self.out_features)
         return out if self.bias is None else out + self.bias
@@ -106,6 +130,10 @@ class GatedMLP(nn.Module):
         self.act = get_activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, H] -> [M, H]
+        if self.gate_up_proj.packed:
+            gate_up = self.gate_up_proj(x)  # [M, gate | up]
+            inner = gate_up.shape[-1] // 2
+            return self.down_proj(self.act(gate_up[..., :inner]) * gate_up[..., inner:])
         gate_up = self.gate_up_proj.forward_chunks(x)  # [C, M, 2 * I/C]
         Ic = gate_up.shape[-1] // 2
         return self.down_proj.forward_chunks(self.act(gate_up[..., :Ic]) * gate_up[..., Ic:])

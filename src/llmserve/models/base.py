@@ -77,6 +77,20 @@ class CausalLM(nn.Module):
     def kv_cache_shape(self) -> KVCacheShape:
         raise NotImplementedError
 
+    def use_onednn(self) -> None:
+        """Move every linear layer and the LM head onto oneDNN's matmul (CPU, once weights are
+        loaded; see layers/onednn.py). Outputs agree with the chunked layout to fp32 rounding."""
+        head = self.lm_head.weight_t
+        tied_to = next(
+            (m for m in self.modules() if isinstance(m, VocabEmbedding) and m.weight_t is head), None
+        )
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.use_onednn()
+            elif isinstance(module, VocabEmbedding):
+                module.use_rows()
+        self.lm_head.use_onednn(tied_to)
+
     def map_weight_name(self, name: str) -> str | None:
         """HF checkpoint name -> this module's parameter name (None: skip the tensor)."""
         if name == "lm_head.weight" and self.lm_head.tied_to:

@@ -18,6 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from llmserve.config import ModelConfig
+from llmserve.layers import onednn
 from llmserve.layers.attention import get_attention_backend
 from llmserve.model_executor.model_loader import hf_folder
 from llmserve.model_executor.model_loader.source import ModelSource, resolve_model
@@ -41,13 +42,15 @@ class LoadedModel:
     weight_bytes: int
     load_seconds: float
     max_model_len: int
+    linear_kernel: str
+    """What runs the linear layers' matmuls: "onednn", "blas" (CPU) or "cuda"."""
 
     def summary(self) -> str:
         return (
             f"loaded {self.source.name} ({type(self.model).__name__}, {self.checkpoint_format}) in "
             f"{self.load_seconds:.1f} s: {self.num_params / 1e6:.1f}M parameters, "
             f"{self.weight_bytes / 2**20:.0f} MiB of {str(self.dtype).removeprefix('torch.')} weights "
-            f"on {self.device}, max_model_len {self.max_model_len}"
+            f"on {self.device} ({self.linear_kernel} matmuls), max_model_len {self.max_model_len}"
         )
 
 
@@ -79,6 +82,19 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(old)
+
+
+def resolve_cpu_gemm(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The linear layers' kernel for `ModelConfig.cpu_gemm` on this device and dtype."""
+    if device.type != "cpu":
+        return device.type
+    if name == "blas":
+        return "blas"
+    usable = dtype == torch.float32 and onednn.available()
+    if name == "onednn" and not usable:
+        why = "this torch build's oneDNN failed its check" if dtype == torch.float32 else f"dtype is {dtype}"
+        raise ValueError(f"cpu_gemm 'onednn' needs float32 weights and a working oneDNN, but {why}")
+    return "onednn" if usable else "blas"
 
 
 def _max_model_len(config: ModelConfig, hf_config: Any) -> int:
@@ -121,6 +137,7 @@ def load_model(config: ModelConfig, attention_backend: str = "auto") -> LoadedMo
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device, hf_config)
     max_model_len = _max_model_len(config, hf_config)
+    linear_kernel = resolve_cpu_gemm(config.cpu_gemm, device, dtype)
 
     # Parameters are created with torch.empty (no initialisation pass) directly on the target
     # device; each checkpoint tensor is then copied into its place exactly once.
@@ -132,6 +149,8 @@ def load_model(config: ModelConfig, attention_backend: str = "auto") -> LoadedMo
     with bar:
         model.load_weights(_tracked(weights(dtype), bar))
     model.eval()
+    if linear_kernel == "onednn":
+        model.use_onednn()  # same bytes, reordered; packed tensors stay parameters
 
     params = {id(p): p for p in model.parameters()}.values()  # tied tensors once
     loaded = LoadedModel(
@@ -145,6 +164,7 @@ def load_model(config: ModelConfig, attention_backend: str = "auto") -> LoadedMo
         weight_bytes=sum(p.numel() * p.element_size() for p in params),
         load_seconds=time.perf_counter() - start,
         max_model_len=max_model_len,
+        linear_kernel=linear_kernel,
     )
     logger.info(loaded.summary())
     return loaded
