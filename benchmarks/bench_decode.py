@@ -71,23 +71,31 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="weights and activations, every engine",
+    )
     ap.add_argument("--out", default="benchmarks/results/bench_decode.json")
     args = ap.parse_args()
 
-    loaded = load_model(ModelConfig(model=args.model, show_progress=False))
+    loaded = load_model(ModelConfig(model=args.model, dtype=args.dtype, show_progress=False))
     tok = load_tokenizer(loaded.source)
     prompt = (tok.encode(TEXT * 40, add_special_tokens=False))[: args.prompt_tokens]
     num_blocks = (args.prompt_tokens + args.decode_tokens) // 16 + 2
     runners = {f"llmserve ({loaded.linear_kernel})": ModelRunner(loaded.model, num_blocks=num_blocks)}
     if loaded.linear_kernel != "blas":
-        blas = load_model(ModelConfig(model=args.model, cpu_gemm="blas", show_progress=False))
+        blas = load_model(
+            ModelConfig(model=args.model, dtype=args.dtype, cpu_gemm="blas", show_progress=False)
+        )
         runners["llmserve (blas)"] = ModelRunner(blas.model, num_blocks=num_blocks)
 
     from transformers import AutoModelForCausalLM
 
     gguf = loaded.source.gguf_files[0]
     hf = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        str(gguf.parent), gguf_file=gguf.name, dtype=getattr(torch, args.dtype)
     ).eval()
 
     engines = {name: partial(llmserve_run, runner) for name, runner in runners.items()}
@@ -108,7 +116,7 @@ def main() -> None:
     same = all(out == outputs["transformers"] for out in outputs.values())
     print(
         f"model {loaded.source.name}, {len(prompt)} prompt tokens, {args.decode_tokens} decode tokens, "
-        f"batch 1, fp32, {torch.get_num_threads()} threads, median of {args.repeats}"
+        f"batch 1, {args.dtype}, {torch.get_num_threads()} threads, median of {args.repeats}"
     )
     print(f"{'engine':<20}{'prefill tok/s':>15}{'decode tok/s':>14}{'÷ transformers':>22}")
     ref = med["transformers"]

@@ -213,7 +213,7 @@ def test_bad_model_config_values():
 
 
 def test_cpu_gemm_choice(tiny):
-    """auto picks oneDNN for float32 where it works; blas is always there; oneDNN on bf16 is refused."""
+    """auto picks oneDNN where it works for the dtype; blas is always there; float16 is refused by oneDNN."""
     folder, _ = tiny
     auto = _load(folder)
     assert auto.linear_kernel == ("onednn" if onednn.available() else "blas")
@@ -222,16 +222,19 @@ def test_cpu_gemm_choice(tiny):
     assert blas.linear_kernel == "blas"
     assert blas.weight_bytes == auto.weight_bytes  # repacking neither adds nor drops a copy
     torch.testing.assert_close(_logits(auto), _logits(blas), rtol=1e-4, atol=1e-4)
-    assert _load(folder, dtype="bfloat16").linear_kernel == "blas"
-    with pytest.raises(ValueError, match="cpu_gemm 'onednn' needs float32 weights.*dtype is torch.bfloat16"):
-        _load(folder, dtype="bfloat16", cpu_gemm="onednn")
+    bf16 = _load(folder, dtype="bfloat16")
+    assert bf16.linear_kernel == ("onednn" if onednn.available(torch.bfloat16) else "blas")
+    assert bf16.weight_bytes * 2 == auto.weight_bytes
+    torch.testing.assert_close(_logits(bf16).float(), _logits(auto), rtol=0.05, atol=0.15)
+    with pytest.raises(ValueError, match="cpu_gemm 'onednn' needs .* cannot run torch.float16"):
+        _load(folder, dtype="float16", cpu_gemm="onednn")
 
 
 def test_cpu_gemm_falls_back_to_blas_without_onednn(tiny, monkeypatch):
     folder, ref = tiny
-    monkeypatch.setattr(onednn, "available", lambda: False)
+    monkeypatch.setattr(onednn, "available", lambda dtype=torch.float32: False)
     loaded = _load(folder)
     assert loaded.linear_kernel == "blas"
     torch.testing.assert_close(_logits(loaded), ref, rtol=1e-4, atol=1e-4)
-    with pytest.raises(ValueError, match="cpu_gemm 'onednn' needs .* oneDNN failed its check"):
+    with pytest.raises(ValueError, match="cpu_gemm 'onednn' needs .* cannot run torch.float32"):
         _load(folder, cpu_gemm="onednn")

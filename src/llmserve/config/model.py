@@ -36,7 +36,8 @@ class ModelConfig:
     """Matmul kernel of the linear layers on CPU. `onednn`: weights repacked into oneDNN's blocked
     layout (1.7-2.4x faster than MKL on AMD CPUs from batch 4 up; needs a torch build with oneDNN, as the official
     wheels are). `blas`: torch's bmm (MKL/OpenBLAS) on a column-chunked layout, one chunk per thread.
-    `auto`: onednn for float32 weights where it is available, else blas. Ignored on CUDA."""
+    `auto`: onednn where it is available for the dtype (float32; bfloat16 on CPUs whose oneDNN
+    supports it), else blas. Ignored on CUDA."""
 
     show_progress: bool = True
     """Show a progress bar while loading weights."""

@@ -5,7 +5,8 @@ the CPU has AVX-512, and tops out near 145 GFLOP/s on the project's 2-core EPYC;
 with torch, the library behind inductor's CPU weight prepacking) picks its kernel from the CPU's
 own features. With the weight reordered into oneDNN's blocked layout ahead of time, its fp32
 matmul reaches 200-400 GFLOP/s there, and is still faster than MKL when capped at AVX2
-(benchmarks/bench_linear.py, figures in docs/benchmarks.md).
+(benchmarks/bench_linear.py, figures in docs/benchmarks.md). bfloat16 weights (`--dtype bfloat16`)
+are packed the same way where oneDNN supports bf16 (AVX-512 CPUs).
 
     pack(W [out, in])  -> an opaque oneDNN tensor, same bytes, blocked for the kernel
     linear(x [..., in], packed, bias [out] | None) -> x @ W.T + bias
@@ -37,17 +38,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 @functools.cache
-def available() -> bool:
-    """True when this torch build has oneDNN's linear ops and they agree with `torch.matmul`."""
-    if not torch.backends.mkldnn.is_available():
+def available(dtype: torch.dtype = torch.float32) -> bool:
+    """True when this torch build has oneDNN's linear ops for `dtype` (float32, or bfloat16 on CPUs
+    whose oneDNN supports it) and they agree with `torch.matmul` on a small problem."""
+    if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
         return False
     try:
+        if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return False
         gen = torch.Generator().manual_seed(0)
-        w = torch.randn(40, 24, generator=gen)
-        b = torch.randn(40, generator=gen)
-        x = torch.randn(5, 24, generator=gen)
+        w = torch.randn(40, 24, generator=gen).to(dtype)
+        b = torch.randn(40, generator=gen).to(dtype)
+        x = torch.randn(5, 24, generator=gen).to(dtype)
         with torch.inference_mode():
-            got = linear(x, pack(w), b)
-        return torch.allclose(got, x @ w.T + b, rtol=1e-4, atol=1e-4)
+            got = linear(x, pack(w), b).float()
+        want = x.float() @ w.float().T + b.float()
+        tol = 1e-4 if dtype == torch.float32 else 5e-2
+        return torch.allclose(got, want, rtol=tol, atol=tol)
     except (RuntimeError, AttributeError, NotImplementedError):
         return False

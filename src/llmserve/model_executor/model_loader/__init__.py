@@ -90,11 +90,14 @@ def resolve_cpu_gemm(name: str, device: torch.device, dtype: torch.dtype) -> str
         return device.type
     if name == "blas":
         return "blas"
-    usable = dtype == torch.float32 and onednn.available()
-    if name == "onednn" and not usable:
-        why = "this torch build's oneDNN failed its check" if dtype == torch.float32 else f"dtype is {dtype}"
-        raise ValueError(f"cpu_gemm 'onednn' needs float32 weights and a working oneDNN, but {why}")
-    return "onednn" if usable else "blas"
+    if onednn.available(dtype):
+        return "onednn"
+    if name == "onednn":
+        raise ValueError(
+            f"cpu_gemm 'onednn' needs float32 (or bfloat16 where oneDNN supports it) and a working "
+            f"oneDNN in torch; this build cannot run {dtype} through it"
+        )
+    return "blas"
 
 
 def _max_model_len(config: ModelConfig, hf_config: Any) -> int:
