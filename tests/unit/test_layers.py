@@ -1,6 +1,6 @@
 """Shared layers against plain torch: the chunked input-major Linear (any chunk count, shards that
 straddle chunk boundaries, bias), the chunked embedding/LM head, the same layers after repacking
-for oneDNN, and paged attention metadata."""
+for oneDNN, RMSNorm with the residual add fused (numba) or not, and paged attention metadata."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmserve.layers import linear, onednn
+from llmserve.layers import layernorm, linear, onednn
 from llmserve.layers.attention import AttentionMetadata
+from llmserve.layers.layernorm import RMSNorm
 from llmserve.layers.linear import Linear, num_weight_chunks
 from llmserve.layers.mlp import GatedMLP
 from llmserve.layers.vocab_embedding import LMHead, VocabEmbedding
@@ -160,3 +161,53 @@ def test_chunks_stay_wide_on_many_threads():
         assert num_weight_chunks(100) == 1
     finally:
         torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("M", [1, 7, 300])
+def test_rms_norm_with_residual_fused_and_torch(monkeypatch, offset, M):
+    """RMSNorm(x) and RMSNorm(x, residual) (add, then norm; the sum returned) on the fused CPU
+    kernel and on torch's ops, against the formula."""
+    torch.manual_seed(0)
+    H = 48
+    norm = RMSNorm(H, 1e-6, weight_offset=offset)
+    norm.weight.data.copy_(torch.randn(H))
+    x, residual = torch.randn(M, H), torch.randn(M, H)
+
+    def ref(v: torch.Tensor) -> torch.Tensor:
+        return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6) * (offset + norm.weight)
+
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(layernorm, "cpu_fused", None)
+        elif layernorm.cpu_fused is None:
+            continue  # no numba here: the torch path is all there is
+        torch.testing.assert_close(norm(x), ref(x))
+        out, total = norm(x, residual.clone())
+        torch.testing.assert_close(total, x + residual)
+        torch.testing.assert_close(out, ref(x + residual))
+
+
+def test_fused_norm_writes_the_sum_into_the_residual():
+    if layernorm.cpu_fused is None:
+        pytest.skip("numba is not importable here")
+    norm = RMSNorm(16, 1e-6)
+    norm.weight.data.fill_(1.0)
+    x, residual = torch.randn(3, 16), torch.randn(3, 16)
+    expected = x + residual
+    _, total = norm(x, residual)
+    assert total is residual  # in place: the model's own residual stream, no new buffer
+    torch.testing.assert_close(residual, expected)
+
+
+def test_norm_falls_back_to_torch_for_tensors_the_kernel_does_not_take():
+    torch.manual_seed(0)
+    norm = RMSNorm(16, 1e-6)
+    norm.weight.data.copy_(torch.randn(16))
+    x = torch.randn(4, 32)[:, :16]  # not contiguous
+    torch.testing.assert_close(norm(x), F.rms_norm(x, (16,), norm.weight, 1e-6))
+    norm.weight.data = norm.weight.data.bfloat16()  # a bfloat16 model
+    xb = torch.randn(4, 16, dtype=torch.bfloat16)
+    out, total = norm(xb, torch.zeros_like(xb))
+    assert out.dtype == total.dtype == torch.bfloat16
+    torch.testing.assert_close(total, xb)

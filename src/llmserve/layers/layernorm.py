@@ -1,10 +1,18 @@
-"""Normalisation layers, computed in float32 whatever the activation dtype."""
+"""Normalisation layers, computed in float32 whatever the activation dtype.
+
+`RMSNorm` also takes the residual stream: `norm(x, residual)` adds first and returns the sum too,
+which on CPU runs as one fused numba pass (cpu_fused.py) instead of torch's nine ops."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+try:
+    from llmserve.layers import cpu_fused
+except ImportError:  # numba missing or broken: torch ops only
+    cpu_fused = None  # type: ignore[assignment]
 
 
 class RMSNorm(nn.Module):
@@ -16,7 +24,22 @@ class RMSNorm(nn.Module):
         self.weight_offset = weight_offset
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); with `residual`, (norm(x + residual), x + residual). The fused CPU path writes
+        the sum into `residual`'s memory, so pass a residual tensor the caller owns."""
+        fused = cpu_fused is not None and cpu_fused.applies(x, self.weight)
+        if residual is None:
+            if fused:
+                return cpu_fused.rms_norm(x, self.weight, self.eps, self.weight_offset)
+            return self._norm(x)
+        if fused and cpu_fused.applies(residual):
+            return cpu_fused.add_rms_norm(x, residual, self.weight, self.eps, self.weight_offset)
+        residual = x + residual
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         if dtype == torch.float32 and not self.weight_offset:
             # One fused kernel instead of five ops: same math in fp32, less per-layer overhead.

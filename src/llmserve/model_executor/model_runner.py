@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from llmserve.layers.attention import AttentionMetadata, KVCacheSpec
+from llmserve.model_executor.cpu_memory import keep_freed_memory
 from llmserve.models import CausalLM
 
 
@@ -34,6 +35,8 @@ class ModelRunner:
         param = next(model.parameters())
         self.model = model
         self.device, self.dtype = param.device, param.dtype
+        if self.device.type == "cpu":
+            keep_freed_memory()  # activations are reused every step: no page faults on them
         self.spec = KVCacheSpec(num_blocks, block_size, shape.num_kv_heads, shape.head_dim, self.dtype)
         # One [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer.
         self.kv_caches = [

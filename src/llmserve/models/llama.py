@@ -5,6 +5,9 @@ for each layer:
     h = x + o_proj(attn(rope(q), rope(k), v))      q, k, v = split(qkv_proj(rms_norm(x)))
     x = h + down_proj(silu(gate) * up)             gate, up = split(gate_up_proj(rms_norm(h)))
 logits = lm_head(rms_norm(x))
+
+Each residual add is fused into the norm that follows it (`RMSNorm(x, residual)`), so a layer
+returns its MLP output and the residual stream separately.
 """
 
 from __future__ import annotations
@@ -108,9 +111,16 @@ class LlamaDecoderLayer(nn.Module):
             bias=getattr(config, "mlp_bias", False),
         )
 
-    def forward(self, x, cos_sin, rope, kv_cache, md) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, rope, kv_cache, md)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos_sin, rope, kv_cache, md) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it); the caller adds the two (the
+        next layer's input norm does, fused)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos_sin, rope, kv_cache, md)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -130,9 +140,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, positions, kv_caches, md) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos_sin = self.rotary_emb.cos_sin(positions, x.dtype)  # shared by every layer
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos_sin, self.rotary_emb, kv_cache, md)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos_sin, self.rotary_emb, kv_cache, md)
+        return self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(CausalLM):

@@ -22,7 +22,6 @@ thread, balanced by context length, once per forward; every layer reuses that sp
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,23 +36,7 @@ from numba.extending import intrinsic
 from llmserve.layers.attention.backend import AttentionParams, register_attention_backend
 from llmserve.layers.attention.metadata import AttentionMetadata
 from llmserve.layers.attention.torch_ref import TorchAttentionBackend
-
-# IEEE-safe fast math: reassociation lets LLVM vectorise the dot products and sums; no
-# "no-NaN/no-Inf" assumptions, so a bad input still shows up as NaN instead of garbage.
-_FASTMATH = {"reassoc", "contract", "arcp", "nsz", "afn"}
-
-
-def _jit(**options: Any) -> Callable[[Callable[..., Any]], Any]:
-    """numba.njit with an on-disk cache beside this module (compiling takes about 4 s, loading
-    the cache a few hundred ms), or without one where no cache location is writable."""
-
-    def wrap(fn: Callable[..., Any]) -> Any:
-        try:
-            return numba.njit(cache=True, **options)(fn)
-        except RuntimeError:  # numba found no writable cache directory
-            return numba.njit(**options)(fn)
-
-    return wrap
+from llmserve.layers.numba_jit import FASTMATH, jit
 
 
 @intrinsic
@@ -83,7 +66,7 @@ def _bits_to_float32(typingctx: Any, bits: types.Integer) -> Any:
     return types.float32(types.int32), codegen
 
 
-@_jit(inline="always", fastmath=_FASTMATH)
+@jit(inline="always", fastmath=FASTMATH)
 def _exp_nonpositive(x: float) -> float:
     """exp(x) for x <= 0 in float32 as plain arithmetic, so that LLVM vectorises the softmax loop
     (libm's expf is one call per score: as much time as the dot products). Cephes' expf: x =
@@ -110,14 +93,14 @@ _ROWS = 4
 _AHEAD = 2
 
 
-@_jit(inline="always")
+@jit(inline="always")
 def _visible(seq_len, window, bs):  # type: ignore[no-untyped-def]
     """(first visible position, its block, one past the last block) of a context."""
     start = max(0, seq_len - window) if window > 0 else 0
     return start, start // bs, (seq_len + bs - 1) // bs
 
 
-@_jit(inline="always", boundscheck=False)
+@jit(inline="always", boundscheck=False)
 def _prefetch_rows(flat, block_start, t, D):  # type: ignore[no-untyped-def]
     """Prefetch rows t .. t + _ROWS - 1 of the block at `flat[block_start]` (past its end when t
     is not a multiple of _ROWS: a prefetch never faults, so that is harmless)."""
@@ -125,7 +108,7 @@ def _prefetch_rows(flat, block_start, t, D):  # type: ignore[no-untyped-def]
         _prefetch(flat, i)
 
 
-@_jit(inline="always", fastmath=_FASTMATH, boundscheck=False)
+@jit(inline="always", fastmath=FASTMATH, boundscheck=False)
 def _score_rows(q, kb, t, n, s, col):  # type: ignore[no-untyped-def]
     """s[g, col + j] = q[g] . kb[t + j] for j < n <= _ROWS."""
     G, D = q.shape
@@ -147,7 +130,7 @@ def _score_rows(q, kb, t, n, s, col):  # type: ignore[no-untyped-def]
                 s[g, col + j] = a
 
 
-@_jit(inline="always", fastmath=_FASTMATH, boundscheck=False)
+@jit(inline="always", fastmath=FASTMATH, boundscheck=False)
 def _accumulate_rows(s, col, vb, t, n, out):  # type: ignore[no-untyped-def]
     """out[g] += sum_j s[g, col + j] * vb[t + j] for j < n <= _ROWS."""
     G, D = out.shape
@@ -163,7 +146,7 @@ def _accumulate_rows(s, col, vb, t, n, out):  # type: ignore[no-untyped-def]
                     out[g, d] += p * vb[t + j, d]
 
 
-@_jit(fastmath=_FASTMATH, boundscheck=False, nogil=True)
+@jit(fastmath=FASTMATH, boundscheck=False, nogil=True)
 def _attend_one(q, k, v, table, seq_len, window, scale, out, next_k, next_table, next_first, next_end):  # type: ignore[no-untyped-def]
     """One work item: the query heads q [G, D] that share KV head k, v [num_blocks, block_size, D]
     over the last `window` positions (all when 0) of a `seq_len` context whose block ids are
@@ -215,7 +198,7 @@ def _attend_one(q, k, v, table, seq_len, window, scale, out, next_k, next_table,
             _accumulate_rows(s, i * bs + t - start, vb, t, min(_ROWS, t1 - t), out)
 
 
-@_jit(parallel=True, boundscheck=False)
+@jit(parallel=True, boundscheck=False)
 def _paged_decode(query, k_cache, v_cache, block_tables, decodes, bounds, scale, window, out):  # type: ignore[no-untyped-def]
     """query, out: [T, H_kv, G, D]; k_cache, v_cache: [H_kv, num_blocks, block_size, D];
     decodes: [B, 3] (sequence index, batch row, seq_len). Work item i is (decode i // H_kv,
