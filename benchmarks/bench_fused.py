@@ -12,10 +12,7 @@
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -29,23 +26,7 @@ from llmserve.model_executor.model_runner import ModelRunner, SequenceBatchEntry
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_attention import BLOCK, make_batch
-
-
-def interleaved_medians(
-    fns: dict[str, Callable[[], object]], repeats: int, inner: int = 1
-) -> dict[str, float]:
-    """Median seconds per call of each function, the functions taking turns."""
-    for fn in fns.values():
-        for _ in range(2):
-            fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t = time.perf_counter()
-            for _ in range(inner):
-                fn()
-            times[name].append((time.perf_counter() - t) / inner)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+from bench_linear import interleaved_medians
 
 
 def bench_calls(repeats: int) -> None:
@@ -64,7 +45,7 @@ def bench_calls(repeats: int) -> None:
                 repeats,
                 inner=50,
             )
-            t, f = med["torch"] * 1e6, med["fused"] * 1e6
+            t, f = med["torch"] * 1e3, med["fused"] * 1e3  # ms -> µs
             print(f"{M:>6} {t:>10.1f} {f:>10.1f} {t / f:>7.2f}x")
     print("(the fused figure includes a clone of the residual, which it writes in place)")
 
@@ -107,7 +88,7 @@ def bench_model(repeats: int) -> None:
             },
             repeats,
         )
-        t, f = med["torch"] * 1e3, med["fused"] * 1e3
+        t, f = med["torch"], med["fused"]
         print(f"{name:<20} {t:>10.1f} {f:>10.1f} {t / f:>7.2f}x")
     layernorm.cpu_fused = kernels
 

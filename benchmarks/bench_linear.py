@@ -82,8 +82,11 @@ def main() -> None:
         print(f"{M:>5} " + " ".join(f"{r:>26}" for r in row) + ratios)
 
 
-def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median ms of each function, run in turn so that machine noise hits them alike."""
+def interleaved_medians(
+    fns: dict[str, Callable[[], object]], repeats: int, inner: int = 1
+) -> dict[str, float]:
+    """Median ms per call of each function, the functions taking turns (`inner` calls a turn) so
+    that machine noise hits them alike."""
     for fn in fns.values():
         for _ in range(2):
             fn()
@@ -91,8 +94,9 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int) -> d
     for _ in range(repeats):
         for name, fn in fns.items():
             t = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t)
+            for _ in range(inner):
+                fn()
+            times[name].append((time.perf_counter() - t) / inner)
     return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
 
 
