@@ -22,6 +22,13 @@ def test_generate_raw_prompt(capsys, llamacpp_reference):
     assert out.split("\n", 1)[1].startswith(case["greedy_text"])
 
 
+def test_generate_on_the_blas_kernel(capsys, llamacpp_reference):
+    """--cpu-gemm blas (torch's bmm instead of oneDNN) reaches the model and still gives llama.cpp's text."""
+    case = next(g for g in llamacpp_reference["greedy"] if g["weights"] == "f32" and g["kind"] == "raw")
+    assert main(["generate", "--cpu-gemm", "blas", "--raw", "--max-tokens", "32", case["prompt"]]) == 0
+    assert capsys.readouterr().out.split("\n", 1)[1].startswith(case["greedy_text"])
+
+
 def test_generate_bad_input_exits_2(capsys):
     assert main(["generate", "--model", "/no/such/model.gguf", "hi"]) == 2
     err = capsys.readouterr().err
