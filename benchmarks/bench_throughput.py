@@ -8,8 +8,13 @@ produces exactly the requested number of tokens. Reported per engine: output tok
   - llmserve in-flight: continuous batching with chunked prefill (the default).
   - llmserve in-flight (blas): the same with `cpu_gemm="blas"` (torch's bmm/MKL instead of
     oneDNN), the baseline for the matmul kernel (skip with --skip-blas).
-  - llmserve static: fixed batches of `--max-num-seqs`: a batch runs until its longest member is
-    done (finished members are computed as padding, as a fixed-shape batch does), then the next.
+  - llmserve static: the request-level batching that continuous batching replaced (Orca's
+    baseline, HF `generate`): fixed batches of `--max-num-seqs`, prompts padded to the batch's
+    longest, run until the longest member is done (finished members computed as padding), then
+    the next batch.
+  - llmserve static-ragged: the same without the prompt padding (ragged prompts batched as they
+    are, which is itself part of what continuous batching brought): the value of admitting
+    requests every step, alone.
   - transformers: `generate` in batches of `--hf-batch` (left padded, run to the longest output of
     the batch); only the requested tokens count. It runs the first `--hf-requests` requests (the
     figure is a rate, so a subset measures it in reasonable time).
@@ -145,10 +150,11 @@ def main() -> None:
         results["llmserve_inflight_blas"] = run_llmserve(blas, work)
         print("in-flight (blas)", results["llmserve_inflight_blas"])
         del blas
-    static = LLM(**common, batching_mode="static")
-    results["llmserve_static"] = run_llmserve(static, work)
-    print("static", results["llmserve_static"])
-    del static
+    for mode in ("static", "static-ragged"):
+        static = LLM(**common, batching_mode=mode)
+        results[f"llmserve_{mode.replace('-', '_')}"] = run_llmserve(static, work)
+        print(mode, results[f"llmserve_{mode.replace('-', '_')}"])
+        del static
 
     if not args.skip_transformers:
         hf = load_transformers(llm.engine.loaded.source.gguf_files[0])
@@ -168,7 +174,13 @@ def main() -> None:
 
     inflight = results["llmserve_inflight"]["output_tok_s"]
     print("\n| engine | output tok/s | ratio (in-flight / engine) |\n| --- | ---: | ---: |")
-    for name in ("llmserve_inflight", "llmserve_inflight_blas", "llmserve_static", "transformers"):
+    for name in (
+        "llmserve_inflight",
+        "llmserve_inflight_blas",
+        "llmserve_static",
+        "llmserve_static_ragged",
+        "transformers",
+    ):
         if name in results:
             r = results[name]["output_tok_s"]
             print(f"| {name} | {r:.1f} | {inflight / r:.2f}x |")

@@ -124,9 +124,14 @@ def test_seeded_request_unchanged_by_preemption(tiny):
     assert tight.engine.scheduler.num_preemptions > 0
 
 
-def test_static_batching_gives_the_same_tokens(tiny, reference):
-    llm = make_llm(tiny[0], batching_mode="static", max_num_seqs=2)
+@pytest.mark.parametrize("mode", ["static", "static-ragged"])
+def test_static_batching_gives_the_same_tokens(tiny, reference, mode):
+    # Batches of 2 with prompts of 4 and 23, then 1 and 60 tokens: in `static` mode the short
+    # ones are prefilled beside 19 and 59 pad positions that they must not see.
+    llm = make_llm(tiny[0], batching_mode=mode, max_num_seqs=2, max_num_batched_tokens=32)
     assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference
+    assert llm.engine.scheduler.requests == {}
+    assert llm.engine.scheduler.kv_cache_manager.get_num_free_blocks() == 128
 
 
 def test_prompt_logprobs_match_transformers(tiny):

@@ -191,6 +191,69 @@ def test_static_mode_abort_of_the_last_member_frees_the_padding():
     assert sched.kv_cache_manager.get_num_free_blocks() == 64
 
 
+def test_static_mode_pads_prompts_to_the_longest_of_the_batch():
+    sched = make_scheduler(mode="static", max_num_seqs=2, max_num_batched_tokens=12)
+    sched.add_request(make_request("short", 3, max_tokens=2))
+    sched.add_request(make_request("long", 9, max_tokens=2, first=50))
+    sched.add_request(make_request("next", 5, max_tokens=1, first=90))
+    pad = "short#prompt-padding"
+    so, outs = step(sched)
+    # short, then its 6 pad positions, then what the budget leaves of long; pads are not members
+    assert so.num_scheduled_tokens == {"short": 3, pad: 6, "long": 3}
+    assert [o.req_id for o in outs] == ["short"]  # the pad's sampled token is nobody's
+    # its prefill is done: it left (its blocks are free) and never decodes
+    assert pad not in sched.requests and [r.request_id for r in sched.running] == ["short", "long"]
+    so, outs = step(sched)
+    assert pad in so.finished_req_ids
+    assert so.num_scheduled_tokens == {"short": 1, "long": 6}
+    assert {o.req_id for o in outs} == {"short", "long"}
+    while sched.has_unfinished_requests():
+        so, outs = step(sched)
+        # "next" is alone in its batch: nothing to pad
+        assert not any(r.endswith("#prompt-padding") for r in so.num_scheduled_tokens)
+    assert sched.kv_cache_manager.get_num_free_blocks() == 64
+
+
+def test_static_ragged_mode_does_not_pad_prompts():
+    sched = make_scheduler(mode="static-ragged")
+    sched.add_request(make_request("short", 3, max_tokens=1))
+    sched.add_request(make_request("long", 9, max_tokens=1, first=50))
+    so, _ = step(sched)
+    assert so.num_scheduled_tokens == {"short": 3, "long": 9}
+
+
+def test_static_mode_prompt_padding_gives_way_under_memory_pressure():
+    # 8 blocks of 4, 8 tokens a step: long (16 tokens) prefills in two steps; then short and 3 of
+    # its 12 pad positions; then the pad's next chunk finds no free block and, being padding,
+    # is dropped instead of preempting a member.
+    sched = make_scheduler(num_blocks=8, mode="static", max_num_batched_tokens=8)
+    sched.add_request(make_request("long", 16, max_tokens=3, first=50))
+    sched.add_request(make_request("short", 4, max_tokens=3))
+    pad = "short#prompt-padding"
+    scheduled = []
+    while sched.has_unfinished_requests():
+        so, _ = step(sched)
+        scheduled.append(so.num_scheduled_tokens)
+        assert not so.preempted_req_ids
+    assert scheduled[2] == {"long": 1, "short": 4, pad: 3}
+    assert pad not in scheduled[3] and "short" in scheduled[3]
+    assert sched.num_preemptions == 0 and sched.kv_cache_manager.get_num_free_blocks() == 8
+
+
+def test_static_mode_aborting_a_waiting_member_drops_its_padding():
+    sched = make_scheduler(mode="static", max_num_seqs=2, max_num_batched_tokens=9)
+    sched.add_request(make_request("long", 9, max_tokens=2, first=50))
+    sched.add_request(make_request("short", 3, max_tokens=2))
+    so, _ = step(sched)  # long takes the whole budget; short waits with its pad prepared
+    assert so.num_scheduled_tokens == {"long": 9}
+    sched.abort_requests(["short"])
+    while sched.has_unfinished_requests():
+        so, _ = step(sched)
+        assert set(so.num_scheduled_tokens) == {"long"}
+    assert sched.requests == {} and sched._prompt_pads == {}
+    assert sched.kv_cache_manager.get_num_free_blocks() == 64
+
+
 def test_continuous_mode_admits_while_others_run():
     sched = make_scheduler()
     sched.add_request(make_request("long", 3, max_tokens=4))

@@ -46,7 +46,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         choices=["optimistic", "reserve"],
         help="optimistic: preempt when blocks run out; reserve: admit only when prompt + max_tokens fit",
     )
-    g.add_argument("--batching-mode", default="continuous", choices=["continuous", "static"])
+    g.add_argument(
+        "--batching-mode",
+        default="continuous",
+        choices=["continuous", "static", "static-ragged"],
+        help="continuous: in-flight batching; static: request-level batches (prompts padded to the "
+        "longest, run until the longest member finishes), for comparison; static-ragged: the same "
+        "without prompt padding",
+    )
 
 
 def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:

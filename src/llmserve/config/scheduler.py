@@ -7,7 +7,7 @@ from typing import Literal
 
 SchedulingPolicy = Literal["fcfs", "priority"]
 AdmissionPolicy = Literal["optimistic", "reserve"]
-BatchingMode = Literal["continuous", "static"]
+BatchingMode = Literal["continuous", "static", "static-ragged"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,8 +28,10 @@ class SchedulerConfig:
 
     mode: BatchingMode = "continuous"
     """`continuous`: in-flight batching, waiting requests join every step. `static`: fixed batches, for
-    comparison: a batch runs until its longest member finishes (finished members are computed
-    as padding), and the next is admitted only then."""
+    comparison, the request-level batching that continuous batching replaced: each batch's prompts
+    are padded to its longest prompt, the batch runs until its longest member finishes (finished
+    members are computed as padding), and the next is admitted only then. `static-ragged`: the
+    same without the prompt padding (prompts of different lengths batched as they are)."""
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -40,5 +42,9 @@ class SchedulerConfig:
             raise ValueError(f"policy must be 'fcfs' or 'priority'; got {self.policy!r}")
         if self.admission not in ("optimistic", "reserve"):
             raise ValueError(f"admission must be 'optimistic' or 'reserve'; got {self.admission!r}")
-        if self.mode not in ("continuous", "static"):
-            raise ValueError(f"mode must be 'continuous' or 'static'; got {self.mode!r}")
+        if self.mode not in ("continuous", "static", "static-ragged"):
+            raise ValueError(f"mode must be 'continuous', 'static' or 'static-ragged'; got {self.mode!r}")
+
+    @property
+    def is_static(self) -> bool:
+        return self.mode != "continuous"

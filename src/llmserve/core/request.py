@@ -62,7 +62,11 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)
     """Chained hashes of this request's full blocks, filled by the KV-cache manager."""
     padding: bool = False
-    """Static batching: finished for its user, still computed until its batch is done."""
+    """Static batching: computed for the batch's shape only, nobody's output (a member finished for
+    its user, or a prompt-padding sequence)."""
+    prompt_padding: bool = False
+    """Static batching: the pad positions of a member whose prompt is shorter than its batch's
+    longest. Prefilled like a prompt, never decodes, leaves once its prefill is done."""
 
     @property
     def num_prompt_tokens(self) -> int:

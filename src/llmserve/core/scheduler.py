@@ -12,12 +12,23 @@ One step of continuous (in-flight) batching with chunked prefill:
      prompt is scheduled, split into chunks when it does not fit the remaining budget.
 
 Admission `reserve` admits a request only when blocks for its whole prompt + max_tokens are free
-after every running request's own reservation, so step 1 never runs out of blocks. Mode
-`static` is the classic fixed-batch baseline (HF `generate`, FasterTransformer): a batch of the
-next `max_num_seqs` waiting requests runs until its longest member finishes, and no other request
-joins meanwhile. A member that finishes early is reported finished at once but keeps its slot and
-its blocks as padding: it is still computed every step (its tokens are discarded), as a
-fixed-shape batch computes finished rows, until the whole batch is done.
+after every running request's own reservation, so step 1 never runs out of blocks.
+
+Mode `static` is the request-level batching that continuous batching replaced (HF `generate`,
+FasterTransformer; Orca's baseline), run by this engine for comparison: a batch of the next
+`max_num_seqs` waiting requests runs until its longest member finishes, and no other request joins
+meanwhile. A fixed-shape batch is padded in both directions, and so is this one:
+  - prompts: a member shorter than the batch's longest prompt brings a prompt-padding sequence of
+    the missing length (pad tokens, prefilled beside it, never decoding, its K/V dropped when its
+    prefill is done), so the batch computes as many prompt rows as a left-padded [B, longest]
+    batch. The pad positions are not attended to by the member, so its tokens do not change; a
+    padded batch would also attend over them, so this is a lower bound of a padded batch's cost.
+  - outputs: a member that finishes early is reported finished at once but keeps its slot and its
+    blocks as padding: it is still computed every step (its tokens are discarded), as a fixed-shape
+    batch computes finished rows, until the whole batch is done.
+Mode `static-ragged` pads outputs only: prompts of different lengths share a batch as they are,
+which needs what continuous batching brought (ragged batches, paged K/V); it isolates what
+admitting requests every step is worth on its own.
 
 The scheduler owns the request objects and the KV-cache manager; it never touches tensors.
 `update_from_output` consumes the runner's sampled tokens as data and decides who finished.
@@ -26,6 +37,7 @@ The scheduler owns the request objects and the KV-cache manager; it never touche
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -40,6 +52,11 @@ from llmserve.core.sched_output import (
     NewRequestData,
     SchedulerOutput,
 )
+from llmserve.sampling_params import SamplingParams
+
+# A prompt-padding sequence's tokens and sampling: its values do not change what it costs.
+_PAD_TOKEN = 0
+_PAD_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
 
 
 @dataclass(slots=True)
@@ -102,6 +119,11 @@ class Scheduler:
         # form), and the finished members still computed as padding until the batch is done.
         self._static_batch: set[str] = set()
         self._padding: list[Request] = []
+        # Static mode: each member's prompt-padding sequence, made when its batch forms, queued
+        # when the member is admitted, admitted right after it.
+        self._prompt_pads: dict[str, Request] = {}
+        self._pending_pads: deque[Request] = deque()
+        self._num_running_pads = 0
 
     # -- requests in and out ----------------------------------------------------------------------
 
@@ -135,7 +157,7 @@ class Scheduler:
 
     def _end(self, request: Request, status: RequestStatus) -> None:
         """A running request is done for its user: finished, or kept as static-batch padding."""
-        if self.config.mode == "static" and len(self._static_batch) > 1:
+        if self.config.is_static and len(self._static_batch) > 1:
             request.padding = True
             self._static_batch.discard(request.request_id)
             self._padding.append(request)
@@ -145,16 +167,27 @@ class Scheduler:
 
     def _release_padding(self) -> None:
         """Free the padding rows once their static batch has no unfinished member left."""
-        if self._static_batch or not self._padding:
+        if self._static_batch:
             return
+        self._prompt_pads.clear()
+        self._pending_pads.clear()
         for request in self._padding:
             self.running.remove(request)
             self._finish(request, RequestStatus.FINISHED_LENGTH_CAPPED)
         self._padding = []
 
+    def _drop_padding(self, request: Request) -> None:
+        """A padding row leaves before its batch ends (a prompt pad done, or room needed)."""
+        self._padding.remove(request)
+        self.running.remove(request)
+        self._finish(request, RequestStatus.FINISHED_LENGTH_CAPPED)
+
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         self._static_batch.discard(request.request_id)
+        self._prompt_pads.pop(request.request_id, None)  # a member aborted before admission
+        if request.prompt_padding:
+            self._num_running_pads -= 1
         self.kv_cache_manager.free(request)
         self._finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
@@ -181,29 +214,43 @@ class Scheduler:
         )
 
     def _schedule_running(self, plan: _StepPlan) -> None:
-        i = 0
-        while i < len(self.running) and plan.budget > 0:
-            request = self.running[i]
+        # Members in admission order, then static-batch padding: padding never takes a block or
+        # budget a member needs, and can give its blocks back without undoing scheduled work.
+        order = [r for r in self.running if not r.padding] + self._padding
+        for request in order:
+            if plan.budget <= 0:
+                return
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted or dropped to make room earlier in this loop
             num_new = min(request.num_tokens - request.num_computed_tokens, plan.budget)
             assert num_new > 0, f"running request {request.request_id} has nothing to compute"
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
             while new_blocks is None:
-                assert self.config.admission == "optimistic", "reserve admission must never run out of blocks"
-                victim = self.running.pop()  # the most recently admitted request
-                if victim.padding:  # padding has no user left: drop it instead of recomputing it
-                    self._padding.remove(victim)
-                    self._finish(victim, RequestStatus.FINISHED_LENGTH_CAPPED)
-                else:
-                    self._preempt(victim, plan)
+                victim = self._make_room(request, plan)
                 if victim is request:
-                    return
+                    break
                 new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            if new_blocks is None:
+                continue
             plan.cached_reqs.append(
                 CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens)
             )
             plan.num_tokens[request.request_id] = num_new
             plan.budget -= num_new
-            i += 1
+
+    def _make_room(self, request: Request, plan: _StepPlan) -> Request:
+        """Free blocks for `request`: drop the newest padding row (padding has no user left, so it
+        is not recomputed), else preempt the newest member. Returns who gave way. Neither has
+        been scheduled in this step yet: padding comes after every member, and the newest member
+        is `request` itself or one the loop has not reached."""
+        if self._padding:
+            victim = request if request.padding else self._padding[-1]
+            self._drop_padding(victim)
+            return victim
+        assert self.config.admission == "optimistic", "reserve admission must never run out of blocks"
+        victim = self.running.pop()  # the most recently admitted request
+        self._preempt(victim, plan)
+        return victim
 
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
         self.kv_cache_manager.free(request)
@@ -218,15 +265,25 @@ class Scheduler:
         assert request.request_id not in plan.num_tokens
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
-        static = self.config.mode == "static"
+        static = self.config.is_static
         if static and not self._static_batch:
-            # A new static batch: the next max_num_seqs waiting requests, admitted as the budget
-            # allows; nobody else joins until every one of them has finished.
-            self._static_batch = {
-                r.request_id for r in itertools.islice(self.waiting, self.config.max_num_seqs)
-            }
+            self._form_static_batch()
         kv = self.kv_cache_manager
-        while len(self.waiting) > 0 and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while plan.budget > 0:
+            if self._pending_pads:  # the prompt padding of the member admitted last
+                pad = self._pending_pads[0]
+                if not self._admit(pad, plan, [], 0):
+                    break
+                self._pending_pads.popleft()
+                self.requests[pad.request_id] = pad
+                self._padding.append(pad)
+                self._num_running_pads += 1
+                continue
+            if (
+                len(self.waiting) == 0
+                or len(self.running) - self._num_running_pads >= self.config.max_num_seqs
+            ):
+                break
             request = self.waiting.peek()
             if static and request.request_id not in self._static_batch:
                 break
@@ -235,31 +292,59 @@ class Scheduler:
             computed_blocks, num_computed = (
                 ([], 0) if wants_prompt_logprobs else kv.get_computed_blocks(request)
             )
-            if self.config.admission == "reserve" and not self._fits_reservation(request):
-                break
-            num_new = min(request.num_tokens - num_computed, plan.budget)
-            new_blocks = kv.allocate_slots(request, num_new, computed_blocks, num_computed)
-            if new_blocks is None:
+            if not self._admit(request, plan, computed_blocks, num_computed):
                 break
             self.waiting.pop()
-            self.running.append(request)
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_computed
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_computed
-            plan.new_reqs.append(
-                NewRequestData(
-                    req_id=request.request_id,
-                    prompt_token_ids=request.prompt_token_ids,
-                    output_token_ids=list(request.output_token_ids),
-                    sampling_params=request.sampling_params,
-                    eos_token_ids=request.eos_token_ids,
-                    block_ids=kv.get_block_ids(request.request_id),
-                    num_computed_tokens=num_computed,
-                )
+            if (pad := self._prompt_pads.pop(request.request_id, None)) is not None:
+                self._pending_pads.append(pad)
+
+    def _admit(self, request: Request, plan: _StepPlan, computed_blocks: list, num_computed: int) -> bool:
+        """Start running a request (its first chunk in this step) if the KV pool allows."""
+        kv = self.kv_cache_manager
+        if self.config.admission == "reserve" and not self._fits_reservation(request):
+            return False
+        num_new = min(request.num_tokens - num_computed, plan.budget)
+        new_blocks = kv.allocate_slots(request, num_new, computed_blocks, num_computed)
+        if new_blocks is None:
+            return False
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_computed
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_computed
+        plan.new_reqs.append(
+            NewRequestData(
+                req_id=request.request_id,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=list(request.output_token_ids),
+                sampling_params=request.sampling_params,
+                eos_token_ids=request.eos_token_ids,
+                block_ids=kv.get_block_ids(request.request_id),
+                num_computed_tokens=num_computed,
             )
-            plan.num_tokens[request.request_id] = num_new
-            plan.budget -= num_new
+        )
+        plan.num_tokens[request.request_id] = num_new
+        plan.budget -= num_new
+        return True
+
+    def _form_static_batch(self) -> None:
+        """The next `max_num_seqs` waiting requests become a batch; in `static` mode, each member
+        shorter than the longest prompt gets its prompt-padding sequence."""
+        members = list(itertools.islice(self.waiting, self.config.max_num_seqs))
+        self._static_batch = {r.request_id for r in members}
+        if self.config.mode != "static" or not members:
+            return
+        width = max(r.num_tokens for r in members)
+        for r in members:
+            if r.num_tokens < width:
+                self._prompt_pads[r.request_id] = Request(
+                    request_id=f"{r.request_id}#prompt-padding",
+                    prompt_token_ids=[_PAD_TOKEN] * (width - r.num_tokens),
+                    sampling_params=_PAD_PARAMS,
+                    max_tokens=1,
+                    padding=True,
+                    prompt_padding=True,
+                )
 
     def _total_len(self, request: Request) -> int:
         return min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
@@ -284,10 +369,8 @@ class Scheduler:
                 continue  # aborted or preempted while the step ran
             if request.padding:  # computed like the rest of the batch; its tokens go nowhere
                 request.output_token_ids.extend(sampled)
-                if request.num_tokens >= self.max_model_len:
-                    self._padding.remove(request)
-                    self.running.remove(request)
-                    self._finish(request, RequestStatus.FINISHED_LENGTH_CAPPED)
+                if sampled and (request.prompt_padding or request.num_tokens >= self.max_model_len):
+                    self._drop_padding(request)
                 continue
             prompt_lp = runner_output.prompt_logprobs.get(req_id)
             if not sampled and prompt_lp is None:
