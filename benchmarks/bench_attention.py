@@ -14,6 +14,10 @@ all layers) over the step time: the rate at which the backend streams the cache.
 --model also times a whole decode step of the embedded SmolLM2 (`ModelRunner.execute`: weights,
 attention, LM head) at the same batches with each backend; the caches hold random values, which
 costs attention the same as real ones.
+
+--kv-dtypes float32 float16 bfloat16 then times the "cpu" backend over caches stored in each
+dtype (the `kv_cache_dtype` option; queries and outputs stay float32), interleaved, the first
+dtype as the baseline; with --model, whole decode steps of SmolLM2 too.
 """
 
 from __future__ import annotations
@@ -135,6 +139,62 @@ def bench_model_step(args: argparse.Namespace) -> None:
         print(f"{B:>5} {med['torch']:>7.1f} ms {med['cpu']:>9.1f} ms {med['torch'] / med['cpu']:>7.2f}x")
 
 
+def bench_kv_dtypes(args: argparse.Namespace) -> None:
+    params = AttentionParams(H, H_KV, D, D**-0.5)
+    backend = get_attention_backend("cpu")
+    dtypes = {name: getattr(torch, name) for name in args.kv_dtypes}
+    for dt in dtypes.values():
+        backend.prepare(dt)
+    base = args.kv_dtypes[0]
+    print(f'\n"cpu" decode attention by KV-cache dtype, median of {args.repeats} interleaved steps')
+    print(f"{'batch':>5} " + " ".join(f"{n:>22}" for n in dtypes) + f" {'max |diff| vs ' + base:>22}")
+    for B in args.batch:
+        seq_lens, tables, num_blocks = make_batch(B, args.seed, args.min_context, args.max_context)
+        ref = [torch.randn(2, H_KV, num_blocks, BLOCK, D) for _ in range(args.layers)]
+        caches = {n: [c.to(dt) for c in ref] for n, dt in dtypes.items()}
+        qkv = [(torch.randn(B, H, D), torch.randn(B, H_KV, D), torch.randn(B, H_KV, D)) for _ in ref]
+        outs = {}
+        for n in dtypes:
+            md = AttentionMetadata.build([1] * B, seq_lens, tables, BLOCK)
+            outs[n] = backend.forward(params, *qkv[0], caches[n][0].clone(), md)
+        diff = max((outs[n] - outs[base]).abs().max().item() for n in dtypes)
+        steps = {
+            n: partial(attention_step_ms, backend, params, qkv, caches[n], seq_lens, tables) for n in dtypes
+        }
+        med = interleaved_medians(steps, args.repeats)
+        cells = []
+        for n, dt in dtypes.items():
+            gb = sum(seq_lens) * 2 * H_KV * D * dt.itemsize * args.layers / med[n] / 1e6
+            cells.append(f"{med[n]:6.2f} ms {gb:4.1f} GB/s {med[base] / med[n]:4.2f}x")
+        print(f"{B:>5} " + " ".join(f"{c:>22}" for c in cells) + f" {diff:>22.1e}")
+    if not args.model:
+        return
+
+    from llmserve.config import ModelConfig
+    from llmserve.model_executor.model_loader import load_model
+    from llmserve.model_executor.model_runner import ModelRunner, SequenceBatchEntry
+
+    model = load_model(ModelConfig(show_progress=False)).model
+
+    def step_ms(runner: ModelRunner, batch: list[SequenceBatchEntry]) -> float:
+        start = time.perf_counter()
+        runner.execute(batch)
+        return (time.perf_counter() - start) * 1e3
+
+    print(f"\nwhole decode step of the embedded SmolLM2 by KV-cache dtype, median of {args.repeats}")
+    print(f"{'batch':>5} " + " ".join(f"{n:>16}" for n in dtypes))
+    for B in args.batch:
+        seq_lens, tables, num_blocks = make_batch(B, args.seed, args.min_context, args.max_context)
+        batch = [SequenceBatchEntry([7], n, t) for n, t in zip(seq_lens, tables, strict=True)]
+        runners = {}
+        for n, dt in dtypes.items():
+            runners[n] = ModelRunner(model, num_blocks=num_blocks, block_size=BLOCK, kv_cache_dtype=dt)
+            for cache in runners[n].kv_caches:
+                cache.normal_()
+        med = interleaved_medians({n: partial(step_ms, r, batch) for n, r in runners.items()}, args.repeats)
+        print(f"{B:>5} " + " ".join(f"{med[n]:6.1f} ms {med[base] / med[n]:4.2f}x" for n in dtypes))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
@@ -144,10 +204,19 @@ def main() -> None:
     ap.add_argument("--max-context", type=int, default=768)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", action="store_true", help="also time whole decode steps of SmolLM2")
+    ap.add_argument(
+        "--kv-dtypes",
+        nargs="+",
+        choices=["float32", "float16", "bfloat16"],
+        help="instead: the cpu backend over caches of these dtypes (the first is the baseline)",
+    )
     args = ap.parse_args()
 
     torch.manual_seed(args.seed)
     with torch.inference_mode():
+        if args.kv_dtypes:
+            bench_kv_dtypes(args)
+            return
         bench_attention(args)
         if args.model:
             bench_model_step(args)

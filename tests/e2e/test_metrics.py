@@ -227,9 +227,10 @@ def test_metrics_account_for_completed_stopped_sampled_and_preempted_requests(
     got = check(server, ledger, rejected={})
     assert got["llmserve:num_preemptions_total"] > 0
     assert got["llmserve:prefix_cache_hits_total"] > 0  # the n = 3 samples share their prompt
-    # labels in name order: block_size, enable_prefix_caching, kv_bytes_per_token, num_kv_blocks
+    # labels in name order: block_size, cache_dtype, enable_prefix_caching, kv_bytes_per_token,
+    # num_kv_blocks
     (info,) = (k for k in got if k.startswith("llmserve:cache_config_info"))
-    assert info.startswith("llmserve:cache_config_info[8][True][") and info.endswith("][10]"), info
+    assert info.startswith("llmserve:cache_config_info[8][float32][True][") and info.endswith("][10]"), info
     assert got[info] == 1
     # the periodic log line appeared while the engine was busy
     line = next(ln for ln in server.log().splitlines() if "engine: " in ln and "running" in ln)

@@ -208,6 +208,24 @@ def test_bad_requests_are_refused_whole(tiny):
     assert not llm.engine.has_unfinished_requests()  # nothing half-queued
 
 
+def test_16_bit_kv_cache_holds_twice_the_tokens_and_keeps_greedy_tokens(tiny, reference):
+    fp32 = make_llm(tiny[0], num_kv_blocks=None, kv_cache_memory=2**20)
+    fp16 = make_llm(tiny[0], num_kv_blocks=None, kv_cache_memory=2**20, kv_cache_dtype="float16")
+    assert fp16.engine.kv_info.bytes_per_token * 2 == fp32.engine.kv_info.bytes_per_token
+    assert fp16.engine.kv_info.num_blocks == 2 * fp32.engine.kv_info.num_blocks
+    assert fp16.engine.kv_info.summary().startswith("KV cache (float16): ")
+    assert fp32.engine.kv_info.dtype == "float32"  # auto: the model's dtype
+    assert fp16.engine.runner.runner.kv_caches[0].dtype == torch.float16
+    # The tiny model's greedy tokens survive the rounding (its logit margins are wide enough).
+    assert token_ids(fp16.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference
+
+
+@pytest.mark.parametrize("bad", ["fp8", "int8", "float64", ""])
+def test_unknown_kv_cache_dtype_is_refused(tiny, bad):
+    with pytest.raises(ValueError, match=f"kv_cache_dtype must be .*got {bad!r}"):
+        make_llm(tiny[0], kv_cache_dtype=bad)
+
+
 def test_embedded_model_batch_matches_llamacpp(llamacpp_reference):
     llm = LLM(show_progress=False)
     cases = [g for g in llamacpp_reference["greedy"] if g["weights"] == "f32"]

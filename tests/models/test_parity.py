@@ -92,6 +92,25 @@ def test_chunked_prefill_through_the_cache(pair):
     torch.testing.assert_close(torch.cat(pieces), ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("kv_cache_dtype,tol", [(torch.float16, 5e-3), (torch.bfloat16, 4e-2)])
+def test_16_bit_kv_cache_tracks_transformers(pair, kv_cache_dtype, tol):
+    """A float32 model over a 16-bit KV cache: a prompt chunk, then one token per step (the decode
+    kernel reading every earlier position back from the rounded cache), within the rounding."""
+    hf, ours = pair
+    prompt = PROMPTS[1] + PROMPTS[0]
+    runner = ModelRunner(ours.model, num_blocks=16, block_size=4, kv_cache_dtype=kv_cache_dtype)
+    assert runner.kv_caches[0].dtype == kv_cache_dtype
+    blocks = [9, 3, 12, 0, 5, 7, 1, 14, 2, 8]
+    pieces = [runner.execute([SequenceBatchEntry(prompt[:6], 6, blocks)], all_logits=True)]
+    for pos in range(6, len(prompt)):
+        pieces.append(runner.execute([SequenceBatchEntry([prompt[pos]], pos + 1, blocks)], all_logits=True))
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    got = torch.cat(pieces)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+
+
 def test_bfloat16_dtype(tmp_path):
     """dtype is configurable: bf16 weights and activations track the fp32 model within bf16 precision."""
     make_tiny_model("llama", tmp_path)

@@ -4,6 +4,7 @@ llama.cpp's greedy continuations computed with the same float32 weights."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from llmserve.model_executor.greedy import generate_greedy
 from llmserve.model_executor.model_runner import ModelRunner
@@ -27,12 +28,18 @@ def test_embedded_model_config(smollm2):
     assert "Q4_1" in smollm2.checkpoint_format
 
 
-@pytest.mark.parametrize("batched", [False, True], ids=["alone", "batched"])
-def test_greedy_matches_llamacpp_f32(smollm2, llamacpp_reference, batched):
+@pytest.mark.parametrize(
+    "batched,kv_cache_dtype",
+    [(False, torch.float32), (True, torch.float32), (True, torch.float16)],
+    ids=["alone", "batched", "batched-f16-kv"],
+)
+def test_greedy_matches_llamacpp_f32(smollm2, llamacpp_reference, batched, kv_cache_dtype):
+    """float16 K/V is also what llama.cpp's own cache holds by default."""
     cases = _f32_cases(llamacpp_reference)
     assert len(cases) == 5
     eos = frozenset({llamacpp_reference_eos(smollm2)})
-    runner = ModelRunner(smollm2.model, num_blocks=64, block_size=16)
+    runner = ModelRunner(smollm2.model, num_blocks=64, block_size=16, kv_cache_dtype=kv_cache_dtype)
+    assert runner.kv_caches[0].dtype == kv_cache_dtype
     prompts = [c["prompt_ids"] for c in cases]
     if batched:
         outputs = generate_greedy(runner, prompts, 32, stop_token_ids=eos)

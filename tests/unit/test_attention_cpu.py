@@ -34,15 +34,21 @@ def _batch(
 
 
 def _run_both(
-    params: AttentionParams, md_args: tuple, num_blocks: int, block_size: int, seed: int = 0
+    params: AttentionParams,
+    md_args: tuple,
+    num_blocks: int,
+    block_size: int,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    cache_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
     """(out_cpu, out_torch, cache_cpu, cache_torch, cpu metadata) for one random batch."""
     gen = torch.Generator().manual_seed(seed)
     md_cpu, md_ref = (_batch(block_size, *md_args, num_blocks, seed) for _ in range(2))
     T, H, H_kv, D = md_cpu.num_tokens, params.num_heads, params.num_kv_heads, params.head_dim
-    q = torch.randn(T, H, D, generator=gen)
-    k, v = torch.randn(T, H_kv, D, generator=gen), torch.randn(T, H_kv, D, generator=gen)
-    cache_cpu = torch.randn(2, H_kv, num_blocks, block_size, D, generator=gen)
+    q = torch.randn(T, H, D, generator=gen).to(dtype)
+    k, v = torch.randn(T, H_kv, D, generator=gen).to(dtype), torch.randn(T, H_kv, D, generator=gen).to(dtype)
+    cache_cpu = torch.randn(2, H_kv, num_blocks, block_size, D, generator=gen).to(cache_dtype)
     cache_ref = cache_cpu.clone()
     with torch.inference_mode():
         out_cpu = get_attention_backend("cpu").forward(params, q, k, v, cache_cpu, md_cpu)
@@ -62,12 +68,36 @@ SEQ_LENS = [1, 3, 16, 17, 7, 45, 20, 8, 70]
 @pytest.mark.parametrize("sliding_window", [None, 5, 20])
 def test_cpu_matches_torch_on_mixed_batches(block_size, num_heads, num_kv_heads, head_dim, sliding_window):
     params = AttentionParams(num_heads, num_kv_heads, head_dim, head_dim**-0.5, sliding_window)
+    CpuPagedAttentionBackend().prepare(torch.float32)
+    compiled = set(cpu_paged._paged_decode.signatures)
     out, ref, cache, cache_ref, md = _run_both(params, (QUERY_LENS, SEQ_LENS), 64, block_size)
     assert md.derived[("cpu_decode", num_kv_heads, sliding_window or 0)] is not None  # the kernel ran
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     assert torch.equal(cache, cache_ref)
-    # One compiled specialisation, the one the backend's warm-up built: nothing compiles mid-run.
-    assert len(cpu_paged._paged_decode.signatures) == 1
+    # The specialisation `prepare` built is the one that ran: nothing compiles mid-run.
+    assert set(cpu_paged._paged_decode.signatures) == compiled
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("sliding_window", [None, 20])
+@pytest.mark.parametrize("block_size", [16, 8])
+def test_cpu_reads_16_bit_caches_as_the_reference_does(cache_dtype, sliding_window, block_size):
+    """A 16-bit cache under a float32 model: new K/V rounded when written (the same bits on both
+    backends), the kernel widening each element as it reads it, in place."""
+    params = AttentionParams(9, 3, 64, 0.125, sliding_window)
+    CpuPagedAttentionBackend().prepare(cache_dtype)
+    compiled = set(cpu_paged._paged_decode.signatures)
+    out, ref, cache, cache_ref, md = _run_both(
+        params, (QUERY_LENS, SEQ_LENS), 64, block_size, seed=3, cache_dtype=cache_dtype
+    )
+    assert md.derived[("cpu_decode", 3, sliding_window or 0)] is not None
+    assert out.dtype == torch.float32 and cache.dtype == cache_dtype
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(cache, cache_ref)
+    assert set(cpu_paged._paged_decode.signatures) == compiled
+    # The same inputs again give the same bits (a fixed split over threads, a fixed order).
+    again = _run_both(params, (QUERY_LENS, SEQ_LENS), 64, block_size, seed=3, cache_dtype=cache_dtype)
+    assert torch.equal(again[0], out)
 
 
 @pytest.mark.parametrize("query_lens,seq_lens", [([1], [33]), ([1] * 12, list(range(3, 99, 8))), ([9], [9])])
@@ -87,13 +117,29 @@ def test_single_decode_decode_only_and_prefill_only_batches(query_lens, seq_lens
     assert torch.equal(cache, cache_ref)
 
 
-def test_non_fp32_falls_back_to_torch():
+def test_bf16_model_runs_the_kernel_in_float32():
+    """A bfloat16 model with a bfloat16 cache: the kernel computes in float32, so it is closer to
+    float32 attention over the same cache than the reference computing in bfloat16 is."""
+    params = AttentionParams(9, 3, 64, 0.125)
+    args = ((QUERY_LENS, SEQ_LENS), 64, 16, 5)
+    out, ref, cache, cache_ref, md = _run_both(
+        params, *args, dtype=torch.bfloat16, cache_dtype=torch.bfloat16
+    )
+    assert md.derived[("cpu_decode", 3, 0)] is not None and out.dtype == torch.bfloat16
+    assert torch.equal(cache, cache_ref)
+    # float32 queries over the same (bfloat16) cache contents
+    exact = _run_both(params, *args, dtype=torch.float32, cache_dtype=torch.bfloat16)[1]
+    torch.testing.assert_close(out.float(), exact, atol=2e-2, rtol=2e-2)
+    assert (out.float() - exact).abs().mean() <= (ref.float() - exact).abs().mean()
+
+
+def test_unsupported_dtypes_fall_back_to_torch():
     params = AttentionParams(4, 2, 32, 32**-0.5)
     md_cpu, md_ref = _batch(8, [1, 1], [12, 30], 16, 0), _batch(8, [1, 1], [12, 30], 16, 0)
     q, k, v = torch.randn(2, 4, 32), torch.randn(2, 2, 32), torch.randn(2, 2, 32)
-    cache = torch.randn(2, 2, 16, 8, 32, dtype=torch.bfloat16)
-    out = get_attention_backend("cpu").forward(params, *(x.bfloat16() for x in (q, k, v)), cache, md_cpu)
-    ref = get_attention_backend("torch").forward(params, *(x.bfloat16() for x in (q, k, v)), cache, md_ref)
+    cache = torch.randn(2, 2, 16, 8, 32, dtype=torch.float64)
+    out = get_attention_backend("cpu").forward(params, *(x.double() for x in (q, k, v)), cache, md_cpu)
+    ref = get_attention_backend("torch").forward(params, *(x.double() for x in (q, k, v)), cache, md_ref)
     assert not any(isinstance(key, tuple) and key[0] == "cpu_decode" for key in md_cpu.derived)
     torch.testing.assert_close(out, ref)
 

@@ -29,6 +29,28 @@ def test_generate_on_the_blas_kernel(capsys, llamacpp_reference):
     assert capsys.readouterr().out.split("\n", 1)[1].startswith(case["greedy_text"])
 
 
+def test_generate_with_a_float16_kv_cache_in_static_batches(capsys, caplog, llamacpp_reference):
+    """--kv-cache-dtype and --batching-mode reach the engine; float16 K/V (llama.cpp's own
+    default cache type) and prompt-padded static batches still give llama.cpp's text."""
+    cases = [g for g in llamacpp_reference["greedy"] if g["weights"] == "f32" and g["kind"] == "raw"]
+    args = [
+        "generate",
+        "--kv-cache-dtype",
+        "float16",
+        "--batching-mode",
+        "static",
+        "--raw",
+        "--max-tokens",
+        "32",
+    ]
+    with caplog.at_level("INFO", logger="llmserve"):
+        assert main(args + [c["prompt"] for c in cases]) == 0
+    assert "KV cache (float16)" in caplog.text
+    out = capsys.readouterr().out
+    for case in cases:
+        assert case["greedy_text"] in out
+
+
 def test_generate_bad_input_exits_2(capsys):
     assert main(["generate", "--model", "/no/such/model.gguf", "hi"]) == 2
     err = capsys.readouterr().err

@@ -36,6 +36,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="KV-cache size in blocks (overrides --kv-cache-memory)",
     )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="what the KV cache stores K/V in (auto: the model's dtype); 16 bits hold twice the tokens",
+    )
     g.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
     g.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget of one step")
@@ -67,6 +73,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "kv_cache_memory": args.kv_cache_memory,
         "num_kv_blocks": args.num_kv_blocks,
         "enable_prefix_caching": not args.no_prefix_caching,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "scheduling_policy": args.scheduling_policy,

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 DEFAULT_KV_CACHE_MEMORY = 2 * 2**30
+KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +25,12 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     """Reuse the KV blocks of earlier requests that share a prompt prefix."""
 
+    kv_cache_dtype: str = "auto"
+    """What the cache stores K/V in: `auto` (the model's dtype), `float32`, `bfloat16` or `float16`.
+    A 16-bit cache under a float32 model holds twice the tokens in the same memory and halves
+    what decode attention reads; K/V are rounded once, when written (llama.cpp's default cache is
+    float16)."""
+
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:
             raise ValueError(f"block_size must be in [1, 1024]; got {self.block_size}")
@@ -29,6 +38,13 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory must be > 0 bytes; got {self.kv_cache_memory}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1; got {self.num_kv_blocks}")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be 'auto' or one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}"
+            )
+
+    def resolve_kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return model_dtype if self.kv_cache_dtype == "auto" else KV_CACHE_DTYPES[self.kv_cache_dtype]
 
     def num_blocks(self, kv_bytes_per_token: int) -> int:
         """Blocks that fit the budget, given the model's KV bytes per token (all layers)."""

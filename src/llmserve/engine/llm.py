@@ -38,6 +38,7 @@ def build_engine(
     kv_cache_memory: int | None = None,
     num_kv_blocks: int | None = None,
     enable_prefix_caching: bool = True,
+    kv_cache_dtype: str = "auto",
     max_num_batched_tokens: int = 1024,
     max_num_seqs: int = 64,
     scheduling_policy: str = "fcfs",
@@ -59,6 +60,7 @@ def build_engine(
             kv_cache_memory=kv_cache_memory,
             num_kv_blocks=num_kv_blocks,
             enable_prefix_caching=enable_prefix_caching,
+            kv_cache_dtype=kv_cache_dtype,
         ),
         SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens,
@@ -77,7 +79,7 @@ def _is_token_ids(x: object) -> bool:
 class LLM:
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
         """`engine_options`: the keyword arguments of `build_engine` (dtype, device, cpu_gemm, max_model_len,
-        block_size, kv_cache_memory, num_kv_blocks, enable_prefix_caching, max_num_batched_tokens,
+        block_size, kv_cache_memory, num_kv_blocks, enable_prefix_caching, kv_cache_dtype, max_num_batched_tokens,
         max_num_seqs, scheduling_policy, admission_policy, batching_mode, show_progress)."""
         self.engine = build_engine(model, **engine_options)
         self._ids = itertools.count()

@@ -49,6 +49,7 @@ class KVCacheInfo:
     num_blocks: int
     block_size: int
     max_model_len: int
+    dtype: str = "float32"
 
     @property
     def num_tokens(self) -> int:
@@ -61,7 +62,7 @@ class KVCacheInfo:
 
     def summary(self) -> str:
         return (
-            f"KV cache: {self.bytes_per_token / 1024:.1f} KiB per token, {self.num_blocks} blocks of "
+            f"KV cache ({self.dtype}): {self.bytes_per_token / 1024:.1f} KiB per token, {self.num_blocks} blocks of "
             f"{self.block_size} tokens = {self.num_tokens} tokens "
             f"({self.num_tokens * self.bytes_per_token / 2**30:.2f} GiB); "
             f"max concurrency at full context ({self.max_model_len} tokens): {self.max_concurrency:.2f}x"
@@ -88,18 +89,21 @@ class LLMEngine:
         self.vocab_size = int(self.loaded.hf_config.vocab_size)
 
         shape = self.loaded.model.kv_cache_shape()
-        bytes_per_token = (
-            2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * self.loaded.dtype.itemsize
-        )
+        kv_dtype = self.cache_config.resolve_kv_cache_dtype(self.loaded.dtype)
+        bytes_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * kv_dtype.itemsize
         num_blocks = self.cache_config.num_blocks(bytes_per_token)
         self.kv_info = KVCacheInfo(
-            bytes_per_token, num_blocks, self.cache_config.block_size, self.max_model_len
+            bytes_per_token,
+            num_blocks,
+            self.cache_config.block_size,
+            self.max_model_len,
+            str(kv_dtype).removeprefix("torch."),
         )
         logger.info(self.kv_info.summary())
 
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, num_blocks, self.max_model_len)
         self.runner = EngineRunner(
-            self.loaded.model, num_blocks, self.cache_config.block_size, self.vocab_size
+            self.loaded.model, num_blocks, self.cache_config.block_size, self.vocab_size, kv_dtype
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.last_stats: SchedulerStats | None = None

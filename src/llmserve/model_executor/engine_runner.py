@@ -54,8 +54,15 @@ class CachedRequestState:
 
 
 class EngineRunner:
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, vocab_size: int) -> None:
-        self.runner = ModelRunner(model, num_blocks, block_size)
+    def __init__(
+        self,
+        model: CausalLM,
+        num_blocks: int,
+        block_size: int,
+        vocab_size: int,
+        kv_cache_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.runner = ModelRunner(model, num_blocks, block_size, kv_cache_dtype)
         self.device = self.runner.device
         self.vocab_size = vocab_size
         self.sampler = Sampler()

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmserve.layers.attention import AttentionMetadata, KVCacheSpec
+from llmserve.layers.attention import Attention, AttentionMetadata, KVCacheSpec
 from llmserve.model_executor.cpu_memory import keep_freed_memory
 from llmserve.models import CausalLM
 
@@ -30,19 +30,31 @@ class SequenceBatchEntry:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int = 16) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        num_blocks: int,
+        block_size: int = 16,
+        kv_cache_dtype: torch.dtype | None = None,
+    ) -> None:
+        """`kv_cache_dtype`: what the cache stores K/V in (default: the model's dtype)."""
         shape = model.kv_cache_shape()
         param = next(model.parameters())
         self.model = model
         self.device, self.dtype = param.device, param.dtype
         if self.device.type == "cpu":
             keep_freed_memory()  # activations are reused every step: no page faults on them
-        self.spec = KVCacheSpec(num_blocks, block_size, shape.num_kv_heads, shape.head_dim, self.dtype)
-        # One [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer.
+        kv_dtype = kv_cache_dtype or self.dtype
+        self.spec = KVCacheSpec(num_blocks, block_size, shape.num_kv_heads, shape.head_dim, kv_dtype)
+        # One [2, num_kv_heads, num_blocks, block_size, head_dim] tensor per layer.
         self.kv_caches = [
-            torch.zeros(self.spec.shape(), dtype=self.dtype, device=self.device)
+            torch.zeros(self.spec.shape(), dtype=kv_dtype, device=self.device)
             for _ in range(shape.num_layers)
         ]
+        for backend in {
+            id(m.backend): m.backend for m in model.modules() if isinstance(m, Attention)
+        }.values():
+            backend.prepare(kv_dtype)
 
     @property
     def block_size(self) -> int:

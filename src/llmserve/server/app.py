@@ -184,6 +184,7 @@ def build_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig, mod
                 core.max_model_len,
                 cache_info={
                     "block_size": str(core.kv_info.block_size),
+                    "cache_dtype": core.kv_info.dtype,
                     "num_kv_blocks": str(core.kv_info.num_blocks),
                     "kv_bytes_per_token": str(core.kv_info.bytes_per_token),
                     "enable_prefix_caching": str(core.cache_config.enable_prefix_caching),

@@ -1,7 +1,8 @@
 """The attention backend interface and its registry.
 
 A backend turns (q, k, v) for a flat batch into attention outputs, writing the new K/V into the
-paged cache and reading each sequence's context through its block table. The torch reference
+paged cache and reading each sequence's context through its block table. The cache may hold K/V
+in a narrower dtype than the model computes in (`kv_cache_dtype`): writes round, reads widen. The torch reference
 backend runs anywhere; faster CPU and CUDA backends register under their own names, and "auto"
 picks the fastest one available for a device.
 """
@@ -42,6 +43,11 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,  # [2, num_kv_heads, num_blocks, block_size, head_dim]
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        ...
+
+    def prepare(self, kv_cache_dtype: torch.dtype) -> None:
+        """Called once the KV cache exists (its dtype may differ from the model's): compile or
+        set up whatever the first forward would otherwise pay for."""
         ...
 
 

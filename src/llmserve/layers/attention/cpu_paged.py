@@ -1,6 +1,8 @@
 """The CPU attention backend: decode attention read in place from the paged KV cache by a numba
 kernel. K/V writes and prefill chunks stay on the torch reference path (this class subclasses it),
-as do tensors the kernel does not take (not CPU, not fp32).
+as do tensors the kernel does not take (not on the CPU, or not float32/bfloat16/float16). The
+kernel computes in float32 whatever the model's dtype, and reads a 16-bit cache as it is,
+widening each element as it is loaded, so a 16-bit cache halves the bytes it moves.
 
 The reference backend gathers every decode sequence's blocks into a padded workspace and then
 runs two matmuls over it, moving each KV byte three to four times. Here each K row and each V row
@@ -31,7 +33,7 @@ import torch
 from llvmlite import ir
 from numba import prange, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from llmserve.layers.attention.backend import AttentionParams, register_attention_backend
 from llmserve.layers.attention.metadata import AttentionMetadata
@@ -64,6 +66,57 @@ def _bits_to_float32(typingctx: Any, bits: types.Integer) -> Any:
         return builder.bitcast(args[0], ir.FloatType())
 
     return types.float32(types.int32), codegen
+
+
+@intrinsic
+def _bf16_bits_to_float32(typingctx: Any, bits: types.Integer) -> Any:
+    """A bfloat16 (stored as uint16) as float32: its bits are the top half of the float32's."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        i32 = ir.IntType(32)
+        return builder.bitcast(builder.shl(builder.zext(args[0], i32), i32(16)), ir.FloatType())
+
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def _f16_bits_to_float32(typingctx: Any, bits: types.Integer) -> Any:
+    """A float16 (stored as int16: numba has no float16 type) as float32 (F16C's vcvtph2ps)."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(types.int16), codegen
+
+
+def _as_float32(x: Any) -> Any:
+    """A cache element as float32; compiled per storage type (see the overload below)."""
+    raise NotImplementedError("only callable from numba-compiled code")
+
+
+@overload(_as_float32, inline="always")
+def _as_float32_impl(x):  # type: ignore[no-untyped-def]  # numba wants the lambdas' exact signature
+    # The cache's storage type picks the conversion: float32 as is, bfloat16 viewed as uint16,
+    # float16 viewed as int16 (see `_cache_view`).
+    if isinstance(x, types.Float):
+        return lambda x: x
+    if x == types.uint16:
+        return lambda x: _bf16_bits_to_float32(x)
+    if x == types.int16:
+        return lambda x: _f16_bits_to_float32(x)
+    return None
+
+
+def _cache_view(half: torch.Tensor) -> np.ndarray:
+    """A numpy view of one cache half, in the storage type `_as_float32` converts from."""
+    if half.dtype == torch.bfloat16:
+        return half.view(torch.int16).numpy().view(np.uint16)
+    if half.dtype == torch.float16:
+        return half.view(torch.int16).numpy()
+    return half.numpy()
+
+
+_KERNEL_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @jit(inline="always", fastmath=FASTMATH)
@@ -104,8 +157,8 @@ def _visible(seq_len, window, bs):  # type: ignore[no-untyped-def]
 def _prefetch_rows(flat, block_start, t, D):  # type: ignore[no-untyped-def]
     """Prefetch rows t .. t + _ROWS - 1 of the block at `flat[block_start]` (past its end when t
     is not a multiple of _ROWS: a prefetch never faults, so that is harmless)."""
-    for i in range(block_start + t * D, block_start + (t + _ROWS) * D, 16):  # one per 64 bytes
-        _prefetch(flat, i)
+    for i in range(block_start + t * D, block_start + (t + _ROWS) * D, 64 // flat.itemsize):
+        _prefetch(flat, i)  # one per 64-byte line
 
 
 @jit(inline="always", fastmath=FASTMATH, boundscheck=False)
@@ -117,16 +170,16 @@ def _score_rows(q, kb, t, n, s, col):  # type: ignore[no-untyped-def]
             a0 = a1 = a2 = a3 = np.float32(0.0)
             for d in range(D):
                 qd = q[g, d]
-                a0 += qd * kb[t, d]
-                a1 += qd * kb[t + 1, d]
-                a2 += qd * kb[t + 2, d]
-                a3 += qd * kb[t + 3, d]
+                a0 += qd * _as_float32(kb[t, d])
+                a1 += qd * _as_float32(kb[t + 1, d])
+                a2 += qd * _as_float32(kb[t + 2, d])
+                a3 += qd * _as_float32(kb[t + 3, d])
             s[g, col], s[g, col + 1], s[g, col + 2], s[g, col + 3] = a0, a1, a2, a3
         else:
             for j in range(n):
                 a = np.float32(0.0)
                 for d in range(D):
-                    a += q[g, d] * kb[t + j, d]
+                    a += q[g, d] * _as_float32(kb[t + j, d])
                 s[g, col + j] = a
 
 
@@ -138,12 +191,17 @@ def _accumulate_rows(s, col, vb, t, n, out):  # type: ignore[no-untyped-def]
         if n == 4:
             p0, p1, p2, p3 = s[g, col], s[g, col + 1], s[g, col + 2], s[g, col + 3]
             for d in range(D):
-                out[g, d] += p0 * vb[t, d] + p1 * vb[t + 1, d] + p2 * vb[t + 2, d] + p3 * vb[t + 3, d]
+                out[g, d] += (
+                    p0 * _as_float32(vb[t, d])
+                    + p1 * _as_float32(vb[t + 1, d])
+                    + p2 * _as_float32(vb[t + 2, d])
+                    + p3 * _as_float32(vb[t + 3, d])
+                )
         else:
             for j in range(n):
                 p = s[g, col + j]
                 for d in range(D):
-                    out[g, d] += p * vb[t + j, d]
+                    out[g, d] += p * _as_float32(vb[t + j, d])
 
 
 @jit(fastmath=FASTMATH, boundscheck=False, nogil=True)
@@ -280,14 +338,19 @@ def _decode_work(metadata: AttentionMetadata, num_kv_heads: int, window: int) ->
 def _kernel_applies(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     return (
         query.device.type == "cpu"
-        and query.dtype == kv_cache.dtype == torch.float32
         and kv_cache.device.type == "cpu"
+        and query.dtype in _KERNEL_CACHE_DTYPES
+        and kv_cache.dtype in _KERNEL_CACHE_DTYPES
         and kv_cache.is_contiguous()
     )
 
 
 class CpuPagedAttentionBackend(TorchAttentionBackend):
     name = "cpu"
+
+    def prepare(self, kv_cache_dtype: torch.dtype) -> None:
+        if kv_cache_dtype in _KERNEL_CACHE_DTYPES:
+            _warm_up(kv_cache_dtype)
 
     def forward(
         self,
@@ -306,14 +369,15 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
         if work is None:  # no decodes, or tensors the kernel does not take
             return self._attend_batch(params, query, key, value, kv_cache, metadata)
 
+        # The kernel computes in float32 whatever the model's and the cache's dtypes.
         T, H, D = query.shape
         H_kv = params.num_kv_heads
-        out = torch.empty((T, H, D), dtype=query.dtype)
-        kv = kv_cache.detach().numpy()
+        out = torch.empty((T, H, D), dtype=torch.float32)
+        kv = kv_cache.detach()
         _paged_decode(
-            query.detach().contiguous().numpy().reshape(T, H_kv, H // H_kv, D),
-            kv[0],
-            kv[1],
+            query.detach().to(torch.float32).contiguous().numpy().reshape(T, H_kv, H // H_kv, D),
+            _cache_view(kv[0]),
+            _cache_view(kv[1]),
             work.block_tables,
             work.decodes,
             work.bounds,
@@ -321,23 +385,23 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
             window,
             out.numpy().reshape(T, H_kv, H // H_kv, D),
         )
+        out = out.to(query.dtype)
         for i in work.others:
             start, end = metadata.query_start_loc[i], metadata.query_start_loc[i + 1]
             out[start:end] = self._sequence(params, i, query, key, value, kv_cache, metadata)
         return out
 
 
-def _warm_up() -> None:
-    """Compile the kernel (or load it from numba's cache) on a tiny input with the argument types
-    of every real call, so that the cost falls at model load rather than in the first request:
-    about 4 s the first time on a machine, 0.3 s from the cache."""
+def _warm_up(kv_cache_dtype: torch.dtype = torch.float32) -> None:
+    """Compile the kernel for a cache dtype (or load it from numba's cache) on a tiny input with
+    the argument types of every real call, so that the cost falls at model load rather than in the
+    first request: about 4 s the first time on a machine, 0.3 s from the cache."""
     q = np.zeros((1, 1, 1, 16), np.float32)
-    kv = np.zeros((2, 1, 1, 1, 16), np.float32)
+    kv = _cache_view(torch.zeros((2, 1, 1, 1, 16), dtype=kv_cache_dtype))
     decodes, bounds = np.array([[0, 0, 1]], np.int64), np.array([0, 1], np.int64)
     _paged_decode(q, kv[0], kv[1], np.zeros((1, 1), np.int64), decodes, bounds, 1.0, 0, np.empty_like(q))
 
 
 @register_attention_backend("cpu")
 def _make_cpu_backend() -> CpuPagedAttentionBackend:
-    _warm_up()
     return CpuPagedAttentionBackend()

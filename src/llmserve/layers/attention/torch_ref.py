@@ -224,8 +224,8 @@ def _decode_batch(
     numel = plan.block_index.numel() * kv_cache.shape[3] * D
     k_buf = ws.get("k", numel, kv_cache.dtype, kv_cache.device)
     v_buf = ws.get("v", numel, kv_cache.dtype, kv_cache.device)
-    k = _gather(kv_cache[0], plan.block_index, k_buf).view(H_kv, B, -1, D)  # [H_kv, B, S, D]
-    v = _gather(kv_cache[1], plan.block_index, v_buf).view(H_kv, B, -1, D)
+    k = _gather(kv_cache[0], plan.block_index, k_buf).view(H_kv, B, -1, D).to(query.dtype)  # [H_kv, B, S, D]
+    v = _gather(kv_cache[1], plan.block_index, v_buf).view(H_kv, B, -1, D).to(query.dtype)
     q = query.index_select(0, plan.rows).view(B, H_kv, H // H_kv, D).transpose(0, 1)  # [H_kv, B, g, D]
     scores = torch.matmul(q, k.transpose(-1, -2)).mul_(params.scale)  # [H_kv, B, g, S]
     scores += plan.bias.to(scores.dtype)[None, :, None, :]
@@ -239,6 +239,9 @@ class TorchAttentionBackend:
 
     def __init__(self) -> None:
         self._workspace = _Workspace()
+
+    def prepare(self, kv_cache_dtype: torch.dtype) -> None:
+        pass
 
     def forward(
         self,
@@ -269,8 +272,9 @@ class TorchAttentionBackend:
             ("write", H_kv, num_slots),
             lambda: _flat_block_index(metadata.slot_mapping, H_kv, num_slots).view(-1),  # [H_kv * T]
         )
-        kv_cache[0].view(-1, D).index_copy_(0, rows, key.transpose(0, 1).reshape(-1, D))
-        kv_cache[1].view(-1, D).index_copy_(0, rows, value.transpose(0, 1).reshape(-1, D))
+        dtype = kv_cache.dtype  # a narrower KV-cache dtype rounds here
+        kv_cache[0].view(-1, D).index_copy_(0, rows, key.transpose(0, 1).reshape(-1, D).to(dtype))
+        kv_cache[1].view(-1, D).index_copy_(0, rows, value.transpose(0, 1).reshape(-1, D).to(dtype))
 
     def _attend_batch(
         self,
@@ -323,8 +327,8 @@ class TorchAttentionBackend:
                 ("read", i, H_kv, NB),
                 lambda: _flat_block_index(metadata.block_tables[i, : (s_len + bs - 1) // bs], H_kv, NB),
             )
-            k_ctx = _gather(kv_cache[0], idx).view(H_kv, -1, D)[:, :s_len]  # [H_kv, s_len, D]
-            v_ctx = _gather(kv_cache[1], idx).view(H_kv, -1, D)[:, :s_len]
+            k_ctx = _gather(kv_cache[0], idx).view(H_kv, -1, D)[:, :s_len].to(query.dtype)  # [H_kv, s_len, D]
+            v_ctx = _gather(kv_cache[1], idx).view(H_kv, -1, D)[:, :s_len].to(query.dtype)
         mask = _context_mask(metadata, i, params.sliding_window, query.device)
         o = _attend(params, query[start:end].transpose(0, 1), k_ctx, v_ctx, mask)  # q: [H, q_len, D]
         return o.transpose(0, 1)
