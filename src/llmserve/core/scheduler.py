@@ -123,7 +123,6 @@ class Scheduler:
         # when the member is admitted, admitted right after it.
         self._prompt_pads: dict[str, Request] = {}
         self._pending_pads: deque[Request] = deque()
-        self._num_running_pads = 0
 
     # -- requests in and out ----------------------------------------------------------------------
 
@@ -167,7 +166,7 @@ class Scheduler:
 
     def _release_padding(self) -> None:
         """Free the padding rows once their static batch has no unfinished member left."""
-        if self._static_batch:
+        if self._static_batch or not (self._padding or self._pending_pads or self._prompt_pads):
             return
         self._prompt_pads.clear()
         self._pending_pads.clear()
@@ -186,8 +185,6 @@ class Scheduler:
         request.status = status
         self._static_batch.discard(request.request_id)
         self._prompt_pads.pop(request.request_id, None)  # a member aborted before admission
-        if request.prompt_padding:
-            self._num_running_pads -= 1
         self.kv_cache_manager.free(request)
         self._finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
@@ -277,12 +274,9 @@ class Scheduler:
                 self._pending_pads.popleft()
                 self.requests[pad.request_id] = pad
                 self._padding.append(pad)
-                self._num_running_pads += 1
                 continue
-            if (
-                len(self.waiting) == 0
-                or len(self.running) - self._num_running_pads >= self.config.max_num_seqs
-            ):
+            # Padding rows (static mode) are not members: they do not count against max_num_seqs.
+            if len(self.waiting) == 0 or len(self.running) - len(self._padding) >= self.config.max_num_seqs:
                 break
             request = self.waiting.peek()
             if static and request.request_id not in self._static_batch:
