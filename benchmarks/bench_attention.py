@@ -116,7 +116,7 @@ def bench_model_step(args: argparse.Namespace) -> None:
     from llmserve.model_executor.model_loader import load_model
     from llmserve.model_executor.model_runner import ModelRunner, SequenceBatchEntry
 
-    model = load_model(ModelConfig(show_progress=False)).model
+    model = load_model(ModelConfig(quantization="none", show_progress=False)).model
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     backends = {name: get_attention_backend(name) for name in BACKENDS}
 
@@ -174,7 +174,7 @@ def bench_kv_dtypes(args: argparse.Namespace) -> None:
     from llmserve.model_executor.model_loader import load_model
     from llmserve.model_executor.model_runner import ModelRunner, SequenceBatchEntry
 
-    model = load_model(ModelConfig(show_progress=False)).model
+    model = load_model(ModelConfig(quantization="none", show_progress=False)).model
 
     def step_ms(runner: ModelRunner, batch: list[SequenceBatchEntry]) -> float:
         start = time.perf_counter()

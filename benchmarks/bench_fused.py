@@ -51,7 +51,7 @@ def bench_calls(repeats: int) -> None:
 
 
 def bench_model(repeats: int) -> None:
-    model = load_model(ModelConfig(show_progress=False)).model
+    model = load_model(ModelConfig(quantization="none", show_progress=False)).model
     kernels = layernorm.cpu_fused
 
     def step(fused: bool, runner: ModelRunner, batch: list[SequenceBatchEntry]) -> None:

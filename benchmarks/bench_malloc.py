@@ -28,7 +28,7 @@ def measure(repeats: int) -> dict[str, float]:
     from llmserve.model_executor.model_loader import load_model
     from llmserve.model_executor.model_runner import ModelRunner, SequenceBatchEntry
 
-    model = load_model(ModelConfig(show_progress=False)).model
+    model = load_model(ModelConfig(quantization="none", show_progress=False)).model
     cases = {}
     for B in (1, 16, 64):
         seq_lens, tables, num_blocks = make_batch(B, 0, 128, 256)

@@ -21,7 +21,17 @@ def llamacpp_reference() -> dict:
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """The embedded default model, loaded once per test session."""
+    """The embedded default model on the float path (its Q4_1 weights dequantized to float32),
+    loaded once per test session."""
+    from llmserve.config import ModelConfig
+    from llmserve.model_executor.model_loader import load_model
+
+    return load_model(ModelConfig(quantization="none", show_progress=False))
+
+
+@pytest.fixture(scope="session")
+def smollm2_quantized():
+    """The embedded default model as served by default: its Q4_1 blocks kept (quantization auto)."""
     from llmserve.config import ModelConfig
     from llmserve.model_executor.model_loader import load_model
 

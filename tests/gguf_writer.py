@@ -127,12 +127,55 @@ def write_gguf(
             if arr.dtype == np.uint8:  # pre-quantized blocks: the writer derives the logical shape
                 w.add_tensor(name, arr, raw_dtype=qtype)
             else:
-                w.add_tensor(name, gguf.quants.quantize(arr.astype(np.float32), qtype), raw_dtype=qtype)
+                w.add_tensor(name, quantize_blocks(arr.astype(np.float32), qtype), raw_dtype=qtype)
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
     return paths
+
+
+def quantize_blocks(x: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """float32 [..., K] -> GGUF blocks: gguf's own quantizers, plus Q4_K / Q5_K (which it lacks)."""
+    if qtype in (Q.Q4_K, Q.Q5_K):
+        return _quantize_k(x.reshape(-1, x.shape[-1]), 15 if qtype == Q.Q4_K else 31).reshape(
+            *x.shape[:-1], -1
+        )
+    return gguf.quants.quantize(x, qtype)
+
+
+def _quantize_k(x: np.ndarray, qmax: int) -> np.ndarray:
+    """A plain min/max Q4_K (qmax 15) or Q5_K (qmax 31) encoder, from the block layout in
+    llama.cpp's ggml-common.h (not its search for the best scales, nor its choice of d): per
+    super-block of 256, eight sub-blocks with 6-bit scale and minimum multipliers of d and dmin,
+    w = d sc q - dmin m."""
+    rows, k = x.shape
+    sub = x.reshape(rows, k // 256, 8, 32)
+    lo, hi = np.minimum(sub.min(-1), 0.0), sub.max(-1)  # the minimum is subtracted: m >= 0
+    scale, minimum = (hi - lo) / qmax, -lo
+    # Powers of two for d and dmin: d * sc and dmin * m (6-bit multipliers) are then exact in half
+    # floats, so a reader that keeps them as half floats can be checked for exact values.
+    pow2 = lambda v: np.exp2(np.ceil(np.log2(np.maximum(v, 1e-8) / 63))).astype(np.float16)  # noqa: E731
+    d, dmin = pow2(scale.max(-1)), pow2(minimum.max(-1))
+    sc = np.clip(np.round(scale / d[..., None].astype(np.float32)), 1, 63).astype(np.uint8)
+    mn = np.clip(np.round(minimum / dmin[..., None].astype(np.float32)), 0, 63).astype(np.uint8)
+    eff_scale = d[..., None].astype(np.float32) * sc
+    eff_min = dmin[..., None].astype(np.float32) * mn
+    q = np.clip(np.round((sub + eff_min[..., None]) / eff_scale[..., None]), 0, qmax).astype(np.uint8)
+    # scales: bytes j, j + 4 hold sc_j, m_j (j < 4) in their low 6 bits and sc_{j+4}, m_{j+4} >> 4
+    # in their top 2; byte j + 8 holds the low nibbles of sc_{j+4} (low) and m_{j+4} (high).
+    scales = np.empty((rows, k // 256, 12), np.uint8)
+    scales[..., 0:4] = sc[..., :4] | ((sc[..., 4:] >> 4) << 6)
+    scales[..., 4:8] = mn[..., :4] | ((mn[..., 4:] >> 4) << 6)
+    scales[..., 8:12] = (sc[..., 4:] & 0x0F) | ((mn[..., 4:] & 0x0F) << 4)
+    pairs = q.reshape(rows, k // 256, 4, 2, 32)  # run c: sub-blocks 2c and 2c + 1
+    qs = (pairs[:, :, :, 0] & 0x0F) | ((pairs[:, :, :, 1] & 0x0F) << 4)  # [rows, n, 4, 32]
+    head = [d.view(np.uint8).reshape(rows, -1, 2), dmin.view(np.uint8).reshape(rows, -1, 2), scales]
+    if qmax == 31:  # fifth bits: bit 2c (+1) of qh byte l is that of element l of sub-block 2c (+1)
+        high = (q >> 4).reshape(rows, k // 256, 8, 32).astype(np.uint16)
+        qh = (high << np.arange(8, dtype=np.uint16)[:, None]).sum(axis=2).astype(np.uint8)
+        head.append(qh)
+    return np.concatenate([*head, qs.reshape(rows, k // 256, 128)], axis=-1).reshape(rows, -1)
 
 
 def write_hf_model(

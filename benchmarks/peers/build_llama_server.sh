@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build llama.cpp's `llama-server` (CPU only) as the peer for benchmarks/compare.py.
+# Build llama.cpp's `llama-server` (CPU only) as the peer for benchmarks/compare.py, with the tools
+# the quantization benchmarks call beside it (llama-bench, llama-quantize, llama-perplexity).
 #
 #     benchmarks/peers/build_llama_server.sh        # prints the binary's path when done
 #
@@ -30,7 +31,7 @@ SRC_DIR="$PEERS_DIR/llama_cpp_python-$VERSION/vendor/llama.cpp"
 BUILD_DIR="$PEERS_DIR/llama.cpp-$VERSION-build"
 BINARY="$BUILD_DIR/bin/llama-server"
 
-if [[ -x "$BINARY" ]]; then
+if [[ -x "$BINARY" && -x "$BUILD_DIR/bin/llama-perplexity" ]]; then
     echo "$BINARY"
     exit 0
 fi
@@ -59,6 +60,9 @@ cmake -S "$SRC_DIR" -B "$BUILD_DIR" \
     -DLLAMA_BUILD_TESTS=OFF \
     -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_BUILD_SERVER=ON >&2
-cmake --build "$BUILD_DIR" --config Release --target llama-server -j"$JOBS" >&2
+# llama-server for compare.py; llama-bench (pp/tg), llama-quantize (Q8_0 from the F32 file) and
+# llama-perplexity (--kl-divergence) for the quantization comparisons in docs/benchmarks.md.
+cmake --build "$BUILD_DIR" --config Release -j"$JOBS" \
+    --target llama-server llama-bench llama-quantize llama-perplexity >&2
 echo "built in $(($(date +%s) - start)) s" >&2
 echo "$BINARY"

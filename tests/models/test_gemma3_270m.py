@@ -32,7 +32,7 @@ NUM_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def models():
-    ours = load_model(ModelConfig(model="gemma3-270m", show_progress=False))
+    ours = load_model(ModelConfig(model="gemma3-270m", quantization="none", show_progress=False))
     from transformers import AutoModelForCausalLM
 
     gguf = ours.source.gguf_files[0]

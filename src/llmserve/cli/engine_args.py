@@ -24,6 +24,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="CPU matmul kernel: oneDNN on prepacked weights, or torch's bmm/MKL (auto: oneDNN when usable)",
     )
     g.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "none", "int8", "int4"],
+        help="CPU weight format: int8 / int4 blocks of 32 (GGUF Q8_0 / Q4_1 math), none = float; auto: a "
+        "quantized GGUF keeps its own quantization (Q4_x as int4, others int8), float checkpoints stay float",
+    )
+    g.add_argument(
         "--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)"
     )
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
@@ -68,6 +75,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": args.dtype,
         "device": args.device,
         "cpu_gemm": args.cpu_gemm,
+        "quantization": args.quantization,
         "max_model_len": args.max_model_len,
         "block_size": args.block_size,
         "kv_cache_memory": args.kv_cache_memory,

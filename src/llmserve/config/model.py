@@ -13,6 +13,8 @@ DTypeName = Literal["auto", "float32", "float16", "bfloat16"]
 _DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
 CpuGemmName = Literal["auto", "onednn", "blas"]
 _CPU_GEMMS: tuple[str, ...] = ("auto", "onednn", "blas")
+QuantizationName = Literal["auto", "none", "int8", "int4"]
+_QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "int4")
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +41,15 @@ class ModelConfig:
     `auto`: onednn where it is available for the dtype (float32; bfloat16 on CPUs whose oneDNN
     supports it), else blas. Ignored on CUDA."""
 
+    quantization: QuantizationName = "auto"
+    """Weight format on the CPU. `int8`: linear layers, embeddings and LM head in blocks of 32
+    int8 values with a half-float scale (GGUF Q8_0's math). `int4`: linear layers in blocks of 32
+    4-bit values with a scale and a minimum (Q4_1's math), embeddings and LM head in int8. `none`:
+    float weights in `dtype`. `auto`: a quantized GGUF file keeps its quantization family per layer
+    (Q4_0/Q4_1/Q4_K as int4, read without a float round trip; Q8_0, Q5, Q6_K as int8); float
+    checkpoints stay float. Activations stay float32 between layers; each quantized matmul
+    quantizes them per token to int16 (llmserve's C++ kernels, AVX-512 VNNI or AVX2)."""
+
     show_progress: bool = True
     """Show a progress bar while loading weights."""
 
@@ -47,6 +58,10 @@ class ModelConfig:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}; got {self.dtype!r}")
         if self.cpu_gemm not in _CPU_GEMMS:
             raise ValueError(f"cpu_gemm must be one of {', '.join(_CPU_GEMMS)}; got {self.cpu_gemm!r}")
+        if self.quantization not in _QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(_QUANTIZATIONS)}; got {self.quantization!r}"
+            )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1; got {self.max_model_len}")
         if self.device != "auto" and not self.device.startswith(("cpu", "cuda")):

@@ -32,6 +32,7 @@ def build_engine(
     dtype: str = "auto",
     device: str = "auto",
     cpu_gemm: str = "auto",
+    quantization: str = "auto",
     max_model_len: int | None = None,
     show_progress: bool = True,
     block_size: int = 16,
@@ -52,6 +53,7 @@ def build_engine(
             dtype=dtype,
             device=device,
             cpu_gemm=cpu_gemm,
+            quantization=quantization,
             max_model_len=max_model_len,
             show_progress=show_progress,
         ),  # type: ignore[arg-type]
@@ -78,7 +80,7 @@ def _is_token_ids(x: object) -> bool:
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
-        """`engine_options`: the keyword arguments of `build_engine` (dtype, device, cpu_gemm, max_model_len,
+        """`engine_options`: the keyword arguments of `build_engine` (dtype, device, cpu_gemm, quantization, max_model_len,
         block_size, kv_cache_memory, num_kv_blocks, enable_prefix_caching, kv_cache_dtype, max_num_batched_tokens,
         max_num_seqs, scheduling_policy, admission_policy, batching_mode, show_progress)."""
         self.engine = build_engine(model, **engine_options)

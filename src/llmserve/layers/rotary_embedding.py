@@ -66,7 +66,8 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = _inv_freq(rotary_dim, params)  # validated here, at construction
         self._cos_sin: torch.Tensor | None = None  # [max_position, rotary_dim] as [cos | sin]
 
-    def _table(self, device: torch.device) -> torch.Tensor:
+    def cos_sin_table(self, device: torch.device) -> torch.Tensor:
+        """[max_position, rotary_dim]: cos of each frequency, then sin (built once per device)."""
         if self._cos_sin is None or self._cos_sin.device != device:
             t = torch.arange(self.max_position, dtype=torch.float32)
             freqs = torch.outer(t, self.inv_freq)  # [P, rotary_dim / 2]
@@ -79,7 +80,7 @@ class RotaryEmbedding(nn.Module):
         With c, s the per-frequency halves: cos = [c | c] and sin = [-s | s], so that
         rotate_half(x) * [s | s] == roll(x, half) * [-s | s] and `forward` needs no negation.
         """
-        cs = self._table(positions.device).index_select(0, positions)
+        cs = self.cos_sin_table(positions.device).index_select(0, positions)
         half = self.rotary_dim // 2
         cos = cs[:, :half].repeat(1, 2).unsqueeze(1).to(dtype)
         sin = cs[:, half:]

@@ -99,18 +99,33 @@ class CausalLM(nn.Module):
 
     # -- weight loading -------------------------------------------------------------------------
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor, str]]) -> None:
+    def route_weight(self, ckpt_name: str) -> tuple[str, str, int] | None:
+        """Where a checkpoint tensor goes: (module path, attribute, shard of a fused layer), or
+        None for a tensor the model does not use."""
+        if any(s in ckpt_name for s in self.ignored_weights):
+            return None
+        name = self.map_weight_name(ckpt_name)
+        if name is None:
+            return None
+        module_path, _, attr = name.rpartition(".")
+        shard = 0
+        leaf, _, sub = module_path.rpartition(".")
+        if sub in self.stacked_params:
+            fused, shard = self.stacked_params[sub]
+            module_path = f"{leaf}.{fused}" if leaf else fused
+        return module_path, attr, shard
+
+    def load_weights(self, weights: Iterable[tuple[str, Any, str]]) -> None:
         """Copy every (name, tensor, file) into its parameter; raise if a tensor is unknown or
-        misshapen (naming its file) or if the checkpoint lacks one the model needs."""
+        misshapen (naming its file) or if the checkpoint lacks one the model needs. A tensor is a
+        float torch.Tensor, or `QuantizedRows` for a layer that `quantize_modules` made quantized."""
         loaded: set[tuple[str, int]] = set()
         for ckpt_name, tensor, file in weights:
-            if any(s in ckpt_name for s in self.ignored_weights):
-                continue
-            name = self.map_weight_name(ckpt_name)
-            if name is None:
+            route = self.route_weight(ckpt_name)
+            if route is None:
                 continue
             try:
-                loaded.add(self._load_one(ckpt_name, name, tensor))
+                loaded.add(self._load_one(ckpt_name, route, tensor))
             except WeightShapeError as e:
                 raise e.with_file(file) from None
             except UnexpectedWeightError as e:
@@ -120,13 +135,8 @@ class CausalLM(nn.Module):
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
             raise MissingWeightsError(f"checkpoint lacks {len(missing)} tensor(s) the model needs: {shown}")
 
-    def _load_one(self, ckpt_name: str, name: str, tensor: torch.Tensor) -> tuple[str, int]:
-        module_path, _, attr = name.rpartition(".")
-        shard = 0
-        leaf, _, sub = module_path.rpartition(".")
-        if sub in self.stacked_params:
-            fused, shard = self.stacked_params[sub]
-            module_path = f"{leaf}.{fused}" if leaf else fused
+    def _load_one(self, ckpt_name: str, route: tuple[str, str, int], tensor: Any) -> tuple[str, int]:
+        module_path, attr, shard = route
         try:
             module = self.get_submodule(module_path)
         except AttributeError:
@@ -139,7 +149,7 @@ class CausalLM(nn.Module):
             module.load(ckpt_name, tensor)
         else:
             param = getattr(module, attr, None)
-            if not isinstance(param, torch.Tensor):
+            if not isinstance(param, torch.Tensor) or not isinstance(tensor, torch.Tensor):
                 raise UnexpectedWeightError(
                     f"checkpoint tensor {ckpt_name!r} has no place in {type(self).__name__}"
                 )

@@ -122,7 +122,7 @@ def _conv1d_as_linear(
 ) -> Iterator[tuple[str, torch.Tensor, str]]:
     """Present HF Conv1D weights ([in, out]) in nn.Linear's [out, in] layout, as a view."""
     for name, tensor, file in weights:
-        if name.endswith(_CONV1D) and tensor.dim() == 2:
+        if name.endswith(_CONV1D) and isinstance(tensor, torch.Tensor) and tensor.dim() == 2:
             tensor = tensor.t()
         yield name, tensor, file
 

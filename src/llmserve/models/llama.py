@@ -8,6 +8,9 @@ logits = lm_head(rms_norm(x))
 
 Each residual add is fused into the norm that follows it (`RMSNorm(x, residual)`), so a layer
 returns its MLP output and the residual stream separately.
+
+With quantized weights on the CPU, a batch of pure decodes runs the whole stack in one C++ call
+(`FusedDecoder`, same math); `fused_decode = False` keeps every step on the layers below.
 """
 
 from __future__ import annotations
@@ -22,6 +25,12 @@ from llmserve.layers.attention import Attention, AttentionBackend, AttentionMeta
 from llmserve.layers.layernorm import RMSNorm
 from llmserve.layers.linear import Linear
 from llmserve.layers.mlp import GatedMLP
+from llmserve.layers.quantization.fused_decoder import (
+    DecoderLayerSpec,
+    DecoderSpec,
+    FusedDecoder,
+    unsupported_reason,
+)
 from llmserve.layers.rotary_embedding import RotaryEmbedding, rope_parameters
 from llmserve.layers.vocab_embedding import LMHead, VocabEmbedding
 from llmserve.models.base import QKV_GATE_UP_STACKING, CausalLM, KVCacheShape
@@ -124,8 +133,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    fused_decode = True
+    """Run batches of pure decodes through `FusedDecoder` when it can take this model."""
+
     def __init__(self, config: Any, backend: AttentionBackend, arch: ArchFlags):
         super().__init__()
+        self.config = config
+        self._fused: FusedDecoder | None = None
+        self._fused_unsupported: tuple[int, str] | None = None  # (KV cache address, why not)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, backend, arch) for i in range(config.num_hidden_layers)
@@ -138,12 +153,62 @@ class LlamaModel(nn.Module):
         )
 
     def forward(self, input_ids, positions, kv_caches, md) -> torch.Tensor:
+        if self.fused_decode and input_ids.shape[0] == md.num_seqs:  # one new token per sequence
+            fused = self._fused_decoder(kv_caches, md.block_size)
+            if fused is not None:
+                return fused(self.embed_tokens(input_ids), positions, md)
         x = self.embed_tokens(input_ids)
         cos_sin = self.rotary_emb.cos_sin(positions, x.dtype)  # shared by every layer
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, cos_sin, self.rotary_emb, kv_cache, md)
         return self.norm(x, residual)[0]
+
+    def decoder_spec(self) -> DecoderSpec:
+        c = self.config
+        attn0 = self.layers[0].self_attn
+        layers = [
+            DecoderLayerSpec(
+                input_norm=layer.input_layernorm,
+                qkv=layer.self_attn.qkv_proj,
+                q_norm=layer.self_attn.q_norm,
+                k_norm=layer.self_attn.k_norm,
+                o=layer.self_attn.o_proj,
+                post_norm=layer.post_attention_layernorm,
+                gate_up=layer.mlp.gate_up_proj,
+                down=layer.mlp.down_proj,
+                sliding_window=layer.self_attn.attn.params.sliding_window,
+            )
+            for layer in self.layers
+        ]
+        return DecoderSpec(
+            layers=layers,
+            final_norm=self.norm,
+            rotary=self.rotary_emb,
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            num_heads=attn0.num_heads,
+            num_kv_heads=attn0.num_kv_heads,
+            head_dim=attn0.head_dim,
+            scale=attn0.attn.params.scale,
+            eps=c.rms_norm_eps,
+            activation=getattr(c, "hidden_act", "silu"),
+        )
+
+    def _fused_decoder(self, kv_caches: list[torch.Tensor], block_size: int) -> FusedDecoder | None:
+        """The fused decoder for these KV caches, built on first use (None where it cannot run)."""
+        key = kv_caches[0].data_ptr()
+        if self._fused is not None and self._fused.cache_ptr == key:
+            return self._fused
+        if self._fused_unsupported is not None and self._fused_unsupported[0] == key:
+            return None
+        spec = self.decoder_spec()
+        reason = unsupported_reason(spec, kv_caches)
+        if reason is not None:
+            self._fused_unsupported = (key, reason)
+            return None
+        self._fused = FusedDecoder(spec, kv_caches, block_size)
+        return self._fused
 
 
 class LlamaForCausalLM(CausalLM):

@@ -20,7 +20,16 @@ from tqdm.auto import tqdm
 from llmserve.config import ModelConfig
 from llmserve.layers import onednn
 from llmserve.layers.attention import get_attention_backend
+from llmserve.layers.linear import Linear
+from llmserve.layers.quantization import (
+    QuantizedLinear,
+    WeightGroup,
+    cpu_kernels,
+    quantize_modules,
+    weight_groups,
+)
 from llmserve.model_executor.model_loader import hf_folder
+from llmserve.model_executor.model_loader.quant_plan import plan_quantization
 from llmserve.model_executor.model_loader.source import ModelSource, resolve_model
 from llmserve.models import CausalLM, resolve_model_class
 
@@ -43,15 +52,27 @@ class LoadedModel:
     load_seconds: float
     max_model_len: int
     linear_kernel: str
-    """What runs the linear layers' matmuls: "onednn", "blas" (CPU) or "cuda"."""
+    """What runs the linear layers' matmuls: "onednn", "blas" (CPU) or "cuda"; with quantized
+    layers, "q4/q8 on <kernel set>" for them."""
+    quantization: str = "none"
+    """The resolved `ModelConfig.quantization`: "none", "int8", "int4" or "auto (gguf)"."""
+    weight_groups: tuple[WeightGroup, ...] = ()
+    """Weight bytes by role and storage format."""
 
     def summary(self) -> str:
-        return (
+        formats = sorted({g.fmt for g in self.weight_groups if g.role != "other"})
+        kinds = ", ".join(formats) or str(self.dtype).removeprefix("torch.")
+        text = (
             f"loaded {self.source.name} ({type(self.model).__name__}, {self.checkpoint_format}) in "
             f"{self.load_seconds:.1f} s: {self.num_params / 1e6:.1f}M parameters, "
-            f"{self.weight_bytes / 2**20:.0f} MiB of {str(self.dtype).removeprefix('torch.')} weights "
-            f"on {self.device} ({self.linear_kernel} matmuls), max_model_len {self.max_model_len}"
+            f"{self.weight_bytes / 2**20:.0f} MiB of {kinds} weights on {self.device} "
+            f"({self.linear_kernel} matmuls), max_model_len {self.max_model_len}"
         )
+        if self.quantization != "none":
+            text += f"; quantization {self.quantization}: " + ", ".join(
+                g.summary() for g in self.weight_groups
+            )
+        return text
 
 
 def resolve_device(name: str) -> torch.device:
@@ -125,15 +146,17 @@ def load_model(config: ModelConfig, attention_backend: str = "auto") -> LoadedMo
         hf_config = ckpt.hf_config()
         num_tensors: int | None = ckpt.num_tensors()
         fmt = f"gguf ({', '.join(ckpt.tensor_types())})"
+        tensor_types: dict[str, str] | None = ckpt.hf_tensor_types()
 
-        def weights(dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor, str]]:
-            return ckpt.iter_weights(dtype)
+        def weights(dtype: torch.dtype, keep_quantized: Any) -> Iterator[tuple[str, Any, str]]:
+            return ckpt.iter_weights(dtype, keep_quantized)
     else:
         hf_config = hf_folder.load_hf_config(source.path)
         fmt, files = hf_folder.weight_files(source.path)
         num_tensors = hf_folder.count_tensors(fmt, files)
+        tensor_types = None
 
-        def weights(dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor, str]]:
+        def weights(dtype: torch.dtype, keep_quantized: Any) -> Iterator[tuple[str, Any, str]]:
             return hf_folder.iter_weights(fmt, files, dtype)
 
     model_cls = resolve_model_class(getattr(hf_config, "architectures", None), str(source.path))
@@ -146,16 +169,31 @@ def load_model(config: ModelConfig, attention_backend: str = "auto") -> LoadedMo
     # device; each checkpoint tensor is then copied into its place exactly once.
     with torch.device(device), _default_dtype(dtype):
         model = model_cls(hf_config, get_attention_backend(attention_backend, device))
+        # Quantized layers replace float ones before loading: the float tensors were never written.
+        plan = plan_quantization(config.quantization, model, device, dtype, tensor_types)
+        if plan is not None:
+            quantize_modules(model, plan)
+
+    def keep_quantized(hf_name: str) -> bool:  # GGUF blocks go to quantized layers as they are
+        route = model.route_weight(hf_name)
+        return plan is not None and route is not None and plan.format_of(route[0]) is not None
+
     bar = tqdm(
         total=num_tensors, desc=f"Loading {source.name}", unit="tensor", disable=not config.show_progress
     )
     with bar:
-        model.load_weights(_tracked(weights(dtype), bar))
+        model.load_weights(_tracked(weights(dtype, keep_quantized), bar))
     model.eval()
     if linear_kernel == "onednn":
         model.use_onednn()  # same bytes, reordered; packed tensors stay parameters
+    if plan is not None:
+        linear_kernel = f"{'/'.join(sorted(set(plan.formats.values())))} on {cpu_kernels.kernels()}" + (
+            f", float on {linear_kernel}"
+            if any(isinstance(m, Linear) and not isinstance(m, QuantizedLinear) for m in model.modules())
+            else ""
+        )
 
-    params = {id(p): p for p in model.parameters()}.values()  # tied tensors once
+    groups = tuple(weight_groups(model))
     loaded = LoadedModel(
         model=model,
         hf_config=hf_config,
@@ -163,14 +201,29 @@ def load_model(config: ModelConfig, attention_backend: str = "auto") -> LoadedMo
         dtype=dtype,
         device=device,
         checkpoint_format=fmt,
-        num_params=sum(p.numel() for p in params),
-        weight_bytes=sum(p.numel() * p.element_size() for p in params),
+        num_params=_num_params(model),
+        weight_bytes=sum(g.num_bytes for g in groups),
         load_seconds=time.perf_counter() - start,
         max_model_len=max_model_len,
         linear_kernel=linear_kernel,
+        quantization="none" if plan is None else plan.method,
+        weight_groups=groups,
     )
     logger.info(loaded.summary())
     return loaded
+
+
+def _num_params(model: torch.nn.Module) -> int:
+    """Parameters as the checkpoint counts them: a quantized matrix counts its logical elements."""
+    params = {id(p): p for p in model.parameters()}.values()  # tied tensors once
+    total = sum(p.numel() for p in params)
+    seen: set[int] = set()
+    for m in model.modules():
+        w = getattr(m, "qweight", None)
+        if w is not None and id(w) not in seen:
+            seen.add(id(w))
+            total += w.out_features * w.in_features
+    return total
 
 
 def _tracked(

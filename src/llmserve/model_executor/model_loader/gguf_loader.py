@@ -27,6 +27,7 @@ import transformers
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
 from gguf.quants import dequantize
 
+from llmserve.layers.quantization.formats import QuantizedRows
 from llmserve.model_executor.model_loader import gguf_config
 from llmserve.model_executor.model_loader.errors import (
     ModelLoadError,
@@ -35,6 +36,7 @@ from llmserve.model_executor.model_loader.errors import (
     UnsupportedArchitectureError,
     UnsupportedTensorTypeError,
 )
+from llmserve.model_executor.model_loader.gguf_quant import EXACT_TYPES, read_rows
 
 _Q = GGMLQuantizationType
 SUPPORTED_TENSOR_TYPES: tuple[GGMLQuantizationType, ...] = (
@@ -301,12 +303,21 @@ class GGUFCheckpoint:
         """How many tensors `iter_weights` yields."""
         return sum(_table_key(n.rpartition(".")[0])[0] not in _NON_HF_TENSORS for n in self._tensors)
 
-    def iter_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor, str]]:
+    def hf_tensor_types(self) -> dict[str, str]:
+        """HF checkpoint name -> the GGUF type its tensor has on disk (e.g. "Q4_1")."""
+        return {hf: self._tensors[name][1].tensor_type.name for name, hf, _ in self._plan()}
+
+    def iter_weights(
+        self, dtype: torch.dtype, keep_quantized: Callable[[str], bool] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor | QuantizedRows, str]]:
         """(HF name, tensor in the HF checkpoint's shape and values as `dtype` on CPU, file) per tensor.
 
-        Every tensor's type and name is checked here, before the first one is dequantized."""
+        With `keep_quantized`, a tensor whose HF name it accepts and whose GGUF type maps onto a
+        block format (gguf_quant.EXACT_TYPES) comes as `QuantizedRows` instead, read without a
+        float round trip (llama.cpp's q/k row order is undone on the rows). Every tensor's type and
+        name is checked here, before the first one is read."""
         plan = self._plan()
-        return self._dequantized(plan, dtype)
+        return self._dequantized(plan, dtype, keep_quantized)
 
     def _plan(self) -> list[tuple[str, str, Fix | None]]:
         """(GGUF name, HF name, fix) for every tensor; raises on an unsupported type or unknown name."""
@@ -332,10 +343,18 @@ class GGUFCheckpoint:
         return plan
 
     def _dequantized(
-        self, plan: list[tuple[str, str, Fix | None]], dtype: torch.dtype
-    ) -> Iterator[tuple[str, torch.Tensor, str]]:
+        self,
+        plan: list[tuple[str, str, Fix | None]],
+        dtype: torch.dtype,
+        keep_quantized: Callable[[str], bool] | None,
+    ) -> Iterator[tuple[str, torch.Tensor | QuantizedRows, str]]:
         for name, hf_name, fix in plan:
             file, t = self._tensors[name]
+            if keep_quantized is not None and t.tensor_type in EXACT_TYPES and keep_quantized(hf_name):
+                rows = self._quantized_rows(t, fix)
+                if rows is not None:
+                    yield hf_name, rows, file
+                    continue
             # dequantize gives float32 in the logical (row-major) shape: ggml's dims reversed.
             arr = dequantize(t.data, t.tensor_type)
             assert arr.shape == tuple(reversed(t.shape.tolist())), (name, arr.shape, t.shape)
@@ -345,3 +364,20 @@ class GGUFCheckpoint:
             if fix is not None:
                 tensor = fix(tensor, self)  # in float32, before rounding to `dtype`
             yield hf_name, tensor.to(dtype), file
+
+    def _quantized_rows(self, t: ReaderTensor, fix: Fix | None) -> QuantizedRows | None:
+        """A 2-D tensor as block-quantized rows with `fix` applied, or None where the fix is not a
+        reordering of rows (the caller then takes the float path)."""
+        if len(t.shape) != 2:
+            return None
+        rows = read_rows(np.asarray(t.data), t.tensor_type, int(t.shape[0]))
+        if rows is None or fix is None:
+            return rows
+        # A fix that turns a column of row numbers into a permutation of them is a row reordering.
+        n = rows.num_rows
+        index = fix(torch.arange(n, dtype=torch.float32).unsqueeze(1), self)
+        if tuple(index.shape) != (n, 1) or not torch.equal(
+            index[:, 0].sort().values, torch.arange(n).float()
+        ):
+            return None
+        return rows.select_rows(index[:, 0].long())

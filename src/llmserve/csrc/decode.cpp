@@ -1,0 +1,288 @@
+// The decode step of a Llama-family decoder stack in one call: every layer of every sequence that
+// is generating its next token, with block-quantized weights and the paged KV cache read in place.
+//
+// At batch 1 a decode step of a small model is a few milliseconds of matmuls; run as a chain of
+// torch and Python calls, the glue between them (dispatch, views, allocation, ~10 calls a layer)
+// costs as much again. Here a layer is:
+//
+//   res += mlp_out  (layer > 0);  h = rms_norm(res) * w_in               residual stream in place
+//   qkv = h @ Wqkv.T (+ b);  per head: [rms_norm(q), rms_norm(k)];  rope(q), rope(k)
+//   cache[slot] = k, v                                                  paged [2, Hkv, blocks, bs, D]
+//   attn[m, hq] = softmax(scale * q . K[visible]) V[visible]            GQA: hq reads KV head hq / G
+//   res += attn @ Wo.T;  h = rms_norm(res) * w_post
+//   mlp_out = (silu(h @ Wgate.T) * (h @ Wup.T)) @ Wdown.T
+//
+// and after the last layer the final norm: out = rms_norm(res + mlp_out) * w_final. The math and
+// its order are those of llmserve/models/llama.py; matmuls are the q8/q4 kernels of qgemm.h.
+//
+// Compiled for AVX2 + FMA + F16C (every CPU that runs the quantized kernels); the element-wise
+// loops are left to the compiler's vectorizer.
+#pragma GCC target("avx2,fma,f16c")
+
+#include "decode.h"
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+namespace llmserve {
+namespace {
+
+// exp(x) for x <= 0 (softmax) and the sigmoid's exp(-x): 2^n * p(r), n = round(x / ln 2),
+// |r| <= ln2 / 2, p a degree-6 polynomial; written with plain arithmetic so that loops calling it
+// vectorize. Relative error ~2e-7 (as the float exp); inputs below -87 give 0.
+inline float fast_exp(float x) {
+  x = std::max(std::min(x, 88.0f), -87.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = std::fma(n, -0.693145751953125f, std::fma(n, -1.428606765330187e-06f, x));
+  float p = 1.3981999507e-3f;
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  p = std::fma(p, r, 1.0f);
+  p = std::fma(p, r, 1.0f);
+  int32_t bits;
+  std::memcpy(&bits, &p, 4);
+  bits += static_cast<int32_t>(n) << 23;
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
+}
+
+void rms_norm(const float* x, const float* w, float eps, int64_t n, float* out) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inv * w[i];
+}
+
+// x [rot]: first half pairs with second half (GPT-NeoX / HF layout); cs = [cos | sin] halves.
+void rope(float* x, const float* cs, int64_t rot) {
+  const int64_t half = rot / 2;
+  const float* c = cs;
+  const float* s = cs + half;
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = x[i], x2 = x[i + half];
+    x[i] = x1 * c[i] - x2 * s[i];
+    x[i + half] = x2 * c[i] + x1 * s[i];
+  }
+}
+
+// -- cache element types: float32, bfloat16 (uint16 bits), float16 (uint16 bits) --------------
+
+inline uint16_t to_bf16(float f) {  // round to nearest even, as torch's .to(bfloat16)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN stays NaN
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+void store_row(int cache_type, const float* src, int64_t n, void* dst) {
+  if (cache_type == kCacheF32) {
+    std::memcpy(dst, src, n * 4);
+  } else if (cache_type == kCacheBF16) {
+    uint16_t* d = static_cast<uint16_t*>(dst);
+    for (int64_t i = 0; i < n; ++i) d[i] = to_bf16(src[i]);
+  } else {
+    uint16_t* d = static_cast<uint16_t*>(dst);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)  // round to nearest even
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), 0));
+    for (; i < n; ++i) d[i] = _cvtss_sh(src[i], 0);
+  }
+}
+
+// `n` cache elements as float32 into `dst` (returns `src` itself for a float32 cache).
+const float* load_rows(int cache_type, const void* src, int64_t n, float* dst) {
+  if (cache_type == kCacheF32) return static_cast<const float*>(src);
+  const uint16_t* s = static_cast<const uint16_t*>(src);
+  if (cache_type == kCacheBF16) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t u = static_cast<uint32_t>(s[i]) << 16;
+      float f;
+      std::memcpy(&f, &u, 4);
+      dst[i] = f;
+    }
+  } else {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))));
+    for (; i < n; ++i) dst[i] = _cvtsh_ss(s[i]);
+  }
+  return dst;
+}
+
+// One query head of one sequence over its visible context:
+//   out = softmax(scale * K q) V,  K, V: this KV head's rows at positions [start, seq_len).
+// k_head, v_head: [num_blocks, bs, D] in the cache's type; `table` maps block i of the sequence
+// to a cache block. `s` holds seq_len floats, `buf` one block of float32 rows.
+void attend(const Decoder& dec, const float* q, const char* k_head, const char* v_head, const int64_t* table,
+            int64_t seq_len, int64_t window, float* out, float* s, float* buf) {
+  const int64_t D = dec.D, bs = dec.block_size, esize = dec.cache_elem_size;
+  const int64_t start = window > 0 ? std::max<int64_t>(0, seq_len - window) : 0;
+  const int64_t first = start / bs, end = (seq_len + bs - 1) / bs;
+  // 1. scores
+  float mx = -3.0e38f;
+  for (int64_t i = first; i < end; ++i) {
+    const int64_t t0 = std::max<int64_t>(start - i * bs, 0), t1 = std::min<int64_t>(seq_len - i * bs, bs);
+    const float* K = load_rows(dec.cache_type, k_head + table[i] * bs * D * esize, bs * D, buf);
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* k = K + t * D;
+      float a = 0.f;
+#pragma omp simd reduction(+ : a)
+      for (int64_t d = 0; d < D; ++d) a += q[d] * k[d];
+      s[i * bs + t - start] = a;
+      mx = std::max(mx, a);
+    }
+  }
+  // 2. probabilities
+  const int64_t n = seq_len - start;
+  float total = 0.f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t j = 0; j < n; ++j) {
+    const float p = fast_exp(dec.scale * (s[j] - mx));
+    s[j] = p;
+    total += p;
+  }
+  const float inv = 1.0f / total;
+  // 3. weighted sum of V rows
+  std::fill(out, out + D, 0.f);
+  for (int64_t i = first; i < end; ++i) {
+    const int64_t t0 = std::max<int64_t>(start - i * bs, 0), t1 = std::min<int64_t>(seq_len - i * bs, bs);
+    const float* V = load_rows(dec.cache_type, v_head + table[i] * bs * D * esize, bs * D, buf);
+    for (int64_t t = t0; t < t1; ++t) {
+      const float p = s[i * bs + t - start] * inv;
+      const float* v = V + t * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) out[d] += p * v[d];
+    }
+  }
+}
+
+void linear(const QuantLinear& w, const float* x, int64_t M, float* out) {
+  GemmArgs a;
+  a.x = x;
+  a.ldx = w.K;
+  a.M = M;
+  a.K = w.K;
+  a.N = w.N;
+  a.w = w.w;
+  a.d = w.d;
+  a.m = w.m;
+  a.bias = w.bias;
+  a.out = out;
+  a.ldo = w.N;
+  gemm(w.bits, a);
+}
+
+}  // namespace
+
+void Decoder::fit(int64_t M) {
+  const int64_t qkv_n = (Hq + 2 * Hkv) * D;
+  if (M <= capacity) return;
+  res.resize(M * H);
+  h.resize(M * H);
+  qkv.resize(M * qkv_n);
+  attn.resize(M * Hq * D);
+  gate_up.resize(M * 2 * I);
+  act.resize(M * I);
+  capacity = M;
+}
+
+void Decoder::forward(const float* x, int64_t M, const int64_t* positions, const int64_t* slots,
+                      const int64_t* block_tables, int64_t max_blocks, const int64_t* seq_lens, float* out) {
+  fit(M);
+  const int64_t qkv_n = (Hq + 2 * Hkv) * D, G = Hq / Hkv;
+  float *res_ = res.data(), *h_ = h.data(), *qkv_ = qkv.data(), *attn_ = attn.data();
+  float *gu_ = gate_up.data(), *act_ = act.data();
+  int64_t max_seq = 0;
+  for (int64_t m = 0; m < M; ++m) max_seq = std::max(max_seq, seq_lens[m]);
+  std::memcpy(res_, x, M * H * 4);
+
+  for (size_t l = 0; l < layers.size(); ++l) {
+    const Layer& L = layers[l];
+    // 1. input norm; the previous layer's MLP output (in h) joins the residual stream first
+    for (int64_t m = 0; m < M; ++m) {
+      float* r = res_ + m * H;
+      if (l > 0) {
+        const float* mo = h_ + m * H;
+#pragma omp simd
+        for (int64_t i = 0; i < H; ++i) r[i] += mo[i];
+      }
+      rms_norm(r, L.input_norm, eps, H, h_ + m * H);
+    }
+    // 2. q, k, v; per-head norms (Qwen3); rotary embedding of q and k
+    linear(L.qkv, h_, M, qkv_);
+    for (int64_t m = 0; m < M; ++m) {
+      const float* cs = cos_sin + positions[m] * rot;
+      for (int64_t hd = 0; hd < Hq + Hkv; ++hd) {
+        float* v = qkv_ + m * qkv_n + hd * D;
+        const float* nw = hd < Hq ? L.q_norm : L.k_norm;
+        if (nw) rms_norm(v, nw, eps, D, v);
+        rope(v, cs, rot);
+      }
+    }
+    // 3. this step's K and V into their cache slots
+    char* kv = static_cast<char*>(L.kv_cache);
+    const int64_t head_bytes = num_blocks * block_size * D * cache_elem_size;  // one head's blocks
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t row = slots[m];  // slot = block * block_size + offset: the row within one head
+      for (int64_t kh = 0; kh < Hkv; ++kh) {
+        const float* k = qkv_ + m * qkv_n + (Hq + kh) * D;
+        const float* v = qkv_ + m * qkv_n + (Hq + Hkv + kh) * D;
+        store_row(cache_type, k, D, kv + kh * head_bytes + row * D * cache_elem_size);
+        store_row(cache_type, v, D, kv + (Hkv + kh) * head_bytes + row * D * cache_elem_size);
+      }
+    }
+    // 4. attention: one work item per (sequence, query head)
+#pragma omp parallel
+    {
+      std::vector<float> s(max_seq), buf(block_size * D);
+#pragma omp for schedule(static)
+      for (int64_t item = 0; item < M * Hq; ++item) {
+        const int64_t m = item / Hq, hq = item % Hq, kh = hq / G;
+        attend(*this, qkv_ + m * qkv_n + hq * D, kv + kh * head_bytes, kv + (Hkv + kh) * head_bytes,
+               block_tables + m * max_blocks, seq_lens[m], L.window, attn_ + m * Hq * D + hq * D, s.data(),
+               buf.data());
+      }
+    }
+    // 5. output projection into the residual stream, post-attention norm
+    linear(L.o, attn_, M, h_);
+    for (int64_t m = 0; m < M; ++m) {
+      float* r = res_ + m * H;
+      const float* o = h_ + m * H;
+#pragma omp simd
+      for (int64_t i = 0; i < H; ++i) r[i] += o[i];
+      rms_norm(r, L.post_norm, eps, H, h_ + m * H);
+    }
+    // 6. gated MLP: silu(gate) * up, then down (its output stays in h for the next layer)
+    linear(L.gate_up, h_, M, gu_);
+    for (int64_t m = 0; m < M; ++m) {
+      const float* g = gu_ + m * 2 * I;
+      const float* u = g + I;
+      float* a = act_ + m * I;
+#pragma omp simd
+      for (int64_t i = 0; i < I; ++i) a[i] = g[i] / (1.0f + fast_exp(-g[i])) * u[i];
+    }
+    linear(L.down, act_, M, h_);
+  }
+  // 7. final norm
+  for (int64_t m = 0; m < M; ++m) {
+    float* r = res_ + m * H;
+    const float* mo = h_ + m * H;
+#pragma omp simd
+    for (int64_t i = 0; i < H; ++i) r[i] += mo[i];
+    rms_norm(r, final_norm, eps, H, out + m * H);
+  }
+}
+
+}  // namespace llmserve

@@ -1,0 +1,61 @@
+// The fused decode step of a Llama-family decoder stack (decode.cpp), as the Python module builds
+// it: every pointer below is owned by a torch tensor that the Python side keeps alive for as long
+// as the Decoder exists.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "qgemm.h"
+
+namespace llmserve {
+
+constexpr int kCacheF32 = 0, kCacheBF16 = 1, kCacheF16 = 2;
+
+struct QuantLinear {
+  int bits = 8;  // 8 (q8) or 4 (q4)
+  const void* w = nullptr;
+  const uint16_t* d = nullptr;
+  const uint16_t* m = nullptr;
+  const float* bias = nullptr;
+  int64_t N = 0, K = 0;
+};
+
+struct Layer {
+  const float* input_norm = nullptr;
+  QuantLinear qkv;
+  const float* q_norm = nullptr;  // per-head norms (Qwen3), or nullptr
+  const float* k_norm = nullptr;
+  QuantLinear o;
+  const float* post_norm = nullptr;
+  QuantLinear gate_up;  // [gate | up] rows
+  QuantLinear down;
+  void* kv_cache = nullptr;  // [2, Hkv, num_blocks, block_size, D] of the cache type
+  int64_t window = 0;        // sliding window, 0 = full attention
+};
+
+struct Decoder {
+  int64_t H = 0, Hq = 0, Hkv = 0, D = 0, rot = 0, I = 0;
+  int64_t num_blocks = 0, block_size = 0, max_position = 0;
+  float eps = 1e-6f, scale = 1.0f;
+  int cache_type = kCacheF32;
+  int64_t cache_elem_size = 4;
+  const float* cos_sin = nullptr;  // [max_position, rot]: cos halves then sin halves
+  const float* final_norm = nullptr;
+  std::vector<Layer> layers;
+
+  // x [M, H] embeddings of the M sequences' new tokens -> out [M, H] final hidden states.
+  // positions, slots, seq_lens [M]; block_tables [M, max_blocks].
+  void forward(const float* x, int64_t M, const int64_t* positions, const int64_t* slots,
+               const int64_t* block_tables, int64_t max_blocks, const int64_t* seq_lens, float* out);
+
+ private:
+  void fit(int64_t M);
+  int64_t capacity = 0;
+  std::vector<float> res, h, qkv, attn, gate_up, act;
+};
+
+// Dispatch to the kernel set in use (module.cpp).
+void gemm(int bits, const GemmArgs& a);
+
+}  // namespace llmserve

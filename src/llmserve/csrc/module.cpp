@@ -1,0 +1,353 @@
+// llmserve._cpu_kernels: the Python face of the block-quantized CPU kernels (qgemm.h).
+//
+// Every function takes tensors as raw addresses (torch's `data_ptr()`) and sizes: the Python side
+// (llmserve.layers.quantization.cpu_kernels) owns the tensors and checks their dtypes, shapes and
+// contiguity once, where they are created; calls then cost a few hundred nanoseconds. The GIL is
+// released while a kernel runs, so the server's event loop keeps going.
+//
+// The kernel set is chosen once from the CPU's features (AVX-512 VNNI, else AVX2+FMA+F16C) and can
+// be lowered with set_isa() - the tests use that to run the AVX2 path on an AVX-512 machine.
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <cstring>
+
+#include "decode.h"
+#include "qgemm.h"
+
+namespace llmserve {
+namespace {
+
+enum class Isa { none = 0, avx2 = 1, avx512_vnni = 2 };
+const char* const kIsaNames[] = {"none", "avx2", "avx512_vnni"};
+
+Isa detect_isa() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c");
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                      __builtin_cpu_supports("avx512vnni");
+  return avx512 ? Isa::avx512_vnni : (avx2 ? Isa::avx2 : Isa::none);
+#else
+  return Isa::none;
+#endif
+}
+
+const Isa g_best = detect_isa();
+Isa g_isa = g_best;
+
+float half_to_float(uint16_t h) {  // IEEE binary16 -> binary32, subnormals included
+  const uint32_t sign = uint32_t(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    int e = -1;
+    do {
+      ++e;
+      man <<= 1;
+    } while (!(man & 0x400));
+    bits = sign | uint32_t(112 - e) << 23 | ((man & 0x3FF) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+template <typename T>
+T* ptr(PyObject* o) {
+  return static_cast<T*>(PyLong_AsVoidPtr(o));
+}
+
+bool check_args(Py_ssize_t nargs, Py_ssize_t want, const char* name) {
+  if (nargs == want) return true;
+  PyErr_Format(PyExc_TypeError, "%s takes %zd arguments (%zd given)", name, want, nargs);
+  return false;
+}
+
+// -- the fused decoder (decode.cpp) ----------------------------------------------------------------
+
+const char* const kDecoderCapsule = "llmserve.Decoder";
+
+bool item_ll(PyObject* seq, Py_ssize_t i, int64_t* out) {
+  PyObject* o = PyTuple_GetItem(seq, i);  // borrowed
+  if (!o) return false;
+  *out = PyLong_AsLongLong(o);
+  return !PyErr_Occurred();
+}
+
+template <typename T>
+bool item_ptr(PyObject* seq, Py_ssize_t i, T** out) {
+  PyObject* o = PyTuple_GetItem(seq, i);
+  if (!o) return false;
+  *out = static_cast<T*>(PyLong_AsVoidPtr(o));
+  return !PyErr_Occurred();
+}
+
+bool item_float(PyObject* seq, Py_ssize_t i, float* out) {
+  PyObject* o = PyTuple_GetItem(seq, i);
+  if (!o) return false;
+  *out = static_cast<float>(PyFloat_AsDouble(o));
+  return !PyErr_Occurred();
+}
+
+// (bits, w, d, m, bias, N, K)
+bool parse_linear(PyObject* t, QuantLinear* q) {
+  if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 7) {
+    PyErr_SetString(PyExc_TypeError, "a linear layer is (bits, w, d, m, bias, N, K)");
+    return false;
+  }
+  int64_t bits;
+  if (!item_ll(t, 0, &bits) || !item_ptr(t, 1, const_cast<void**>(&q->w)) ||
+      !item_ptr(t, 2, const_cast<uint16_t**>(&q->d)) || !item_ptr(t, 3, const_cast<uint16_t**>(&q->m)) ||
+      !item_ptr(t, 4, const_cast<float**>(&q->bias)) || !item_ll(t, 5, &q->N) || !item_ll(t, 6, &q->K))
+    return false;
+  if (bits != 8 && bits != 4) {
+    PyErr_Format(PyExc_ValueError, "bits must be 8 or 4, got %lld", static_cast<long long>(bits));
+    return false;
+  }
+  q->bits = static_cast<int>(bits);
+  return true;
+}
+
+// (input_norm, qkv, q_norm, k_norm, o, post_norm, gate_up, down, kv_cache, window)
+bool parse_layer(PyObject* t, Layer* L) {
+  if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 10) {
+    PyErr_SetString(PyExc_TypeError, "a layer is a tuple of 10 entries");
+    return false;
+  }
+  return item_ptr(t, 0, const_cast<float**>(&L->input_norm)) && parse_linear(PyTuple_GET_ITEM(t, 1), &L->qkv) &&
+         item_ptr(t, 2, const_cast<float**>(&L->q_norm)) && item_ptr(t, 3, const_cast<float**>(&L->k_norm)) &&
+         parse_linear(PyTuple_GET_ITEM(t, 4), &L->o) && item_ptr(t, 5, const_cast<float**>(&L->post_norm)) &&
+         parse_linear(PyTuple_GET_ITEM(t, 6), &L->gate_up) && parse_linear(PyTuple_GET_ITEM(t, 7), &L->down) &&
+         item_ptr(t, 8, &L->kv_cache) && item_ll(t, 9, &L->window);
+}
+
+void free_decoder(PyObject* capsule) {
+  delete static_cast<Decoder*>(PyCapsule_GetPointer(capsule, kDecoderCapsule));
+}
+
+// decoder_new(config, layers, cos_sin, final_norm) -> capsule
+// config = (H, Hq, Hkv, D, rot, I, num_blocks, block_size, max_position, eps, scale, cache_type)
+PyObject* py_decoder_new(PyObject*, PyObject* args) {
+  PyObject *config, *layers, *cos_sin, *final_norm;
+  if (!PyArg_ParseTuple(args, "O!O!OO", &PyTuple_Type, &config, &PyList_Type, &layers, &cos_sin, &final_norm))
+    return nullptr;
+  if (PyTuple_GET_SIZE(config) != 12) {
+    PyErr_SetString(PyExc_TypeError, "config is a tuple of 12 entries");
+    return nullptr;
+  }
+  auto dec = new Decoder();
+  int64_t cache_type = 0;
+  bool ok = item_ll(config, 0, &dec->H) && item_ll(config, 1, &dec->Hq) && item_ll(config, 2, &dec->Hkv) &&
+            item_ll(config, 3, &dec->D) && item_ll(config, 4, &dec->rot) && item_ll(config, 5, &dec->I) &&
+            item_ll(config, 6, &dec->num_blocks) && item_ll(config, 7, &dec->block_size) &&
+            item_ll(config, 8, &dec->max_position) && item_float(config, 9, &dec->eps) &&
+            item_float(config, 10, &dec->scale) && item_ll(config, 11, &cache_type);
+  dec->cos_sin = static_cast<const float*>(PyLong_AsVoidPtr(cos_sin));
+  dec->final_norm = static_cast<const float*>(PyLong_AsVoidPtr(final_norm));
+  ok = ok && !PyErr_Occurred();
+  if (ok && (cache_type < kCacheF32 || cache_type > kCacheF16 || dec->Hkv <= 0 || dec->Hq % dec->Hkv ||
+             dec->rot > dec->D || dec->rot % 2)) {
+    PyErr_SetString(PyExc_ValueError, "decoder_new: inconsistent config");
+    ok = false;
+  }
+  dec->cache_type = static_cast<int>(cache_type);
+  dec->cache_elem_size = cache_type == kCacheF32 ? 4 : 2;
+  for (Py_ssize_t i = 0; ok && i < PyList_GET_SIZE(layers); ++i) {
+    dec->layers.emplace_back();
+    ok = parse_layer(PyList_GET_ITEM(layers, i), &dec->layers.back());
+  }
+  if (!ok) {
+    delete dec;
+    return nullptr;
+  }
+  PyObject* capsule = PyCapsule_New(dec, kDecoderCapsule, free_decoder);
+  if (!capsule) delete dec;
+  return capsule;
+}
+
+// decoder_forward(decoder, x, M, positions, slots, block_tables, max_blocks, seq_lens, out) -> None
+PyObject* py_decoder_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!check_args(nargs, 9, "decoder_forward")) return nullptr;
+  auto dec = static_cast<Decoder*>(PyCapsule_GetPointer(args[0], kDecoderCapsule));
+  if (!dec) return nullptr;
+  const float* x = ptr<const float>(args[1]);
+  const int64_t M = PyLong_AsLongLong(args[2]);
+  const int64_t* positions = ptr<const int64_t>(args[3]);
+  const int64_t* slots = ptr<const int64_t>(args[4]);
+  const int64_t* tables = ptr<const int64_t>(args[5]);
+  const int64_t max_blocks = PyLong_AsLongLong(args[6]);
+  const int64_t* seq_lens = ptr<const int64_t>(args[7]);
+  float* out = ptr<float>(args[8]);
+  if (PyErr_Occurred()) return nullptr;
+  if (g_isa == Isa::none) {
+    PyErr_SetString(PyExc_RuntimeError, "decoder_forward: no quantized kernel set on this CPU");
+    return nullptr;
+  }
+  Py_BEGIN_ALLOW_THREADS;
+  dec->forward(x, M, positions, slots, tables, max_blocks, seq_lens, out);
+  Py_END_ALLOW_THREADS;
+  Py_RETURN_NONE;
+}
+
+// gemm(bits, x, ldx, M, K, N, w, d, m, bias, out, ldo) -> None
+PyObject* py_gemm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!check_args(nargs, 12, "gemm")) return nullptr;
+  const long bits = PyLong_AsLong(args[0]);
+  GemmArgs a;
+  a.x = ptr<const float>(args[1]);
+  a.ldx = PyLong_AsLongLong(args[2]);
+  a.M = PyLong_AsLongLong(args[3]);
+  a.K = PyLong_AsLongLong(args[4]);
+  a.N = PyLong_AsLongLong(args[5]);
+  a.w = ptr<const void>(args[6]);
+  a.d = ptr<const uint16_t>(args[7]);
+  a.m = ptr<const uint16_t>(args[8]);
+  a.bias = ptr<const float>(args[9]);
+  a.out = ptr<float>(args[10]);
+  a.ldo = PyLong_AsLongLong(args[11]);
+  if (PyErr_Occurred()) return nullptr;
+  if (bits != 8 && bits != 4) {
+    PyErr_Format(PyExc_ValueError, "gemm: bits must be 8 or 4, got %ld", bits);
+    return nullptr;
+  }
+  if (g_isa == Isa::none) {
+    PyErr_SetString(PyExc_RuntimeError, "gemm: this CPU has neither AVX2+FMA+F16C nor AVX-512 VNNI");
+    return nullptr;
+  }
+  if (a.M > 0 && a.N > 0) {
+    Py_BEGIN_ALLOW_THREADS;
+    gemm(static_cast<int>(bits), a);
+    Py_END_ALLOW_THREADS;
+  }
+  Py_RETURN_NONE;
+}
+
+// dequant_rows(bits, w, d, m, K, ids, n, out) -> None: out[i, :K] = row ids[i] of the weight
+PyObject* py_dequant_rows(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!check_args(nargs, 8, "dequant_rows")) return nullptr;
+  const long bits = PyLong_AsLong(args[0]);
+  const void* w = ptr<const void>(args[1]);
+  const uint16_t* d = ptr<const uint16_t>(args[2]);
+  const uint16_t* m = ptr<const uint16_t>(args[3]);
+  const int64_t K = PyLong_AsLongLong(args[4]);
+  const int64_t* ids = ptr<const int64_t>(args[5]);
+  const int64_t n = PyLong_AsLongLong(args[6]);
+  float* out = ptr<float>(args[7]);
+  if (PyErr_Occurred()) return nullptr;
+  Py_BEGIN_ALLOW_THREADS;
+  if (bits == 8) dequant_rows_q8(static_cast<const int8_t*>(w), d, m, K, ids, n, out);
+  else dequant_rows_q4(static_cast<const uint8_t*>(w), d, m, K, ids, n, out);
+  Py_END_ALLOW_THREADS;
+  Py_RETURN_NONE;
+}
+
+PyObject* py_isa(PyObject*, PyObject*) { return PyUnicode_FromString(kIsaNames[int(g_isa)]); }
+
+PyObject* py_best_isa(PyObject*, PyObject*) { return PyUnicode_FromString(kIsaNames[int(g_best)]); }
+
+// set_isa(name): use a kernel set no better than the CPU's best ("avx512_vnni", "avx2").
+PyObject* py_set_isa(PyObject*, PyObject* arg) {
+  const char* name = PyUnicode_AsUTF8(arg);
+  if (!name) return nullptr;
+  for (int i = 1; i <= int(Isa::avx512_vnni); ++i) {
+    if (std::strcmp(name, kIsaNames[i]) != 0) continue;
+    if (i > int(g_best)) {
+      PyErr_Format(PyExc_ValueError, "kernel set %s needs CPU features this CPU lacks (best: %s)", name,
+                   kIsaNames[int(g_best)]);
+      return nullptr;
+    }
+    g_isa = Isa(i);
+    Py_RETURN_NONE;
+  }
+  PyErr_Format(PyExc_ValueError, "unknown kernel set %R; known: avx512_vnni, avx2", arg);
+  return nullptr;
+}
+
+PyMethodDef kMethods[] = {
+    {"gemm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_gemm)), METH_FASTCALL,
+     "gemm(bits, x, ldx, M, K, N, w, d, m, bias, out, ldo): out = x @ W.T (+ bias), W block-quantized"},
+    {"dequant_rows", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_dequant_rows)), METH_FASTCALL,
+     "dequant_rows(bits, w, d, m, K, ids, n, out): rows `ids` of a block-quantized weight as float32"},
+    {"decoder_new", py_decoder_new, METH_VARARGS,
+     "decoder_new(config, layers, cos_sin, final_norm): a fused Llama-family decoder (capsule)"},
+    {"decoder_forward", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_decoder_forward)),
+     METH_FASTCALL,
+     "decoder_forward(decoder, x, M, positions, slots, block_tables, max_blocks, seq_lens, out)"},
+    {"isa", py_isa, METH_NOARGS, "the kernel set in use: 'avx512_vnni', 'avx2' or 'none'"},
+    {"best_isa", py_best_isa, METH_NOARGS, "the best kernel set this CPU runs"},
+    {"set_isa", py_set_isa, METH_O, "use the named kernel set (no better than best_isa())"},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_cpu_kernels", "Block-quantized CPU matmul kernels.", -1,
+                       kMethods};
+
+}  // namespace
+
+void gemm(int bits, const GemmArgs& a) {
+  if (g_isa == Isa::avx512_vnni) {
+    bits == 8 ? avx512::gemm_q8(a) : avx512::gemm_q4(a);
+  } else {
+    bits == 8 ? avx2::gemm_q8(a) : avx2::gemm_q4(a);
+  }
+}
+
+// -- portable dequantization (embedding lookups of a tied, quantized table) ----------------------
+
+void dequant_rows_q8(const int8_t* w, const uint16_t* d, const uint16_t* m, int64_t K, const int64_t* ids, int64_t n,
+                     float* out) {
+  const int64_t nb = num_blocks(K);
+#pragma omp parallel for schedule(static) if (n * K >= (1 << 16))
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t tile = ids[i] / NT, r = ids[i] % NT;
+    const int8_t* wt = w + tile * nb * (KB * NT);
+    const uint16_t* dt = d + tile * nb * NT;
+    float* o = out + i * K;
+    for (int64_t b = 0; b < nb; ++b) {
+      const float s = half_to_float(dt[b * NT + r]);
+      const float mn = m ? half_to_float(m[tile * nb * NT + b * NT + r]) : 0.f;
+      for (int p = 0; p < KB / 2; ++p)
+        for (int j = 0; j < 2; ++j) {
+          const int64_t k = b * KB + 2 * p + j;
+          if (k < K) o[k] = s * wt[b * (KB * NT) + (p * NT + r) * 2 + j] + mn;
+        }
+    }
+  }
+}
+
+void dequant_rows_q4(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t K, const int64_t* ids,
+                     int64_t n, float* out) {
+  const int64_t nb = num_blocks(K);
+#pragma omp parallel for schedule(static) if (n * K >= (1 << 16))
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t tile = ids[i] / NT, r = ids[i] % NT;
+    const uint8_t* wt = w + tile * nb * (KB * NT / 2);
+    const uint16_t* dt = d + tile * nb * NT;
+    const uint16_t* mt = m + tile * nb * NT;
+    float* o = out + i * K;
+    for (int64_t b = 0; b < nb; ++b) {
+      const float s_ = half_to_float(dt[b * NT + r]), mn = half_to_float(mt[b * NT + r]);
+      for (int g = 0; g < KB / 8; ++g)
+        for (int j = 0; j < 2; ++j) {
+          const uint8_t* v = wt + b * (KB * NT / 2) + (g * NT + r) * 4 + j * 2;
+          const unsigned u = v[0] | (unsigned(v[1]) << 8);  // four nibbles: columns 8g + 2s + j
+          for (int s = 0; s < 4; ++s) {
+            const int64_t k = b * KB + 8 * g + 2 * s + j;
+            if (k < K) o[k] = s_ * ((u >> (4 * s)) & 0x0F) + mn;
+          }
+        }
+    }
+  }
+}
+
+}  // namespace llmserve
+
+PyMODINIT_FUNC PyInit__cpu_kernels() { return PyModule_Create(&llmserve::kModule); }

@@ -1,0 +1,68 @@
+// Block-quantized matrix multiplication on the CPU: declarations shared by the ISA-specific
+// translation units (qgemm_avx512.cpp, qgemm_avx2.cpp) and the Python module (module.cpp).
+//
+// Weights are stored in tiles of 16 output rows ("NT") and blocks of 32 input columns ("KB"):
+//
+//   q8:  int8 values,   w[n, k] = d[n, b] * q[n, k] (+ m[n, b])          (GGUF Q8_0's math; the
+//                                   optional minimum holds 4-bit data exactly at 8 bits)
+//   q4:  4-bit values,  w[n, k] = d[n, b] * q[n, k] + m[n, b],  q in 0..15 (GGUF Q4_0/Q4_1/Q4_K)
+//        with b = k / 32 and d, m stored as IEEE half floats.
+//
+// Memory layout of one tile (16 rows) and one block (32 columns), tiles outermost, then blocks:
+//
+//   q8 data  [16 pairs p][16 rows r][2]   512 bytes: byte (p, r, j) = q[r, 2p + j]
+//   q4 data  [4 groups g][16 rows r][2]   256 bytes of 16-bit lanes: lane (g, r, j) holds
+//                                         q[r, 8g + 2s + j] in bits 4s..4s+3, s = 0..3
+//   d, m     [16 rows] half floats per block
+//
+// so that one load gives, for all 16 rows, the pairs of columns that VNNI multiply-adds (int16
+// pairs -> int32) consume: q8 one pair per 32 bytes (sign-extended to int16), q4 four pairs per 64
+// bytes (each nibble masked or shifted into an int16 lane). The tile advances through K in lock step.
+//
+// Activations are quantized per token (row of x) to int16 with one scale, dx = max|x| / 32767:
+// 16 bits keep the activations' outlier channels and small channels alike, so the result differs
+// from a float matmul on the dequantized weights by little more than float rounding. For q4 the
+// per-block sums of the int16 activations carry the `m` term:
+//
+//   y[t, n] = dx[t] * sum_b ( d[n,b] * sum_{k in b} q[n,k] xq[t,k]  +  m[n,b] * sum_{k in b} xq[t,k] )
+#pragma once
+
+#include <cstdint>
+
+namespace llmserve {
+
+constexpr int NT = 16;  // output rows per tile
+constexpr int KB = 32;  // input columns per block
+
+struct GemmArgs {
+  const float* x;      // [M, ldx] activations, float32
+  int64_t ldx;
+  int64_t M, K, N;     // x is [M, K]; the weight is logically [N, K]
+  const void* w;       // packed data (int8 for q8, nibbles for q4)
+  const uint16_t* d;   // [tiles, blocks, 16] half scales
+  const uint16_t* m;   // [tiles, blocks, 16] half minimums (q4; q8 optionally, else nullptr)
+  const float* bias;   // [N] or nullptr
+  float* out;          // [M, ldo] float32
+  int64_t ldo;
+};
+
+inline int64_t num_blocks(int64_t K) { return (K + KB - 1) / KB; }
+inline int64_t num_tiles(int64_t N) { return (N + NT - 1) / NT; }
+
+namespace avx512 {
+void gemm_q8(const GemmArgs& a);
+void gemm_q4(const GemmArgs& a);
+}  // namespace avx512
+
+namespace avx2 {
+void gemm_q8(const GemmArgs& a);
+void gemm_q4(const GemmArgs& a);
+}  // namespace avx2
+
+// Portable code: embedding rows dequantized from the packed layout (any CPU).
+void dequant_rows_q8(const int8_t* w, const uint16_t* d, const uint16_t* m, int64_t K, const int64_t* ids, int64_t n,
+                     float* out);
+void dequant_rows_q4(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t K, const int64_t* ids,
+                     int64_t n, float* out);
+
+}  // namespace llmserve

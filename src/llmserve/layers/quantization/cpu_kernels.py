@@ -1,0 +1,117 @@
+"""The block-quantized matmul and row lookup, on llmserve's C++ kernels or on torch ops.
+
+    linear(x [..., K], w: PackedWeight, bias [N] | None) -> [..., N]      x @ W.T (+ bias)
+    embedding(ids [T], w: PackedWeight) -> [T, K]                          rows `ids` of W
+
+Kernel sets, best first (`set_kernels`, or the environment variable LLMSERVE_QUANT_KERNELS):
+
+    avx512_vnni   csrc/qgemm_avx512.cpp: Zen 4, Ice Lake and later
+    avx2          csrc/qgemm_avx2.cpp: any x86-64 CPU with AVX2, FMA and F16C (Zen 1-3, Haswell+)
+    torch         dequantize the weight with torch ops, then a float matmul: any CPU, slow (the
+                  reference the kernels are tested against, and the path where the extension
+                  was not built)
+
+The C++ kernels quantize activations per token to int16 (csrc/qgemm.h); the torch path multiplies
+float activations, so the two agree to about 1e-4 relative to the output's scale.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch  # before the extension: it then shares torch's OpenMP runtime (one thread pool)
+import torch.nn.functional as F
+
+from llmserve.layers.quantization.formats import PackedWeight, unpack
+
+try:
+    from llmserve import _cpu_kernels as _ext
+except ImportError:  # the optional extension was not built
+    _ext = None
+
+KERNEL_SETS = ("avx512_vnni", "avx2", "torch")
+
+
+def best_kernels() -> str:
+    """The fastest kernel set this machine runs."""
+    if _ext is None or _ext.best_isa() == "none":
+        return "torch"
+    return _ext.best_isa()
+
+
+def set_kernels(name: str) -> None:
+    """Use kernel set `name` ("auto" = the best) for every later call, process-wide."""
+    global _kernels
+    if name == "auto":
+        name = best_kernels()
+    if name not in KERNEL_SETS:
+        raise ValueError(f"unknown quantized kernel set {name!r}; known: auto, {', '.join(KERNEL_SETS)}")
+    if name != "torch":
+        if _ext is None:
+            raise ValueError(
+                f"quantized kernel set {name!r} needs llmserve's C++ extension, which is not built"
+            )
+        _ext.set_isa(name)  # raises ValueError naming what the CPU lacks
+    _kernels = name
+
+
+def forced() -> bool:
+    """True when LLMSERVE_QUANT_KERNELS names the kernel set (the user accepted the torch path)."""
+    return bool(os.environ.get("LLMSERVE_QUANT_KERNELS"))
+
+
+def kernels() -> str:
+    """The kernel set in use."""
+    return _kernels
+
+
+def has_native_kernels() -> bool:
+    return _kernels != "torch"
+
+
+def _addr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W.T (+ bias) in float32 (returned in x's dtype)."""
+    K, N = w.in_features, w.out_features
+    if _kernels == "torch":
+        out = F.linear(x.float(), unpack(w).dequantize(), bias)
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
+    x2 = x.reshape(-1, K)
+    if x2.dtype != torch.float32 or not x2.is_contiguous():
+        x2 = x2.float().contiguous()
+    M = x2.shape[0]
+    out = torch.empty(M, N, dtype=torch.float32)
+    _ext.gemm(w.bits, x2.data_ptr(), K, M, K, N, w.data.data_ptr(), w.d.data_ptr(), _addr(w.m), _addr(bias),
+              out.data_ptr(), N)  # fmt: skip
+    out = out.view(*x.shape[:-1], N)
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def embedding(ids: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    """Rows `ids` [T] (int64) of W as float32 [T, K]."""
+    if _kernels == "torch":
+        return unpack(w).select_rows(ids).dequantize()
+    ids = ids.contiguous()
+    out = torch.empty(ids.shape[0], w.in_features, dtype=torch.float32)
+    _ext.dequant_rows(w.bits, w.data.data_ptr(), w.d.data_ptr(), _addr(w.m), w.in_features, ids.data_ptr(),
+                      ids.shape[0], out.data_ptr())  # fmt: skip
+    return out
+
+
+def decoder_new(config: tuple, layers: list[tuple], cos_sin: int, final_norm: int) -> object:
+    """A fused decoder (csrc/decode.cpp) over tensors given by address; see fused_decoder.py."""
+    assert _ext is not None
+    return _ext.decoder_new(config, layers, cos_sin, final_norm)
+
+
+def decoder_forward(decoder: object, *addresses_and_sizes: int) -> None:
+    assert _ext is not None
+    _ext.decoder_forward(decoder, *addresses_and_sizes)
+
+
+_kernels = best_kernels()
+if os.environ.get("LLMSERVE_QUANT_KERNELS"):
+    set_kernels(os.environ["LLMSERVE_QUANT_KERNELS"])

@@ -1,0 +1,164 @@
+"""Block-quantized weights: quantizing float rows, packing them for the CPU kernels, and the torch
+reference that dequantizes them again.
+
+Two formats, both in blocks of 32 input columns with IEEE half scales (GGUF's own math, so
+Q8_0, Q4_0, Q4_1 and Q4_K tensors move over without rounding their values again):
+
+    q8   w[n, k] = d[n, b] * q[n, k] (+ m[n, b])  q int8 in [-127, 127]; a minimum only where
+                                                  the rows came from 4-bit data (kept exactly)
+    q4   w[n, k] = d[n, b] * q[n, k] + m[n, b]    q in [0, 15]            (b = k // 32)
+
+`QuantizedRows` is the logical form, one row per output feature (what loading produces and what
+the fused layers collect shard by shard); `PackedWeight` is the kernels' tiled form (see
+csrc/qgemm.h for the byte layout):
+
+    PackedWeight.data  q8: int8  [tiles, blocks, 16 pairs, 16 rows, 2]
+                       q4: uint8 [tiles, blocks, 4 groups, 16 rows, 2 lanes, 2 bytes]: a
+                           little-endian 16-bit lane holds four 4-bit values, columns 8g + 2s + j
+    PackedWeight.d, m  float16   [tiles, blocks, 16 rows]
+
+Rows are padded to a multiple of 16 (tiles) and columns to a multiple of 32 (blocks) with zero
+weights; the padding is never read back into results.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+BLOCK = 32
+"""Input columns per scale block."""
+TILE = 16
+"""Output rows per packed tile."""
+
+QuantFormat = Literal["q8", "q4"]
+BITS: dict[str, int] = {"q8": 8, "q4": 4}
+
+
+def num_blocks(k: int) -> int:
+    return -(-k // BLOCK)
+
+
+@dataclass(slots=True)
+class QuantizedRows:
+    """Rows of a block-quantized matrix [N, K] in logical order."""
+
+    fmt: QuantFormat
+    q: torch.Tensor
+    """[N, blocks * 32]: int8 (q8) or uint8 in 0..15 (q4); columns past K are 0."""
+    d: torch.Tensor
+    """[N, blocks] float16 scales."""
+    m: torch.Tensor | None
+    """[N, blocks] float16 minimums (q4; q8 rows converted from q4), else None."""
+    in_features: int
+    """K, the logical number of columns."""
+
+    @property
+    def num_rows(self) -> int:
+        return self.q.shape[0]
+
+    def select_rows(self, index: torch.Tensor) -> QuantizedRows:
+        """The rows `index` (a row permutation, e.g. undoing llama.cpp's q/k reordering)."""
+        m = None if self.m is None else self.m[index]
+        return QuantizedRows(self.fmt, self.q[index], self.d[index], m, self.in_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """[N, K] float32."""
+        N, nb = self.d.shape
+        q = self.q.view(N, nb, BLOCK).float()
+        w = q * self.d.float().unsqueeze(-1)
+        if self.m is not None:
+            w = w + self.m.float().unsqueeze(-1)
+        return w.view(N, nb * BLOCK)[:, : self.in_features]
+
+
+def quantize(w: torch.Tensor, fmt: QuantFormat) -> QuantizedRows:
+    """Block-quantize float rows w [N, K] (round to nearest; q4 spans each block's min..max)."""
+    N, K = w.shape
+    nb = num_blocks(K)
+    x = torch.zeros(N, nb * BLOCK, dtype=torch.float32)
+    x[:, :K] = w.float()
+    blocks = x.view(N, nb, BLOCK)
+    if fmt == "q8":
+        d = (blocks.abs().amax(-1) / 127.0).half()  # rounded first: q is chosen for the stored scale
+        inv = torch.where(d > 0, 1.0 / d.float(), torch.zeros((), dtype=torch.float32))
+        q = torch.round(blocks * inv.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+        return QuantizedRows("q8", q.view(N, nb * BLOCK), d, None, K)
+    if fmt != "q4":
+        raise ValueError(f"unknown block format {fmt!r}; known: q8, q4")
+    if K % BLOCK:
+        # Padding columns would widen a block's range (they are 0): quantize the real ones only.
+        lo = torch.where(torch.arange(nb * BLOCK) < K, x, torch.inf).view(N, nb, BLOCK).amin(-1)
+        hi = torch.where(torch.arange(nb * BLOCK) < K, x, -torch.inf).view(N, nb, BLOCK).amax(-1)
+    else:
+        lo, hi = blocks.amin(-1), blocks.amax(-1)
+    m = lo.half()
+    d = ((hi - m.float()) / 15.0).half()
+    inv = torch.where(d > 0, 1.0 / d.float(), torch.zeros((), dtype=torch.float32))
+    q = torch.round((blocks - m.float().unsqueeze(-1)) * inv.unsqueeze(-1)).clamp_(0, 15).to(torch.uint8)
+    q.view(N, nb * BLOCK)[:, K:] = 0
+    return QuantizedRows("q4", q.view(N, nb * BLOCK), d, m, K)
+
+
+@dataclass(slots=True)
+class PackedWeight:
+    """A block-quantized [out_features, in_features] matrix in the kernels' tiled layout."""
+
+    fmt: QuantFormat
+    data: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None
+    out_features: int
+    in_features: int
+
+    @property
+    def bits(self) -> int:
+        return BITS[self.fmt]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.data, self.d, self.m) if t is not None)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.data, self.d, self.m) if t is not None]
+
+
+def pack(rows: QuantizedRows) -> PackedWeight:
+    """Tile logical rows for the kernels (csrc/qgemm.h)."""
+    N, nb = rows.d.shape
+    T = -(-N // TILE)
+    pad = T * TILE - N
+    q, d, m = rows.q, rows.d, rows.m
+    if pad:
+        q = torch.cat([q, q.new_zeros(pad, q.shape[1])])
+        d = torch.cat([d, d.new_zeros(pad, nb)])
+        m = None if m is None else torch.cat([m, m.new_zeros(pad, nb)])
+    if rows.fmt == "q8":
+        # [T, 16 rows, nb, 16 pairs, 2] -> [T, nb, 16 pairs, 16 rows, 2]
+        data = q.view(T, TILE, nb, BLOCK // 2, 2).permute(0, 2, 3, 1, 4).contiguous()
+    else:
+        # column k = 32 b + 8 g + 2 s + j; lane (g, row, j) holds the four values s = 0..3,
+        # s = 0, 1 in its low byte and s = 2, 3 in its high byte.
+        qg = q.view(T, TILE, nb, BLOCK // 8, 4, 2)
+        lo, hi = qg[..., 0, :] | (qg[..., 1, :] << 4), qg[..., 2, :] | (qg[..., 3, :] << 4)
+        lanes = torch.stack([lo, hi], dim=-1)  # [T, 16 rows, nb, 4 groups, 2 lanes, 2 bytes]
+        data = lanes.permute(0, 2, 3, 1, 4, 5).contiguous()
+    tile_major = lambda s: s.view(T, TILE, nb).permute(0, 2, 1).contiguous()  # noqa: E731
+    return PackedWeight(
+        rows.fmt, data, tile_major(d), None if m is None else tile_major(m), N, rows.in_features
+    )
+
+
+def unpack(w: PackedWeight) -> QuantizedRows:
+    """The inverse of `pack` (tests, and the torch fallback's dequantization)."""
+    T, nb = w.d.shape[:2]
+    if w.fmt == "q8":
+        q = w.data.permute(0, 3, 1, 2, 4).reshape(T * TILE, nb * BLOCK)
+    else:
+        lanes = w.data.permute(0, 3, 1, 2, 4, 5)  # [T, 16 rows, nb, 4 groups, 2 lanes, 2 bytes]
+        lo, hi = lanes[..., 0], lanes[..., 1]
+        q = torch.stack([lo & 0x0F, lo >> 4, hi & 0x0F, hi >> 4], dim=-2).reshape(T * TILE, nb * BLOCK)
+    rows = lambda s: s.permute(0, 2, 1).reshape(T * TILE, nb)[: w.out_features]  # noqa: E731
+    m = None if w.m is None else rows(w.m)
+    return QuantizedRows(w.fmt, q[: w.out_features], rows(w.d), m, w.in_features)

@@ -1,0 +1,161 @@
+"""`FusedDecoder`: a whole Llama-family decode step in one C++ call (csrc/decode.cpp).
+
+When every sequence in a batch is decoding one token (no prompt chunk), the model's layer-by-layer
+forward is mostly glue: at batch 1 on a 2-core CPU, ten torch/Python calls per layer cost about as
+much as the quantized matmuls themselves. The fused decoder runs the same math (models/llama.py) on
+the same quantized weights and the same paged KV cache, layer after layer, in C++ with the GIL
+released; the model keeps its layer-by-layer path for prefill, mixed batches and anything the
+fused one does not take (`unsupported_reason`).
+
+A model describes its stack with a `DecoderSpec` (models are architecture only; this module
+knows nothing of checkpoints or configs). Tensors are passed to C++ by address: the spec's
+modules and the runner's KV caches own them, and this object keeps references to both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmserve.layers.attention import AttentionMetadata
+from llmserve.layers.layernorm import RMSNorm
+from llmserve.layers.linear import Linear
+from llmserve.layers.quantization import cpu_kernels
+from llmserve.layers.quantization.layers import QuantizedLinear
+from llmserve.layers.rotary_embedding import RotaryEmbedding
+
+_CACHE_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderLayerSpec:
+    input_norm: RMSNorm
+    qkv: Linear  # [q | k | v] rows
+    q_norm: RMSNorm | None
+    k_norm: RMSNorm | None
+    o: Linear
+    post_norm: RMSNorm
+    gate_up: Linear  # [gate | up] rows
+    down: Linear
+    sliding_window: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderSpec:
+    """A pre-norm decoder stack: RMSNorm, GQA attention with RoPE, RMSNorm, gated MLP."""
+
+    layers: list[DecoderLayerSpec]
+    final_norm: RMSNorm
+    rotary: RotaryEmbedding
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    eps: float
+    activation: str
+
+
+def _norms(layer: DecoderLayerSpec) -> list[RMSNorm]:
+    return [n for n in (layer.input_norm, layer.q_norm, layer.k_norm, layer.post_norm) if n is not None]
+
+
+def unsupported_reason(spec: DecoderSpec, kv_caches: list[torch.Tensor]) -> str | None:
+    """Why the fused decoder cannot run this stack (None: it can)."""
+    if not cpu_kernels.has_native_kernels():
+        return f"quantized kernel set is {cpu_kernels.kernels()!r}"
+    if spec.activation != "silu":
+        return f"activation {spec.activation!r}"
+    if spec.rotary.rotary_dim % 2 or spec.rotary.rotary_dim > spec.head_dim:
+        return "rotary dims"
+    for layer in spec.layers:
+        linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
+        if not all(isinstance(m, QuantizedLinear) and m.qweight is not None for m in linears):
+            return "float linear layers"
+        for n in [*_norms(layer), spec.final_norm]:
+            if n.weight_offset or n.weight.dtype != torch.float32 or n.weight.device.type != "cpu":
+                return "norm weights are not float32 on the CPU"
+    for cache in kv_caches:
+        if cache.device.type != "cpu" or cache.dtype not in _CACHE_TYPES or not cache.is_contiguous():
+            return f"KV cache {cache.dtype} on {cache.device}"
+    return None
+
+
+def _linear(m: QuantizedLinear) -> tuple[int, int, int, int, int, int, int]:
+    w = m.qweight
+    assert w is not None
+    addr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+    return (w.bits, w.data.data_ptr(), w.d.data_ptr(), addr(w.m), addr(m.bias), w.out_features, w.in_features)
+
+
+class FusedDecoder:
+    """Runs `spec`'s decode step for a batch of single-token sequences over `kv_caches`."""
+
+    def __init__(self, spec: DecoderSpec, kv_caches: list[torch.Tensor], block_size: int) -> None:
+        reason = unsupported_reason(spec, kv_caches)
+        if reason is not None:
+            raise ValueError(f"the fused decoder cannot run this model: {reason}")
+        self.spec, self.kv_caches = spec, kv_caches
+        cache = kv_caches[0]
+        self._cos_sin = spec.rotary.cos_sin_table(torch.device("cpu")).float().contiguous()  # [max_pos, rot]
+        layers = []
+        for layer, kv in zip(spec.layers, kv_caches, strict=True):
+            addr = lambda n: 0 if n is None else n.weight.data_ptr()  # noqa: E731
+            layers.append(
+                (
+                    addr(layer.input_norm),
+                    _linear(layer.qkv),  # type: ignore[arg-type]
+                    addr(layer.q_norm),
+                    addr(layer.k_norm),
+                    _linear(layer.o),  # type: ignore[arg-type]
+                    addr(layer.post_norm),
+                    _linear(layer.gate_up),  # type: ignore[arg-type]
+                    _linear(layer.down),  # type: ignore[arg-type]
+                    kv.data_ptr(),
+                    int(layer.sliding_window or 0),
+                )
+            )
+        config = (
+            spec.hidden_size,
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.head_dim,
+            spec.rotary.rotary_dim,
+            spec.intermediate_size,
+            cache.shape[2],  # num_blocks
+            block_size,
+            self._cos_sin.shape[0],
+            float(spec.eps),
+            float(spec.scale),
+            _CACHE_TYPES[cache.dtype],
+        )
+        self._decoder = cpu_kernels.decoder_new(
+            config, layers, self._cos_sin.data_ptr(), spec.final_norm.weight.data_ptr()
+        )
+        self.cache_ptr = cache.data_ptr()
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        """x [M, hidden] float32 (each sequence's new token, embedded) -> final hidden states [M, hidden]."""
+        M = x.shape[0]
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        if max(md.seq_lens) > self._cos_sin.shape[0]:  # the C++ side indexes the table unchecked
+            raise ValueError(
+                f"context of {max(md.seq_lens)} tokens is past the rotary table ({self._cos_sin.shape[0]})"
+            )
+        seq_lens = torch.tensor(md.seq_lens, dtype=torch.long)
+        tables = md.block_tables
+        cpu_kernels.decoder_forward(
+            self._decoder,
+            x.data_ptr(),
+            M,
+            positions.data_ptr(),
+            md.slot_mapping.data_ptr(),
+            tables.data_ptr(),
+            tables.shape[1],
+            seq_lens.data_ptr(),
+            out.data_ptr(),
+        )
+        return out

@@ -1,0 +1,171 @@
+"""Block-quantized counterparts of the float layers: `QuantizedLinear`, `QuantizedVocabEmbedding`
+and `QuantizedLMHead`. They take the same checkpoint tensors through the same loading calls
+(`load_shard`, `load`), as floats (quantized here) or as `QuantizedRows` straight from a GGUF file,
+and hold only the packed weight: no float copy exists at any point.
+
+A fused layer (qkv, gate_up) receives its shards one at a time; their rows wait in logical form
+until the last one arrives, and are then packed into tiles and dropped, so at most one layer's
+staging copy exists while a model loads.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from llmserve.layers.linear import Linear
+from llmserve.layers.quantization import cpu_kernels
+from llmserve.layers.quantization.formats import PackedWeight, QuantFormat, QuantizedRows, pack, quantize
+from llmserve.layers.vocab_embedding import LMHead, VocabEmbedding
+from llmserve.load_errors import WeightShapeError
+
+
+def as_rows(
+    name: str, loaded: torch.Tensor | QuantizedRows, fmt: QuantFormat, shape: tuple[int, int]
+) -> QuantizedRows:
+    """A checkpoint tensor [out, in] as rows in `fmt`: float tensors are quantized; 4-bit rows
+    become 8-bit ones exactly (same scales and minimums), 8-bit rows are requantized to 4 bits."""
+    if isinstance(loaded, QuantizedRows):
+        got = (loaded.num_rows, loaded.in_features)
+        if got != shape:
+            raise WeightShapeError(name, shape, got)
+        if loaded.fmt == fmt:
+            return loaded
+        if fmt == "q8":  # values 0..15 fit int8: w = d q + m is kept as it is
+            return QuantizedRows("q8", loaded.q.to(torch.int8), loaded.d, loaded.m, loaded.in_features)
+        return quantize(loaded.dequantize(), fmt)
+    if tuple(loaded.shape) != shape:
+        raise WeightShapeError(name, shape, tuple(loaded.shape))
+    return quantize(loaded, fmt)
+
+
+def _concat(parts: list[QuantizedRows]) -> QuantizedRows:
+    if len(parts) == 1:
+        return parts[0]
+    m = None
+    if any(p.m is not None for p in parts):  # q8 shards with and without minimums: zeros for none
+        m = torch.cat([p.m if p.m is not None else torch.zeros_like(p.d) for p in parts])
+    return QuantizedRows(
+        parts[0].fmt,
+        torch.cat([p.q for p in parts]),
+        torch.cat([p.d for p in parts]),
+        m,
+        parts[0].in_features,
+    )
+
+
+class QuantizedLinear(Linear):
+    """y = x @ W.T + b with W block-quantized (q8 or q4); computes in float32, returns x's dtype."""
+
+    packed = True  # forward takes and gives the plain [..., in] -> [..., out] layout
+
+    def __init__(self, in_features: int, output_sizes: list[int] | int, bias: bool, fmt: QuantFormat) -> None:
+        nn.Module.__init__(self)
+        self.output_sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
+        self.in_features = in_features
+        self.out_features = sum(self.output_sizes)
+        self.fmt = fmt
+        self.bias = (
+            nn.Parameter(torch.zeros(self.out_features, dtype=torch.float32), requires_grad=False)
+            if bias
+            else None
+        )
+        self.qweight: PackedWeight | None = None
+        self._staged: list[QuantizedRows | None] = [None] * len(self.output_sizes)
+
+    @classmethod
+    def like(cls, layer: Linear, fmt: QuantFormat) -> QuantizedLinear:
+        """A quantized layer with `layer`'s shape (its float weight is never filled)."""
+        return cls(layer.in_features, layer.output_sizes, layer.bias is not None, fmt)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.qweight is not None, "weights not loaded"
+        return cpu_kernels.linear(x, self.qweight, self.bias)
+
+    def load_shard(
+        self, name: str, loaded: torch.Tensor | QuantizedRows, shard: int = 0, is_bias: bool = False
+    ) -> None:
+        start, end = self._shard_range(shard)
+        if is_bias:
+            assert self.bias is not None, f"{name}: this layer has no bias"
+            if tuple(loaded.shape) != (end - start,):
+                raise WeightShapeError(name, (end - start,), tuple(loaded.shape))
+            self.bias.data[start:end].copy_(loaded)  # type: ignore[arg-type]
+            return
+        self._staged[shard] = as_rows(name, loaded, self.fmt, (end - start, self.in_features))
+        if all(s is not None for s in self._staged):
+            self.qweight = pack(_concat(self._staged))  # type: ignore[arg-type]
+            self._staged = [None] * len(self.output_sizes)
+
+    def use_onednn(self) -> None:
+        """Nothing to repack: the quantized kernels have their own layout."""
+
+    def logical_weight(self) -> torch.Tensor:
+        """The dequantized [out, in] weight (for inspection and tests; allocates a float copy)."""
+        from llmserve.layers.quantization.formats import unpack
+
+        assert self.qweight is not None
+        return unpack(self.qweight).dequantize()
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.output_sizes}, bias={self.bias is not None}, {self.fmt}"
+
+
+class QuantizedVocabEmbedding(VocabEmbedding):
+    """Embedding rows dequantized on lookup from a block-quantized [vocab, hidden] table, which a
+    tied `QuantizedLMHead` multiplies by as its weight."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, fmt: QuantFormat, dtype: torch.dtype) -> None:
+        nn.Module.__init__(self)
+        self.vocab_size, self.hidden_size, self.fmt, self.dtype = vocab_size, hidden_size, fmt, dtype
+        self.weight_t = None
+        self.weight = None
+        self.qweight: PackedWeight | None = None
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        assert self.qweight is not None, "weights not loaded"
+        out = cpu_kernels.embedding(input_ids, self.qweight)
+        return out if self.dtype == torch.float32 else out.to(self.dtype)
+
+    def use_rows(self) -> None:
+        """Already rows."""
+
+    def load(self, name: str, loaded: torch.Tensor | QuantizedRows) -> None:
+        self.qweight = pack(as_rows(name, loaded, self.fmt, (self.vocab_size, self.hidden_size)))
+
+    def extra_repr(self) -> str:
+        return f"vocab={self.vocab_size}, hidden={self.hidden_size}, {self.fmt}"
+
+
+class QuantizedLMHead(LMHead):
+    """logits = hidden @ W.T with W block-quantized: the tied embedding's table, or its own."""
+
+    def __init__(
+        self, vocab_size: int, hidden_size: int, fmt: QuantFormat, tied_to: QuantizedVocabEmbedding | None
+    ) -> None:
+        nn.Module.__init__(self)
+        self.vocab_size, self.hidden_size, self.fmt = vocab_size, hidden_size, fmt
+        self.tied_to = tied_to is not None
+        # Registered under the model's own name first (named_modules() lists it once, there).
+        self.tied_embedding = tied_to
+        self.weight_t = None
+        self.weight = None
+        self.qweight: PackedWeight | None = None
+
+    @property
+    def packed_weight(self) -> PackedWeight:
+        w = self.tied_embedding.qweight if self.tied_embedding is not None else self.qweight
+        assert w is not None, "weights not loaded"
+        return w
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
+        return cpu_kernels.linear(hidden, self.packed_weight)
+
+    def use_onednn(self, tied_to: VocabEmbedding | None) -> None:
+        """The quantized kernels have their own layout."""
+
+    def load(self, name: str, loaded: torch.Tensor | QuantizedRows) -> None:
+        self.qweight = pack(as_rows(name, loaded, self.fmt, (self.vocab_size, self.hidden_size)))
+
+    def extra_repr(self) -> str:
+        return f"vocab={self.vocab_size}, hidden={self.hidden_size}, {self.fmt}, tied={self.tied_to}"

@@ -1,0 +1,107 @@
+"""GGUF's block-quantized tensors read as `QuantizedRows`, without a round trip through float.
+
+    Q8_0   34-byte blocks:  d (f16), 32 x int8                       w = d q           -> q8
+    Q4_0   18-byte blocks:  d (f16), 16 bytes of nibbles              w = d (q - 8)     -> q4
+    Q4_1   20-byte blocks:  d, m (f16), 16 bytes of nibbles           w = d q + m       -> q4
+    Q5_0   22-byte blocks:  d (f16), 4 bytes of fifth bits, nibbles   w = d (q - 16)    -> q8
+    Q5_1   24-byte blocks:  d, m (f16), fifth bits, nibbles           w = d q + m       -> q8 (+ m)
+    Q4_K  144-byte super-blocks of 256: d, dmin (f16), twelve bytes of 6-bit sub-scales and
+          sub-minimums for 8 sub-blocks of 32, 128 bytes of nibbles   w = d sc_j q - dmin m_j  -> q4
+    Q5_K  176-byte super-blocks: Q4_K's fields plus 32 bytes of fifth bits                 -> q8 (+ m)
+
+In the 32-element blocks, byte i holds element i in its low nibble and element i + 16 in its high
+one (the fifth bit of element i is bit i of qh); in the K types each 32-byte run of nibbles holds
+two sub-blocks the same way, low nibbles first, and the fifth bits of the 64 values of run j are
+bits 2j and 2j + 1 of the 32 qh bytes. The 5-bit types fit int8 with their own scale (and minimum),
+so they are kept exactly too. The K types' per-sub-block scale d * sc_j and minimum dmin * m_j
+are rounded to half floats (a relative error of at most 2^-11 on each, far below a quantization
+step). Other types (Q6_K, floats) return None: the caller dequantizes them with `gguf`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+
+from llmserve.layers.quantization.formats import QuantizedRows
+
+_Q = GGMLQuantizationType
+
+EXACT_TYPES = (_Q.Q8_0, _Q.Q4_0, _Q.Q4_1, _Q.Q4_K, _Q.Q5_0, _Q.Q5_1, _Q.Q5_K)
+"""GGUF types read directly into a block format."""
+
+
+def _halves(raw: np.ndarray) -> torch.Tensor:
+    """[..., 2] uint8 -> [...] float16 (little-endian)."""
+    return torch.from_numpy(np.ascontiguousarray(raw).view(np.float16)[..., 0].copy())
+
+
+def _nibbles16(qs: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes -> [..., 32] values: low nibbles are elements 0-15, high ones 16-31."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _bits(raw: np.ndarray, n: int) -> np.ndarray:
+    """[..., n / 8] little-endian bytes -> [..., n] bits (bit i of the little-endian integer)."""
+    return np.unpackbits(np.ascontiguousarray(raw), axis=-1, bitorder="little")[..., :n]
+
+
+def _k_scales(b: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 8 sub-blocks' scales d * sc_j and minimums -dmin * m_j of K-type super-blocks
+    [rows, n, bytes], as half floats [rows, n * 8]."""
+    rows, n = b.shape[:2]
+    d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
+    dmin = np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
+    s = b[..., 4:16].astype(np.uint8)  # [rows, n, 12]
+    # 6-bit scale and minimum of sub-block j: the low 6 bits of bytes j and j + 4 for j < 4;
+    # for j >= 4 a low nibble of byte j + 4 plus the top two bits of byte j - 4 (scale) or j (min).
+    sc = np.empty((rows, n, 8), np.float32)
+    mn = np.empty((rows, n, 8), np.float32)
+    sc[..., :4], mn[..., :4] = s[..., 0:4] & 63, s[..., 4:8] & 63
+    sc[..., 4:] = (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)
+    mn[..., 4:] = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+    scale = torch.from_numpy((d[..., None] * sc).reshape(rows, n * 8)).half()
+    minimum = torch.from_numpy((-dmin[..., None] * mn).reshape(rows, n * 8)).half()
+    return scale, minimum
+
+
+def read_rows(data: np.ndarray, qtype: GGMLQuantizationType, in_features: int) -> QuantizedRows | None:
+    """A GGUF tensor's raw bytes [rows, row_bytes] as block-quantized rows, or None for a type
+    that does not map onto q8 / q4."""
+    rows = data.shape[0]
+    if qtype == _Q.Q8_0:
+        b = data.reshape(rows, -1, 34)
+        q = torch.from_numpy(np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(rows, -1).copy())
+        return QuantizedRows("q8", q, _halves(b[..., :2]), None, in_features)
+    if qtype in (_Q.Q4_0, _Q.Q4_1):
+        size = 18 if qtype == _Q.Q4_0 else 20
+        b = data.reshape(rows, -1, size)
+        d = _halves(b[..., :2])
+        m = -8 * d if qtype == _Q.Q4_0 else _halves(b[..., 2:4])  # times 8 is exact in float16
+        q = torch.from_numpy(_nibbles16(b[..., size - 16 :]).reshape(rows, -1))
+        return QuantizedRows("q4", q, d, m, in_features)
+    if qtype in (_Q.Q5_0, _Q.Q5_1):
+        size = 22 if qtype == _Q.Q5_0 else 24
+        b = data.reshape(rows, -1, size)
+        q = _nibbles16(b[..., size - 16 :]) | (_bits(b[..., size - 20 : size - 16], 32) << 4)  # 0..31
+        d = _halves(b[..., :2])
+        if qtype == _Q.Q5_0:  # symmetric: q - 16 in [-16, 15] is int8 with the same scale
+            q8 = torch.from_numpy(q.astype(np.int8) - 16).reshape(rows, -1)
+            return QuantizedRows("q8", q8, d, None, in_features)
+        q8 = torch.from_numpy(q.astype(np.int8)).reshape(rows, -1)
+        return QuantizedRows("q8", q8, d, _halves(b[..., 2:4]), in_features)
+    if qtype == _Q.Q4_K:
+        b = data.reshape(rows, -1, 144)
+        qs = b[..., 16:].reshape(rows, -1, 4, 32)  # 4 runs of 32 bytes: sub-blocks 2c (low), 2c + 1 (high)
+        q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(rows, -1)
+        return QuantizedRows("q4", torch.from_numpy(q), *_k_scales(b), in_features)
+    if qtype == _Q.Q5_K:
+        b = data.reshape(rows, -1, 176)
+        qs = b[..., 48:].reshape(rows, -1, 4, 32)
+        high = _bits(b[..., 16:48, None], 8)  # [rows, n, 32 bytes, 8 bits]: bit j of byte l
+        high = np.moveaxis(high, 3, 2).reshape(rows, -1, 4, 2, 32)  # run c: bits 2c (low), 2c + 1 (high)
+        q = np.stack([qs & 0x0F, qs >> 4], axis=3) | (high << 4)
+        q8 = torch.from_numpy(q.astype(np.int8).reshape(rows, -1))
+        return QuantizedRows("q8", q8, *_k_scales(b), in_features)
+    return None

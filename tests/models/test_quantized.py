@@ -1,0 +1,281 @@
+"""Quantized models end to end: tiny random checkpoints loaded with `quantization` int8 / int4
+against transformers running the same quantized weights (the checkpoint's weights quantized and
+dequantized here, independently of the loader), the fused decode step against the layer-by-layer
+path, GGUF files served quantized against the same files dequantized, and start-up errors."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf import GGMLQuantizationType as Q
+
+from llmserve.config import ModelConfig
+from llmserve.layers.quantization import QuantizedLinear, cpu_kernels
+from llmserve.layers.quantization.formats import quantize
+from llmserve.model_executor.greedy import generate_greedy
+from llmserve.model_executor.model_loader import load_model
+from llmserve.model_executor.model_runner import ModelRunner, SequenceBatchEntry
+from tests.gguf_writer import write_hf_model
+from tests.models.tiny import TINY_CONFIGS, make_tiny_model
+
+PROMPTS = [[5, 17, 99, 3], [200, 1, 1, 45, 67, 300, 12, 9, 8, 7, 6, 5, 4, 3, 2, 11, 400, 401, 402, 25], [42]]
+LLAMA_FAMILY = ["llama", "llama3-rope-tied", "mistral-sliding", "qwen2", "qwen3"]
+_LINEAR = re.compile(r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|c_attn|c_proj|c_fc)\.weight$")
+_TABLE = re.compile(r"(embed_tokens|wte|lm_head)\.weight$")
+# Activations are rounded to int16 per token inside each quantized matmul; over two tiny layers
+# that moves logits (of magnitude ~1-10) by ~1e-4 at most.
+TOL = 2e-3
+
+
+def fake_quantize(state_dict: dict[str, torch.Tensor], method: str) -> dict[str, torch.Tensor]:
+    """The checkpoint as `method` stores it, dequantized: linear weights in q8 or q4 blocks along
+    their input dimension, embedding and LM head tables in q8, everything else untouched."""
+    out = {}
+    for name, w in state_dict.items():
+        if _LINEAR.search(name) and w.dim() == 2:
+            conv1d = name.split(".")[-2] in ("c_attn", "c_proj", "c_fc")  # GPT-2 stores [in, out]
+            rows = w.T if conv1d else w
+            deq = quantize(rows, "q4" if method == "int4" else "q8").dequantize()
+            out[name] = deq.T.contiguous() if conv1d else deq
+        elif _TABLE.search(name):
+            out[name] = quantize(w, "q8").dequantize()
+        else:
+            out[name] = w
+    return out
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
+def arch(request):
+    return request.param
+
+
+@pytest.fixture(scope="module", params=["int8", "int4"])
+def pair(request, arch, tmp_path_factory):
+    """(transformers on the quantized weights, llmserve loading the float checkpoint quantized)."""
+    folder = tmp_path_factory.mktemp(f"{arch}-{request.param}")
+    hf = make_tiny_model(arch, folder)
+    hf.load_state_dict(fake_quantize(hf.state_dict(), request.param))
+    ours = load_model(ModelConfig(model=str(folder), quantization=request.param, show_progress=False))
+    assert ours.quantization == request.param
+    assert all(type(m).__name__ != "Linear" for m in ours.model.modules())  # every linear layer quantized
+    return hf, ours
+
+
+def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(n):
+            ids = torch.cat([ids, hf(ids).logits[:, -1:].argmax(-1)], dim=1)
+    return ids[0, len(prompt) :].tolist()
+
+
+def test_prefill_and_decode_logits_match_transformers(pair):
+    """A batch of prompts, then three decode steps of all three sequences together (the fused
+    decode step for Llama-family models), against transformers on the whole sequences."""
+    hf, ours = pair
+    runner = ModelRunner(ours.model, num_blocks=32, block_size=4)
+    tables = [list(range(i * 8, i * 8 + 8)) for i in range(len(PROMPTS))]
+    seqs = [list(p) for p in PROMPTS]
+    got = [
+        [row]
+        for row in runner.execute(
+            [SequenceBatchEntry(s, len(s), t) for s, t in zip(seqs, tables, strict=True)]
+        )
+    ]
+    for step in range(3):
+        for s in seqs:
+            s.append(7 + step)
+        logits = runner.execute(
+            [SequenceBatchEntry([s[-1]], len(s), t) for s, t in zip(seqs, tables, strict=True)]
+        )
+        for i, row in enumerate(logits):
+            got[i].append(row)
+    for s, rows in zip(seqs, got, strict=True):
+        with torch.no_grad():
+            ref = hf(torch.tensor([s])).logits[0, len(s) - 4 :]
+        torch.testing.assert_close(torch.stack(rows), ref, rtol=TOL, atol=TOL)
+
+
+def test_greedy_matches_transformers_alone_and_batched(pair):
+    hf, ours = pair
+    expected = [_hf_greedy(hf, p, 16) for p in PROMPTS]
+    runner = ModelRunner(ours.model, num_blocks=64, block_size=4)
+    assert [generate_greedy(runner, [p], 16)[0] for p in PROMPTS] == expected
+    assert generate_greedy(runner, PROMPTS, 16) == expected
+
+
+def test_weights_take_their_quantized_size(pair):
+    _, ours = pair
+    groups = {(g.role, g.fmt): g.num_bytes for g in ours.weight_groups}
+    fmt = "q4" if ours.quantization == "int4" else "q8"
+    assert (("mlp", fmt) in groups) and (("attention", fmt) in groups) and ("embedding", "q8") in groups
+    assert not any(f == "float32" and role != "other" for role, f in groups)
+    assert f"quantization {ours.quantization}" in ours.summary()
+
+
+# -- the fused decode step ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kv_cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", LLAMA_FAMILY)
+def test_fused_decode_matches_layer_by_layer(tmp_path, name, kv_cache_dtype):
+    """Three sequences of different lengths decode 12 steps (past the sliding window of the
+    Mistral config, across blocks placed out of order) with the fused step and without."""
+    make_tiny_model(name, tmp_path)
+    loaded = load_model(ModelConfig(model=str(tmp_path), quantization="int4", show_progress=False))
+    model = loaded.model.model
+    logits = {}
+    for fused in (True, False):
+        model.fused_decode = fused
+        runner = ModelRunner(loaded.model, num_blocks=48, block_size=4, kv_cache_dtype=kv_cache_dtype)
+        tables = [
+            [47, 3, 20, 8, 30, 1, 12, 40],
+            [5, 9, 33, 2, 41, 17, 25, 44],
+            [0, 46, 11, 22, 36, 6, 14, 28],
+        ]
+        seqs = [list(p) for p in PROMPTS]
+        runner.execute([SequenceBatchEntry(s, len(s), t) for s, t in zip(seqs, tables, strict=True)])
+        steps = []
+        for step in range(12):
+            for i, s in enumerate(seqs):
+                s.append((31 * step + 7 * i) % 500)
+            steps.append(
+                runner.execute(
+                    [SequenceBatchEntry([s[-1]], len(s), t) for s, t in zip(seqs, tables, strict=True)]
+                )
+            )
+        logits[fused] = torch.stack(steps)
+    assert model._fused is not None  # the fused step ran
+    # Both paths round activations to int16 per token; summation orders differ, so an activation
+    # can land on the other side of a rounding boundary: the same TOL as against transformers.
+    tol = TOL if kv_cache_dtype == torch.float32 else 2 * TOL
+    torch.testing.assert_close(logits[True], logits[False], rtol=tol, atol=tol)
+
+
+def test_float_models_do_not_take_the_fused_step(tmp_path):
+    make_tiny_model("llama", tmp_path)
+    loaded = load_model(ModelConfig(model=str(tmp_path), show_progress=False))
+    assert loaded.quantization == "none"
+    runner = ModelRunner(loaded.model, num_blocks=8, block_size=4)
+    runner.execute([SequenceBatchEntry([1, 2, 3], 3, [0])])
+    runner.execute([SequenceBatchEntry([4], 4, [0])])
+    assert loaded.model.model._fused is None and "float linear" in loaded.model.model._fused_unsupported[1]
+
+
+# -- GGUF files served quantized ----------------------------------------------------------------------
+
+# Types per tensor of a tiny Llama GGUF: every type that is read straight into a block format.
+GGUF_TYPES = {"attn_q": Q.Q4_K, "attn_k": Q.Q4_0, "attn_v": Q.Q4_1, "attn_output": Q.Q8_0,
+              "ffn_gate": Q.Q5_0, "ffn_up": Q.Q5_1, "ffn_down": Q.Q5_K, "token_embd": Q.Q8_0, "output": Q.Q8_0}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def quantized_gguf(tmp_path_factory):
+    """A tiny Llama (hidden 256: K-quant super-blocks are 256 wide) as a mixed-type GGUF."""
+    tmp = tmp_path_factory.mktemp("qgguf")
+    config = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    config.architectures = ["LlamaForCausalLM"]
+    path = write_hf_model(tmp / "f32.gguf", "llama", config, hf.state_dict())[0]
+    # Re-write with quantized types: read the float tensors back and quantize with gguf.
+    from gguf import GGUFReader
+
+    tensors = {}
+    for t in GGUFReader(path).tensors:
+        kind = t.name.split(".")[-2]
+        arr = np.array(t.data).reshape(list(reversed(t.shape.tolist())))
+        tensors[t.name] = (arr, GGUF_TYPES.get(kind, Q.F32)) if t.name.endswith("weight") else arr
+    from tests.gguf_writer import hf_metadata, write_gguf
+
+    return write_gguf(tmp / "mixed.gguf", "llama", tensors, hf_metadata("llama", config))[0]
+
+
+def test_gguf_served_quantized_matches_dequantized(quantized_gguf):
+    """auto keeps each tensor's blocks (Q4_x as q4; Q5_x, Q8_0 as q8): logits match the same
+    file dequantized to float within the activation rounding (and the K types' half-float
+    sub-block scales)."""
+    quant = load_model(ModelConfig(model=str(quantized_gguf), show_progress=False))
+    plain = load_model(ModelConfig(model=str(quantized_gguf), quantization="none", show_progress=False))
+    assert quant.quantization == "auto" and plain.quantization == "none"
+    layer = quant.model.model.layers[0]
+    assert layer.self_attn.qkv_proj.fmt == "q4"  # Q4_K, Q4_0 and Q4_1 shards
+    assert layer.self_attn.o_proj.fmt == layer.mlp.gate_up_proj.fmt == layer.mlp.down_proj.fmt == "q8"
+    entry = [SequenceBatchEntry(PROMPTS[1], len(PROMPTS[1]), list(range(5)))]
+    got = ModelRunner(quant.model, num_blocks=8, block_size=4).execute(entry, all_logits=True)
+    want = ModelRunner(plain.model, num_blocks=8, block_size=4).execute(entry, all_logits=True)
+    torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
+
+
+def test_gguf_blocks_reach_the_layers_unchanged(quantized_gguf):
+    """The q4 layer holds exactly the file's Q4_K, Q4_0 and Q4_1 values (the test file's Q4_K
+    scales are powers of two times 6-bit multipliers: exact in half floats)."""
+    from llmserve.model_executor.model_loader.gguf_loader import GGUFCheckpoint
+
+    quant = load_model(ModelConfig(model=str(quantized_gguf), show_progress=False))
+    qkv: QuantizedLinear = quant.model.model.layers[1].self_attn.qkv_proj
+    floats = dict((n, t) for n, t, _ in GGUFCheckpoint([quantized_gguf]).iter_weights(torch.float32))
+    prefix = "model.layers.1.self_attn."
+    want = torch.cat([floats[prefix + p + ".weight"] for p in ("q_proj", "k_proj", "v_proj")])
+    assert torch.equal(qkv.logical_weight(), want)
+
+
+# -- start-up errors and the fallback kernels -------------------------------------------------------
+
+
+def test_unknown_quantization_is_refused():
+    with pytest.raises(ValueError, match="'int3'"):
+        ModelConfig(quantization="int3")  # type: ignore[arg-type]
+
+
+def test_quantization_on_a_dtype_without_kernels_is_refused(tmp_path):
+    make_tiny_model("llama", tmp_path)
+    with pytest.raises(ValueError, match="'int4'.*float16"):
+        load_model(
+            ModelConfig(model=str(tmp_path), quantization="int4", dtype="float16", show_progress=False)
+        )
+
+
+def test_quantization_without_native_kernels_is_refused_unless_forced(tmp_path, monkeypatch):
+    make_tiny_model("qwen2", tmp_path)
+    reference = load_model(ModelConfig(model=str(tmp_path), quantization="int8", show_progress=False))
+    monkeypatch.delenv("LLMSERVE_QUANT_KERNELS", raising=False)
+    cpu_kernels.set_kernels("torch")
+    try:
+        with pytest.raises(ValueError, match="'int8'.*LLMSERVE_QUANT_KERNELS"):
+            load_model(ModelConfig(model=str(tmp_path), quantization="int8", show_progress=False))
+        auto = load_model(ModelConfig(model=str(tmp_path), show_progress=False))
+        assert auto.quantization == "none"
+        monkeypatch.setenv("LLMSERVE_QUANT_KERNELS", "torch")  # the user accepts the slow path
+        forced = load_model(ModelConfig(model=str(tmp_path), quantization="int8", show_progress=False))
+        assert "on torch" in forced.linear_kernel
+        runner = ModelRunner(forced.model, num_blocks=64, block_size=4)
+        got = generate_greedy(runner, PROMPTS, 16)
+        assert forced.model.model._fused is None  # the fused step needs the native kernels
+    finally:
+        cpu_kernels.set_kernels("auto")
+    assert got == generate_greedy(ModelRunner(reference.model, num_blocks=64, block_size=4), PROMPTS, 16)
+
+
+def test_quantized_kv_path_on_cuda_is_refused(tmp_path):
+    from llmserve.model_executor.model_loader.quant_plan import check_supported
+
+    with pytest.raises(ValueError, match="'int8' runs on the CPU only"):
+        check_supported("int8", torch.device("cuda"), torch.float32)
+    check_supported("auto", torch.device("cuda"), torch.float16)  # auto stays float there
+
+
+def test_int4_layers_hold_less_than_a_third_of_float(tmp_path):
+    make_tiny_model("llama", Path(tmp_path))
+    fp = load_model(ModelConfig(model=str(tmp_path), quantization="none", show_progress=False))
+    q4 = load_model(ModelConfig(model=str(tmp_path), quantization="int4", show_progress=False))
+    linear = lambda m: sum(g.num_bytes for g in m.weight_groups if g.role in ("attention", "mlp"))  # noqa: E731
+    assert linear(q4) * 6 < linear(fp)  # 0.625 bytes a weight against 4

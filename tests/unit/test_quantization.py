@@ -1,0 +1,189 @@
+"""Block-quantized weights: formats, the C++ kernels against a dequantized float reference, GGUF
+blocks read without a float round trip, and the quantized layers' loading."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+
+from llmserve.layers.quantization import cpu_kernels
+from llmserve.layers.quantization.formats import BLOCK, QuantizedRows, pack, quantize, unpack
+from llmserve.layers.quantization.layers import QuantizedLinear, as_rows
+from llmserve.load_errors import WeightShapeError
+from llmserve.model_executor.model_loader.gguf_quant import EXACT_TYPES, read_rows
+from tests.gguf_writer import REFERENCE_DEQUANT
+
+# Every kernel set this machine runs, best first; "torch" is the fallback that runs anywhere.
+_ORDER = ["avx512_vnni", "avx2", "torch"]
+KERNEL_SETS = _ORDER[_ORDER.index(cpu_kernels.best_kernels()) :]
+
+
+@pytest.fixture(params=KERNEL_SETS)
+def kernels(request):
+    cpu_kernels.set_kernels(request.param)
+    yield request.param
+    cpu_kernels.set_kernels("auto")
+
+
+def _random_rows(fmt: str, n: int, k: int, with_min: bool, seed: int = 0) -> QuantizedRows:
+    g = torch.Generator().manual_seed(seed)
+    nb = -(-k // BLOCK)
+    if fmt == "q4":
+        q = torch.randint(0, 16, (n, nb * BLOCK), generator=g, dtype=torch.uint8)
+    else:
+        q = torch.randint(-127, 128, (n, nb * BLOCK), generator=g, dtype=torch.int8)
+    q[:, k:] = 0
+    d = (torch.rand(n, nb, generator=g) * 0.1 + 0.01).half()
+    m = (torch.randn(n, nb, generator=g) * 0.2).half() if with_min else None
+    return QuantizedRows(fmt, q, d, m, k)  # type: ignore[arg-type]
+
+
+# -- formats ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt,with_min", [("q8", False), ("q8", True), ("q4", True)])
+@pytest.mark.parametrize("n,k", [(16, 32), (37, 70), (200, 576)])
+def test_pack_unpack_roundtrip(fmt, with_min, n, k):
+    rows = _random_rows(fmt, n, k, with_min)
+    packed = pack(rows)
+    assert packed.data.shape[:2] == (-(-n // 16), -(-k // 32))
+    back = unpack(packed)
+    assert torch.equal(back.q, rows.q) and torch.equal(back.d, rows.d)
+    assert (back.m is None) == (rows.m is None) and (rows.m is None or torch.equal(back.m, rows.m))
+    assert torch.equal(back.dequantize(), rows.dequantize())
+
+
+@pytest.mark.parametrize("fmt", ["q8", "q4"])
+def test_quantize_error_within_half_a_step(fmt):
+    """Round to nearest on half-float scales: each weight within half a step of its block (plus the
+    scale's own rounding); padding columns (K = 70) stay zero and never widen a block's range."""
+    w = torch.randn(64, 70) * torch.linspace(0.1, 3, 70)
+    rows = quantize(w, fmt)
+    assert rows.q.shape == (64, 96) and (rows.q[:, 70:] == 0).all()
+    err = (rows.dequantize() - w).abs().view(64, -1)
+    step = rows.d.float().repeat_interleave(BLOCK, dim=1)[:, :70]
+    slack = 2**-10 * w.abs().amax()  # half-float rounding of the scale and the minimum
+    assert (err <= 0.5 * step + slack).all(), (err - 0.5 * step).max()
+
+
+# -- kernels ----------------------------------------------------------------------------------------
+
+
+def _bound(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Largest |kernel - float| per output: activations rounded to int16 per token (an error of at
+    most max|x| / 65534 each, through |W|), plus float32 accumulation."""
+    dx = x.abs().amax(-1, keepdim=True) / 65534
+    return dx * w.abs().sum(-1) + 1e-5 * (x.abs() @ w.abs().T) + 1e-6
+
+
+@pytest.mark.parametrize("fmt,with_min", [("q8", False), ("q8", True), ("q4", True)])
+@pytest.mark.parametrize("n,k", [(16, 32), (37, 70), (200, 576)])
+@pytest.mark.parametrize("m", [1, 2, 5, 8, 9, 40])
+def test_linear_matches_dequantized_reference(kernels, fmt, with_min, n, k, m):
+    rows = _random_rows(fmt, n, k, with_min, seed=n + k)
+    w = rows.dequantize()
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * torch.linspace(0.01, 4, k)
+    bias = torch.randn(n)
+    got = cpu_kernels.linear(x, pack(rows), bias)
+    want = F.linear(x, w, bias)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    assert ((got - want).abs() <= _bound(w, x)).all(), (got - want).abs().max()
+
+
+def test_linear_keeps_leading_dims_and_dtype(kernels):
+    rows = _random_rows("q4", 48, 64, True)
+    x = torch.randn(2, 3, 64)
+    got = cpu_kernels.linear(x.to(torch.bfloat16), pack(rows))
+    assert got.shape == (2, 3, 48) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(
+        got.float(), F.linear(x.to(torch.bfloat16).float(), rows.dequantize()), atol=0.05, rtol=0.02
+    )
+
+
+@pytest.mark.parametrize("fmt,with_min", [("q8", False), ("q8", True), ("q4", True)])
+def test_embedding_rows_are_exact(kernels, fmt, with_min):
+    rows = _random_rows(fmt, 53, 70, with_min)
+    ids = torch.tensor([0, 52, 17, 17, 31])
+    assert torch.equal(cpu_kernels.embedding(ids, pack(rows)), rows.dequantize()[ids])
+
+
+def test_unknown_kernel_set_is_refused():
+    with pytest.raises(ValueError, match="'avx9000'"):
+        cpu_kernels.set_kernels("avx9000")
+
+
+@pytest.mark.skipif(cpu_kernels.best_kernels() == "avx512_vnni", reason="this CPU has AVX-512 VNNI")
+def test_kernel_set_the_cpu_lacks_is_refused():
+    with pytest.raises(ValueError, match="avx512_vnni"):
+        cpu_kernels.set_kernels("avx512_vnni")
+
+
+# -- GGUF blocks ------------------------------------------------------------------------------------
+
+
+def _raw_blocks(qtype: Q, rows: int, cols: int) -> np.ndarray:
+    """Random valid blocks (finite half-float scales), as tests/gguf_writer.py's references take."""
+    _, offsets = REFERENCE_DEQUANT[qtype]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(int(qtype))
+    raw = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
+    for o in offsets:
+        raw[:, o : o + 2] = rng.uniform(0.01, 0.1, size=(len(raw), 1)).astype(np.float16).view(np.uint8)
+    return raw
+
+
+@pytest.mark.parametrize("qtype", EXACT_TYPES, ids=lambda q: q.name)
+def test_gguf_blocks_read_as_rows(qtype):
+    """Against ggml's reference dequantization (written from its C code): exact for the 32-value
+    types; the K types' sub-block scales and minimums are rounded to half floats."""
+    ref, _ = REFERENCE_DEQUANT[qtype]
+    raw = _raw_blocks(qtype, 3, 512)
+    expected = torch.tensor([v for block in raw for v in ref(block.tobytes())]).reshape(3, 512)
+    rows = read_rows(raw.reshape(3, -1), qtype, 512)
+    assert rows is not None and rows.fmt == ("q4" if qtype in (Q.Q4_0, Q.Q4_1, Q.Q4_K) else "q8")
+    got = rows.dequantize()
+    if qtype in (Q.Q4_K, Q.Q5_K):
+        # |d sc q| <= 31 |d sc| and |dmin m| each off by a half-float rounding (2^-11 relative)
+        assert ((got - expected).abs() <= 2**-10 * expected.abs().amax()).all()
+    else:
+        assert torch.equal(got, expected)
+
+
+def test_gguf_types_without_a_block_format_are_left_to_float():
+    assert read_rows(_raw_blocks(Q.Q6_K, 2, 256).reshape(2, -1), Q.Q6_K, 256) is None
+
+
+# -- quantized layers -------------------------------------------------------------------------------
+
+
+def test_fused_layer_packs_once_every_shard_arrived():
+    layer = QuantizedLinear(64, [32, 16, 16], bias=True, fmt="q8")
+    shards = [torch.randn(32, 64), torch.randn(16, 64), torch.randn(16, 64)]
+    for i in (2, 0):
+        layer.load_shard("x", shards[i], shard=i)
+        assert layer.qweight is None
+    layer.load_shard("x", shards[1], shard=1)
+    layer.load_shard("b", torch.arange(16.0), shard=2, is_bias=True)
+    assert layer.qweight is not None
+    want = torch.cat([quantize(s, "q8").dequantize() for s in shards])
+    assert torch.equal(layer.logical_weight(), want)
+    assert torch.equal(layer.bias[48:], torch.arange(16.0)) and not layer.bias[:48].any()
+
+
+def test_layer_load_errors_name_the_tensor():
+    layer = QuantizedLinear(64, [32, 32], bias=False, fmt="q4")
+    with pytest.raises(WeightShapeError, match="up_proj"):
+        layer.load_shard("up_proj.weight", torch.randn(32, 48), shard=1)
+    with pytest.raises(WeightShapeError, match="gate_proj"):
+        layer.load_shard("gate_proj.weight", _random_rows("q4", 16, 64, True), shard=0)
+
+
+def test_four_bit_rows_become_eight_bit_exactly():
+    rows = _random_rows("q4", 20, 64, True)
+    as8 = as_rows("w", rows, "q8", (20, 64))
+    assert as8.fmt == "q8" and as8.q.dtype == torch.int8
+    assert torch.equal(as8.dequantize(), rows.dequantize())
