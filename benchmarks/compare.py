@@ -1,20 +1,29 @@
-"""Side by side: llmserve against transformers and llama.cpp's llama-server, same workload.
+"""Side by side: llmserve against transformers and llama.cpp's llama-server, same workload, and for
+the two servers the same GGUF file.
 
     python benchmarks/compare.py [--peers llmserve transformers llama-server] [--concurrency 1 4 16 32]
-        [--input-len 128] [--output-len 128] [--requests-per-level N] [--llama-server PATH]
-        [--out benchmarks/results/compare]
+        [--weights q4_1 q8_0 f32] [--input-len 128] [--output-len 128] [--requests-per-level N]
+        [--llama-server PATH] [--llmserve-arg=--kv-cache-dtype=float16 ...] [--out benchmarks/results/compare]
+
+`--weights` names the files both servers load, one pair of runs each (default: f32 only):
+  - q4_1: the embedded SmolLM2-135M-Instruct.Q4_1.gguf itself (token_embd in Q8_0);
+  - q8_0: the F32 copy quantized to Q8_0 by llama.cpp's `llama-quantize` (built beside llama-server);
+  - f32:  every tensor of the embedded file dequantized to F32 (benchmarks/peers/gguf_to_f32.py);
+  - or any GGUF path.
+llmserve serves each with its default `--quantization auto` (a quantized file keeps its blocks:
+Q4_1 as int4, Q8_0 as int8; F32 stays float32) unless `--llmserve-arg` says otherwise;
+llama-server computes on the file's own types.
 
 Workload, per concurrency level c: `--requests-per-level` (default max(8, 2c)) prompts of exactly
 `--input-len` tokens of random text (`llmserve.bench.datasets.random_requests`, one seed), each
 asking for `--output-len` tokens, greedy, EOS ignored. Every peer gets the very same prompts. A
 per-run, per-level salt opens each prompt, so no prompt shares a prefix with one sent before it:
 prefix caches stay cold.
-  - llmserve:     `llmserve serve` (the embedded SmolLM2-135M-Instruct, weights fp32) in a
-                  subprocess, driven by `llmserve.bench.serve.benchmark_serving` at c in flight.
-  - llama-server: llama.cpp's server (benchmarks/peers/build_llama_server.sh) on the same weights
-                  dequantized to an F32 GGUF (benchmarks/peers/gguf_to_f32.py), `--llama-slots`
-                  slots (`--parallel`, default 16 as in the issue's reference figures; requests
-                  beyond them queue in the server), the same load generator.
+  - llmserve:     `llmserve serve MODEL` in a subprocess, driven by
+                  `llmserve.bench.serve.benchmark_serving` at c in flight.
+  - llama-server: llama.cpp's server (benchmarks/peers/build_llama_server.sh) on the same file,
+                  `--llama-slots` slots (`--parallel`, default 16 as in the issue's reference
+                  figures; requests beyond them queue in the server), the same load generator.
   - transformers: offline `generate` in batches of c (left padded, fp32, greedy); TTFT = one
                   batch's prefill (generate with max_new_tokens=1), throughput = output tokens /
                   wall time of the full generate calls. No server, no HTTP.
@@ -47,7 +56,7 @@ import httpx
 from llmserve.bench.datasets import BenchRequest, load_bench_tokenizer, random_requests
 from llmserve.bench.serve import benchmark_serving
 from llmserve.tokenizer import Tokenizer
-from peers.gguf_to_f32 import ensure_f32_gguf, peers_dir
+from peers.gguf_to_f32 import ensure_f32_gguf, ensure_quantized_gguf, peers_dir
 
 MODEL_NAME = "bench"  # the name both servers answer to
 LLAMA_CPP_VERSION = "0.3.36"  # keep in step with build_llama_server.sh
@@ -158,15 +167,28 @@ def run_server_peer(name: str, cmd: list[str], port: int, work: Workload, out_di
     return {"command": cmd, "sanity": {"prompt": SANITY_PROMPT, "text": text}, "levels": levels}
 
 
-def run_llmserve(args: argparse.Namespace, work: Workload) -> dict[str, Any]:
+def weights_file(args: argparse.Namespace, name: str) -> Path:
+    """A `--weights` entry as a GGUF path (converting or quantizing the embedded model once)."""
+    if name == "f32":
+        return ensure_f32_gguf()
+    if name == "q4_1":
+        from llmserve.model_executor.model_loader.source import DEFAULT_MODEL, resolve_model
+
+        return resolve_model(DEFAULT_MODEL).path
+    if name in ("q8_0", "q4_0", "q4_k_m", "q5_0", "q6_k"):
+        return ensure_quantized_gguf(name.upper(), args.llama_server.with_name("llama-quantize"))
+    return Path(name)
+
+
+def run_llmserve(args: argparse.Namespace, work: Workload, gguf: Path, name: str) -> dict[str, Any]:
     port = free_port()
-    cmd = [sys.executable, "-m", "llmserve.cli.main", "--log-level", "WARNING", "serve", "--port", str(port),
-           "--served-model-name", MODEL_NAME, "--max-num-seqs", str(max(64, *work.levels))]  # fmt: skip
-    return run_server_peer("llmserve", cmd, port, work, args.out)
+    cmd = [sys.executable, "-m", "llmserve.cli.main", "--log-level", "WARNING", "serve", str(gguf),
+           "--port", str(port), "--served-model-name", MODEL_NAME,
+           "--max-num-seqs", str(max(64, *work.levels)), *args.llmserve_arg]  # fmt: skip
+    return run_server_peer(name, cmd, port, work, args.out)
 
 
-def run_llama_server(args: argparse.Namespace, work: Workload) -> dict[str, Any]:
-    gguf = ensure_f32_gguf()
+def run_llama_server(args: argparse.Namespace, work: Workload, gguf: Path, name: str) -> dict[str, Any]:
     slots = args.llama_slots
     # llama-server splits -c evenly among its slots: each one must hold a whole request
     per_slot = args.input_len + args.output_len + 16
@@ -174,13 +196,13 @@ def run_llama_server(args: argparse.Namespace, work: Workload) -> dict[str, Any]
     cmd = [str(args.llama_server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
            "--alias", MODEL_NAME, "--parallel", str(slots), "-c", str(slots * per_slot),
            "--threads", str(work.threads), "--threads-batch", str(work.threads), "--no-webui"]  # fmt: skip
-    return run_server_peer("llama-server", cmd, port, work, args.out)
+    return run_server_peer(name, cmd, port, work, args.out)
 
 
 # ---------------------------------------------------------------- transformers
 
 
-def run_transformers(args: argparse.Namespace, work: Workload) -> dict[str, Any]:
+def run_transformers(args: argparse.Namespace, work: Workload, gguf: Path, name: str) -> dict[str, Any]:
     import torch
     import transformers
 
@@ -189,8 +211,8 @@ def run_transformers(args: argparse.Namespace, work: Workload) -> dict[str, Any]
     from llmserve.model_executor.model_loader.source import DEFAULT_MODEL, resolve_model
 
     tokenizer = work.tokenizer
-    gguf = resolve_model(DEFAULT_MODEL).path
-    print(f"transformers: AutoModelForCausalLM.from_pretrained({gguf.name}) fp32, generate", flush=True)
+    gguf = resolve_model(DEFAULT_MODEL).path  # transformers dequantizes any GGUF to float
+    print(f"{name}: AutoModelForCausalLM.from_pretrained({gguf.name}) fp32, generate", flush=True)
     transformers.utils.logging.disable_progress_bar()
     model = load_transformers(gguf)
     pad = tokenizer.pad_token_id or 0
@@ -222,7 +244,7 @@ def run_transformers(args: argparse.Namespace, work: Workload) -> dict[str, Any]
 
 # ---------------------------------------------------------------- report
 
-PEERS: dict[str, Callable[[argparse.Namespace, Workload], dict[str, Any]]] = {
+PEERS: dict[str, Callable[[argparse.Namespace, Workload, Path, str], dict[str, Any]]] = {
     "llmserve": run_llmserve,
     "transformers": run_transformers,
     "llama-server": run_llama_server,
@@ -230,18 +252,27 @@ PEERS: dict[str, Callable[[argparse.Namespace, Workload], dict[str, Any]]] = {
 
 
 def ratios(results: dict[str, dict[str, Any]], c: int) -> dict[str, dict[str, float]]:
-    """llmserve / peer for tok/s (above 1: llmserve faster) and median TTFT (below 1: llmserve faster)."""
-    if "llmserve" not in results:
-        return {}
-    ours = results["llmserve"]["levels"][c]
+    """llmserve / peer for tok/s (above 1: llmserve faster) and median TTFT (below 1: llmserve
+    faster): each "llama-server (w)" against "llmserve (w)" on the same file w, transformers
+    against llmserve on the first file."""
     out = {}
     for name, res in results.items():
+        peer, _, weights = name.partition(" ")
+        ours = results.get(f"llmserve {weights}") if peer != "transformers" else None
+        if ours is None and peer == "transformers":
+            ours = next((r for n, r in results.items() if n.startswith("llmserve")), None)
         theirs = res["levels"][c]
-        if name == "llmserve" or not theirs["output_throughput"] or not theirs["median_ttft_ms"]:
+        if (
+            peer == "llmserve"
+            or ours is None
+            or not theirs["output_throughput"]
+            or not theirs["median_ttft_ms"]
+        ):
             continue
+        mine = ours["levels"][c]
         out[name] = {
-            "output_throughput": ours["output_throughput"] / theirs["output_throughput"],
-            "median_ttft_ms": ours["median_ttft_ms"] / theirs["median_ttft_ms"],
+            "output_throughput": mine["output_throughput"] / theirs["output_throughput"],
+            "median_ttft_ms": mine["median_ttft_ms"] / theirs["median_ttft_ms"],
         }
     return out
 
@@ -296,6 +327,8 @@ def cpu_name() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--peers", nargs="+", choices=list(PEERS), default=list(PEERS))
+    ap.add_argument("--weights", nargs="+", default=["f32"], help="q4_1, q8_0, f32 or GGUF paths")
+    ap.add_argument("--llmserve-arg", action="append", default=[], help="an extra `llmserve serve` flag")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
@@ -316,7 +349,14 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     work = build_workload(args)
-    results = {name: PEERS[name](args, work) for name in peers}  # one at a time, in order
+    results = {}
+    for w in args.weights:  # one server at a time, in order
+        gguf = weights_file(args, w)
+        for peer in peers:
+            if peer == "transformers" and any(n.startswith("transformers") for n in results):
+                continue  # the float model once
+            name = f"{peer} ({w})"
+            results[name] = PEERS[peer](args, work, gguf, name)
     print_table(results, args.concurrency)
     report = {
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},

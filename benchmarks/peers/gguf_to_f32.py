@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 from pathlib import Path
 
 import gguf
@@ -90,3 +91,15 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def ensure_quantized_gguf(qtype: str, llama_quantize: Path, force: bool = False) -> Path:
+    """The embedded model quantized by llama.cpp's own `llama-quantize` from its F32 copy (e.g.
+    qtype "Q8_0"), made once next to the F32 file."""
+    src = ensure_f32_gguf()
+    out = src.with_name(src.name.replace(".F32.gguf", f".{qtype}.gguf"))
+    if force or not out.is_file():
+        tmp = out.with_name(out.name + ".partial")
+        subprocess.run([str(llama_quantize), str(src), str(tmp), qtype], check=True, capture_output=True)
+        tmp.replace(out)
+    return out

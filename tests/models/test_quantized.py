@@ -279,3 +279,35 @@ def test_int4_layers_hold_less_than_a_third_of_float(tmp_path):
     q4 = load_model(ModelConfig(model=str(tmp_path), quantization="int4", show_progress=False))
     linear = lambda m: sum(g.num_bytes for g in m.weight_groups if g.role in ("attention", "mlp"))  # noqa: E731
     assert linear(q4) * 6 < linear(fp)  # 0.625 bytes a weight against 4
+
+
+@pytest.mark.parametrize("window", [None, 300])
+def test_fused_decode_splits_long_contexts(tmp_path, window):
+    """Contexts of 700+ positions are cut into chunks spread over the threads (and merged with
+    their softmax maxima); a 300-position sliding window starts mid-block and mid-chunk."""
+    config = transformers.MistralConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, sliding_window=window, initializer_range=0.15,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.MistralForCausalLM(config).save_pretrained(tmp_path)
+    loaded = load_model(ModelConfig(model=str(tmp_path), quantization="int8", show_progress=False))
+    prompts = [[(7 * i) % 500 for i in range(700)], [(3 * i + 1) % 500 for i in range(257)]]
+    tables = [list(range(0, 50)), list(range(50, 70))]
+    logits = {}
+    for fused in (True, False):
+        loaded.model.model.fused_decode = fused
+        runner = ModelRunner(loaded.model, num_blocks=80, block_size=16)
+        runner.execute([SequenceBatchEntry(p, len(p), t) for p, t in zip(prompts, tables, strict=True)])
+        logits[fused] = torch.stack(
+            [
+                runner.execute(
+                    [
+                        SequenceBatchEntry([k + i], len(p) + k + 1, t)
+                        for i, (p, t) in enumerate(zip(prompts, tables, strict=True))
+                    ]
+                )
+                for k in range(4)
+            ]
+        )
+    torch.testing.assert_close(logits[True], logits[False], rtol=TOL, atol=TOL)

@@ -121,49 +121,62 @@ const float* load_rows(int cache_type, const void* src, int64_t n, float* dst) {
   return dst;
 }
 
-// One query head of one sequence over its visible context:
-//   out = softmax(scale * K q) V,  K, V: this KV head's rows at positions [start, seq_len).
-// k_head, v_head: [num_blocks, bs, D] in the cache's type; `table` maps block i of the sequence
-// to a cache block. `s` holds seq_len floats, `buf` one block of float32 rows.
-void attend(const Decoder& dec, const float* q, const char* k_head, const char* v_head, const int64_t* table,
-            int64_t seq_len, int64_t window, float* out, float* s, float* buf) {
-  const int64_t D = dec.D, bs = dec.block_size, esize = dec.cache_elem_size;
-  const int64_t start = window > 0 ? std::max<int64_t>(0, seq_len - window) : 0;
-  const int64_t first = start / bs, end = (seq_len + bs - 1) / bs;
-  // 1. scores
-  float mx = -3.0e38f;
-  for (int64_t i = first; i < end; ++i) {
-    const int64_t t0 = std::max<int64_t>(start - i * bs, 0), t1 = std::min<int64_t>(seq_len - i * bs, bs);
+// Attention of one work item: the G query heads that share KV head `kh` of sequence m, over the
+// visible positions [p0, p1) of its context (a chunk of it when a long context is split):
+//
+//   s[g, t] = q_g . K[t];  mx_g = max_t s[g, t];  l_g = sum_t e^{scale (s[g, t] - mx_g)}
+//   o_g = sum_t e^{scale (s[g, t] - mx_g)} V[t]                       (not yet divided by l_g)
+//
+// Each K and V row is read once for all G heads. k_head, v_head: this KV head's
+// [num_blocks, bs, D] in the cache's type; `table` maps block i of the sequence to a cache block.
+// `s` holds G * (p1 - p0) floats, `buf` one block of float32 rows.
+void attend_chunk(const Decoder& dec, const float* q, int64_t G, const char* k_head, const char* v_head,
+                  const int64_t* table, int64_t p0, int64_t p1, float* o, float* mx, float* l, float* s,
+                  float* buf) {
+  const int64_t D = dec.D, bs = dec.block_size, esize = dec.cache_elem_size, n = p1 - p0;
+  // 1. scores, s[g * n + j] for position p0 + j
+  for (int64_t i = p0 / bs; i * bs < p1; ++i) {
+    const int64_t t0 = std::max<int64_t>(p0 - i * bs, 0), t1 = std::min<int64_t>(p1 - i * bs, bs);
     const float* K = load_rows(dec.cache_type, k_head + table[i] * bs * D * esize, bs * D, buf);
     for (int64_t t = t0; t < t1; ++t) {
       const float* k = K + t * D;
-      float a = 0.f;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = q + g * D;
+        float a = 0.f;
 #pragma omp simd reduction(+ : a)
-      for (int64_t d = 0; d < D; ++d) a += q[d] * k[d];
-      s[i * bs + t - start] = a;
-      mx = std::max(mx, a);
+        for (int64_t d = 0; d < D; ++d) a += qg[d] * k[d];
+        s[g * n + i * bs + t - p0] = a;
+      }
     }
   }
-  // 2. probabilities
-  const int64_t n = seq_len - start;
-  float total = 0.f;
+  // 2. unnormalized probabilities
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = s + g * n;
+    float m = -3.0e38f;
+    for (int64_t j = 0; j < n; ++j) m = std::max(m, sg[j]);
+    float total = 0.f;
 #pragma omp simd reduction(+ : total)
-  for (int64_t j = 0; j < n; ++j) {
-    const float p = fast_exp(dec.scale * (s[j] - mx));
-    s[j] = p;
-    total += p;
+    for (int64_t j = 0; j < n; ++j) {
+      const float p = fast_exp(dec.scale * (sg[j] - m));
+      sg[j] = p;
+      total += p;
+    }
+    mx[g] = m;
+    l[g] = total;
   }
-  const float inv = 1.0f / total;
-  // 3. weighted sum of V rows
-  std::fill(out, out + D, 0.f);
-  for (int64_t i = first; i < end; ++i) {
-    const int64_t t0 = std::max<int64_t>(start - i * bs, 0), t1 = std::min<int64_t>(seq_len - i * bs, bs);
+  // 3. weighted sums of V rows
+  std::fill(o, o + G * D, 0.f);
+  for (int64_t i = p0 / bs; i * bs < p1; ++i) {
+    const int64_t t0 = std::max<int64_t>(p0 - i * bs, 0), t1 = std::min<int64_t>(p1 - i * bs, bs);
     const float* V = load_rows(dec.cache_type, v_head + table[i] * bs * D * esize, bs * D, buf);
     for (int64_t t = t0; t < t1; ++t) {
-      const float p = s[i * bs + t - start] * inv;
       const float* v = V + t * D;
+      for (int64_t g = 0; g < G; ++g) {
+        const float p = s[g * n + i * bs + t - p0];
+        float* og = o + g * D;
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) out[d] += p * v[d];
+        for (int64_t d = 0; d < D; ++d) og[d] += p * v[d];
+      }
     }
   }
 }
@@ -186,6 +199,30 @@ void linear(const QuantLinear& w, const float* x, int64_t M, float* out) {
 
 }  // namespace
 
+// Work items for this layer's attention: every (sequence, KV head), its visible context cut into
+// chunks of at least kMinChunk positions, as many as it takes to give each thread about two
+// items, so that a single long sequence is spread over every core.
+void Decoder::plan_attention(int64_t M, const int64_t* seq_lens, int64_t window) {
+  constexpr int64_t kMinChunk = 128;
+  items.clear();
+  const int64_t threads = omp_get_max_threads();
+  const int64_t per_seq = std::max<int64_t>(1, (2 * threads + M * Hkv - 1) / (M * Hkv));
+  max_chunk = 0;
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t start = window > 0 ? std::max<int64_t>(0, seq_lens[m] - window) : 0;
+    const int64_t n = seq_lens[m] - start;
+    const int64_t chunks = std::max<int64_t>(1, std::min(per_seq, n / kMinChunk));
+    const int64_t size = (n + chunks - 1) / chunks;
+    max_chunk = std::max(max_chunk, size);
+    for (int64_t kh = 0; kh < Hkv; ++kh)
+      for (int64_t p = start; p < seq_lens[m]; p += size)
+        items.push_back({m, kh, p, std::min(seq_lens[m], p + size)});
+  }
+  const size_t G = static_cast<size_t>(Hq / Hkv);
+  if (part_o.size() < items.size() * G * D) part_o.resize(items.size() * G * D);
+  if (part_mx.size() < items.size() * G) part_mx.resize(items.size() * G), part_l.resize(items.size() * G);
+}
+
 void Decoder::fit(int64_t M) {
   const int64_t qkv_n = (Hq + 2 * Hkv) * D;
   if (M <= capacity) return;
@@ -204,8 +241,6 @@ void Decoder::forward(const float* x, int64_t M, const int64_t* positions, const
   const int64_t qkv_n = (Hq + 2 * Hkv) * D, G = Hq / Hkv;
   float *res_ = res.data(), *h_ = h.data(), *qkv_ = qkv.data(), *attn_ = attn.data();
   float *gu_ = gate_up.data(), *act_ = act.data();
-  int64_t max_seq = 0;
-  for (int64_t m = 0; m < M; ++m) max_seq = std::max(max_seq, seq_lens[m]);
   std::memcpy(res_, x, M * H * 4);
 
   for (size_t l = 0; l < layers.size(); ++l) {
@@ -243,17 +278,44 @@ void Decoder::forward(const float* x, int64_t M, const int64_t* positions, const
         store_row(cache_type, v, D, kv + (Hkv + kh) * head_bytes + row * D * cache_elem_size);
       }
     }
-    // 4. attention: one work item per (sequence, query head)
+    // 4. attention, split into work items of (sequence, KV head, chunk of its visible context),
+    //    then each query head's chunks merged: out = sum_c e^{mx_c - M} o_c / sum_c e^{mx_c - M} l_c
+    plan_attention(M, seq_lens, L.window);
+    const int64_t num_items = static_cast<int64_t>(items.size());
+    float *po = part_o.data(), *pm = part_mx.data(), *pl = part_l.data();
 #pragma omp parallel
     {
-      std::vector<float> s(max_seq), buf(block_size * D);
-#pragma omp for schedule(static)
-      for (int64_t item = 0; item < M * Hq; ++item) {
-        const int64_t m = item / Hq, hq = item % Hq, kh = hq / G;
-        attend(*this, qkv_ + m * qkv_n + hq * D, kv + kh * head_bytes, kv + (Hkv + kh) * head_bytes,
-               block_tables + m * max_blocks, seq_lens[m], L.window, attn_ + m * Hq * D + hq * D, s.data(),
-               buf.data());
+      std::vector<float> s(G * max_chunk), buf(block_size * D);
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t it = 0; it < num_items; ++it) {
+        const AttentionItem& w = items[it];
+        attend_chunk(*this, qkv_ + w.m * qkv_n + w.kh * G * D, G, kv + w.kh * head_bytes,
+                     kv + (Hkv + w.kh) * head_bytes, block_tables + w.m * max_blocks, w.p0, w.p1,
+                     po + it * G * D, pm + it * G, pl + it * G, s.data(), buf.data());
       }
+    }
+    for (int64_t it = 0; it < num_items;) {  // the chunks of one (sequence, KV head) are adjacent
+      const AttentionItem& w = items[it];
+      int64_t last = it + 1;
+      while (last < num_items && items[last].m == w.m && items[last].kh == w.kh) ++last;
+      for (int64_t g = 0; g < G; ++g) {
+        float top = -3.0e38f;
+        for (int64_t c = it; c < last; ++c) top = std::max(top, pm[c * G + g]);
+        float* out = attn_ + w.m * Hq * D + (w.kh * G + g) * D;
+        std::fill(out, out + D, 0.f);
+        float total = 0.f;
+        for (int64_t c = it; c < last; ++c) {
+          const float f = fast_exp(scale * (pm[c * G + g] - top));
+          total += f * pl[c * G + g];
+          const float* oc = po + (c * G + g) * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) out[d] += f * oc[d];
+        }
+        const float inv = 1.0f / total;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) out[d] *= inv;
+      }
+      it = last;
     }
     // 5. output projection into the residual stream, post-attention norm
     linear(L.o, attn_, M, h_);

@@ -34,6 +34,10 @@ struct Layer {
   int64_t window = 0;        // sliding window, 0 = full attention
 };
 
+struct AttentionItem {
+  int64_t m, kh, p0, p1;  // sequence, KV head, visible positions [p0, p1)
+};
+
 struct Decoder {
   int64_t H = 0, Hq = 0, Hkv = 0, D = 0, rot = 0, I = 0;
   int64_t num_blocks = 0, block_size = 0, max_position = 0;
@@ -51,8 +55,12 @@ struct Decoder {
 
  private:
   void fit(int64_t M);
+  void plan_attention(int64_t M, const int64_t* seq_lens, int64_t window);
   int64_t capacity = 0;
   std::vector<float> res, h, qkv, attn, gate_up, act;
+  std::vector<AttentionItem> items;  // this layer's attention work
+  int64_t max_chunk = 0;             // longest chunk of `items`
+  std::vector<float> part_o, part_mx, part_l;  // per item and query head: o [D], mx, l
 };
 
 // Dispatch to the kernel set in use (module.cpp).
