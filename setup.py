@@ -14,8 +14,8 @@ setup(
     ext_modules=[
         Extension(
             "llmserve._cpu_kernels",
-            sources=[f"{CSRC}/{name}.cpp" for name in ("module", "qgemm_avx512", "qgemm_avx2", "decode")],
-            depends=[f"{CSRC}/{name}" for name in ("qgemm.h", "decode.h", "act_quant.inc")],
+            sources=[f"{CSRC}/{name}.cpp" for name in ("module", "qgemm_avx512", "qgemm_avx2", "decoder_stack")],
+            depends=[f"{CSRC}/{name}" for name in ("qgemm.h", "decoder_stack.h", "act_quant.inc")],
             include_dirs=[CSRC],
             language="c++",
             extra_compile_args=[

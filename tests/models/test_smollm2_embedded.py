@@ -66,14 +66,14 @@ def test_quantized_greedy_matches_llamacpp_f32(smollm2_quantized, llamacpp_refer
     eos = frozenset({llamacpp_reference_eos(smollm2_quantized)})
     runner = ModelRunner(smollm2_quantized.model, num_blocks=64, block_size=16)
     prompts = [c["prompt_ids"] for c in cases]
-    model.fused_decode = fused
+    model.fused_forward = fused
     try:
         if batched:
             outputs = generate_greedy(runner, prompts, 32, stop_token_ids=eos)
         else:
             outputs = [generate_greedy(runner, [p], 32, stop_token_ids=eos)[0] for p in prompts]
     finally:
-        model.fused_decode = True
+        model.fused_forward = True
     assert not fused or model._fused is not None  # the fused step was built and used
     for case, out in zip(cases, outputs, strict=True):
         assert out == case["greedy_ids"], f"prompt {case['prompt']!r}"

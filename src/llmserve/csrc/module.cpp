@@ -12,7 +12,7 @@
 
 #include <cstring>
 
-#include "decode.h"
+#include "decoder_stack.h"
 #include "qgemm.h"
 
 namespace llmserve {
@@ -71,7 +71,7 @@ bool check_args(Py_ssize_t nargs, Py_ssize_t want, const char* name) {
   return false;
 }
 
-// -- the fused decoder (decode.cpp) ----------------------------------------------------------------
+// -- the fused decoder stack (decoder_stack.cpp) ----------------------------------------------------------------
 
 const char* const kDecoderCapsule = "llmserve.Decoder";
 
@@ -173,7 +173,7 @@ PyObject* py_decoder_new(PyObject*, PyObject* args) {
   return capsule;
 }
 
-// decoder_forward(decoder, x, M, positions, slots, block_tables, max_blocks, seq_lens, out) -> None
+// decoder_forward(decoder, x, T, positions, slots, token_seqs, block_tables, max_blocks, out) -> None
 PyObject* py_decoder_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!check_args(nargs, 9, "decoder_forward")) return nullptr;
   auto dec = static_cast<Decoder*>(PyCapsule_GetPointer(args[0], kDecoderCapsule));
@@ -182,9 +182,9 @@ PyObject* py_decoder_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs)
   const int64_t M = PyLong_AsLongLong(args[2]);
   const int64_t* positions = ptr<const int64_t>(args[3]);
   const int64_t* slots = ptr<const int64_t>(args[4]);
-  const int64_t* tables = ptr<const int64_t>(args[5]);
-  const int64_t max_blocks = PyLong_AsLongLong(args[6]);
-  const int64_t* seq_lens = ptr<const int64_t>(args[7]);
+  const int64_t* token_seqs = ptr<const int64_t>(args[5]);
+  const int64_t* tables = ptr<const int64_t>(args[6]);
+  const int64_t max_blocks = PyLong_AsLongLong(args[7]);
   float* out = ptr<float>(args[8]);
   if (PyErr_Occurred()) return nullptr;
   if (g_isa == Isa::none) {
@@ -192,7 +192,7 @@ PyObject* py_decoder_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs)
     return nullptr;
   }
   Py_BEGIN_ALLOW_THREADS;
-  dec->forward(x, M, positions, slots, tables, max_blocks, seq_lens, out);
+  dec->forward(x, M, positions, slots, token_seqs, tables, max_blocks, out);
   Py_END_ALLOW_THREADS;
   Py_RETURN_NONE;
 }
@@ -277,10 +277,10 @@ PyMethodDef kMethods[] = {
     {"dequant_rows", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_dequant_rows)), METH_FASTCALL,
      "dequant_rows(bits, w, d, m, K, ids, n, out): rows `ids` of a block-quantized weight as float32"},
     {"decoder_new", py_decoder_new, METH_VARARGS,
-     "decoder_new(config, layers, cos_sin, final_norm): a fused Llama-family decoder (capsule)"},
+     "decoder_new(config, layers, cos_sin, final_norm): a fused Llama-family decoder stack (capsule)"},
     {"decoder_forward", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_decoder_forward)),
      METH_FASTCALL,
-     "decoder_forward(decoder, x, M, positions, slots, block_tables, max_blocks, seq_lens, out)"},
+     "decoder_forward(decoder, x, T, positions, slots, token_seqs, block_tables, max_blocks, out)"},
     {"isa", py_isa, METH_NOARGS, "the kernel set in use: 'avx512_vnni', 'avx2' or 'none'"},
     {"best_isa", py_best_isa, METH_NOARGS, "the best kernel set this CPU runs"},
     {"set_isa", py_set_isa, METH_O, "use the named kernel set (no better than best_isa())"},

@@ -9,8 +9,8 @@ logits = lm_head(rms_norm(x))
 Each residual add is fused into the norm that follows it (`RMSNorm(x, residual)`), so a layer
 returns its MLP output and the residual stream separately.
 
-With quantized weights on the CPU, a batch of pure decodes runs the whole stack in one C++ call
-(`FusedDecoder`, same math); `fused_decode = False` keeps every step on the layers below.
+With quantized weights on the CPU, a forward runs the whole stack in one C++ call (`FusedDecoder`,
+same math); `fused_forward = False` keeps every forward on the layers below.
 """
 
 from __future__ import annotations
@@ -133,8 +133,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    fused_decode = True
-    """Run batches of pure decodes through `FusedDecoder` when it can take this model."""
+    fused_forward = True
+    """Run forwards through `FusedDecoder` when it can take this model."""
 
     def __init__(self, config: Any, backend: AttentionBackend, arch: ArchFlags):
         super().__init__()
@@ -153,7 +153,7 @@ class LlamaModel(nn.Module):
         )
 
     def forward(self, input_ids, positions, kv_caches, md) -> torch.Tensor:
-        if self.fused_decode and input_ids.shape[0] == md.num_seqs:  # one new token per sequence
+        if self.fused_forward:
             fused = self._fused_decoder(kv_caches, md.block_size)
             if fused is not None:
                 return fused(self.embed_tokens(input_ids), positions, md)

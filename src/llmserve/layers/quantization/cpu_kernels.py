@@ -102,7 +102,7 @@ def embedding(ids: torch.Tensor, w: PackedWeight) -> torch.Tensor:
 
 
 def decoder_new(config: tuple, layers: list[tuple], cos_sin: int, final_norm: int) -> object:
-    """A fused decoder (csrc/decode.cpp) over tensors given by address; see fused_decoder.py."""
+    """A fused decoder stack (csrc/decoder_stack.cpp) over tensors given by address; see fused_decoder.py."""
     assert _ext is not None
     return _ext.decoder_new(config, layers, cos_sin, final_norm)
 

@@ -1,11 +1,11 @@
-"""`FusedDecoder`: a whole Llama-family decode step in one C++ call (csrc/decode.cpp).
+"""`FusedDecoder`: a Llama-family decoder stack's whole forward in one C++ call
+(csrc/decoder_stack.cpp), for any flat batch: decodes, prompt chunks, or both.
 
-When every sequence in a batch is decoding one token (no prompt chunk), the model's layer-by-layer
-forward is mostly glue: at batch 1 on a 2-core CPU, ten torch/Python calls per layer cost about as
-much as the quantized matmuls themselves. The fused decoder runs the same math (models/llama.py) on
-the same quantized weights and the same paged KV cache, layer after layer, in C++ with the GIL
-released; the model keeps its layer-by-layer path for prefill, mixed batches and anything the
-fused one does not take (`unsupported_reason`).
+With quantized weights the model's layer-by-layer forward is mostly glue: at batch 1 on a 2-core
+CPU, ten torch/Python calls per layer cost about as much as the quantized matmuls themselves. The
+fused decoder runs the same math (models/llama.py) on the same quantized weights and the same
+paged KV cache, layer after layer, in C++ with the GIL released; the model keeps its
+layer-by-layer path for anything the fused one does not take (`unsupported_reason`).
 
 A model describes its stack with a `DecoderSpec` (models are architecture only; this module
 knows nothing of checkpoints or configs). Tensors are passed to C++ by address: the spec's
@@ -91,7 +91,7 @@ def _linear(m: QuantizedLinear) -> tuple[int, int, int, int, int, int, int]:
 
 
 class FusedDecoder:
-    """Runs `spec`'s decode step for a batch of single-token sequences over `kv_caches`."""
+    """Runs `spec`'s forward over `kv_caches` for a flat batch of tokens."""
 
     def __init__(self, spec: DecoderSpec, kv_caches: list[torch.Tensor], block_size: int) -> None:
         reason = unsupported_reason(spec, kv_caches)
@@ -137,25 +137,30 @@ class FusedDecoder:
         self.cache_ptr = cache.data_ptr()
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        """x [M, hidden] float32 (each sequence's new token, embedded) -> final hidden states [M, hidden]."""
-        M = x.shape[0]
+        """x [T, hidden] float32 (the batch's new tokens, embedded), positions [T] int64 -> final
+        hidden states [T, hidden]."""
+        T = x.shape[0]
         x = x.contiguous()
+        positions = positions.contiguous()
         out = torch.empty_like(x)
         if max(md.seq_lens) > self._cos_sin.shape[0]:  # the C++ side indexes the table unchecked
             raise ValueError(
                 f"context of {max(md.seq_lens)} tokens is past the rotary table ({self._cos_sin.shape[0]})"
             )
-        seq_lens = torch.tensor(md.seq_lens, dtype=torch.long)
+        if T == md.num_seqs:  # one token per sequence
+            token_seqs = torch.arange(T)
+        else:
+            token_seqs = torch.repeat_interleave(torch.arange(md.num_seqs), torch.tensor(md.query_lens))
         tables = md.block_tables
         cpu_kernels.decoder_forward(
             self._decoder,
             x.data_ptr(),
-            M,
+            T,
             positions.data_ptr(),
             md.slot_mapping.data_ptr(),
+            token_seqs.data_ptr(),
             tables.data_ptr(),
             tables.shape[1],
-            seq_lens.data_ptr(),
             out.data_ptr(),
         )
         return out

@@ -1,5 +1,6 @@
-// The decode step of a Llama-family decoder stack in one call: every layer of every sequence that
-// is generating its next token, with block-quantized weights and the paged KV cache read in place.
+// The forward pass of a Llama-family decoder stack in one call: every layer, for a flat batch of
+// tokens from many sequences (one new token each when decoding, a chunk when prefilling), with
+// block-quantized weights and the paged KV cache read in place.
 //
 // At batch 1 a decode step of a small model is a few milliseconds of matmuls; run as a chain of
 // torch and Python calls, the glue between them (dispatch, views, allocation, ~10 calls a layer)
@@ -8,7 +9,8 @@
 //   res += mlp_out  (layer > 0);  h = rms_norm(res) * w_in               residual stream in place
 //   qkv = h @ Wqkv.T (+ b);  per head: [rms_norm(q), rms_norm(k)];  rope(q), rope(k)
 //   cache[slot] = k, v                                                  paged [2, Hkv, blocks, bs, D]
-//   attn[m, hq] = softmax(scale * q . K[visible]) V[visible]            GQA: hq reads KV head hq / G
+//   attn[t, hq] = softmax(scale * q . K[visible]) V[visible]            GQA: hq reads KV head hq / G;
+//                                                                       visible: causal, windowed
 //   res += attn @ Wo.T;  h = rms_norm(res) * w_post
 //   mlp_out = (silu(h @ Wgate.T) * (h @ Wup.T)) @ Wdown.T
 //
@@ -19,7 +21,7 @@
 // loops are left to the compiler's vectorizer.
 #pragma GCC target("avx2,fma,f16c")
 
-#include "decode.h"
+#include "decoder_stack.h"
 
 #include <immintrin.h>
 #include <omp.h>
@@ -199,24 +201,25 @@ void linear(const QuantLinear& w, const float* x, int64_t M, float* out) {
 
 }  // namespace
 
-// Work items for this layer's attention: every (sequence, KV head), its visible context cut into
-// chunks of at least kMinChunk positions, as many as it takes to give each thread about two
-// items, so that a single long sequence is spread over every core.
-void Decoder::plan_attention(int64_t M, const int64_t* seq_lens, int64_t window) {
+// Work items for this layer's attention: every (token, KV head), the token's visible context
+// (causal: up to its own position; within the sliding window) cut into chunks of at least
+// kMinChunk positions, as many as it takes to give each thread about two items, so that one
+// sequence decoding alone is spread over every core.
+void Decoder::plan_attention(int64_t T, const int64_t* positions, int64_t window) {
   constexpr int64_t kMinChunk = 128;
   items.clear();
   const int64_t threads = omp_get_max_threads();
-  const int64_t per_seq = std::max<int64_t>(1, (2 * threads + M * Hkv - 1) / (M * Hkv));
+  const int64_t per_token = std::max<int64_t>(1, (2 * threads + T * Hkv - 1) / (T * Hkv));
   max_chunk = 0;
-  for (int64_t m = 0; m < M; ++m) {
-    const int64_t start = window > 0 ? std::max<int64_t>(0, seq_lens[m] - window) : 0;
-    const int64_t n = seq_lens[m] - start;
-    const int64_t chunks = std::max<int64_t>(1, std::min(per_seq, n / kMinChunk));
+  for (int64_t m = 0; m < T; ++m) {
+    const int64_t end = positions[m] + 1;
+    const int64_t start = window > 0 ? std::max<int64_t>(0, end - window) : 0;
+    const int64_t n = end - start;
+    const int64_t chunks = std::max<int64_t>(1, std::min(per_token, n / kMinChunk));
     const int64_t size = (n + chunks - 1) / chunks;
     max_chunk = std::max(max_chunk, size);
     for (int64_t kh = 0; kh < Hkv; ++kh)
-      for (int64_t p = start; p < seq_lens[m]; p += size)
-        items.push_back({m, kh, p, std::min(seq_lens[m], p + size)});
+      for (int64_t p = start; p < end; p += size) items.push_back({m, kh, p, std::min(end, p + size)});
   }
   const size_t G = static_cast<size_t>(Hq / Hkv);
   if (part_o.size() < items.size() * G * D) part_o.resize(items.size() * G * D);
@@ -236,7 +239,7 @@ void Decoder::fit(int64_t M) {
 }
 
 void Decoder::forward(const float* x, int64_t M, const int64_t* positions, const int64_t* slots,
-                      const int64_t* block_tables, int64_t max_blocks, const int64_t* seq_lens, float* out) {
+                      const int64_t* token_seqs, const int64_t* block_tables, int64_t max_blocks, float* out) {
   fit(M);
   const int64_t qkv_n = (Hq + 2 * Hkv) * D, G = Hq / Hkv;
   float *res_ = res.data(), *h_ = h.data(), *qkv_ = qkv.data(), *attn_ = attn.data();
@@ -266,7 +269,8 @@ void Decoder::forward(const float* x, int64_t M, const int64_t* positions, const
         rope(v, cs, rot);
       }
     }
-    // 3. this step's K and V into their cache slots
+    // 3. this step's K and V into their cache slots (all of them before any token attends: the
+    //    tokens of a prompt chunk see each other there)
     char* kv = static_cast<char*>(L.kv_cache);
     const int64_t head_bytes = num_blocks * block_size * D * cache_elem_size;  // one head's blocks
     for (int64_t m = 0; m < M; ++m) {
@@ -278,9 +282,9 @@ void Decoder::forward(const float* x, int64_t M, const int64_t* positions, const
         store_row(cache_type, v, D, kv + (Hkv + kh) * head_bytes + row * D * cache_elem_size);
       }
     }
-    // 4. attention, split into work items of (sequence, KV head, chunk of its visible context),
+    // 4. attention, split into work items of (token, KV head, chunk of its visible context),
     //    then each query head's chunks merged: out = sum_c e^{mx_c - M} o_c / sum_c e^{mx_c - M} l_c
-    plan_attention(M, seq_lens, L.window);
+    plan_attention(M, positions, L.window);
     const int64_t num_items = static_cast<int64_t>(items.size());
     float *po = part_o.data(), *pm = part_mx.data(), *pl = part_l.data();
 #pragma omp parallel
@@ -290,11 +294,11 @@ void Decoder::forward(const float* x, int64_t M, const int64_t* positions, const
       for (int64_t it = 0; it < num_items; ++it) {
         const AttentionItem& w = items[it];
         attend_chunk(*this, qkv_ + w.m * qkv_n + w.kh * G * D, G, kv + w.kh * head_bytes,
-                     kv + (Hkv + w.kh) * head_bytes, block_tables + w.m * max_blocks, w.p0, w.p1,
+                     kv + (Hkv + w.kh) * head_bytes, block_tables + token_seqs[w.m] * max_blocks, w.p0, w.p1,
                      po + it * G * D, pm + it * G, pl + it * G, s.data(), buf.data());
       }
     }
-    for (int64_t it = 0; it < num_items;) {  // the chunks of one (sequence, KV head) are adjacent
+    for (int64_t it = 0; it < num_items;) {  // the chunks of one (token, KV head) are adjacent
       const AttentionItem& w = items[it];
       int64_t last = it + 1;
       while (last < num_items && items[last].m == w.m && items[last].kh == w.kh) ++last;

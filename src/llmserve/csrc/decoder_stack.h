@@ -1,4 +1,4 @@
-// The fused decode step of a Llama-family decoder stack (decode.cpp), as the Python module builds
+// The fused forward of a Llama-family decoder stack (decoder_stack.cpp), as the Python module builds
 // it: every pointer below is owned by a torch tensor that the Python side keeps alive for as long
 // as the Decoder exists.
 #pragma once
@@ -35,7 +35,7 @@ struct Layer {
 };
 
 struct AttentionItem {
-  int64_t m, kh, p0, p1;  // sequence, KV head, visible positions [p0, p1)
+  int64_t m, kh, p0, p1;  // token, KV head, visible positions [p0, p1)
 };
 
 struct Decoder {
@@ -48,14 +48,16 @@ struct Decoder {
   const float* final_norm = nullptr;
   std::vector<Layer> layers;
 
-  // x [M, H] embeddings of the M sequences' new tokens -> out [M, H] final hidden states.
-  // positions, slots, seq_lens [M]; block_tables [M, max_blocks].
-  void forward(const float* x, int64_t M, const int64_t* positions, const int64_t* slots,
-               const int64_t* block_tables, int64_t max_blocks, const int64_t* seq_lens, float* out);
+  // x [T, H] embeddings of a flat batch of T new tokens -> out [T, H] final hidden states.
+  // positions, slots [T]: each token's position in its sequence and its cache slot; token_seqs [T]:
+  // its sequence, a row of block_tables [num_seqs, max_blocks]. A token attends causally to its
+  // sequence's positions up to its own (the batch's K/V are written to the cache first).
+  void forward(const float* x, int64_t T, const int64_t* positions, const int64_t* slots,
+               const int64_t* token_seqs, const int64_t* block_tables, int64_t max_blocks, float* out);
 
  private:
   void fit(int64_t M);
-  void plan_attention(int64_t M, const int64_t* seq_lens, int64_t window);
+  void plan_attention(int64_t T, const int64_t* positions, int64_t window);
   int64_t capacity = 0;
   std::vector<float> res, h, qkv, attn, gate_up, act;
   std::vector<AttentionItem> items;  // this layer's attention work
