@@ -147,7 +147,7 @@ class FusedDecoder:
             raise ValueError(
                 f"context of {max(md.seq_lens)} tokens is past the rotary table ({self._cos_sin.shape[0]})"
             )
-        if T == md.num_seqs:  # one token per sequence
+        if md.num_seqs == T:  # one token per sequence
             token_seqs = torch.arange(T)
         else:
             token_seqs = torch.repeat_interleave(torch.arange(md.num_seqs), torch.tensor(md.query_lens))
