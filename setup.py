@@ -14,7 +14,9 @@ setup(
     ext_modules=[
         Extension(
             "llmserve._cpu_kernels",
-            sources=[f"{CSRC}/{name}.cpp" for name in ("module", "qgemm_avx512", "qgemm_avx2", "decoder_stack")],
+            sources=[
+                f"{CSRC}/{name}.cpp" for name in ("module", "qgemm_avx512", "qgemm_avx2", "decoder_stack")
+            ],
             depends=[f"{CSRC}/{name}" for name in ("qgemm.h", "decoder_stack.h", "act_quant.inc")],
             include_dirs=[CSRC],
             language="c++",

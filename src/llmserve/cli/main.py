@@ -3,6 +3,7 @@
 llmserve generate [PROMPT ...] [--model M] [--max-tokens N] [--raw]
 llmserve serve [MODEL] [--host H] [--port P] [--api-key KEY]
 llmserve bench serve|throughput|latency ...
+llmserve eval perplexity [--model M] [--quantization Q] [--reference same|none|PATH]
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from llmserve import __version__
-from llmserve.cli import bench, generate, serve
+from llmserve.cli import bench, eval, generate, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_parser(sub)
     serve.add_parser(sub)
     bench.add_parser(sub)
+    eval.add_parser(sub)
     return parser
 
 

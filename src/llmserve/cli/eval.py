@@ -1,0 +1,97 @@
+"""`llmserve eval perplexity`: perplexity over a text, and the KL divergence of the model's
+next-token distributions from a float reference (by default the same file with quantization
+'none'), the way llama.cpp's `llama-perplexity --kl-divergence` reports them.
+
+    llmserve eval perplexity                                   # embedded model, its Q4_1 kept, vs float
+    llmserve eval perplexity --model m.gguf --quantization int8 --reference m-f32.gguf --json out.json
+
+Default text: chapters I-II of Alice's Adventures in Wonderland (public domain, ~6k tokens), shipped
+with llmserve (llmserve/bench/data).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from importlib import resources
+from pathlib import Path
+
+from llmserve.cli.engine_args import add_engine_args
+
+DEFAULT_TEXT = "alice_ch1-2.txt"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval", help="model quality: perplexity and KL divergence from a float reference")
+    eval_sub = p.add_subparsers(dest="eval_command", required=True)
+    pp = eval_sub.add_parser("perplexity", help="perplexity (and KLD) over a text, llama-perplexity's way")
+    add_engine_args(pp)
+    pp.add_argument(
+        "--text", type=Path, default=None, help="a UTF-8 text file (default: the shipped Alice text)"
+    )
+    pp.add_argument(
+        "--ctx", type=int, default=512, help="tokens per chunk; the second half of each is scored"
+    )
+    pp.add_argument(
+        "--reference",
+        default="same",
+        help="the model the KL divergence is measured from: 'same' (this model with quantization none, "
+        "float32), 'none' (no KLD), or a model path",
+    )
+    pp.add_argument("--json", type=Path, default=None, help="write the figures here")
+    pp.set_defaults(func=run_perplexity)
+
+
+def read_text(path: Path | None) -> str:
+    """The file's text as its bytes say (no newline translation: llama-perplexity reads bytes)."""
+    if path is None:
+        return (resources.files("llmserve.bench") / "data" / DEFAULT_TEXT).read_bytes().decode("utf-8")
+    return path.read_bytes().decode("utf-8")
+
+
+def run_perplexity(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
+    from llmserve.bench.quality import evaluate
+    from llmserve.config import ModelConfig
+    from llmserve.model_executor.model_loader import load_model
+    from llmserve.tokenizer import load_tokenizer
+
+    def load(model: str | None, quantization: str, dtype: str) -> object:
+        config = ModelConfig(
+            model=model, dtype=dtype, device=args.device, cpu_gemm=args.cpu_gemm, quantization=quantization,
+            show_progress=False,
+        )  # fmt: skip
+        return load_model(config)
+
+    loaded = load(args.model, args.quantization, args.dtype)
+    reference = None
+    if args.reference == "same":
+        reference = load(args.model, "none", "float32")
+    elif args.reference != "none":
+        reference = load(args.reference, "none", "float32")
+    tokenizer = load_tokenizer(loaded.source)
+    ids = tokenizer.encode(read_text(args.text))  # a BOS only where the model's tokenizer adds one
+    print(f"model: {loaded.summary()}", file=sys.stderr)
+    if reference is not None:
+        print(f"reference: {reference.summary()}", file=sys.stderr)
+    bar = tqdm(total=len(ids) // args.ctx, desc="chunks", unit="chunk", file=sys.stderr)
+
+    def progress(done: int, total: int) -> None:
+        bar.update(done - bar.n)
+
+    with bar:
+        result = evaluate(loaded, ids, args.ctx, reference, progress)
+    print(result.summary())
+    if args.json is not None:
+        report = {
+            "model": str(loaded.source.path),
+            "quantization": loaded.quantization,
+            "reference": None if reference is None else str(reference.source.path),
+            "n_ctx": args.ctx,
+            "text_tokens": len(ids),
+            **result.to_dict(),
+        }
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0
