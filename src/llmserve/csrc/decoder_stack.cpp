@@ -123,31 +123,61 @@ const float* load_rows(int cache_type, const void* src, int64_t n, float* dst) {
   return dst;
 }
 
-// Attention of one work item: the G query heads that share KV head `kh` of sequence m, over the
-// visible positions [p0, p1) of its context (a chunk of it when a long context is split):
+// Eight dot products at once: lane j of the result is the sum of the 8 lanes of a[j].
+inline __m256 hsum8x8(const __m256 (&a)[8]) {
+  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  // lanes: [0 1 2 3 | 0 1 2 3] halves of rows 0-3 and rows 4-7: add the 128-bit halves
+  const __m256 lo = _mm256_permute2f128_ps(s0123, s4567, 0x20), hi = _mm256_permute2f128_ps(s0123, s4567, 0x31);
+  return _mm256_add_ps(lo, hi);
+}
+
+// s[j] = q . K[t0 + j] for j < n (n <= 8) rows of D floats, D a multiple of 8.
+inline void dots8(const float* q, const float* K, int64_t D, int64_t n, float* s) {
+  __m256 acc[8];
+  for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + d);
+    for (int j = 0; j < 8; ++j)
+      if (j < n) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(K + j * D + d), acc[j]);
+  }
+  alignas(32) float out[8];
+  _mm256_store_ps(out, hsum8x8(acc));
+  for (int64_t j = 0; j < n; ++j) s[j] = out[j];
+}
+
+// Attention of one work item: the G query heads that share KV head `kh` of token m, over the
+// visible positions [p0, p1) of its sequence (a chunk of them when a long context is split):
 //
 //   s[g, t] = q_g . K[t];  mx_g = max_t s[g, t];  l_g = sum_t e^{scale (s[g, t] - mx_g)}
 //   o_g = sum_t e^{scale (s[g, t] - mx_g)} V[t]                       (not yet divided by l_g)
 //
-// Each K and V row is read once for all G heads. k_head, v_head: this KV head's
-// [num_blocks, bs, D] in the cache's type; `table` maps block i of the sequence to a cache block.
-// `s` holds G * (p1 - p0) floats, `buf` one block of float32 rows.
+// Each block of K and V rows is read from memory once for all G heads (then from L1).
+// k_head, v_head: this KV head's [num_blocks, bs, D] in the cache's type; `table` maps block i
+// of the sequence to a cache block. `s` holds G * (p1 - p0) floats, `buf` one block of floats.
 void attend_chunk(const Decoder& dec, const float* q, int64_t G, const char* k_head, const char* v_head,
                   const int64_t* table, int64_t p0, int64_t p1, float* o, float* mx, float* l, float* s,
                   float* buf) {
   const int64_t D = dec.D, bs = dec.block_size, esize = dec.cache_elem_size, n = p1 - p0;
+  const bool simd = D % 8 == 0;
   // 1. scores, s[g * n + j] for position p0 + j
   for (int64_t i = p0 / bs; i * bs < p1; ++i) {
     const int64_t t0 = std::max<int64_t>(p0 - i * bs, 0), t1 = std::min<int64_t>(p1 - i * bs, bs);
     const float* K = load_rows(dec.cache_type, k_head + table[i] * bs * D * esize, bs * D, buf);
-    for (int64_t t = t0; t < t1; ++t) {
-      const float* k = K + t * D;
-      for (int64_t g = 0; g < G; ++g) {
-        const float* qg = q + g * D;
-        float a = 0.f;
-#pragma omp simd reduction(+ : a)
-        for (int64_t d = 0; d < D; ++d) a += qg[d] * k[d];
-        s[g * n + i * bs + t - p0] = a;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * D;
+      float* sg = s + g * n + i * bs - p0;
+      for (int64_t t = t0; t < t1; t += 8) {
+        if (simd) {
+          dots8(qg, K + t * D, D, std::min<int64_t>(8, t1 - t), sg + t);
+          continue;
+        }
+        for (int64_t u = t; u < std::min<int64_t>(t + 8, t1); ++u) {
+          float a = 0.f;
+          for (int64_t d = 0; d < D; ++d) a += qg[d] * K[u * D + d];
+          sg[u] = a;
+        }
       }
     }
   }
@@ -166,19 +196,33 @@ void attend_chunk(const Decoder& dec, const float* q, int64_t G, const char* k_h
     mx[g] = m;
     l[g] = total;
   }
-  // 3. weighted sums of V rows
+  // 3. weighted sums of V rows, one query head at a time (its D accumulators in registers)
   std::fill(o, o + G * D, 0.f);
   for (int64_t i = p0 / bs; i * bs < p1; ++i) {
     const int64_t t0 = std::max<int64_t>(p0 - i * bs, 0), t1 = std::min<int64_t>(p1 - i * bs, bs);
     const float* V = load_rows(dec.cache_type, v_head + table[i] * bs * D * esize, bs * D, buf);
-    for (int64_t t = t0; t < t1; ++t) {
-      const float* v = V + t * D;
-      for (int64_t g = 0; g < G; ++g) {
-        const float p = s[g * n + i * bs + t - p0];
-        float* og = o + g * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) og[d] += p * v[d];
+    for (int64_t g = 0; g < G; ++g) {
+      const float* pg = s + g * n + i * bs - p0;
+      float* og = o + g * D;
+      int64_t d = 0;
+      for (; simd && d + 32 <= D; d += 32) {  // 4 registers of the output at a time
+        __m256 a0 = _mm256_loadu_ps(og + d), a1 = _mm256_loadu_ps(og + d + 8);
+        __m256 a2 = _mm256_loadu_ps(og + d + 16), a3 = _mm256_loadu_ps(og + d + 24);
+        for (int64_t t = t0; t < t1; ++t) {
+          const __m256 p = _mm256_set1_ps(pg[t]);
+          const float* v = V + t * D + d;
+          a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v), a0);
+          a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8), a1);
+          a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 16), a2);
+          a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 24), a3);
+        }
+        _mm256_storeu_ps(og + d, a0);
+        _mm256_storeu_ps(og + d + 8, a1);
+        _mm256_storeu_ps(og + d + 16, a2);
+        _mm256_storeu_ps(og + d + 24, a3);
       }
+      for (; d < D; ++d)
+        for (int64_t t = t0; t < t1; ++t) og[d] += pg[t] * V[t * D + d];
     }
   }
 }
