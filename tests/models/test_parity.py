@@ -92,10 +92,15 @@ def test_chunked_prefill_through_the_cache(pair):
     torch.testing.assert_close(torch.cat(pieces), ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("kv_cache_dtype,tol", [(torch.float16, 5e-3), (torch.bfloat16, 4e-2)])
+# Tolerances follow the cache's relative step: 2^-11 (float16), 2^-8 (bfloat16), and for int8 up
+# to 1/127 of a 32-value group's largest |value|, about twice bfloat16's.
+@pytest.mark.parametrize(
+    "kv_cache_dtype,tol", [(torch.float16, 5e-3), (torch.bfloat16, 4e-2), (torch.int8, 1e-1)]
+)
 def test_16_bit_kv_cache_tracks_transformers(pair, kv_cache_dtype, tol):
-    """A float32 model over a 16-bit KV cache: a prompt chunk, then one token per step (the decode
-    kernel reading every earlier position back from the rounded cache), within the rounding."""
+    """A float32 model over a 16-bit (or int8: 32-value groups with a float16 scale) KV cache: a
+    prompt chunk, then one token per step (the decode kernel reading every earlier position back
+    from the rounded cache), within the rounding."""
     hf, ours = pair
     prompt = PROMPTS[1] + PROMPTS[0]
     runner = ModelRunner(ours.model, num_blocks=16, block_size=4, kv_cache_dtype=kv_cache_dtype)

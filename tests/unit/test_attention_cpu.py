@@ -190,3 +190,33 @@ def test_engine_greedy_tokens_equal_with_either_backend(tmp_path, monkeypatch):
         m.backend = torch_backend
     with_torch = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
     assert with_kernel == with_torch
+
+
+# -- the int8 KV cache: rows of int8 values with a float16 scale per 32 ------------------------------
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+def test_int8_cache_rows_round_within_half_a_step(head_dim):
+    from llmserve.layers.attention.metadata import dequantize_rows, int8_row_size, quantize_rows
+
+    x = torch.randn(50, head_dim) * torch.linspace(0.1, 8, head_dim)
+    x[3] = 0.0  # an all-zero row stays exactly zero
+    rows = quantize_rows(x)
+    groups = -(-head_dim // 32)
+    assert rows.dtype == torch.int8 and rows.shape == (50, int8_row_size(head_dim)) == (
+        50,
+        head_dim + 2 * groups,
+    )
+    back = dequantize_rows(rows, torch.float32)
+    padded = torch.nn.functional.pad(x, (0, groups * 32 - head_dim)).view(50, groups, 32)
+    step = (padded.abs().amax(-1) / 127).half().float().repeat_interleave(32, dim=1)[:, :head_dim]
+    assert ((back - x).abs() <= 0.5 * step + 1e-6).all()
+    assert (back[3] == 0).all()
+
+
+def test_int8_cache_spec_sizes():
+    from llmserve.layers.attention import KVCacheSpec
+
+    spec = KVCacheSpec(num_blocks=4, block_size=16, num_kv_heads=3, head_dim=64, dtype=torch.int8)
+    assert spec.shape() == (2, 3, 4, 16, 68)
+    assert spec.bytes_per_token() == 2 * 3 * 68  # 3.76x fewer than float32's 2 * 3 * 256

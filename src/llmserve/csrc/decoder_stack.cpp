@@ -55,6 +55,67 @@ inline float fast_exp(float x) {
   return out;
 }
 
+// fast_exp on eight lanes (the same steps with AVX2 intrinsics: GCC leaves the scalar loop as it is).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693145751953125f),
+                                   _mm256_fmadd_ps(n, _mm256_set1_ps(-1.428606765330187e-06f), x));
+  __m256 p = _mm256_set1_ps(1.3981999507e-3f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_add_epi32(_mm256_castps_si256(p), _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23));
+  return _mm256_castsi256_ps(bits);
+}
+
+// out[i] = exp(scale * (x[i] - m)) for i < n; returns their sum.
+float exp_shifted(float* x, int64_t n, float scale, float m) {
+  const __m256 vs = _mm256_set1_ps(scale), vm = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 p = exp8(_mm256_mul_ps(vs, _mm256_sub_ps(_mm256_loadu_ps(x + i), vm)));
+    _mm256_storeu_ps(x + i, p);
+    acc = _mm256_add_ps(acc, p);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  float total = lanes[0] + lanes[1] + lanes[2] + lanes[3] + lanes[4] + lanes[5] + lanes[6] + lanes[7];
+  for (; i < n; ++i) total += (x[i] = fast_exp(scale * (x[i] - m)));
+  return total;
+}
+
+float max_of(const float* x, int64_t n) {
+  __m256 acc = _mm256_set1_ps(-3.0e38f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_max_ps(acc, _mm256_loadu_ps(x + i));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  float m = lanes[0];
+  for (int j = 1; j < 8; ++j) m = std::max(m, lanes[j]);
+  for (; i < n; ++i) m = std::max(m, x[i]);
+  return m;
+}
+
+// a[i] = silu(g[i]) * u[i] = g[i] / (1 + e^{-g[i]}) * u[i]
+void silu_mul(const float* g, const float* u, int64_t n, float* a) {
+  int64_t i = 0;
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(g + i);
+    const __m256 den = _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x)));
+    __m256 inv = _mm256_rcp_ps(den);  // ~12 bits, then one Newton step: ~23 bits
+    inv = _mm256_mul_ps(inv, _mm256_fnmadd_ps(den, inv, _mm256_set1_ps(2.0f)));
+    _mm256_storeu_ps(a + i, _mm256_mul_ps(_mm256_mul_ps(x, inv), _mm256_loadu_ps(u + i)));
+  }
+  for (; i < n; ++i) a[i] = g[i] / (1.0f + fast_exp(-g[i])) * u[i];
+}
+
 void rms_norm(const float* x, const float* w, float eps, int64_t n, float* out) {
   float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
@@ -77,7 +138,9 @@ void rope(float* x, const float* cs, int64_t rot) {
   }
 }
 
-// -- cache element types: float32, bfloat16 (uint16 bits), float16 (uint16 bits) --------------
+// -- cache rows: float32, bfloat16 (uint16 bits), float16 (uint16 bits), or int8 values followed by
+//    a float16 scale per group of 32 (row = D + 2 ceil(D / 32) bytes; value = scale * q,
+//    scale = max|group| / 127 rounded to float16; GGUF Q8_0's blocks) -----------------------------
 
 inline uint16_t to_bf16(float f) {  // round to nearest even, as torch's .to(bfloat16)
   uint32_t u;
@@ -87,24 +150,66 @@ inline uint16_t to_bf16(float f) {  // round to nearest even, as torch's .to(bfl
   return static_cast<uint16_t>(u >> 16);
 }
 
+int64_t row_bytes(int cache_type, int64_t D) {
+  switch (cache_type) {
+    case kCacheF32: return D * 4;
+    case kCacheI8: return D + 2 * ((D + kInt8Group - 1) / kInt8Group);
+    default: return D * 2;
+  }
+}
+
+// One row of D floats into the cache (the same rounding as layers/attention: torch's .to(), and
+// for int8 `quantize_rows`).
 void store_row(int cache_type, const float* src, int64_t n, void* dst) {
   if (cache_type == kCacheF32) {
     std::memcpy(dst, src, n * 4);
   } else if (cache_type == kCacheBF16) {
     uint16_t* d = static_cast<uint16_t*>(dst);
     for (int64_t i = 0; i < n; ++i) d[i] = to_bf16(src[i]);
-  } else {
+  } else if (cache_type == kCacheF16) {
     uint16_t* d = static_cast<uint16_t*>(dst);
     int64_t i = 0;
     for (; i + 8 <= n; i += 8)  // round to nearest even
       _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), 0));
     for (; i < n; ++i) d[i] = _cvtss_sh(src[i], 0);
+  } else {
+    int8_t* q = static_cast<int8_t*>(dst);
+    uint16_t* scales = reinterpret_cast<uint16_t*>(q + n);  // 2-byte aligned: n is even or so is D + 2G
+    for (int64_t g0 = 0; g0 < n; g0 += kInt8Group) {
+      const int64_t g1 = std::min<int64_t>(n, g0 + kInt8Group);
+      float amax = 0.f;
+      for (int64_t i = g0; i < g1; ++i) amax = std::max(amax, std::fabs(src[i]));
+      const uint16_t h = _cvtss_sh(amax / 127.f, 0);
+      const float scale = _cvtsh_ss(h);
+      const float div = scale > 0.f ? scale : 1.f;
+      for (int64_t i = g0; i < g1; ++i)
+        q[i] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(src[i] / div))));
+      std::memcpy(scales + g0 / kInt8Group, &h, 2);
+    }
   }
 }
 
-// `n` cache elements as float32 into `dst` (returns `src` itself for a float32 cache).
-const float* load_rows(int cache_type, const void* src, int64_t n, float* dst) {
+// `rows` cache rows of D values as float32 rows [rows, D] in `dst` (returns `src` itself for a
+// float32 cache, whose rows are already that).
+const float* load_rows(int cache_type, const void* src, int64_t rows, int64_t D, float* dst) {
+  const int64_t n = rows * D;
   if (cache_type == kCacheF32) return static_cast<const float*>(src);
+  if (cache_type == kCacheI8) {
+    const int64_t rb = row_bytes(kCacheI8, D);
+    const int8_t* q = static_cast<const int8_t*>(src);
+    for (int64_t r = 0; r < rows; ++r, q += rb) {
+      float* o = dst + r * D;
+      for (int64_t g0 = 0; g0 < D; g0 += kInt8Group) {
+        uint16_t h;
+        std::memcpy(&h, q + D + 2 * (g0 / kInt8Group), 2);
+        const float scale = _cvtsh_ss(h);
+        const int64_t g1 = std::min<int64_t>(D, g0 + kInt8Group);
+#pragma omp simd
+        for (int64_t d = g0; d < g1; ++d) o[d] = scale * static_cast<float>(q[d]);
+      }
+    }
+    return dst;
+  }
   const uint16_t* s = static_cast<const uint16_t*>(src);
   if (cache_type == kCacheBF16) {
 #pragma omp simd
@@ -134,17 +239,34 @@ inline __m256 hsum8x8(const __m256 (&a)[8]) {
 }
 
 // s[j] = q . K[t0 + j] for j < n (n <= 8) rows of D floats, D a multiple of 8.
-inline void dots8(const float* q, const float* K, int64_t D, int64_t n, float* s) {
+template <int N>
+inline void dots(const float* q, const float* K, int64_t D, float* s) {
   __m256 acc[8];
   for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
   for (int64_t d = 0; d < D; d += 8) {
     const __m256 qv = _mm256_loadu_ps(q + d);
-    for (int j = 0; j < 8; ++j)
-      if (j < n) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(K + j * D + d), acc[j]);
+    for (int j = 0; j < N; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(K + j * D + d), acc[j]);
+  }
+  if (N == 8) {
+    _mm256_storeu_ps(s, hsum8x8(acc));
+    return;
   }
   alignas(32) float out[8];
   _mm256_store_ps(out, hsum8x8(acc));
-  for (int64_t j = 0; j < n; ++j) s[j] = out[j];
+  for (int j = 0; j < N; ++j) s[j] = out[j];
+}
+
+inline void dots8(const float* q, const float* K, int64_t D, int64_t n, float* s) {
+  switch (n) {
+    case 8: return dots<8>(q, K, D, s);
+    case 7: return dots<7>(q, K, D, s);
+    case 6: return dots<6>(q, K, D, s);
+    case 5: return dots<5>(q, K, D, s);
+    case 4: return dots<4>(q, K, D, s);
+    case 3: return dots<3>(q, K, D, s);
+    case 2: return dots<2>(q, K, D, s);
+    default: return dots<1>(q, K, D, s);
+  }
 }
 
 // Attention of one work item: the G query heads that share KV head `kh` of token m, over the
@@ -159,12 +281,12 @@ inline void dots8(const float* q, const float* K, int64_t D, int64_t n, float* s
 void attend_chunk(const Decoder& dec, const float* q, int64_t G, const char* k_head, const char* v_head,
                   const int64_t* table, int64_t p0, int64_t p1, float* o, float* mx, float* l, float* s,
                   float* buf) {
-  const int64_t D = dec.D, bs = dec.block_size, esize = dec.cache_elem_size, n = p1 - p0;
+  const int64_t D = dec.D, bs = dec.block_size, rb = row_bytes(dec.cache_type, D), n = p1 - p0;
   const bool simd = D % 8 == 0;
   // 1. scores, s[g * n + j] for position p0 + j
   for (int64_t i = p0 / bs; i * bs < p1; ++i) {
     const int64_t t0 = std::max<int64_t>(p0 - i * bs, 0), t1 = std::min<int64_t>(p1 - i * bs, bs);
-    const float* K = load_rows(dec.cache_type, k_head + table[i] * bs * D * esize, bs * D, buf);
+    const float* K = load_rows(dec.cache_type, k_head + table[i] * bs * rb, bs, D, buf);
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = q + g * D;
       float* sg = s + g * n + i * bs - p0;
@@ -184,23 +306,15 @@ void attend_chunk(const Decoder& dec, const float* q, int64_t G, const char* k_h
   // 2. unnormalized probabilities
   for (int64_t g = 0; g < G; ++g) {
     float* sg = s + g * n;
-    float m = -3.0e38f;
-    for (int64_t j = 0; j < n; ++j) m = std::max(m, sg[j]);
-    float total = 0.f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t j = 0; j < n; ++j) {
-      const float p = fast_exp(dec.scale * (sg[j] - m));
-      sg[j] = p;
-      total += p;
-    }
+    const float m = max_of(sg, n);
     mx[g] = m;
-    l[g] = total;
+    l[g] = exp_shifted(sg, n, dec.scale, m);
   }
   // 3. weighted sums of V rows, one query head at a time (its D accumulators in registers)
   std::fill(o, o + G * D, 0.f);
   for (int64_t i = p0 / bs; i * bs < p1; ++i) {
     const int64_t t0 = std::max<int64_t>(p0 - i * bs, 0), t1 = std::min<int64_t>(p1 - i * bs, bs);
-    const float* V = load_rows(dec.cache_type, v_head + table[i] * bs * D * esize, bs * D, buf);
+    const float* V = load_rows(dec.cache_type, v_head + table[i] * bs * rb, bs, D, buf);
     for (int64_t g = 0; g < G; ++g) {
       const float* pg = s + g * n + i * bs - p0;
       float* og = o + g * D;
@@ -227,6 +341,10 @@ void attend_chunk(const Decoder& dec, const float* q, int64_t G, const char* k_h
   }
 }
 
+// Per-token element-wise work (norms, rotary, cache writes, the MLP's gate) is split over the
+// threads from this many tokens up; below it, one thread does it faster than two can start.
+constexpr int64_t kParallelTokens = 4;
+
 void linear(const QuantLinear& w, const float* x, int64_t M, float* out) {
   GemmArgs a;
   a.x = x;
@@ -252,6 +370,7 @@ void linear(const QuantLinear& w, const float* x, int64_t M, float* out) {
 void Decoder::plan_attention(int64_t T, const int64_t* positions, int64_t window) {
   constexpr int64_t kMinChunk = 128;
   items.clear();
+  item_groups.clear();
   const int64_t threads = omp_get_max_threads();
   const int64_t per_token = std::max<int64_t>(1, (2 * threads + T * Hkv - 1) / (T * Hkv));
   max_chunk = 0;
@@ -262,9 +381,12 @@ void Decoder::plan_attention(int64_t T, const int64_t* positions, int64_t window
     const int64_t chunks = std::max<int64_t>(1, std::min(per_token, n / kMinChunk));
     const int64_t size = (n + chunks - 1) / chunks;
     max_chunk = std::max(max_chunk, size);
-    for (int64_t kh = 0; kh < Hkv; ++kh)
+    for (int64_t kh = 0; kh < Hkv; ++kh) {
+      item_groups.push_back(static_cast<int64_t>(items.size()));
       for (int64_t p = start; p < end; p += size) items.push_back({m, kh, p, std::min(end, p + size)});
+    }
   }
+  item_groups.push_back(static_cast<int64_t>(items.size()));
   const size_t G = static_cast<size_t>(Hq / Hkv);
   if (part_o.size() < items.size() * G * D) part_o.resize(items.size() * G * D);
   if (part_mx.size() < items.size() * G) part_mx.resize(items.size() * G), part_l.resize(items.size() * G);
@@ -293,6 +415,7 @@ void Decoder::forward(const float* x, int64_t M, const int64_t* positions, const
   for (size_t l = 0; l < layers.size(); ++l) {
     const Layer& L = layers[l];
     // 1. input norm; the previous layer's MLP output (in h) joins the residual stream first
+#pragma omp parallel for schedule(static) if (M >= kParallelTokens)
     for (int64_t m = 0; m < M; ++m) {
       float* r = res_ + m * H;
       if (l > 0) {
@@ -304,6 +427,9 @@ void Decoder::forward(const float* x, int64_t M, const int64_t* positions, const
     }
     // 2. q, k, v; per-head norms (Qwen3); rotary embedding of q and k
     linear(L.qkv, h_, M, qkv_);
+    char* kv = static_cast<char*>(L.kv_cache);
+    const int64_t rb = row_bytes(cache_type, D), head_bytes = num_blocks * block_size * rb;  // one head's blocks
+#pragma omp parallel for schedule(static) if (M >= kParallelTokens)
     for (int64_t m = 0; m < M; ++m) {
       const float* cs = cos_sin + positions[m] * rot;
       for (int64_t hd = 0; hd < Hq + Hkv; ++hd) {
@@ -312,18 +438,14 @@ void Decoder::forward(const float* x, int64_t M, const int64_t* positions, const
         if (nw) rms_norm(v, nw, eps, D, v);
         rope(v, cs, rot);
       }
-    }
-    // 3. this step's K and V into their cache slots (all of them before any token attends: the
-    //    tokens of a prompt chunk see each other there)
-    char* kv = static_cast<char*>(L.kv_cache);
-    const int64_t head_bytes = num_blocks * block_size * D * cache_elem_size;  // one head's blocks
-    for (int64_t m = 0; m < M; ++m) {
+      // 3. this token's K and V into their cache slot (all of the batch's before any token
+      //    attends: the tokens of a prompt chunk see each other there)
       const int64_t row = slots[m];  // slot = block * block_size + offset: the row within one head
       for (int64_t kh = 0; kh < Hkv; ++kh) {
         const float* k = qkv_ + m * qkv_n + (Hq + kh) * D;
         const float* v = qkv_ + m * qkv_n + (Hq + Hkv + kh) * D;
-        store_row(cache_type, k, D, kv + kh * head_bytes + row * D * cache_elem_size);
-        store_row(cache_type, v, D, kv + (Hkv + kh) * head_bytes + row * D * cache_elem_size);
+        store_row(cache_type, k, D, kv + kh * head_bytes + row * rb);
+        store_row(cache_type, v, D, kv + (Hkv + kh) * head_bytes + row * rb);
       }
     }
     // 4. attention, split into work items of (token, KV head, chunk of its visible context),
@@ -342,10 +464,11 @@ void Decoder::forward(const float* x, int64_t M, const int64_t* positions, const
                      po + it * G * D, pm + it * G, pl + it * G, s.data(), buf.data());
       }
     }
-    for (int64_t it = 0; it < num_items;) {  // the chunks of one (token, KV head) are adjacent
+    const int64_t num_groups = static_cast<int64_t>(item_groups.size()) - 1;
+#pragma omp parallel for schedule(static) if (num_groups >= kParallelTokens)
+    for (int64_t k = 0; k < num_groups; ++k) {  // the chunks of one (token, KV head) are adjacent
+      const int64_t it = item_groups[k], last = item_groups[k + 1];
       const AttentionItem& w = items[it];
-      int64_t last = it + 1;
-      while (last < num_items && items[last].m == w.m && items[last].kh == w.kh) ++last;
       for (int64_t g = 0; g < G; ++g) {
         float top = -3.0e38f;
         for (int64_t c = it; c < last; ++c) top = std::max(top, pm[c * G + g]);
@@ -363,10 +486,10 @@ void Decoder::forward(const float* x, int64_t M, const int64_t* positions, const
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) out[d] *= inv;
       }
-      it = last;
     }
     // 5. output projection into the residual stream, post-attention norm
     linear(L.o, attn_, M, h_);
+#pragma omp parallel for schedule(static) if (M >= kParallelTokens)
     for (int64_t m = 0; m < M; ++m) {
       float* r = res_ + m * H;
       const float* o = h_ + m * H;
@@ -376,12 +499,10 @@ void Decoder::forward(const float* x, int64_t M, const int64_t* positions, const
     }
     // 6. gated MLP: silu(gate) * up, then down (its output stays in h for the next layer)
     linear(L.gate_up, h_, M, gu_);
+#pragma omp parallel for schedule(static) if (M >= kParallelTokens)
     for (int64_t m = 0; m < M; ++m) {
       const float* g = gu_ + m * 2 * I;
-      const float* u = g + I;
-      float* a = act_ + m * I;
-#pragma omp simd
-      for (int64_t i = 0; i < I; ++i) a[i] = g[i] / (1.0f + fast_exp(-g[i])) * u[i];
+      silu_mul(g, g + I, I, act_ + m * I);
     }
     linear(L.down, act_, M, h_);
   }

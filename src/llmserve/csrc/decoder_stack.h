@@ -10,7 +10,8 @@
 
 namespace llmserve {
 
-constexpr int kCacheF32 = 0, kCacheBF16 = 1, kCacheF16 = 2;
+constexpr int kCacheF32 = 0, kCacheBF16 = 1, kCacheF16 = 2, kCacheI8 = 3;  // int8: see decoder_stack.cpp
+constexpr int64_t kInt8Group = 32;                                         // values per int8-cache scale
 
 struct QuantLinear {
   int bits = 8;  // 8 (q8) or 4 (q4)
@@ -30,7 +31,7 @@ struct Layer {
   const float* post_norm = nullptr;
   QuantLinear gate_up;  // [gate | up] rows
   QuantLinear down;
-  void* kv_cache = nullptr;  // [2, Hkv, num_blocks, block_size, D] of the cache type
+  void* kv_cache = nullptr;  // [2, Hkv, num_blocks, block_size, row] of the cache type (int8 rows: D + 2 ceil(D/32) bytes)
   int64_t window = 0;        // sliding window, 0 = full attention
 };
 
@@ -43,7 +44,6 @@ struct Decoder {
   int64_t num_blocks = 0, block_size = 0, max_position = 0;
   float eps = 1e-6f, scale = 1.0f;
   int cache_type = kCacheF32;
-  int64_t cache_elem_size = 4;
   const float* cos_sin = nullptr;  // [max_position, rot]: cos halves then sin halves
   const float* final_norm = nullptr;
   std::vector<Layer> layers;
@@ -61,6 +61,7 @@ struct Decoder {
   int64_t capacity = 0;
   std::vector<float> res, h, qkv, attn, gate_up, act;
   std::vector<AttentionItem> items;  // this layer's attention work
+  std::vector<int64_t> item_groups;  // where each (token, KV head)'s chunks start in `items`, + end
   int64_t max_chunk = 0;             // longest chunk of `items`
   std::vector<float> part_o, part_mx, part_l;  // per item and query head: o [D], mx, l
 };

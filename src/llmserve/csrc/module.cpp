@@ -153,13 +153,12 @@ PyObject* py_decoder_new(PyObject*, PyObject* args) {
   dec->cos_sin = static_cast<const float*>(PyLong_AsVoidPtr(cos_sin));
   dec->final_norm = static_cast<const float*>(PyLong_AsVoidPtr(final_norm));
   ok = ok && !PyErr_Occurred();
-  if (ok && (cache_type < kCacheF32 || cache_type > kCacheF16 || dec->Hkv <= 0 || dec->Hq % dec->Hkv ||
+  if (ok && (cache_type < kCacheF32 || cache_type > kCacheI8 || dec->Hkv <= 0 || dec->Hq % dec->Hkv ||
              dec->rot > dec->D || dec->rot % 2)) {
     PyErr_SetString(PyExc_ValueError, "decoder_new: inconsistent config");
     ok = false;
   }
   dec->cache_type = static_cast<int>(cache_type);
-  dec->cache_elem_size = cache_type == kCacheF32 ? 4 : 2;
   for (Py_ssize_t i = 0; ok && i < PyList_GET_SIZE(layers); ++i) {
     dec->layers.emplace_back();
     ok = parse_layer(PyList_GET_ITEM(layers, i), &dec->layers.back());

@@ -20,6 +20,7 @@ from llmserve.core.request import Request, RequestStatus
 from llmserve.core.scheduler import Scheduler, SchedulerStats
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.errors import ParameterError
+from llmserve.layers.attention import KVCacheSpec
 from llmserve.metrics.stats import IterationStats
 from llmserve.model_executor.engine_runner import EngineRunner
 from llmserve.model_executor.model_loader import LoadedModel, load_model
@@ -90,7 +91,10 @@ class LLMEngine:
 
         shape = self.loaded.model.kv_cache_shape()
         kv_dtype = self.cache_config.resolve_kv_cache_dtype(self.loaded.dtype)
-        bytes_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * kv_dtype.itemsize
+        bytes_per_token = (
+            shape.num_layers
+            * KVCacheSpec(1, 1, shape.num_kv_heads, shape.head_dim, kv_dtype).bytes_per_token()
+        )
         num_blocks = self.cache_config.num_blocks(bytes_per_token)
         self.kv_info = KVCacheInfo(
             bytes_per_token,

@@ -8,6 +8,13 @@ block by block (a gather of whole blocks lands directly in [heads, tokens, head_
                |                '-------------------' slot = block_id * block_size + offset
                '-- 0 = K, 1 = V
 
+An int8 cache (`kv_cache_dtype` int8) keeps each row's scales beside its values, so the layout and
+the indexing stay the same with a row of head_dim + 2 * ceil(head_dim / 32) bytes (GGUF Q8_0's
+blocks, as llama.cpp's q8_0 cache stores them):
+
+    row: [head_dim x int8 q | one float16 scale per 32 values]   value = scale * q,
+                                                                  scale = max|its 32 values| / 127
+
 A sequence's block table lists its block ids in order; token i of the sequence lives in block
 `block_table[i // block_size]` at offset `i % block_size`.
 """
@@ -17,6 +24,43 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+
+INT8_GROUP = 32
+"""Values per scale in an int8 cache row."""
+
+
+def int8_row_size(head_dim: int) -> int:
+    """Bytes of an int8 cache row: the values, then a float16 scale per group of 32."""
+    return head_dim + 2 * -(-head_dim // INT8_GROUP)
+
+
+def quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """Rows [N, D] (any float dtype) -> int8 cache rows [N, int8_row_size(D)]: each group of 32
+    values rounded to the nearest multiple of its scale, max|group| / 127 rounded to float16."""
+    N, D = x.shape
+    G = -(-D // INT8_GROUP)
+    xf = torch.zeros(N, G * INT8_GROUP, dtype=torch.float32, device=x.device)
+    xf[:, :D] = x.float()
+    groups = xf.view(N, G, INT8_GROUP)
+    scale = (groups.abs().amax(-1) / 127).half()  # [N, G]
+    div = torch.where(scale > 0, scale.float(), torch.ones((), device=x.device))
+    q = torch.round(groups / div[..., None]).clamp_(-127, 127).to(torch.int8).view(N, -1)[:, :D]
+    return torch.cat([q, scale.view(torch.int8)], dim=-1)
+
+
+def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int8 cache rows [..., int8_row_size(D)] -> values [..., D] in `dtype`."""
+    R = rows.shape[-1]
+    G = R // (INT8_GROUP + 2) + (R % (INT8_GROUP + 2) != 0)  # R = D + 2 ceil(D / 32)
+    D = R - 2 * G
+    scale = rows[..., D:].contiguous().view(torch.float16).float()  # [..., G]
+    q = rows[..., :D].float()
+    pad = G * INT8_GROUP - D
+    if pad:
+        q = torch.nn.functional.pad(q, (0, pad))
+    out = (q.unflatten(-1, (G, INT8_GROUP)) * scale[..., None]).flatten(-2)[..., :D]
+    return out.to(dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,11 +74,16 @@ class KVCacheSpec:
     dtype: torch.dtype
 
     def shape(self) -> tuple[int, ...]:
-        return (2, self.num_kv_heads, self.num_blocks, self.block_size, self.head_dim)
+        return (2, self.num_kv_heads, self.num_blocks, self.block_size, self.row_size)
+
+    @property
+    def row_size(self) -> int:
+        """Elements of one cached row: head_dim values (int8: plus their float16 scales)."""
+        return int8_row_size(self.head_dim) if self.dtype == torch.int8 else self.head_dim
 
     def bytes_per_token(self) -> int:
         """K and V for one token in one layer."""
-        return 2 * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_kv_heads * self.row_size * torch.empty((), dtype=self.dtype).element_size()
 
 
 @dataclass(slots=True)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from llmserve.layers.attention.backend import AttentionParams, register_attention_backend
-from llmserve.layers.attention.metadata import AttentionMetadata
+from llmserve.layers.attention.metadata import AttentionMetadata, dequantize_rows, quantize_rows
 
 CAUSAL = "causal"
 """Mask marker: queries and keys are the same positions, plain causal attention."""
@@ -174,6 +174,11 @@ def _flat_block_index(blocks: torch.Tensor, num_kv_heads: int, num_blocks: int) 
     return heads * num_blocks + blocks
 
 
+def _as_values(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered cache rows as K/V values in `dtype` (int8 rows carry their scale)."""
+    return dequantize_rows(rows, dtype) if rows.dtype == torch.int8 else rows.to(dtype)
+
+
 def _gather(cache: torch.Tensor, flat_index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """One half of the cache [H_kv, num_blocks, bs, D] at `_flat_block_index` rows [H_kv, ...]
     -> [H_kv, ..., bs, D] (into `out`, a flat buffer of at least that size, when given)."""
@@ -221,11 +226,14 @@ def _decode_batch(
     """
     H, H_kv, D = params.num_heads, params.num_kv_heads, params.head_dim
     B = plan.rows.shape[0]
-    numel = plan.block_index.numel() * kv_cache.shape[3] * D
+    numel = plan.block_index.numel() * kv_cache.shape[3] * kv_cache.shape[4]
     k_buf = ws.get("k", numel, kv_cache.dtype, kv_cache.device)
     v_buf = ws.get("v", numel, kv_cache.dtype, kv_cache.device)
-    k = _gather(kv_cache[0], plan.block_index, k_buf).view(H_kv, B, -1, D).to(query.dtype)  # [H_kv, B, S, D]
-    v = _gather(kv_cache[1], plan.block_index, v_buf).view(H_kv, B, -1, D).to(query.dtype)
+    R = kv_cache.shape[-1]  # D, or D + 4 for int8 rows
+    k = _as_values(
+        _gather(kv_cache[0], plan.block_index, k_buf).view(H_kv, B, -1, R), query.dtype
+    )  # [H_kv, B, S, D]
+    v = _as_values(_gather(kv_cache[1], plan.block_index, v_buf).view(H_kv, B, -1, R), query.dtype)
     q = query.index_select(0, plan.rows).view(B, H_kv, H // H_kv, D).transpose(0, 1)  # [H_kv, B, g, D]
     scores = torch.matmul(q, k.transpose(-1, -2)).mul_(params.scale)  # [H_kv, B, g, S]
     scores += plan.bias.to(scores.dtype)[None, :, None, :]
@@ -272,9 +280,12 @@ class TorchAttentionBackend:
             ("write", H_kv, num_slots),
             lambda: _flat_block_index(metadata.slot_mapping, H_kv, num_slots).view(-1),  # [H_kv * T]
         )
-        dtype = kv_cache.dtype  # a narrower KV-cache dtype rounds here
-        kv_cache[0].view(-1, D).index_copy_(0, rows, key.transpose(0, 1).reshape(-1, D).to(dtype))
-        kv_cache[1].view(-1, D).index_copy_(0, rows, value.transpose(0, 1).reshape(-1, D).to(dtype))
+        dtype, R = kv_cache.dtype, kv_cache.shape[-1]  # a narrower KV-cache dtype rounds here
+        for half, x in ((0, key), (1, value)):
+            x = x.transpose(0, 1).reshape(-1, D)
+            kv_cache[half].view(-1, R).index_copy_(
+                0, rows, quantize_rows(x) if dtype == torch.int8 else x.to(dtype)
+            )
 
     def _attend_batch(
         self,
@@ -327,8 +338,11 @@ class TorchAttentionBackend:
                 ("read", i, H_kv, NB),
                 lambda: _flat_block_index(metadata.block_tables[i, : (s_len + bs - 1) // bs], H_kv, NB),
             )
-            k_ctx = _gather(kv_cache[0], idx).view(H_kv, -1, D)[:, :s_len].to(query.dtype)  # [H_kv, s_len, D]
-            v_ctx = _gather(kv_cache[1], idx).view(H_kv, -1, D)[:, :s_len].to(query.dtype)
+            R = kv_cache.shape[-1]
+            k_ctx = _as_values(
+                _gather(kv_cache[0], idx).view(H_kv, -1, R)[:, :s_len], query.dtype
+            )  # [H_kv, s_len, D]
+            v_ctx = _as_values(_gather(kv_cache[1], idx).view(H_kv, -1, R)[:, :s_len], query.dtype)
         mask = _context_mask(metadata, i, params.sliding_window, query.device)
         o = _attend(params, query[start:end].transpose(0, 1), k_ctx, v_ctx, mask)  # q: [H, q_len, D]
         return o.transpose(0, 1)

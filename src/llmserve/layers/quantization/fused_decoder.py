@@ -25,7 +25,7 @@ from llmserve.layers.quantization import cpu_kernels
 from llmserve.layers.quantization.layers import QuantizedLinear
 from llmserve.layers.rotary_embedding import RotaryEmbedding
 
-_CACHE_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_CACHE_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3}
 
 
 @dataclass(frozen=True, slots=True)
