@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-
 INT8_GROUP = 32
 """Values per scale in an int8 cache row."""
 

@@ -325,7 +325,7 @@ class TorchAttentionBackend:
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """Attention output [q_len, H, D] of sequence i."""
-        H_kv, D, bs = params.num_kv_heads, params.head_dim, metadata.block_size
+        H_kv, bs = params.num_kv_heads, metadata.block_size
         start, end = metadata.query_start_loc[i], metadata.query_start_loc[i + 1]
         q_len, s_len = metadata.query_lens[i], metadata.seq_lens[i]
         if q_len == s_len:
