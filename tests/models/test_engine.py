@@ -220,7 +220,24 @@ def test_16_bit_kv_cache_holds_twice_the_tokens_and_keeps_greedy_tokens(tiny, re
     assert token_ids(fp16.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference
 
 
-@pytest.mark.parametrize("bad", ["fp8", "int8", "float64", ""])
+def test_int8_kv_cache_holds_3_7x_the_tokens(tiny, reference):
+    """int8 rows: head_dim values and a float16 scale per 32 of them (16 + 2 bytes for this
+    model's 16-dim heads, against 64 in float32)."""
+    fp32 = make_llm(tiny[0], num_kv_blocks=None, kv_cache_memory=2**20)
+    int8 = make_llm(tiny[0], num_kv_blocks=None, kv_cache_memory=2**20, kv_cache_dtype="int8")
+    head_dim = fp32.engine.runner.runner.spec.head_dim
+    assert int8.engine.kv_info.bytes_per_token * 4 * head_dim == fp32.engine.kv_info.bytes_per_token * (
+        head_dim + 2
+    )
+    assert int8.engine.kv_info.summary().startswith("KV cache (int8): ")
+    out = token_ids(int8.generate(PROMPTS, GREEDY, use_tqdm=False))
+    # A prompt's first token attends to its own K/V unrounded; later ones read the int8 cache,
+    # whose rounding can move this random model's near-ties (parity tolerances: test_parity.py).
+    assert [o[0] for o in out] == [r[0] for r in reference]
+    assert [len(o) for o in out] == [len(r) for r in reference]
+
+
+@pytest.mark.parametrize("bad", ["fp8", "int4", "float64", ""])
 def test_unknown_kv_cache_dtype_is_refused(tiny, bad):
     with pytest.raises(ValueError, match=f"kv_cache_dtype must be .*got {bad!r}"):
         make_llm(tiny[0], kv_cache_dtype=bad)

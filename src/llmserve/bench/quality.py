@@ -60,8 +60,8 @@ def _chunk_logprobs(runner: ModelRunner, chunk: list[int], first: int) -> torch.
     return torch.log_softmax(logits[first:-1].double(), dim=-1)
 
 
-def _runner(loaded: LoadedModel, n_ctx: int) -> ModelRunner:
-    return ModelRunner(loaded.model, num_blocks=-(-n_ctx // 16), block_size=16)
+def _runner(loaded: LoadedModel, n_ctx: int, kv_cache_dtype: torch.dtype | None = None) -> ModelRunner:
+    return ModelRunner(loaded.model, num_blocks=-(-n_ctx // 16), block_size=16, kv_cache_dtype=kv_cache_dtype)
 
 
 def evaluate(
@@ -70,16 +70,18 @@ def evaluate(
     n_ctx: int = 512,
     reference: LoadedModel | None = None,
     progress: Callable[[int, int], None] | None = None,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> QualityResult:
     """PPL of `model` over `token_ids` in chunks of `n_ctx` (and the KL divergence from
-    `reference`'s distributions, which sees the very same chunks)."""
+    `reference`'s distributions, which sees the very same chunks). `kv_cache_dtype`: the model
+    under test's KV cache (default: its dtype); the reference keeps its own dtype's."""
     if n_ctx < 4 or n_ctx > model.max_model_len:
         raise ValueError(f"n_ctx must be between 4 and the model's {model.max_model_len} tokens; got {n_ctx}")
     num_chunks = len(token_ids) // n_ctx
     if num_chunks == 0:
         raise ValueError(f"the text has {len(token_ids)} tokens: fewer than one chunk of n_ctx={n_ctx}")
     first = n_ctx // 2
-    runner = _runner(model, n_ctx)
+    runner = _runner(model, n_ctx, kv_cache_dtype)
     ref_runner = _runner(reference, n_ctx) if reference is not None else None
     nll: list[torch.Tensor] = []
     ref_nll: list[torch.Tensor] = []

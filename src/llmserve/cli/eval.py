@@ -81,13 +81,17 @@ def run_perplexity(args: argparse.Namespace) -> int:
     def progress(done: int, total: int) -> None:
         bar.update(done - bar.n)
 
+    from llmserve.config import CacheConfig
+
+    kv_dtype = CacheConfig(kv_cache_dtype=args.kv_cache_dtype).resolve_kv_cache_dtype(loaded.dtype)
     with bar:
-        result = evaluate(loaded, ids, args.ctx, reference, progress)
+        result = evaluate(loaded, ids, args.ctx, reference, progress, kv_cache_dtype=kv_dtype)
     print(result.summary())
     if args.json is not None:
         report = {
             "model": str(loaded.source.path),
             "quantization": loaded.quantization,
+            "kv_cache_dtype": str(kv_dtype).removeprefix("torch."),
             "reference": None if reference is None else str(reference.source.path),
             "n_ctx": args.ctx,
             "text_tokens": len(ids),
