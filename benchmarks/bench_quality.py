@@ -5,8 +5,8 @@ perplexity and the KL divergence of next-token distributions from the float mode
 
 Text: the shipped chapters I-II of Alice's Adventures in Wonderland (6062 tokens; llmserve's
 tokenizer gives llama.cpp's ids for it). Reference: the embedded model's weights in F32
-(benchmarks/peers/gguf_to_f32.py); Q8_0 and Q4_0 files are made from it by llama.cpp's own
-llama-quantize. Both engines score positions 256..510 of each 512-token chunk (11 chunks):
+(benchmarks/peers/gguf_to_f32.py); Q8_0, Q4_0, Q4_1 and BF16 files are made from it by llama.cpp's
+own llama-quantize. Both engines score positions 256..510 of each 512-token chunk (11 chunks):
   - llama.cpp: `llama-perplexity --kl-divergence-base` on the F32 file, then `--kl-divergence` on
     each quantized file (and on the F32 file with a q8_0 KV cache, `-ctk q8_0 -ctv q8_0 -fa on`);
   - llmserve: `llmserve.bench.quality.evaluate` (what `llmserve eval perplexity` runs) with the F32
@@ -61,7 +61,8 @@ def main() -> None:
 
     f32 = ensure_f32_gguf()
     files = {"F32": f32, "Q8_0": ensure_quantized_gguf("Q8_0", quantize), "Q4_0": ensure_quantized_gguf("Q4_0", quantize),
-             "Q4_1": resolve_model(DEFAULT_MODEL).path}  # fmt: skip
+             "Q4_1": resolve_model(DEFAULT_MODEL).path,
+             "Q4_1 from F32": ensure_quantized_gguf("Q4_1", quantize), "BF16": ensure_quantized_gguf("BF16", quantize)}  # fmt: skip
     reference = load_model(ModelConfig(model=str(f32), quantization="none", show_progress=False))
     ids = load_tokenizer(reference.source).encode(TEXT.read_bytes().decode("utf-8"))
 
@@ -73,7 +74,7 @@ def main() -> None:
         )  # fmt: skip
         base_ppl = float(re.search(r"Final estimate: PPL = ([0-9.]+)", log.stdout + log.stderr).group(1))
         llama = {}
-        for name in ("Q8_0", "Q4_0", "Q4_1"):
+        for name in ("Q8_0", "Q4_0", "Q4_1", "Q4_1 from F32", "BF16"):
             run = subprocess.run([str(perplexity), "-m", str(files[name]), "-f", str(TEXT), "-c", str(args.ctx), "-t", "2",
                                   "--kl-divergence-base", str(base), "--kl-divergence"], check=True, capture_output=True, text=True)  # fmt: skip
             llama[name] = parse_llama(run.stdout + run.stderr)
@@ -82,8 +83,11 @@ def main() -> None:
                              check=True, capture_output=True, text=True)  # fmt: skip
         llama["F32 + q8_0 KV"] = parse_llama(run.stdout + run.stderr)
 
-    def ours(path: Path, quantization: str, kv: torch.dtype | None = None) -> dict[str, float]:
-        model = load_model(ModelConfig(model=str(path), quantization=quantization, show_progress=False))
+    def ours(
+        path: Path, quantization: str, kv: torch.dtype | None = None, dtype: str = "auto"
+    ) -> dict[str, float]:
+        config = ModelConfig(model=str(path), quantization=quantization, dtype=dtype, show_progress=False)  # type: ignore[arg-type]
+        model = load_model(config)
         r = evaluate(model, ids, args.ctx, reference, kv_cache_dtype=kv)
         return {"ppl": r.ppl, "kld": r.kld, "top1": r.top1, "ref_ppl": r.ref_ppl}
 
@@ -92,7 +96,16 @@ def main() -> None:
         ("8-bit from F32 (llama-quantize Q8_0 / llmserve int8)", "Q8_0", ours(f32, "int8")),
         ("Q4_1 file, the embedded one (weights as stored)", "Q4_1", ours(files["Q4_1"], "auto")),
         ("Q4_0 file (weights as stored)", "Q4_0", ours(files["Q4_0"], "auto")),
-        ("4-bit from F32 (llama-quantize Q4_0 / llmserve int4)", "Q4_0", ours(f32, "int4")),
+        (
+            "4-bit from F32 (llama-quantize Q4_1 / llmserve int4, the same math)",
+            "Q4_1 from F32",
+            ours(f32, "int4"),
+        ),
+        (
+            "BF16 file (llmserve computes in bfloat16, its KV cache too)",
+            "BF16",
+            ours(files["BF16"], "none", dtype="bfloat16"),
+        ),
         ("F32 weights, int8 KV cache (q8_0 / llmserve int8)", "F32 + q8_0 KV", ours(f32, "none", torch.int8)),
     ]
     print(f"text: {TEXT.name}, {len(ids)} tokens, n_ctx {args.ctx}; F32 PPL: llama.cpp {base_ppl:.4f}, "

@@ -96,8 +96,11 @@ def free_port() -> int:
 
 
 @contextmanager
-def server_process(cmd: list[str], port: int, log: Path, timeout: float = 300) -> Iterator[str]:
-    """Run a server until /health answers 200; yield its base URL; SIGTERM it and wait on exit."""
+def server_process(
+    cmd: list[str], port: int, log: Path, timeout: float = 300
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Run a server until /health answers 200; yield its base URL and process; SIGTERM it and wait
+    on exit."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
@@ -115,7 +118,7 @@ def server_process(cmd: list[str], port: int, log: Path, timeout: float = 300) -
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{cmd[0]} not healthy after {timeout:.0f} s; see {log}")
                 time.sleep(0.5)
-            yield base_url
+            yield base_url, proc
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -160,11 +163,31 @@ def fmt_level(r: dict[str, Any]) -> str:
 
 def run_server_peer(name: str, cmd: list[str], port: int, work: Workload, out_dir: Path) -> dict[str, Any]:
     print(f"{name}: {' '.join(cmd)}", flush=True)
-    with server_process(cmd, port, out_dir / f"{name}.log") as base_url:
+    with server_process(cmd, port, out_dir / f"{name}.log") as (base_url, proc):
         text = sanity_text(base_url)
         print(f"  greedy {SANITY_PROMPT!r} -> {text!r}", flush=True)
         levels = serve_levels(base_url, work)
-    return {"command": cmd, "sanity": {"prompt": SANITY_PROMPT, "text": text}, "levels": levels}
+        memory = resident_memory(proc.pid)
+    print(
+        f"  resident memory {memory.get('VmRSS', 0) / 2**20:.0f} MiB, peak {memory.get('VmHWM', 0) / 2**20:.0f} MiB"
+    )
+    return {
+        "command": cmd,
+        "sanity": {"prompt": SANITY_PROMPT, "text": text},
+        "levels": levels,
+        "memory": memory,
+    }
+
+
+def resident_memory(pid: int) -> dict[str, int]:
+    """The server's resident set after its last level (VmRSS) and at its peak (VmHWM), in bytes,
+    from /proc (Linux; empty elsewhere)."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return {}
+    fields = (ln.split(":", 1) for ln in lines if ln.startswith(("VmRSS", "VmHWM")))
+    return {key: int(value.split()[0]) * 1024 for key, value in fields}
 
 
 def weights_file(args: argparse.Namespace, name: str) -> Path:
@@ -279,15 +302,21 @@ def ratios(results: dict[str, dict[str, Any]], c: int) -> dict[str, dict[str, fl
 
 def print_table(results: dict[str, dict[str, Any]], concurrency: list[int]) -> None:
     print("\nratios are llmserve / peer: tok/s above 1 = llmserve faster; TTFT below 1 = llmserve faster")
-    print("| c | peer | output tok/s | median TTFT ms | tok/s llmserve/peer | TTFT llmserve/peer |")
-    print("| ---: | --- | ---: | ---: | ---: | ---: |")
+    print(
+        "| c | peer | output tok/s | median TTFT ms | tok/s llmserve/peer | TTFT llmserve/peer | peak RSS |"
+    )
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     for c in concurrency:
         rel = ratios(results, c)
         for name, res in results.items():
             r = res["levels"][c]
             q = rel.get(name)
             tail = f"{q['output_throughput']:.2f}x | {q['median_ttft_ms']:.2f}x" if q else "- | -"
-            print(f"| {c} | {name} | {r['output_throughput']:.1f} | {r['median_ttft_ms']:.1f} | {tail} |")
+            peak = res.get("memory", {}).get("VmHWM")
+            rss = f"{peak / 2**20:.0f} MiB" if peak else "-"
+            print(
+                f"| {c} | {name} | {r['output_throughput']:.1f} | {r['median_ttft_ms']:.1f} | {tail} | {rss} |"
+            )
 
 
 def write_plots(results: dict[str, dict[str, Any]], out: Path) -> None:

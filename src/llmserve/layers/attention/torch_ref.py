@@ -328,8 +328,10 @@ class TorchAttentionBackend:
         H_kv, bs = params.num_kv_heads, metadata.block_size
         start, end = metadata.query_start_loc[i], metadata.query_start_loc[i + 1]
         q_len, s_len = metadata.query_lens[i], metadata.seq_lens[i]
-        if q_len == s_len:
-            # The whole context is new: read it from the batch, not the cache.
+        if q_len == s_len and kv_cache.dtype == query.dtype:
+            # The whole context is new: read it from the batch, not the cache. A narrower cache
+            # (16-bit or int8 under a float32 model) is read back instead, rounded as decode steps
+            # and the fused C++ path see it, so a prompt's logits do not depend on its chunking.
             k_ctx, v_ctx = key[start:end].transpose(0, 1), value[start:end].transpose(0, 1)
         else:
             NB = kv_cache.shape[2]
