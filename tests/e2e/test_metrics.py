@@ -322,3 +322,34 @@ def test_response_timings_on_request(servers: dict[str, ServerProcess]) -> None:
         events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
     assert events[-1]["choices"] == [] and "usage" not in events[-1]
     assert events[-1]["timings"]["predicted_n"] == 3
+
+
+def test_gauges_fall_to_zero_when_dropped_clients_leave_the_engine_idle(tiny_model_dir: Path) -> None:
+    """Clients that drop their streams abort every request; with nothing left to step, the
+    aborts themselves must publish fresh gauges (they kept the last step's values before)."""
+    server = ServerProcess(tiny_model_dir, "--max-num-seqs", "4").start()
+    try:
+
+        async def drop_streams(n: int) -> None:
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+
+                async def one(i: int) -> None:
+                    body = {"model": MODEL_NAME, "prompt": [5 + i, 17, 99], "max_tokens": 200,
+                            "ignore_eos": True, "stream": True}  # fmt: skip
+                    async with client.stream("POST", "/v1/completions", json=body) as r:
+                        async for line in r.aiter_lines():
+                            if line.startswith("data: {"):
+                                return  # the first token came: hang up mid-stream
+
+                await asyncio.gather(*(one(i) for i in range(n)))
+
+        asyncio.run(drop_streams(8))
+        wait_idle(server)
+        time.sleep(0.5)  # the loop records the aborts' stats right after /stats turns idle
+        samples = scrape(server)
+        assert samples["llmserve:num_requests_running"] == 0, samples
+        assert samples["llmserve:num_requests_waiting"] == 0, samples
+        assert samples["llmserve:kv_cache_usage_perc"] == 0, samples
+        assert samples["llmserve:request_success_total[abort]"] >= 4  # at least every running one
+    finally:
+        server.stop()

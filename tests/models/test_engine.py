@@ -271,3 +271,33 @@ def test_chat_and_stop_strings_on_the_embedded_model(llamacpp_reference):
     assert out.outputs[0].text == "The capital of "
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == "France is"
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_vllm_prompt_forms_give_the_same_tokens(tiny, reference):
+    """str, token ids, {"prompt": ...} and {"prompt_token_ids": ...}, alone or in lists, mixed."""
+    llm = make_llm(tiny[0])
+    text = "The quick brown fox"
+    ids = llm.get_tokenizer().encode(text)
+    by_text = token_ids(llm.generate(text, GREEDY, use_tqdm=False))
+    assert token_ids(llm.generate({"prompt": text}, GREEDY, use_tqdm=False)) == by_text
+    assert token_ids(llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)) == by_text
+    mixed = [{"prompt_token_ids": PROMPTS[0]}, PROMPTS[1], {"prompt": text}, *PROMPTS[2:]]
+    out = token_ids(llm.generate(mixed, GREEDY, use_tqdm=False))
+    assert out[:2] == reference[:2] and out[2] == by_text[0] and out[3:] == reference[2:]
+
+
+@pytest.mark.parametrize(
+    ("prompts", "match"),
+    [({"prompt_token_ids": "abc"}, "prompt 0: 'prompt_token_ids' must be a non-empty list of ints"),
+     ([{"prompt": "a", "prompt_token_ids": [1]}], "prompt 0: a dict prompt needs exactly one of"),
+     (["fine", {"text": "a"}], r"prompt 1: a dict prompt needs exactly one of .*\['text'\]"),
+     ([{"prompt": "a", "multi_modal_data": {}}], r"no other keys \(got \['multi_modal_data'\]\)"),
+     ([{"prompt": 5}], "prompt 0: 'prompt' must be a string; got int"),
+     (["ok", 3.5], "prompt 1: expected a string, a list of token ids, or a dict"),
+     (42, "prompts must be a prompt or a list of prompts; got int")],
+)  # fmt: skip
+def test_bad_prompt_forms_are_refused_before_anything_runs(tiny, prompts, match):
+    llm = make_llm(tiny[0])
+    with pytest.raises(ValueError, match=match):
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()

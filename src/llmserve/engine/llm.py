@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -23,6 +23,9 @@ from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
+# vLLM's prompt forms: a string, token ids, or a dict {"prompt": str} / {"prompt_token_ids": [...]}
+PromptInput = Prompt | dict[str, Any]
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
 Message = dict[str, Any]
 
 
@@ -78,6 +81,36 @@ def _is_token_ids(x: object) -> bool:
     return isinstance(x, (list, tuple)) and len(x) > 0 and all(isinstance(t, int) for t in x)
 
 
+def _is_single_prompt(x: object) -> bool:
+    return isinstance(x, (str, dict)) or _is_token_ids(x)
+
+
+def to_prompt(x: object, index: int) -> Prompt:
+    """One of vLLM's prompt forms as a string or a token-id list; ValueError naming the prompt
+    otherwise. A dict holds exactly one of "prompt" (text) and "prompt_token_ids"."""
+    if isinstance(x, dict):
+        keys = [k for k in _PROMPT_KEYS if k in x]
+        extra = sorted(str(k) for k in x if k not in _PROMPT_KEYS)
+        if len(keys) != 1 or extra:
+            raise ValueError(
+                f"prompt {index}: a dict prompt needs exactly one of 'prompt' or 'prompt_token_ids'"
+                + (f" and no other keys (got {extra})" if extra else f" (got keys {sorted(map(str, x))})")
+            )
+        x = x[keys[0]]
+        if keys[0] == "prompt_token_ids" and not _is_token_ids(x):
+            raise ValueError(
+                f"prompt {index}: 'prompt_token_ids' must be a non-empty list of ints; got {x!r:.80}"
+            )
+        if keys[0] == "prompt" and not isinstance(x, str):
+            raise ValueError(f"prompt {index}: 'prompt' must be a string; got {type(x).__name__}")
+    if isinstance(x, str) or _is_token_ids(x):
+        return x  # type: ignore[return-value]
+    raise ValueError(
+        f"prompt {index}: expected a string, a list of token ids, or a dict with 'prompt' or "
+        f"'prompt_token_ids'; got {type(x).__name__} {x!r:.80}"
+    )
+
+
 class LLM:
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
         """`engine_options`: the keyword arguments of `build_engine` (dtype, device, cpu_gemm, quantization, max_model_len,
@@ -91,15 +124,18 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Completions for a prompt or a list of prompts (strings or token-id lists), in order."""
-        if isinstance(prompts, str) or _is_token_ids(prompts):
+        """Completions for a prompt or a list of prompts, in order. A prompt is a string, a list
+        of token ids, or (vLLM's forms) {"prompt": text} or {"prompt_token_ids": ids}."""
+        if _is_single_prompt(prompts):
             prompts = [prompts]  # type: ignore[list-item]
-        prompt_list = list(prompts)  # type: ignore[arg-type]
+        if not isinstance(prompts, Iterable):
+            raise ValueError(f"prompts must be a prompt or a list of prompts; got {type(prompts).__name__}")
+        prompt_list = [to_prompt(p, i) for i, p in enumerate(prompts)]
         params = self._params_list(sampling_params, len(prompt_list))
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts")

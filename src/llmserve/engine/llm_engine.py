@@ -205,6 +205,10 @@ class LLMEngine:
             out = self.output_processor.abort_request(request_id, self._stats)
             if out is not None:
                 outputs.append(out)
+        if outputs and self.log_stats:
+            # Fresh gauges with the aborts: when they leave the engine idle, no step follows to
+            # publish them, and running/KV-usage gauges would keep the last step's values.
+            self._stats.scheduler = self.scheduler.stats()
         return outputs
 
     def has_unfinished_requests(self) -> bool:
