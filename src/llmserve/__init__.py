@@ -12,15 +12,23 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from llmserve.engine.llm import LLM
     from llmserve.outputs import CompletionOutput, RequestOutput
-    from llmserve.sampling_params import SamplingParams
+    from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 _LAZY = {
     "LLM": "llmserve.engine.llm",
     "SamplingParams": "llmserve.sampling_params",
+    "StructuredOutputsParams": "llmserve.sampling_params",
     "RequestOutput": "llmserve.outputs",
     "CompletionOutput": "llmserve.outputs",
 }
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "__version__",
+]
 
 
 def __getattr__(name: str) -> Any:

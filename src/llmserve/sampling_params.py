@@ -6,8 +6,11 @@ raises `ValueError` naming the parameter and its allowed range (the server turns
 
 from __future__ import annotations
 
+import contextlib
+import json
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from llmserve.errors import ParameterError
 
@@ -23,6 +26,67 @@ class SamplingType(Enum):
 def _check(ok: bool, name: str, value: object, allowed: str) -> None:
     if not ok:
         raise ParameterError(f"{name} must be {allowed}; got {value!r}", param=name)
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    """Constrained decoding: every sampled token keeps the output a prefix of a string in this
+    language, and EOS is allowed only where the output is complete. Exactly one field is set."""
+
+    json: dict[str, Any] | str | None = None
+    """A JSON schema (a dict, or its JSON text): the output is a JSON value that validates."""
+    json_object: bool = False
+    """Any JSON object (OpenAI's `response_format: {"type": "json_object"}`)."""
+    regex: str | None = None
+    """The output matches this regular expression in full."""
+    choice: list[str] | None = None
+    """The output is exactly one of these strings."""
+    grammar: str | None = None
+    """A context-free grammar in Lark syntax (llguidance's dialect) or llama.cpp's GBNF."""
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ParameterError(
+                "structured_outputs needs exactly one of json, json_object, regex, choice, grammar; "
+                f"got {given or 'none'}",
+                param="structured_outputs",
+            )
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ParameterError(
+                "structured_outputs.json must be a JSON schema (an object)", param="structured_outputs"
+            )
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ParameterError(
+                    f"structured_outputs.{name} must be a non-empty string", param="structured_outputs"
+                )
+        if self.choice is not None and (
+            not isinstance(self.choice, (list, tuple))
+            or not self.choice
+            or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ParameterError(
+                "structured_outputs.choice must be a non-empty list of non-empty strings",
+                param="structured_outputs",
+            )
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: "json", "json_object", "regex", "choice" or "grammar"."""
+        if self.json_object:
+            return "json_object"
+        return next(n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None)
+
+    def cache_key(self) -> str:
+        """A canonical text of the constraint: equal constraints share one compiled grammar."""
+        value = getattr(self, self.kind) if self.kind != "json_object" else True
+        if self.kind == "json" and isinstance(value, str):
+            with contextlib.suppress(ValueError):  # an invalid schema is reported when compiled
+                value = json.loads(value)
+        return f"{self.kind}:{json.dumps(value, sort_keys=True)}"
 
 
 @dataclass(slots=True)
@@ -57,6 +121,8 @@ class SamplingParams:
     """Return logprobs of each prompt token (the first is None) plus this many alternatives."""
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, regex, choice or grammar (see the class)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -115,6 +181,12 @@ class SamplingParams:
             _check(isinstance(s, str) and len(s) > 0, "stop", s, "a list of non-empty strings")
         for t in self.stop_token_ids:
             _check(isinstance(t, int) and t >= 0, "stop_token_ids", t, "non-negative token ids")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ParameterError(
+                "structured_outputs must be a StructuredOutputsParams", param="structured_outputs"
+            )
         for tok, bias in (self.logit_bias or {}).items():
             _check(isinstance(tok, int) and tok >= 0, "logit_bias", tok, "keyed by non-negative token ids")
             _check(-100.0 <= bias <= 100.0, "logit_bias", bias, "values in [-100, 100]")

@@ -127,7 +127,13 @@ CASES = [
     # -- unsupported
     cmpl("best-of-not-n", "best_of", best_of=2),
     cmpl("suffix", "suffix", suffix="!"),
-    chat("response-format-json", "response_format", response_format={"type": "json_object"}),
+    chat("response-format-unknown-type", "response_format", response_format={"type": "xml"}),
+    chat("response-format-schema-missing", "response_format", response_format={"type": "json_schema"}),
+    chat("response-format-schema-invalid", "response_format",
+         response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}),
+    cmpl("guided-regex-invalid", "guided_regex", guided_regex="[unclosed"),
+    cmpl("guided-choice-empty", "guided_choice", guided_choice=[]),
+    cmpl("structured-outputs-two-kinds", "structured_outputs", structured_outputs={"regex": "a", "choice": ["b"]}),
     chat("tools", "tools", tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     # -- the tokenizer routes
     Bad("detokenize-over-vocab", {"tokens": [5, VOCAB]}, "tokens", path="/detokenize"),

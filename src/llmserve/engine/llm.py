@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from llmserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from llmserve.engine.llm_engine import LLMEngine
+from llmserve.errors import ParameterError
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
 
@@ -184,7 +185,7 @@ class LLM:
                 engine.add_request(req_id, prompt, p, priority=priority[i] if priority else 0)
         except ValueError as e:
             engine.abort_request(ids)  # nothing half-queued stays behind
-            raise ValueError(f"prompt {i}: {e}") from None
+            raise ParameterError(f"prompt {i}: {e}", param=getattr(e, "param", None)) from None
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Generating", unit="prompt", disable=not use_tqdm)
         start, num_out = time.perf_counter(), 0

@@ -26,6 +26,7 @@ from llmserve.model_executor.engine_runner import EngineRunner
 from llmserve.model_executor.model_loader import LoadedModel, load_model
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
+from llmserve.structured_output import StructuredOutputManager
 from llmserve.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger("llmserve")
@@ -106,8 +107,16 @@ class LLMEngine:
         logger.info(self.kv_info.summary())
 
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, num_blocks, self.max_model_len)
+        self.structured_outputs = StructuredOutputManager(
+            self.tokenizer, self.vocab_size, self.tokenizer.eos_token_ids
+        )
         self.runner = EngineRunner(
-            self.loaded.model, num_blocks, self.cache_config.block_size, self.vocab_size, kv_dtype
+            self.loaded.model,
+            num_blocks,
+            self.cache_config.block_size,
+            self.vocab_size,
+            kv_dtype,
+            self.structured_outputs,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.last_stats: SchedulerStats | None = None
@@ -141,6 +150,8 @@ class LLMEngine:
         if not ids:
             raise ParameterError("the prompt is empty after tokenization", param="prompt")
         params.validate_for_model(self.vocab_size)
+        if params.structured_outputs is not None:
+            self.structured_outputs.compile(params.structured_outputs)  # ParameterError when invalid
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
         if len(ids) + max(max_tokens, 1) > self.max_model_len:
             raise ParameterError(

@@ -10,7 +10,8 @@ changed, and per step:
   4. projects to the vocabulary only the rows that are needed: the last position of each request
      whose known tokens are now all computed (it samples), and the prompt positions of requests
      that asked for prompt logprobs;
-  5. samples all requests together, then appends the tokens to their states.
+  5. masks the logits of requests with structured outputs to what their grammar allows next,
+     samples all requests together, then appends the tokens to their states (and grammars).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from llmserve.core.sched_output import Logprobs, ModelRunnerOutput, NewRequestDa
 from llmserve.model_executor.model_runner import ModelRunner, SequenceBatchEntry
 from llmserve.models import CausalLM
 from llmserve.sample import RequestSamplingState, Sampler, SamplingMetadata, compute_logprobs, make_generator
+from llmserve.structured_output import StructuredOutputManager, apply_bitmask, bitmask_words
 
 
 @dataclass(slots=True)
@@ -61,8 +63,11 @@ class EngineRunner:
         block_size: int,
         vocab_size: int,
         kv_cache_dtype: torch.dtype | None = None,
+        structured_outputs: StructuredOutputManager | None = None,
     ) -> None:
+        """`structured_outputs`: makes the grammar state of requests that constrain their output."""
         self.runner = ModelRunner(model, num_blocks, block_size, kv_cache_dtype)
+        self.structured_outputs = structured_outputs
         self.device = self.runner.device
         self.vocab_size = vocab_size
         self.sampler = Sampler()
@@ -80,6 +85,11 @@ class EngineRunner:
                 eos_token_ids=new.eos_token_ids,
                 generator=make_generator(new.sampling_params.seed, self.device),
             )
+            constraint = new.sampling_params.structured_outputs
+            if constraint is not None:
+                assert self.structured_outputs is not None, "a constrained request needs the manager"
+                sampling.grammar = self.structured_outputs.new_state(constraint)
+                sampling.grammar.accept_all(new.output_token_ids)
         else:
             sampling.output_token_ids[:] = new.output_token_ids
         self.requests[new.req_id] = CachedRequestState(
@@ -149,15 +159,35 @@ class EngineRunner:
         out: ModelRunnerOutput,
     ) -> None:
         logits = self.runner.model.compute_logits(hidden[rows])  # [num_sampling, vocab]
+        constrained = [i for i, (_, s) in enumerate(states) if s.sampling.grammar is not None]
+        if constrained:
+            self._mask_logits(logits, [states[i][1] for i in constrained], constrained)
         metadata = SamplingMetadata.build([s.sampling for _, s in states], self.vocab_size, self.device)
         result = self.sampler(logits, metadata)
         tokens = result.sampled_token_ids.tolist()  # the step's one device->host sync
         for i, ((pos, state), token) in enumerate(zip(states, tokens, strict=True)):
             state.output_token_ids.append(token)
+            if state.sampling.grammar is not None:
+                state.sampling.grammar.accept(token)
             out.sampled_token_ids[pos] = [token]
             k = state.sampling.params.logprobs
             if k is not None and result.logprobs is not None:
                 out.logprobs[state.req_id] = result.logprobs.to_lists(i, k)
+
+    @staticmethod
+    def _mask_logits(logits: torch.Tensor, states: list[CachedRequestState], rows: list[int]) -> None:
+        """-inf for every token the grammar of each constrained row forbids next."""
+        mask = torch.zeros(len(rows), bitmask_words(logits.shape[1]), dtype=torch.int32)
+        for j, state in enumerate(states):
+            assert state.sampling.grammar is not None
+            state.sampling.grammar.fill_bitmask(mask[j])
+        if len(rows) == logits.shape[0]:  # every row constrained: in place
+            apply_bitmask(logits, mask)
+            return
+        index = torch.tensor(rows, device=logits.device)
+        masked = logits.index_select(0, index)
+        apply_bitmask(masked, mask)
+        logits.index_copy_(0, index, masked)
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, rows: list[tuple[str, int, int]]

@@ -8,10 +8,14 @@ only the state and the seeded generator; it does not know about batches or logit
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from llmserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from llmserve.structured_output import GrammarState
 
 
 @dataclass(slots=True)
@@ -25,6 +29,8 @@ class RequestSamplingState:
     eos_token_ids: frozenset[int]
     generator: torch.Generator | None
     """Created from `params.seed` on the model's device when seeded, else None (global RNG)."""
+    grammar: GrammarState | None = None
+    """The request's structured-output matcher (`params.structured_outputs`), else None."""
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:

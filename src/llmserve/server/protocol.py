@@ -26,6 +26,28 @@ class StreamOptions(_Request):
     continuous_usage_stats: StrictBool = False
 
 
+class JsonSchemaFormat(_Request):
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Request):
+    """vLLM's `structured_outputs` field: exactly one constraint."""
+
+    json_: dict[str, Any] | StrictStr | None = Field(default=None, alias="json")
+    json_object: StrictBool | None = None
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+
+
 class _SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
@@ -53,6 +75,13 @@ class _SamplingFields(_Request):
     priority: StrictInt = 0
     # llmserve: llama.cpp-style `timings` in the response (None: the server's default)
     return_timings: StrictBool | None = None
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -87,17 +116,12 @@ class ChatMessage(_Request):
     tool_call_id: StrictStr | None = None
 
 
-class ResponseFormat(_Request):
-    type: StrictStr
-
-
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     # vLLM's extras for templates

@@ -107,11 +107,6 @@ class ChatServing:
         check_caps(ctx, req, top, "top_logprobs")
         if req.tools:
             raise APIError(400, "tools (function calling) are not supported yet", param="tools")
-        if req.response_format is not None and req.response_format.type != "text":
-            raise APIError(
-                400, f"response_format {req.response_format.type!r} is not supported yet (only 'text')",
-                param="response_format",
-            )  # fmt: skip
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         if max_tokens is not None and max_tokens < 1:
@@ -120,7 +115,7 @@ class ChatServing:
             ctx, req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs
         )
         params = sampling_params(req, max_tokens, (top or 0) if req.logprobs else None, None)
-        prompt = await process_prompt(ctx, ids, params)
+        prompt = await process_prompt(ctx, ids, params, req)
         streams = start_requests(ctx, [prompt], req.priority, "chat")
         request_id, created = new_id("chatcmpl"), now()
         if req.stream:

@@ -28,6 +28,7 @@ from llmserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.errors import APIError, error_sse
 from llmserve.server.protocol import _SamplingFields
+from llmserve.server.serving.structured import structured_outputs
 
 logger = logging.getLogger("llmserve.server")
 
@@ -113,6 +114,7 @@ def sampling_params(
     req: _SamplingFields, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
 ) -> SamplingParams:
     """The engine's parameters for a request; range errors become a 400 naming the parameter."""
+    constraint, _ = structured_outputs(req)
     try:
         return SamplingParams(
             n=req.n,
@@ -134,19 +136,27 @@ def sampling_params(
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=req.skip_special_tokens,
+            structured_outputs=constraint,
         )
     except ValueError as e:
         raise APIError(400, str(e), param=getattr(e, "param", None)) from None
 
 
 async def process_prompt(
-    ctx: ServingContext, prompt: str | Sequence[int], params: SamplingParams
+    ctx: ServingContext,
+    prompt: str | Sequence[int],
+    params: SamplingParams,
+    req: _SamplingFields | None = None,
 ) -> ProcessedPrompt:
-    """Tokenize and check one prompt; a prompt that cannot fit is a 400 with both numbers."""
+    """Tokenize and check one prompt; a prompt that cannot fit is a 400 with both numbers, an
+    invalid structured-output constraint a 400 naming the field it came in."""
     try:
         return await ctx.engine.process_inputs(prompt, params)
     except ValueError as e:
-        raise APIError(400, str(e), param=getattr(e, "param", None)) from None
+        param = getattr(e, "param", None)
+        if param == "structured_outputs" and req is not None:
+            param = structured_outputs(req)[1] or param
+        raise APIError(400, str(e), param=param) from None
 
 
 def start_requests(

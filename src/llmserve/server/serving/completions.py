@@ -104,7 +104,7 @@ class CompletionServing:
             )
         want_prompt_lp = req.logprobs if req.echo and req.logprobs is not None else req.prompt_logprobs
         params = sampling_params(req, 1 if score_only else req.max_tokens, req.logprobs, want_prompt_lp)
-        processed = [await process_prompt(ctx, p, params) for p in prompts]
+        processed = [await process_prompt(ctx, p, params, req) for p in prompts]
         streams = start_requests(ctx, processed, req.priority, "cmpl")
         request_id, created = new_id("cmpl"), now()
         if req.stream:

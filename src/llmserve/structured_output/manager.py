@@ -1,0 +1,138 @@
+"""`StructuredOutputManager`: one per engine (one tokenizer). Turns `StructuredOutputsParams` into an
+llguidance grammar, validates it against the tokenizer when the request arrives (a bad schema,
+regex or grammar is a `ParameterError` naming the field, before anything is queued), caches the
+result by constraint, and gives each request a `GrammarState`.
+
+A `GrammarState` lives with the request's sampling state: it survives preemption (the tokens it
+accepted are the request's output, which a recomputed request keeps) and prefix-cache hits (only
+prompt blocks are shared; the grammar starts at the first output token either way).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+
+import llguidance
+import torch
+from llguidance.gbnf_to_lark import gbnf_to_lark
+
+from llmserve.errors import ParameterError
+from llmserve.sampling_params import StructuredOutputsParams
+from llmserve.tokenizer import Tokenizer
+
+# JSON is generated compact, with json.dumps' separators: no free whitespace between tokens, where
+# a small model can loop (llguidance's default allows any run of whitespace there).
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_PARAM = "structured_outputs"  # the server renames it to the field the constraint came in
+
+
+class GrammarState:
+    """One request's position in its grammar."""
+
+    __slots__ = ("kind", "matcher")
+
+    def __init__(self, matcher: llguidance.LLMatcher, kind: str) -> None:
+        self.matcher, self.kind = matcher, kind
+
+    def fill_bitmask(self, mask_row: torch.Tensor) -> None:
+        """Write the tokens allowed next into `mask_row` ([W] int32, contiguous, CPU)."""
+        self.matcher.unsafe_compute_mask_ptr(mask_row.data_ptr(), mask_row.numel() * 4)
+
+    def accept(self, token: int) -> None:
+        """Advance past a sampled token. A token the mask forbade cannot come here; if one does
+        (EOS forced by max_tokens is not sampled), the matcher enters its error state and
+        allows EOS only from then on."""
+        self.matcher.consume_token(token)
+
+    def accept_all(self, tokens: Iterable[int]) -> None:
+        for t in tokens:
+            self.accept(t)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.matcher.is_stopped()
+
+
+class StructuredOutputManager:
+    def __init__(
+        self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Iterable[int], cache_size: int = 512
+    ) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._eos = sorted(eos_token_ids)
+        self._ll: llguidance.LLTokenizer | None = None  # built on first use (~0.1-1 s)
+        self._cache: OrderedDict[str, str] = OrderedDict()  # cache_key -> validated grammar
+        self._cache_size = cache_size
+        self._lock = (
+            threading.Lock()
+        )  # compile() runs on the server's event loop, states in the engine thread
+
+    @property
+    def ll_tokenizer(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._ll is None:
+                self._ll = llguidance.LLTokenizer(
+                    self._tokenizer.backend.to_str(), n_vocab=self.vocab_size, eos_token=self._eos or None
+                )
+            return self._ll
+
+    def compile(self, params: StructuredOutputsParams) -> str:
+        """The llguidance grammar for `params`, validated; ParameterError when it is invalid."""
+        key = params.cache_key()
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        grammar = _to_grammar(params)
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
+        if error and not error.startswith("WARNING"):
+            raise ParameterError(
+                f"invalid structured_outputs.{params.kind}: {error.strip()[:500]}",
+                param=_PARAM,
+            )
+        with self._lock:
+            self._cache[key] = grammar
+            if len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return grammar
+
+    def new_state(self, params: StructuredOutputsParams) -> GrammarState:
+        matcher = llguidance.LLMatcher(self.ll_tokenizer, self.compile(params), log_level=0)
+        if matcher.is_error():  # validated above: only resource limits get here
+            raise ParameterError(f"structured_outputs.{params.kind}: {matcher.get_error()}", param=_PARAM)
+        return GrammarState(matcher, params.kind)
+
+
+def _to_grammar(params: StructuredOutputsParams) -> str:
+    kind = params.kind
+    if kind in ("json", "json_object"):
+        schema = {"type": "object"} if kind == "json_object" else params.json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise ParameterError(
+                    f"structured_outputs.json is not valid JSON: {e}", param=_PARAM
+                ) from None
+        if not isinstance(schema, dict):
+            raise ParameterError("structured_outputs.json must be a JSON schema object", param=_PARAM)
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
+        except (ValueError, TypeError) as e:
+            raise ParameterError(f"invalid structured_outputs.json: {e}", param=_PARAM) from None
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(params.regex)  # type: ignore[arg-type]
+    if kind == "choice":
+        # Lark string literals are JSON strings: each choice exactly, any characters escaped.
+        alternatives = " | ".join(json.dumps(c) for c in params.choice or [])
+        return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
+    text = params.grammar or ""
+    if "::=" in text:  # llama.cpp's GBNF
+        try:
+            text = gbnf_to_lark(text)
+        except Exception as e:  # the converter raises its own parse errors
+            raise ParameterError(f"invalid structured_outputs.grammar (GBNF): {e}", param=_PARAM) from None
+    return llguidance.LLMatcher.grammar_from_lark(text)
