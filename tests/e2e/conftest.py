@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.models.tiny import make_tiny_model
+from tests.models.tiny import make_tiny_model, make_tiny_model_eos0
 
 # ChatML, as SmolLM2 and Qwen use it; the tiny vocabulary spells the markers as plain text.
 CHAT_TEMPLATE = (
@@ -104,5 +104,18 @@ class ServerProcess:
 def server(tiny_model_dir: Path) -> Iterator[ServerProcess]:
     """One shared server per test module, default settings."""
     proc = ServerProcess(tiny_model_dir).start()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def so_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A server on the tiny Llama with EOS = <|endoftext|> only (transformers' default EOS id is a
+    quote in this vocabulary) and the ChatML template: for structured outputs and tool calls."""
+    folder = tmp_path_factory.mktemp("so-server")
+    make_tiny_model_eos0(folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    proc = ServerProcess(folder).start()
     yield proc
     proc.stop()

@@ -124,7 +124,7 @@ CASES = [
     cmpl("overflow-prompt", "max_tokens", prompt=LONG_PROMPT),
     cmpl("overflow-prompt-streamed", "max_tokens", prompt=LONG_PROMPT, stream=True),
     chat("overflow-chat-streamed", "max_tokens", max_tokens=MAX_MODEL_LEN, stream=True),
-    # -- unsupported
+    # -- unsupported fields, malformed constraints and tools
     cmpl("best-of-not-n", "best_of", best_of=2),
     cmpl("suffix", "suffix", suffix="!"),
     chat("response-format-unknown-type", "response_format", response_format={"type": "xml"}),
@@ -134,7 +134,11 @@ CASES = [
     cmpl("guided-regex-invalid", "guided_regex", guided_regex="[unclosed"),
     cmpl("guided-choice-empty", "guided_choice", guided_choice=[]),
     cmpl("structured-outputs-two-kinds", "structured_outputs", structured_outputs={"regex": "a", "choice": ["b"]}),
-    chat("tools", "tools", tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    chat("tools-bad-name", "tools", tools=[{"type": "function", "function": {"name": "no spaces"}}]),
+    chat("tools-not-function", "tools", tools=[{"type": "code_interpreter"}]),
+    chat("tool-choice-without-tools", "tool_choice", tool_choice="required"),
+    chat("tool-choice-unknown-function", "tool_choice", tools=[{"type": "function", "function": {"name": "f"}}],
+         tool_choice={"type": "function", "function": {"name": "g"}}),
     # -- the tokenizer routes
     Bad("detokenize-over-vocab", {"tokens": [5, VOCAB]}, "tokens", path="/detokenize"),
     Bad("detokenize-negative", {"tokens": [-1]}, "tokens", path="/detokenize"),

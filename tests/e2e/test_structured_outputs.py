@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from typing import Literal
 
 import httpx
@@ -17,8 +16,8 @@ import pydantic
 import pytest
 from openai.types.chat import ChatCompletionChunk
 
-from tests.e2e.conftest import CHAT_TEMPLATE, MODEL_NAME, ServerProcess
-from tests.models.test_structured_outputs import closed_schema, make_model
+from tests.e2e.conftest import MODEL_NAME, ServerProcess
+from tests.models.test_structured_outputs import closed_schema
 
 pytestmark = pytest.mark.e2e
 
@@ -34,17 +33,6 @@ class Pet(pydantic.BaseModel):
 class Owner(pydantic.BaseModel):
     first_pet: Pet
     likes_pets: bool
-
-
-@pytest.fixture(scope="module")
-def so_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    folder = tmp_path_factory.mktemp("so-server")
-    make_model(folder)
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
-    proc = ServerProcess(folder).start()
-    yield proc
-    proc.stop()
 
 
 @pytest.mark.parametrize("model", [Pet, Owner])

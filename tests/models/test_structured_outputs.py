@@ -13,7 +13,7 @@ import pytest
 
 from llmserve import LLM, SamplingParams, StructuredOutputsParams
 from llmserve.errors import ParameterError
-from tests.models.tiny import make_tiny_model
+from tests.models.tiny import make_tiny_model_eos0 as make_model
 
 PROMPT = [5, 17, 99, 3, 42]
 SHORT = {"type": "string", "maxLength": 6}
@@ -97,19 +97,6 @@ def closed_schema(schema):
 
 
 SCHEMAS = [closed_schema(s) for s in SCHEMAS]
-
-
-def make_model(folder) -> None:
-    """The tiny Llama with EOS = the tokenizer's <|endoftext|> (0) only: transformers' Llama
-    config defaults to eos 2, which this tokenizer spells '"', so a grammar's quote would end
-    the output."""
-    make_tiny_model("llama", folder)
-    for name in ("config.json", "generation_config.json"):
-        path = folder / name
-        if path.exists():
-            config = json.loads(path.read_text())
-            config.update(eos_token_id=0, bos_token_id=None)
-            path.write_text(json.dumps(config))
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -108,3 +109,18 @@ def make_tiny_model(name: str, folder: Path, seed: int = 0) -> transformers.PreT
     model.save_pretrained(folder)
     save_tiny_tokenizer(Path(folder), config.vocab_size)
     return model
+
+
+def make_tiny_model_eos0(folder: Path) -> None:
+    """The tiny Llama with EOS = the tokenizer's <|endoftext|> (0) only (transformers' Llama
+    config defaults to eos 2, which this tokenizer spells '"', so a grammar's quote would end
+    the output) and a 2048-token context."""
+    make_tiny_model("llama", folder)
+    for name in ("config.json", "generation_config.json"):
+        path = folder / name
+        if path.exists():
+            config = json.loads(path.read_text())
+            config.update(eos_token_id=0, bos_token_id=None)
+            if name == "config.json":  # room for tool descriptions in the prompt (RoPE takes any length)
+                config["max_position_embeddings"] = 2048
+            path.write_text(json.dumps(config))

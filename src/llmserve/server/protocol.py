@@ -124,6 +124,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: StrictInt | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: StrictBool | None = None
     # vLLM's extras for templates
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False

@@ -6,6 +6,7 @@ ends with exactly one chunk that has a `finish_reason`, then an optional usage c
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -36,6 +37,14 @@ from llmserve.server.serving.common import (
     start_requests,
     wants_timings,
 )
+from llmserve.server.serving.tools import (
+    ToolPlan,
+    ToolStreamSplitter,
+    parse_tool_calls,
+    plan_tools,
+    template_mentions_tools,
+    tools_system_prompt,
+)
 
 
 def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -63,8 +72,10 @@ def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 
 def render_chat(ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool,
-                continue_final_message: bool = False, extra: dict[str, Any] | None = None) -> list[int]:  # fmt: skip
-    """Chat template -> token ids; a template that refuses the conversation is a 400."""
+                continue_final_message: bool = False, extra: dict[str, Any] | None = None,
+                tools: list[dict[str, Any]] | None = None) -> list[int]:  # fmt: skip
+    """Chat template -> token ids; a template that refuses the conversation is a 400. `tools` reach
+    the template as its `tools` variable, or a system message where the template has none."""
     if continue_final_message and add_generation_prompt:
         raise APIError(
             400, "continue_final_message and add_generation_prompt cannot both be true",
@@ -72,17 +83,24 @@ def render_chat(ctx: ServingContext, messages: list[ChatMessage], add_generation
         )  # fmt: skip
     if continue_final_message and messages[-1].role != "assistant":
         raise APIError(400, "continue_final_message needs an assistant message last", param="messages")
-    reserved = sorted({"messages", "add_generation_prompt"} & set(extra or {}))
+    reserved = sorted({"messages", "add_generation_prompt", "tools"} & set(extra or {}))
     if reserved:  # they would collide with our own arguments (a TypeError, a 500)
         raise APIError(
             400, f"chat_template_kwargs cannot set {reserved}; use the request fields",
             param="chat_template_kwargs",
         )  # fmt: skip
     dicts = messages_to_dicts(messages)
+    extra = dict(extra or {})
+    if tools and template_mentions_tools(ctx.tokenizer.chat_template):
+        extra["tools"] = tools
+    elif tools:
+        described = tools_system_prompt(tools)
+        if dicts and dicts[0]["role"] == "system":
+            dicts[0] = {**dicts[0], "content": f"{dicts[0]['content']}\n\n{described}"}
+        else:
+            dicts.insert(0, {"role": "system", "content": described})
     try:
-        text = ctx.tokenizer.apply_chat_template(
-            dicts, add_generation_prompt=add_generation_prompt, **(extra or {})
-        )
+        text = ctx.tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt, **extra)
     except (ValueError, jinja2.TemplateError) as e:
         raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
     if continue_final_message:
@@ -105,24 +123,29 @@ class ChatServing:
         if top is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
         check_caps(ctx, req, top, "top_logprobs")
-        if req.tools:
-            raise APIError(400, "tools (function calling) are not supported yet", param="tools")
+        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         if max_tokens is not None and max_tokens < 1:
             raise APIError(400, f"{param_name} must be >= 1; got {max_tokens}", param=param_name)
         ids = render_chat(
-            ctx, req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs
-        )
+            ctx, req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs,
+            plan.tools,
+        )  # fmt: skip
         params = sampling_params(req, max_tokens, (top or 0) if req.logprobs else None, None)
+        if plan.constraint is not None:
+            if params.structured_outputs is not None:
+                raise APIError(400, f"tool_choice {plan.choice!r} cannot be combined with another output "
+                               "constraint (response_format, structured_outputs, guided_*)", param="tool_choice")  # fmt: skip
+            params = dataclasses.replace(params, structured_outputs=plan.constraint)
         prompt = await process_prompt(ctx, ids, params, req)
         streams = start_requests(ctx, [prompt], req.priority, "chat")
         request_id, created = new_id("chatcmpl"), now()
         if req.stream:
-            body = sse_with_errors(self._stream(req, prompt, streams, request_id, created))
+            body = sse_with_errors(self._stream(req, prompt, streams, request_id, created, plan))
             return StreamingResponse(body, media_type="text/event-stream")
         return await run_unless_disconnected(
-            raw, lambda: self._full(req, prompt, streams, request_id, created), streams
+            raw, lambda: self._full(req, prompt, streams, request_id, created, plan), streams
         )
 
     def _logprobs(
@@ -152,6 +175,7 @@ class ChatServing:
         streams: list,
         request_id: str,
         created: int,
+        plan: ToolPlan,
     ) -> JSONResponse:
         choices = [Choice(i) for i in range(req.n)]
         usage = Usage(prompt_tokens=len(prompt.token_ids))
@@ -169,17 +193,25 @@ class ChatServing:
         body = []
         for choice in choices:
             usage.completion_tokens += len(choice.token_ids)
+            message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+            finish_reason = choice.finish_reason
+            if plan.active:
+                content, calls = parse_tool_calls(choice.text)
+                if calls:
+                    message = {"role": "assistant", "content": content,
+                               "tool_calls": [call.to_dict() for call in calls]}  # fmt: skip
+                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
             body.append(
                 {
                     "index": choice.index,
-                    "message": {"role": "assistant", "content": choice.text},
+                    "message": message,
                     "logprobs": {
                         "content": self._logprobs(choice.token_ids, choice.logprobs, k),
                         "refusal": None,
                     }
                     if req.logprobs
                     else None,
-                    "finish_reason": choice.finish_reason,
+                    "finish_reason": finish_reason,
                     "stop_reason": choice.stop_reason,
                 }
             )
@@ -202,6 +234,7 @@ class ChatServing:
         streams: list,
         request_id: str,
         created: int,
+        plan: ToolPlan,
     ) -> AsyncIterator[str]:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         usage = Usage(prompt_tokens=len(prompt.token_ids))
@@ -225,6 +258,7 @@ class ChatServing:
             yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                          "finish_reason": None})  # fmt: skip
         finished = [False] * req.n
+        splitters = [ToolStreamSplitter() for _ in range(req.n)] if plan.active else None
         async for _, out in merged(self.ctx, streams, timings):
             usage.cached_tokens = out.num_cached_tokens
             for c in out.outputs:
@@ -234,15 +268,29 @@ class ChatServing:
                 logprobs = None
                 if req.logprobs and c.token_ids:
                     logprobs = {"content": self._logprobs(c.token_ids, c.logprobs or [], k), "refusal": None}
-                if not c.text and logprobs is None and not c.finished:
+                text, finish_reason, calls = c.text, c.finish_reason, []
+                if splitters is not None:  # tool calls are held back until the choice ends
+                    text = splitters[c.index].feed(c.text)
+                    if c.finished:
+                        rest, calls = splitters[c.index].finish()
+                        text += rest or ""
+                        finish_reason = "tool_calls" if calls and finish_reason == "stop" else finish_reason
+                if not text and logprobs is None and not c.finished:
                     continue
                 finished[c.index] = c.finished
+                if calls:
+                    if text or logprobs is not None:
+                        yield chunk({"index": c.index, "delta": {"content": text}, "logprobs": logprobs,
+                                     "finish_reason": None})  # fmt: skip
+                    text, logprobs = "", None
+                    yield chunk({"index": c.index, "delta": {"tool_calls": [call.to_dict(i) for i, call in enumerate(calls)]},
+                                 "logprobs": None, "finish_reason": None})  # fmt: skip
                 yield chunk(
                     {
                         "index": c.index,
-                        "delta": {"content": c.text} if c.text or not c.finished else {},
+                        "delta": {"content": text} if text or not c.finished else {},
                         "logprobs": logprobs,
-                        "finish_reason": c.finish_reason,
+                        "finish_reason": finish_reason,
                         "stop_reason": c.stop_reason,
                     }
                 )

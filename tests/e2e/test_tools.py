@@ -1,0 +1,147 @@
+"""Tool calling through the `openai` client on a tiny random Llama: `required` and named choices
+always return calls whose arguments validate against the function's schema (streamed and not),
+`none` never calls and hides the tools, a tool result round-trips, and malformed tools or choices
+are 400s naming the field. The Hermes parser and the stream splitter are checked on text."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from llmserve.server.serving.tools import ToolStreamSplitter, parse_tool_calls
+from tests.e2e.conftest import MODEL_NAME, ServerProcess
+
+pytestmark = pytest.mark.e2e
+
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+           "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]}}}  # fmt: skip
+ADD = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+       "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                      "b": {"type": "integer", "minimum": 0, "maximum": 99}}}  # fmt: skip
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather now", "parameters": WEATHER},
+    },
+    {"type": "function", "function": {"name": "add", "description": "a + b", "parameters": ADD}},
+]
+SCHEMAS = {"get_weather": WEATHER, "add": ADD}
+MESSAGES = [{"role": "user", "content": "The quick brown fox"}]
+
+
+def check_calls(calls, only: str | None = None) -> None:
+    assert calls, "no tool call"
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in SCHEMAS and (only is None or call.function.name == only)
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])
+def test_forced_calls_validate(so_server: ServerProcess, choice) -> None:
+    client = so_server.client()
+    only = None if choice == "required" else "add"
+    for seed in range(3):
+        r = client.chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False,
+            seed=seed, temperature=1.0, max_tokens=120,
+        )  # fmt: skip
+        choice0 = r.choices[0]
+        assert choice0.finish_reason == "tool_calls"
+        assert len(choice0.message.tool_calls or []) == 1
+        check_calls(choice0.message.tool_calls, only)
+
+
+def test_forced_calls_stream(so_server: ServerProcess) -> None:
+    client = so_server.client()
+    stream = client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+        seed=7, temperature=1.0, max_tokens=120, stream=True,
+    )  # fmt: skip
+    calls, finish = {}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            for delta in choice.delta.tool_calls or []:
+                entry = calls.setdefault(delta.index, {"name": "", "arguments": "", "id": delta.id})
+                entry["name"] += delta.function.name or ""
+                entry["arguments"] += delta.function.arguments or ""
+            finish = choice.finish_reason or finish
+    assert finish == "tool_calls" and len(calls) == 1
+    for call in calls.values():
+        jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+
+
+def test_none_never_calls_and_hides_the_tools(so_server: ServerProcess) -> None:
+    client = so_server.client()
+    plain = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=8, temperature=0)
+    for seed in range(3):
+        r = client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=MESSAGES,
+            tools=TOOLS,
+            tool_choice="none",
+            max_tokens=8,
+            temperature=0,
+            seed=seed,
+        )
+        assert not r.choices[0].message.tool_calls and r.choices[0].finish_reason != "tool_calls"
+        assert r.usage.prompt_tokens == plain.usage.prompt_tokens
+        assert r.choices[0].message.content == plain.choices[0].message.content
+    auto = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, max_tokens=8)
+    assert auto.usage.prompt_tokens > plain.usage.prompt_tokens  # auto: the tools are described
+
+
+def test_a_tool_result_round_trips(so_server: ServerProcess) -> None:
+    client = so_server.client()
+    first = client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+        temperature=0, max_tokens=120,
+    )  # fmt: skip
+    call = first.choices[0].message.tool_calls[0]
+    history = [*MESSAGES, first.choices[0].message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": "42"}]  # fmt: skip
+    second = client.chat.completions.create(model=MODEL_NAME, messages=history, tools=TOOLS, tool_choice="none",
+                                            max_tokens=5, temperature=0)  # fmt: skip
+    assert second.choices[0].message.content is not None
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "message"),
+    [({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "not among"),
+     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "must be 'none', 'auto', 'required'"),
+     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools", "function.name"),
+     ({"tools": [{"type": "retrieval"}]}, "tools", "tools[0] must be"),
+     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]}, "tools", "parameters"),
+     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+      "cannot be combined")],
+)  # fmt: skip
+def test_bad_tools_are_400s(so_server: ServerProcess, extra, param, message) -> None:
+    body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 4, **extra}
+    r = httpx.post(f"{so_server.url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and message in r.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError):
+        so_server.client().chat.completions.create(**body)
+
+
+def test_hermes_parser_and_stream_splitter() -> None:
+    text = 'Sure.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n<tool_call>\n{bad}\n</tool_call>'
+    content, calls = parse_tool_calls(text)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("add", {"a": 1, "b": 2})]
+    assert content == "Sure.\n\n<tool_call>\n{bad}\n</tool_call>"  # a block that does not parse stays text
+    assert parse_tool_calls("no calls here") == ("no calls here", [])
+    splitter, streamed = ToolStreamSplitter(), []
+    for piece in ["Sure. <", "tool_c", 'all>\n{"name": "add", "arguments": {}}\n</tool_call>']:
+        streamed.append(splitter.feed(piece))
+    assert streamed == ["Sure. ", "", ""]
+    rest, calls = splitter.finish()
+    assert rest is None and [c.name for c in calls] == ["add"]
+    splitter = ToolStreamSplitter()
+    assert (
+        splitter.feed("a <t") == "a " and splitter.feed("ag>") == "<tag>" and splitter.finish() == (None, [])
+    )
