@@ -47,15 +47,16 @@ class ServerProcess:
     """`llmserve serve` in a subprocess; `start()` returns once /health answers 200."""
 
     def __init__(
-        self, model: Path | str, *args: str, env: dict[str, str] | None = None, log_dir: Path | None = None
-    ) -> None:
+        self, model: Path | str, *args: str, env: dict[str, str] | None = None, log_dir: Path | None = None,
+        module: str = "llmserve.cli.main",
+    ) -> None:  # fmt: skip
         """`model`: a model folder or file (the log goes beside it) or a name such as the embedded
-        model's (give `log_dir` then)."""
+        model's (give `log_dir` then). `module`: what `python -m` runs (the CLI, or a test wrapper)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = (log_dir or Path(model).parent) / f"server-{self.port}.log"
         cmd = [
-            sys.executable, "-m", "llmserve.cli.main", "serve", str(model),
+            sys.executable, "-m", module, "serve", str(model),
             "--port", str(self.port), "--served-model-name", MODEL_NAME,
             "--num-kv-blocks", "256", "--max-num-seqs", "8", *args,
         ]  # fmt: skip

@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,6 +27,7 @@ from llmserve.config.cache import parse_bytes
 
 logger = logging.getLogger("llmserve.server")
 
+ENGINE_DIED_EXIT_CODE = 3  # 2 is bad input (a refused model or flag)
 SHUTDOWN_GRACE = 2.0  # seconds for aborted requests to send their error before uvicorn cancels them
 
 
@@ -150,9 +152,23 @@ def run(args: argparse.Namespace) -> int:
         failed.append(e)
         server.should_exit = True
 
+    died: list[BaseException] = []
+
+    def on_engine_dead(e: BaseException) -> None:
+        # Every in-flight request has its error (500) and /health answers 503; exit non-zero so
+        # that a supervisor (systemd, Kubernetes, docker --restart) starts a fresh process.
+        logger.error("the engine stopped (%r): shutting the server down", e)
+        died.append(e)
+        state.draining = True
+        server.should_exit = True
+
     state.on_load_error = on_load_error
+    state.on_engine_dead = on_engine_dead
     logger.info("llmserve listening on http://%s:%d (model %r loading)", config.host, config.port, model_name)
     server.run()
     if failed:
         raise ValueError(f"cannot serve {model_name!r}: {failed[0]}")
+    if died:
+        print(f"llmserve: the engine stopped: {died[0]!r}", file=sys.stderr)
+        return ENGINE_DIED_EXIT_CODE
     return 0

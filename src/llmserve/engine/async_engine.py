@@ -133,6 +133,9 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.dead: BaseException | None = None
+        self.on_dead: Callable[[BaseException], None] | None = None
+        """Called on the event loop once the step loop has died and every stream has failed (the
+        server uses it to exit non-zero, so that a supervisor restarts it)."""
 
     def add_stat_logger(self, stat_logger: StatLogger) -> None:
         """Record every step's statistics with `stat_logger` from now on (call on the event loop)."""
@@ -348,3 +351,5 @@ class AsyncEngine:
         for stream in self._streams.values():
             stream._put(EngineDeadError(f"the engine stopped: {error!r}"))
         self._streams.clear()
+        if self.on_dead is not None:
+            self.on_dead(error)

@@ -65,6 +65,8 @@ class ServerState:
     metrics: PrometheusStatLogger | None = None
     started: float = field(default_factory=time.time)
     on_load_error: Callable[[BaseException], None] | None = None
+    on_engine_dead: Callable[[BaseException], None] | None = None
+    """Called once the engine's step loop has died (after every in-flight request failed)."""
 
     @property
     def ready(self) -> bool:
@@ -178,6 +180,7 @@ def build_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig, mod
                 state.on_load_error(e)
             return
         core = engine.engine
+        engine.on_dead = state.on_engine_dead
         if config.enable_metrics:
             state.metrics = PrometheusStatLogger(
                 model_name,

@@ -400,7 +400,8 @@ def engine_error(e: Exception) -> APIError:
         return APIError(503, f"the request was aborted: {e}", code="aborted")
     if isinstance(e, ValueError):  # refused by a check only the engine thread makes
         return APIError(400, str(e), param=getattr(e, "param", None))
-    return APIError(503 if isinstance(e, EngineDeadError) else 500, str(e), code="engine_error")
+    # the engine died under an accepted request: the server's fault, a 500 (new requests get 503)
+    return APIError(500, str(e), code="engine_error")
 
 
 async def sse_with_errors(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
