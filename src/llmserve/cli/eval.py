@@ -82,8 +82,10 @@ def run_perplexity(args: argparse.Namespace) -> int:
         bar.update(done - bar.n)
 
     from llmserve.config import CacheConfig
+    from llmserve.model_executor.model_runner import resolve_kv_cache_dtype
 
-    kv_dtype = CacheConfig(kv_cache_dtype=args.kv_cache_dtype).resolve_kv_cache_dtype(loaded.dtype)
+    kv_name = CacheConfig(kv_cache_dtype=args.kv_cache_dtype).kv_cache_dtype  # validated
+    kv_dtype = resolve_kv_cache_dtype(kv_name, loaded.dtype)
     with bar:
         result = evaluate(loaded, ids, args.ctx, reference, progress, kv_cache_dtype=kv_dtype)
     print(result.summary())

@@ -4,15 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 DEFAULT_KV_CACHE_MEMORY = 2 * 2**30
-KV_CACHE_DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "int8": torch.int8,
-}
+KV_CACHE_DTYPES = ("float32", "bfloat16", "float16", "int8")
+"""The names `kv_cache_dtype` takes besides `auto` (torch dtypes of the same names; config/ does
+not import torch: model_executor resolves them)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,8 +29,8 @@ class CacheConfig:
     """What the cache stores K/V in: `auto` (the model's dtype), `float32`, `bfloat16`, `float16`
     or `int8`. A 16-bit cache under a float32 model holds twice the tokens in the same memory and
     halves what decode attention reads; `int8` keeps each token's K and V row per head as int8
-    with a float32 scale (max|row| / 127), 3.8x the tokens of float32 for 64-dim heads. K/V are
-    rounded once, when written (llama.cpp's default cache is float16)."""
+    with a float16 scale per 32 values (llama.cpp's q8_0 blocks), 3.6x the tokens of float32 for
+    64-dim heads. K/V are rounded once, when written (llama.cpp's default cache is float16)."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:
@@ -48,9 +43,6 @@ class CacheConfig:
             raise ValueError(
                 f"kv_cache_dtype must be 'auto' or one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}"
             )
-
-    def resolve_kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        return model_dtype if self.kv_cache_dtype == "auto" else KV_CACHE_DTYPES[self.kv_cache_dtype]
 
     def num_blocks(self, kv_bytes_per_token: int) -> int:
         """Blocks that fit the budget, given the model's KV bytes per token (all layers)."""

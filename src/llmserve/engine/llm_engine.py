@@ -24,6 +24,7 @@ from llmserve.layers.attention import KVCacheSpec
 from llmserve.metrics.stats import IterationStats
 from llmserve.model_executor.engine_runner import EngineRunner
 from llmserve.model_executor.model_loader import LoadedModel, load_model
+from llmserve.model_executor.model_runner import resolve_kv_cache_dtype
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
 from llmserve.structured_output import StructuredOutputManager
@@ -91,7 +92,7 @@ class LLMEngine:
         self.vocab_size = int(self.loaded.hf_config.vocab_size)
 
         shape = self.loaded.model.kv_cache_shape()
-        kv_dtype = self.cache_config.resolve_kv_cache_dtype(self.loaded.dtype)
+        kv_dtype = resolve_kv_cache_dtype(self.cache_config.kv_cache_dtype, self.loaded.dtype)
         bytes_per_token = (
             shape.num_layers
             * KVCacheSpec(1, 1, shape.num_kv_heads, shape.head_dim, kv_dtype).bytes_per_token()

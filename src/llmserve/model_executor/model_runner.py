@@ -17,6 +17,11 @@ from llmserve.model_executor.cpu_memory import keep_freed_memory
 from llmserve.models import CausalLM
 
 
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """`CacheConfig.kv_cache_dtype` as a torch dtype: `auto` is the model's."""
+    return model_dtype if name == "auto" else getattr(torch, name)
+
+
 @dataclass(frozen=True, slots=True)
 class SequenceBatchEntry:
     """One sequence's part of a forward pass."""
