@@ -64,6 +64,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--enable-response-timings", action="store_true",
         help="add llama.cpp-style `timings` to every response (else only with return_timings: true)",
     )  # fmt: skip
+    s.add_argument(
+        "--reasoning-parser", choices=["auto", "none", "think"], default="auto",
+        help="split <think>...</think> into reasoning_content (auto: when the chat template uses <think>)",
+    )  # fmt: skip
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -83,6 +87,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         enable_metrics=not args.disable_metrics,
         stats_log_interval=args.stats_log_interval,
         enable_response_timings=args.enable_response_timings,
+        reasoning_parser=args.reasoning_parser,
     )
 
 

@@ -40,6 +40,9 @@ class ServerConfig:
     enable_response_timings: bool = False
     """Every response carries `timings` (llama.cpp's shape); otherwise only when a request sends
     `return_timings: true`."""
+    reasoning_parser: str = "auto"
+    """`think`: a chat reply's `<think>…</think>` becomes `reasoning_content` (Qwen3, DeepSeek-R1);
+    `none`: the text is left as it is; `auto`: `think` when the chat template mentions `<think>`."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -52,5 +55,7 @@ class ServerConfig:
             raise ValueError(f"stats_log_interval must be >= 0; got {self.stats_log_interval}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0; got {self.shutdown_timeout}")
+        if self.reasoning_parser not in ("auto", "none", "think"):
+            raise ValueError(f"reasoning_parser must be auto, none or think; got {self.reasoning_parser!r}")
         if self.api_key == "":
             raise ValueError("api_key must not be empty (leave it unset to disable authentication)")

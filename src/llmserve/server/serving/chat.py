@@ -37,6 +37,8 @@ from llmserve.server.serving.common import (
     start_requests,
     wants_timings,
 )
+from llmserve.server.serving.reasoning import OPEN as THINK_OPEN
+from llmserve.server.serving.reasoning import ReasoningStreamSplitter, split_reasoning, uses_think_tags
 from llmserve.server.serving.tools import (
     ToolPlan,
     ToolStreamSplitter,
@@ -139,14 +141,24 @@ class ChatServing:
                                "constraint (response_format, structured_outputs, guided_*)", param="tool_choice")  # fmt: skip
             params = dataclasses.replace(params, structured_outputs=plan.constraint)
         prompt = await process_prompt(ctx, ids, params, req)
+        think = self._reasoning(ids)
         streams = start_requests(ctx, [prompt], req.priority, "chat")
         request_id, created = new_id("chatcmpl"), now()
         if req.stream:
-            body = sse_with_errors(self._stream(req, prompt, streams, request_id, created, plan))
+            body = sse_with_errors(self._stream(req, prompt, streams, request_id, created, plan, think))
             return StreamingResponse(body, media_type="text/event-stream")
         return await run_unless_disconnected(
-            raw, lambda: self._full(req, prompt, streams, request_id, created, plan), streams
+            raw, lambda: self._full(req, prompt, streams, request_id, created, plan, think), streams
         )
+
+    def _reasoning(self, prompt_ids: list[int]) -> bool | None:
+        """None: replies are left as they are; else whether the prompt already opened `<think>`."""
+        ctx = self.ctx
+        mode = ctx.config.reasoning_parser
+        if mode == "none" or (mode == "auto" and not uses_think_tags(ctx.tokenizer.chat_template)):
+            return None
+        tail = ctx.tokenizer.decode(prompt_ids[-8:], skip_special_tokens=False)
+        return tail.rstrip().endswith(THINK_OPEN)
 
     def _logprobs(
         self, token_ids: list[int], positions: list[PositionLogprobs], k: int
@@ -176,6 +188,7 @@ class ChatServing:
         request_id: str,
         created: int,
         plan: ToolPlan,
+        think: bool | None,
     ) -> JSONResponse:
         choices = [Choice(i) for i in range(req.n)]
         usage = Usage(prompt_tokens=len(prompt.token_ids))
@@ -193,13 +206,19 @@ class ChatServing:
         body = []
         for choice in choices:
             usage.completion_tokens += len(choice.token_ids)
-            message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+            text: str | None = choice.text
+            message: dict[str, Any] = {"role": "assistant"}
+            if think is not None:
+                reasoning, text = split_reasoning(choice.text, opened=think)
+                if reasoning is not None:
+                    message["reasoning_content"] = reasoning
+            message["content"] = text
             finish_reason = choice.finish_reason
-            if plan.active:
-                content, calls = parse_tool_calls(choice.text)
+            if plan.active and text:
+                content, calls = parse_tool_calls(text)
                 if calls:
-                    message = {"role": "assistant", "content": content,
-                               "tool_calls": [call.to_dict() for call in calls]}  # fmt: skip
+                    message["content"] = content
+                    message["tool_calls"] = [call.to_dict() for call in calls]
                     finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
             body.append(
                 {
@@ -235,6 +254,7 @@ class ChatServing:
         request_id: str,
         created: int,
         plan: ToolPlan,
+        think: bool | None,
     ) -> AsyncIterator[str]:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         usage = Usage(prompt_tokens=len(prompt.token_ids))
@@ -259,6 +279,9 @@ class ChatServing:
                          "finish_reason": None})  # fmt: skip
         finished = [False] * req.n
         splitters = [ToolStreamSplitter() for _ in range(req.n)] if plan.active else None
+        thinkers = (
+            [ReasoningStreamSplitter(opened=think) for _ in range(req.n)] if think is not None else None
+        )
         async for _, out in merged(self.ctx, streams, timings):
             usage.cached_tokens = out.num_cached_tokens
             for c in out.outputs:
@@ -268,16 +291,27 @@ class ChatServing:
                 logprobs = None
                 if req.logprobs and c.token_ids:
                     logprobs = {"content": self._logprobs(c.token_ids, c.logprobs or [], k), "refusal": None}
-                text, finish_reason, calls = c.text, c.finish_reason, []
+                text, reasoning, finish_reason, calls = c.text, "", c.finish_reason, []
+                if thinkers is not None:  # <think>...</think> goes to reasoning_content
+                    reasoning, text = thinkers[c.index].feed(c.text)
+                    if c.finished:
+                        more_reasoning, more_text = thinkers[c.index].finish()
+                        reasoning, text = reasoning + more_reasoning, text + more_text
                 if splitters is not None:  # tool calls are held back until the choice ends
-                    text = splitters[c.index].feed(c.text)
+                    text = splitters[c.index].feed(text)
                     if c.finished:
                         rest, calls = splitters[c.index].finish()
                         text += rest or ""
                         finish_reason = "tool_calls" if calls and finish_reason == "stop" else finish_reason
-                if not text and logprobs is None and not c.finished:
+                if not text and not reasoning and logprobs is None and not c.finished:
                     continue
                 finished[c.index] = c.finished
+                if reasoning:
+                    yield chunk({"index": c.index, "delta": {"reasoning_content": reasoning}, "logprobs": logprobs,
+                                 "finish_reason": None})  # fmt: skip
+                    logprobs = None
+                    if not text and not c.finished:
+                        continue
                 if calls:
                     if text or logprobs is not None:
                         yield chunk({"index": c.index, "delta": {"content": text}, "logprobs": logprobs,
@@ -288,7 +322,7 @@ class ChatServing:
                 yield chunk(
                     {
                         "index": c.index,
-                        "delta": {"content": text} if text or not c.finished else {},
+                        "delta": {"content": text} if text or not (c.finished or reasoning) else {},
                         "logprobs": logprobs,
                         "finish_reason": finish_reason,
                         "stop_reason": c.stop_reason,
