@@ -140,7 +140,12 @@ class ChatServing:
                 raise APIError(400, f"tool_choice {plan.choice!r} cannot be combined with another output "
                                "constraint (response_format, structured_outputs, guided_*)", param="tool_choice")  # fmt: skip
             params = dataclasses.replace(params, structured_outputs=plan.constraint)
-        prompt = await process_prompt(ctx, ids, params, req)
+        try:
+            prompt = await process_prompt(ctx, ids, params, req)
+        except APIError as e:
+            if plan.constraint is not None and e.param == "structured_outputs":
+                raise APIError(400, f"tools: {e.message}", param="tools") from None  # a bad parameters schema
+            raise
         think = self._reasoning(ids)
         streams = start_requests(ctx, [prompt], req.priority, "chat")
         request_id, created = new_id("chatcmpl"), now()

@@ -76,7 +76,8 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: b
             raise APIError(400, f"tool_choice {tool_choice!r} needs tools", param="tool_choice")
         choice, chosen = tool_choice, tools
     else:
-        name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+        fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
         if not isinstance(name, str) or tool_choice.get("type", "function") != "function":
             raise APIError(400, "tool_choice must name a function: {\"type\": \"function\", \"function\": "
                            "{\"name\": ...}}", param="tool_choice")  # fmt: skip
