@@ -21,27 +21,9 @@ import time
 import torch
 
 from llmserve import LLM, SamplingParams, StructuredOutputsParams
-from llmserve.structured_output import GrammarState, StructuredOutputManager
+from llmserve.structured_output import GrammarState, StructuredOutputManager, bitmask_words
+from structured_schemas import SCHEMAS
 
-SCHEMAS = [
-    {"type": "object", "additionalProperties": False, "required": ["city", "country", "population"],
-     "properties": {"city": {"type": "string"}, "country": {"type": "string"}, "population": {"type": "integer"}}},
-    {"type": "object", "additionalProperties": False, "required": ["name", "tags", "address"],
-     "properties": {"name": {"type": "string", "maxLength": 40}, "tags": {"type": "array", "items": {"type": "string"},
-                    "maxItems": 5},
-                    "address": {"type": "object", "additionalProperties": False, "required": ["street", "zip"],
-                                "properties": {"street": {"type": "string"}, "zip": {"type": "string",
-                                               "pattern": "^[0-9]{5}$"}}}}},
-    {"type": "object", "additionalProperties": False, "required": ["answer", "confidence"],
-     "properties": {"answer": {"enum": ["yes", "no", "unsure"]}, "confidence": {"type": "number"}}},
-    {"$defs": {"person": {"type": "object", "additionalProperties": False, "required": ["name", "age"],
-                          "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}},
-     "type": "object", "additionalProperties": False, "required": ["people"],
-     "properties": {"people": {"type": "array", "items": {"$ref": "#/$defs/person"}, "maxItems": 4}}},
-    {"anyOf": [{"type": "object", "additionalProperties": False, "required": ["ok"], "properties": {"ok": {"const": True}}},
-               {"type": "object", "additionalProperties": False, "required": ["error"],
-                "properties": {"error": {"type": "string"}}}]},
-]  # fmt: skip
 QUESTIONS = ["Describe Paris.", "Give me a person record.", "Is the sea blue?", "List two people and ages.",
              "Report the result.", "Describe Rome.", "Describe a cat.", "Summarize the weather."]  # fmt: skip
 
@@ -60,7 +42,7 @@ def compile_times(llm: LLM) -> tuple[float, list[float]]:
         shared._cache.clear()
         start = time.perf_counter()
         state = shared.new_state(StructuredOutputsParams(json=schema))
-        state.fill_bitmask(torch.zeros((engine.vocab_size + 31) // 32, dtype=torch.int32))
+        state.fill_bitmask(torch.zeros(bitmask_words(engine.vocab_size), dtype=torch.int32))
         times.append(time.perf_counter() - start)
     return tokenizer_s, times
 

@@ -15,32 +15,11 @@ from llmserve.server.errors import APIError
 from llmserve.server.protocol import _SamplingFields
 
 
-def _current(req: _SamplingFields, found: list[tuple[str, StructuredOutputsParams]]) -> str:
-    """The field being read when a constraint failed to parse: the first one set after `found`."""
-    order = [
-        "response_format",
-        "structured_outputs",
-        "guided_json",
-        "guided_regex",
-        "guided_choice",
-        "guided_grammar",
-    ]
-    done = {name for name, _ in found}
-    for name in order:
-        value = getattr(req, name)
-        if (
-            name not in done
-            and value is not None
-            and not (name == "response_format" and value.type == "text")
-        ):
-            return name
-    return "structured_outputs"
-
-
 def structured_outputs(req: _SamplingFields) -> tuple[StructuredOutputsParams | None, str | None]:
     """The request's constraint and the field it came in (or None, None); APIError 400 naming the
     field when it is malformed."""
     found: list[tuple[str, StructuredOutputsParams]] = []
+    field = "response_format"  # the field being read, named when it does not parse
     try:
         fmt = req.response_format
         if fmt is not None and fmt.type == "json_object":
@@ -53,7 +32,7 @@ def structured_outputs(req: _SamplingFields) -> tuple[StructuredOutputsParams | 
                     param="response_format",
                 )
             found.append(("response_format", StructuredOutputsParams(json=schema)))
-        so = req.structured_outputs
+        field, so = "structured_outputs", req.structured_outputs
         if so is not None:
             found.append(
                 ("structured_outputs", StructuredOutputsParams(
@@ -67,12 +46,11 @@ def structured_outputs(req: _SamplingFields) -> tuple[StructuredOutputsParams | 
             ("guided_choice", {"choice": req.guided_choice}),
             ("guided_grammar", {"grammar": req.guided_grammar}),
         ):
+            field = name
             if next(iter(kwargs.values())) is not None:
                 found.append((name, StructuredOutputsParams(**kwargs)))  # type: ignore[arg-type]
     except ParameterError as e:
-        raise APIError(
-            400, str(e), param=e.param if e.param == "response_format" else _current(req, found)
-        ) from None
+        raise APIError(400, str(e), param=field) from None
     if len(found) > 1:
         names = ", ".join(name for name, _ in found)
         raise APIError(400, f"give one structured-output constraint; got {names}", param=found[1][0])
