@@ -10,7 +10,8 @@ own llama-quantize. Both engines score positions 256..510 of each 512-token chun
   - llama.cpp: `llama-perplexity --kl-divergence-base` on the F32 file, then `--kl-divergence` on
     each quantized file (and on the F32 file with a q8_0 KV cache, `-ctk q8_0 -ctv q8_0 -fa on`);
   - llmserve: `llmserve.bench.quality.evaluate` (what `llmserve eval perplexity` runs) with the F32
-    file at quantization 'none' as the reference.
+    file at quantization 'none' as the reference, each model with the KV cache the server gives it
+    (`auto`: float16 under quantized weights, like llama.cpp's default cache; float32 otherwise).
 Rows pair each llama.cpp run with llmserve on the same file (or the same bit width quantized by
 llmserve itself from the F32 file). Needs the llama.cpp tools built by build_llama_server.sh.
 """
@@ -30,6 +31,7 @@ from llmserve.bench.quality import evaluate
 from llmserve.config import ModelConfig
 from llmserve.model_executor.model_loader import load_model
 from llmserve.model_executor.model_loader.source import DEFAULT_MODEL, resolve_model
+from llmserve.model_executor.model_runner import resolve_kv_cache_dtype
 from llmserve.tokenizer import load_tokenizer
 from peers.gguf_to_f32 import ensure_f32_gguf, ensure_quantized_gguf, peers_dir
 
@@ -88,6 +90,8 @@ def main() -> None:
     ) -> dict[str, float]:
         config = ModelConfig(model=str(path), quantization=quantization, dtype=dtype, show_progress=False)  # type: ignore[arg-type]
         model = load_model(config)
+        # the KV cache the server would run (auto: float16 under quantized weights, as llama.cpp's)
+        kv = kv or resolve_kv_cache_dtype("auto", model.dtype, model.quantization != "none", model.device)
         r = evaluate(model, ids, args.ctx, reference, kv_cache_dtype=kv)
         return {"ppl": r.ppl, "kld": r.kld, "top1": r.top1, "ref_ppl": r.ref_ppl}
 

@@ -220,6 +220,17 @@ def test_16_bit_kv_cache_holds_twice_the_tokens_and_keeps_greedy_tokens(tiny, re
     assert token_ids(fp16.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference
 
 
+def test_auto_kv_cache_is_float16_under_quantized_weights(tiny):
+    """`auto` follows the model's dtype, except that quantized linear layers on the CPU keep K/V
+    in float16 (llama.cpp's default cache); an explicit dtype always wins."""
+    assert make_llm(tiny[0], quantization="int8").engine.kv_info.dtype == "float16"
+    assert make_llm(tiny[0], quantization="int4").engine.kv_info.dtype == "float16"
+    assert make_llm(tiny[0], quantization="none").engine.kv_info.dtype == "float32"
+    pinned = make_llm(tiny[0], quantization="int8", kv_cache_dtype="float32")
+    assert pinned.engine.kv_info.dtype == "float32"
+    assert pinned.engine.runner.runner.kv_caches[0].dtype == torch.float32
+
+
 def test_int8_kv_cache_holds_3_7x_the_tokens(tiny, reference):
     """int8 rows: head_dim values and a float16 scale per 32 of them (16 + 2 bytes for this
     model's 16-dim heads, against 64 in float32)."""

@@ -11,7 +11,7 @@ import torch
 from llmserve.config import ModelConfig
 from llmserve.model_executor.greedy import generate_greedy
 from llmserve.model_executor.model_loader import load_model
-from llmserve.model_executor.model_runner import ModelRunner
+from llmserve.model_executor.model_runner import ModelRunner, resolve_kv_cache_dtype
 
 
 def _f32_cases(reference: dict) -> list[dict]:
@@ -57,14 +57,18 @@ def test_greedy_matches_llamacpp_f32(smollm2, llamacpp_reference, batched, kv_ca
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-decode", "layer-by-layer"])
 @pytest.mark.parametrize("batched", [False, True], ids=["alone", "batched"])
-def test_quantized_greedy_matches_llamacpp_f32(smollm2_quantized, llamacpp_reference, batched, fused):
+@pytest.mark.parametrize("kv", ["float32", "auto"], ids=["f32-kv", "auto-kv"])
+def test_quantized_greedy_matches_llamacpp_f32(smollm2_quantized, llamacpp_reference, batched, fused, kv):
     """Kept at 4 bits, the weights are the float path's exactly; rounding activations to int16
     leaves all five continuations token for token (llama.cpp computing on the same blocks rounds
-    activations to 8 bits, and two of its five differ: the `q4_1` cases)."""
+    activations to 8 bits, and two of its five differ: the `q4_1` cases). `auto` is what the
+    server runs: quantized weights on the CPU keep K/V in float16, as llama.cpp does."""
     cases = _f32_cases(llamacpp_reference)
     model = smollm2_quantized.model.model
     eos = frozenset({llamacpp_reference_eos(smollm2_quantized)})
-    runner = ModelRunner(smollm2_quantized.model, num_blocks=64, block_size=16)
+    kv_dtype = resolve_kv_cache_dtype(kv, smollm2_quantized.dtype, smollm2_quantized.quantization != "none")
+    assert kv_dtype == (torch.float16 if kv == "auto" else torch.float32)
+    runner = ModelRunner(smollm2_quantized.model, num_blocks=64, block_size=16, kv_cache_dtype=kv_dtype)
     prompts = [c["prompt_ids"] for c in cases]
     model.fused_forward = fused
     try:

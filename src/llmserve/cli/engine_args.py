@@ -47,8 +47,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--kv-cache-dtype",
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16", "int8"],
-        help="what the KV cache stores K/V in (auto: the model's dtype); 16 bits hold twice the tokens, "
-        "int8 (a float32 scale per token and head) 3.8x",
+        help="what the KV cache stores K/V in (auto: the model's dtype, but float16 for quantized "
+        "weights on the CPU, as llama.cpp); 16 bits hold twice the float32 tokens, int8 (a float16 "
+        "scale per 32 values) 3.6x",
     )
     g.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
     g.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")

@@ -85,7 +85,7 @@ def run_perplexity(args: argparse.Namespace) -> int:
     from llmserve.model_executor.model_runner import resolve_kv_cache_dtype
 
     kv_name = CacheConfig(kv_cache_dtype=args.kv_cache_dtype).kv_cache_dtype  # validated
-    kv_dtype = resolve_kv_cache_dtype(kv_name, loaded.dtype)
+    kv_dtype = resolve_kv_cache_dtype(kv_name, loaded.dtype, loaded.quantization != "none", loaded.device)
     with bar:
         result = evaluate(loaded, ids, args.ctx, reference, progress, kv_cache_dtype=kv_dtype)
     print(result.summary())

@@ -26,7 +26,8 @@ class CacheConfig:
     """Reuse the KV blocks of earlier requests that share a prompt prefix."""
 
     kv_cache_dtype: str = "auto"
-    """What the cache stores K/V in: `auto` (the model's dtype), `float32`, `bfloat16`, `float16`
+    """What the cache stores K/V in: `auto` (the model's dtype; float16 for a float32 model on the
+    CPU whose linear layers run quantized, as llama.cpp keeps K/V), `float32`, `bfloat16`, `float16`
     or `int8`. A 16-bit cache under a float32 model holds twice the tokens in the same memory and
     halves what decode attention reads; `int8` keeps each token's K and V row per head as int8
     with a float16 scale per 32 values (llama.cpp's q8_0 blocks), 3.6x the tokens of float32 for

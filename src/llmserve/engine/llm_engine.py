@@ -92,7 +92,12 @@ class LLMEngine:
         self.vocab_size = int(self.loaded.hf_config.vocab_size)
 
         shape = self.loaded.model.kv_cache_shape()
-        kv_dtype = resolve_kv_cache_dtype(self.cache_config.kv_cache_dtype, self.loaded.dtype)
+        kv_dtype = resolve_kv_cache_dtype(
+            self.cache_config.kv_cache_dtype,
+            self.loaded.dtype,
+            self.loaded.quantization != "none",
+            self.loaded.device,
+        )
         bytes_per_token = (
             shape.num_layers
             * KVCacheSpec(1, 1, shape.num_kv_heads, shape.head_dim, kv_dtype).bytes_per_token()
