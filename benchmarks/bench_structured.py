@@ -78,8 +78,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument(
+        "--masks", choices=["auto", "beside", "after"], default="auto",
+        help="grammar masks computed beside the forward pass (worker thread) or after it; auto: the engine's choice",
+    )  # fmt: skip
     args = ap.parse_args()
     llm = LLM(show_progress=False)
+    if args.masks != "auto":
+        llm.engine.runner.overlap_masks = args.masks == "beside"
+    print(f"masks: {'beside' if llm.engine.runner.overlap_masks else 'after'} the forward pass")
     tokenizer_s, compile_s = compile_times(llm)
     print(
         f"LLTokenizer for the {llm.engine.vocab_size}-token vocabulary: {1e3 * tokenizer_s:.0f} ms (once per engine)"

@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from llmserve.server.serving.tools import ToolStreamSplitter, parse_tool_calls
+from llmserve.server.serving.tools import FORMATS, ToolStreamSplitter
 from tests.e2e.conftest import MODEL_NAME, ServerProcess
 
 pytestmark = pytest.mark.e2e
@@ -135,10 +135,10 @@ def test_bad_tools_are_400s(so_server: ServerProcess, extra, param, message) -> 
 
 def test_hermes_parser_and_stream_splitter() -> None:
     text = 'Sure.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n<tool_call>\n{bad}\n</tool_call>'
-    content, calls = parse_tool_calls(text)
+    content, calls = FORMATS["hermes"].parse(text)
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("add", {"a": 1, "b": 2})]
     assert content == "Sure.\n\n<tool_call>\n{bad}\n</tool_call>"  # a block that does not parse stays text
-    assert parse_tool_calls("no calls here") == ("no calls here", [])
+    assert FORMATS["hermes"].parse("no calls here") == ("no calls here", [])
     splitter, streamed = ToolStreamSplitter(), []
     for piece in ["Sure. <", "tool_c", 'all>\n{"name": "add", "arguments": {}}\n</tool_call>']:
         streamed.append(splitter.feed(piece))
@@ -149,3 +149,68 @@ def test_hermes_parser_and_stream_splitter() -> None:
     assert (
         splitter.feed("a <t") == "a " and splitter.feed("ag>") == "<tag>" and splitter.finish() == (None, [])
     )
+
+
+# Chat templates in the style of Llama 3.1's and Mistral's (their markers spelled as plain text in
+# the tiny vocabulary): the server reads the tool-call format off them (--tool-call-parser auto).
+LLAMA3_TEMPLATE = (
+    "{% if tools %}<|start_header_id|>system<|end_header_id|>\nEnvironment: ipython\nCall a function by "
+    'replying {"name": function name, "parameters": arguments}: {{ tools | tojson }}<|eot_id|>{% endif %}'
+    "{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n"
+    "{% if m.tool_calls %}<|python_tag|>{{ m.tool_calls | tojson }}{% else %}{{ m['content'] }}{% endif %}<|eot_id|>"
+    "{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n{% endif %}"
+)
+MISTRAL_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}{% if tools and loop.last %}[AVAILABLE_TOOLS]"
+    "{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}[INST]{{ m['content'] }}[/INST]"
+    "{% elif m.tool_calls %}[TOOL_CALLS]{{ m.tool_calls | tojson }}</s>"
+    "{% elif m['role'] == 'tool' %}[TOOL_RESULTS]{{ m['content'] }}[/TOOL_RESULTS]"
+    "{% else %}{{ m['content'] }}</s>{% endif %}{% endfor %}"
+)
+OPENERS = {"llama3_json": '{"name": ', "mistral": '[TOOL_CALLS][{"name": '}
+
+
+@pytest.fixture(scope="module", params=["llama3_json", "mistral"])
+def fmt_server(request, tmp_path_factory: pytest.TempPathFactory):
+    from tests.models.tiny import make_tiny_model_eos0
+
+    folder = tmp_path_factory.mktemp(f"tools-{request.param}")
+    make_tiny_model_eos0(folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    template = LLAMA3_TEMPLATE if request.param == "llama3_json" else MISTRAL_TEMPLATE
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    proc = ServerProcess(folder).start()
+    yield request.param, proc
+    proc.stop()
+
+
+def test_llama3_and_mistral_formats_read_off_the_template(fmt_server) -> None:
+    """Forced calls come out in the template's format (the raw tokens, from logprobs, open with its
+    marker) and are parsed back into tool_calls that validate, streamed and not."""
+    fmt, server = fmt_server
+    client = server.client()
+    for seed in range(2):
+        r = client.chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice="required", seed=seed,
+            parallel_tool_calls=False, temperature=1.0, max_tokens=160, logprobs=True,
+        )  # fmt: skip
+        choice = r.choices[0]
+        raw = "".join(t.token for t in choice.logprobs.content)
+        assert raw.startswith(OPENERS[fmt]), raw
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        check_calls(choice.message.tool_calls)
+    stream = client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}},
+        parallel_tool_calls=False, seed=3, temperature=1.0, max_tokens=160, stream=True,
+    )  # fmt: skip
+    calls, content, finish = {}, "", None
+    for chunk in stream:
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            for delta in c.delta.tool_calls or []:
+                entry = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+                entry["name"] += delta.function.name or ""
+                entry["arguments"] += delta.function.arguments or ""
+            finish = c.finish_reason or finish
+    assert finish == "tool_calls" and content == "" and [c["name"] for c in calls.values()] == ["add"]
+    jsonschema.validate(json.loads(calls[0]["arguments"]), ADD)

@@ -211,6 +211,62 @@ def test_equal_constraints_share_one_compiled_grammar(llm):
     assert manager.compile(a) is manager.compile(b)
 
 
+def test_masks_beside_the_forward_pass_give_the_same_outputs(llm):
+    """Masks computed on the worker thread during the forward pass (where a core is free) and
+    after it (this 2-core machine's default) constrain a mixed batch to the same tokens."""
+    runner = llm.engine.runner
+    prompts = [PROMPT, "Another prompt", "Free text"]
+    params = [
+        constrained(1, json=SCHEMAS[3]),
+        constrained(2, regex=r"[a-z]{3,8}"),
+        SamplingParams(seed=3, max_tokens=12),
+    ]
+
+    def run() -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    default = runner.overlap_masks
+    try:
+        runner.overlap_masks = True
+        beside = run()
+        assert runner._masks is not None  # the worker thread made them
+        runner.overlap_masks = False
+        after = run()
+    finally:
+        runner.overlap_masks = default
+    assert beside == after
+    jsonschema.validate(json.loads(llm.get_tokenizer().decode(beside[0])), SCHEMAS[3])
+
+
+def test_states_are_copies_of_the_compiled_matcher(llm):
+    """Each request advances its own copy; the cached matcher stays at the grammar's start."""
+    manager = llm.engine.structured_outputs
+    params = StructuredOutputsParams(choice=["yes", "no"])
+    one, two = manager.new_state(params), manager.new_state(params)
+    one.accept_all(llm.get_tokenizer().encode("yes", add_special_tokens=False))
+    assert one.is_finished or not one.matcher.is_error()
+    assert two.matcher.get_error() == "" and manager.compile(params).get_error() == ""
+    assert manager.compile(params) is not one.matcher and manager.compile(params) is not two.matcher
+
+
+def test_grammar_compilation_is_bounded(llm):
+    """A constraint slower than the compile time limit, or larger than llguidance's limits, is a
+    ParameterError naming the field; the manager keeps serving other constraints."""
+    manager = llm.engine.structured_outputs
+    big = StructuredOutputsParams(json={"enum": [f"value-{i}" for i in range(20000)]})  # ~0.1 s to compile
+    limit = manager.compile_timeout
+    manager.compile_timeout = 0.001
+    try:
+        with pytest.raises(ValueError, match="structured_outputs.json took longer than 0.001 s to compile"):
+            manager.compile(big)
+    finally:
+        manager.compile_timeout = limit
+    huge = StructuredOutputsParams(json={"enum": [f"value-{i}" for i in range(200000)]})
+    with pytest.raises(ValueError, match="invalid structured_outputs.json: .*too big"):
+        manager.compile(huge)
+    assert manager.compile(StructuredOutputsParams(regex="[ab]{2}")).get_error() == ""
+
+
 @pytest.mark.slow
 def test_embedded_model_answers_in_json(tmp_path):
     """The real embedded model through its chat template: any JSON object, and a schema whose

@@ -68,6 +68,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--reasoning-parser", choices=["auto", "none", "think"], default="auto",
         help="split <think>...</think> into reasoning_content (auto: when the chat template uses <think>)",
     )  # fmt: skip
+    s.add_argument(
+        "--tool-call-parser", choices=["auto", "hermes", "llama3_json", "mistral"], default="auto",
+        help="tool-call format: hermes (<tool_call>), llama3_json, mistral ([TOOL_CALLS]); "
+        "auto: the one the chat template uses",
+    )  # fmt: skip
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -88,6 +93,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         stats_log_interval=args.stats_log_interval,
         enable_response_timings=args.enable_response_timings,
         reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
     )
 
 

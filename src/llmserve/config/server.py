@@ -43,6 +43,10 @@ class ServerConfig:
     reasoning_parser: str = "auto"
     """`think`: a chat reply's `<think>…</think>` becomes `reasoning_content` (Qwen3, DeepSeek-R1);
     `none`: the text is left as it is; `auto`: `think` when the chat template mentions `<think>`."""
+    tool_call_parser: str = "auto"
+    """How tool calls are written and read back: `hermes` (`<tool_call>` JSON blocks: Qwen,
+    Hermes), `llama3_json` (Llama 3.1+), `mistral` (`[TOOL_CALLS]`), or `auto`: the format the chat
+    template uses (hermes when it names none)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -57,5 +61,9 @@ class ServerConfig:
             raise ValueError(f"shutdown_timeout must be >= 0; got {self.shutdown_timeout}")
         if self.reasoning_parser not in ("auto", "none", "think"):
             raise ValueError(f"reasoning_parser must be auto, none or think; got {self.reasoning_parser!r}")
+        if self.tool_call_parser not in ("auto", "hermes", "llama3_json", "mistral"):
+            raise ValueError(
+                f"tool_call_parser must be auto, hermes, llama3_json or mistral; got {self.tool_call_parser!r}"
+            )
         if self.api_key == "":
             raise ValueError("api_key must not be empty (leave it unset to disable authentication)")

@@ -10,12 +10,15 @@ changed, and per step:
   4. projects to the vocabulary only the rows that are needed: the last position of each request
      whose known tokens are now all computed (it samples), and the prompt positions of requests
      that asked for prompt logprobs;
-  5. masks the logits of requests with structured outputs to what their grammar allows next,
-     samples all requests together, then appends the tokens to their states (and grammars).
+  5. masks the logits of requests with structured outputs to what their grammar allows next (the
+     masks are computed on a worker thread while the forward pass runs, where a core is free for
+     it), samples all requests together, then appends the tokens to their states (and grammars).
 """
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +73,11 @@ class EngineRunner:
         self.structured_outputs = structured_outputs
         self.device = self.runner.device
         self.vocab_size = vocab_size
+        self._masks: ThreadPoolExecutor | None = None  # grammar masks, made beside the forward pass
+        # Beside the forward pass only with a core to spare: on the CPU, a mask thread sharing the
+        # cores of the matmuls' OpenMP threads stalls them at every barrier (2 cores, 2 threads:
+        # a JSON schema's TPOT overhead at batch 16 went from 3-4% to 5-13%, docs/benchmarks.md).
+        self.overlap_masks = self.device.type != "cpu" or _usable_cores() > torch.get_num_threads()
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         # Sampling states of preempted requests, waiting for them to be rescheduled.
@@ -143,13 +151,40 @@ class EngineRunner:
             state.num_computed_tokens = end
             row += n
 
-        hidden, _ = self.runner.forward(batch)
+        # Grammar masks depend only on the tokens sampled so far: where a core is free, they are
+        # computed on a worker thread while the forward pass runs (both release the GIL).
+        constrained = [i for i, (_, s) in enumerate(samplers) if s.sampling.grammar is not None]
+        grammars = [samplers[i][1] for i in constrained]
+        masks = (
+            self._mask_worker().submit(self._fill_masks, grammars)
+            if constrained and self.overlap_masks
+            else None
+        )
+        try:
+            hidden, _ = self.runner.forward(batch)
+        finally:
+            mask = masks.result() if masks is not None else None  # never left running past the step
+        if constrained and mask is None:
+            mask = self._fill_masks(grammars)
         out = ModelRunnerOutput(req_ids, [[] for _ in req_ids])
         if prompt_rows:
             out.prompt_logprobs = self._prompt_logprobs(hidden, prompt_rows)
         if samplers:
-            self._sample(hidden, sample_rows, samplers, out)
+            self._sample(hidden, sample_rows, samplers, out, constrained, mask)
         return out
+
+    def _mask_worker(self) -> ThreadPoolExecutor:
+        if self._masks is None:
+            self._masks = ThreadPoolExecutor(1, thread_name_prefix="llmserve-grammar")
+        return self._masks
+
+    def _fill_masks(self, states: list[CachedRequestState]) -> torch.Tensor:
+        """Row j: the tokens the grammar of states[j] allows next."""
+        mask = torch.zeros(len(states), bitmask_words(self.vocab_size), dtype=torch.int32)
+        for j, state in enumerate(states):
+            assert state.sampling.grammar is not None
+            state.sampling.grammar.fill_bitmask(mask[j])
+        return mask
 
     def _sample(
         self,
@@ -157,11 +192,12 @@ class EngineRunner:
         rows: list[int],
         states: list[tuple[int, CachedRequestState]],
         out: ModelRunnerOutput,
+        constrained: list[int],
+        mask: torch.Tensor | None,
     ) -> None:
         logits = self.runner.model.compute_logits(hidden[rows])  # [num_sampling, vocab]
-        constrained = [i for i, (_, s) in enumerate(states) if s.sampling.grammar is not None]
-        if constrained:
-            self._mask_logits(logits, [states[i][1] for i in constrained], constrained)
+        if mask is not None:
+            self._mask_logits(logits, mask, constrained)
         metadata = SamplingMetadata.build([s.sampling for _, s in states], self.vocab_size, self.device)
         result = self.sampler(logits, metadata)
         tokens = result.sampled_token_ids.tolist()  # the step's one device->host sync
@@ -175,12 +211,12 @@ class EngineRunner:
                 out.logprobs[state.req_id] = result.logprobs.to_lists(i, k)
 
     @staticmethod
-    def _mask_logits(logits: torch.Tensor, states: list[CachedRequestState], rows: list[int]) -> None:
-        """-inf for every token the grammar of each constrained row forbids next."""
-        mask = torch.zeros(len(rows), bitmask_words(logits.shape[1]), dtype=torch.int32)
-        for j, state in enumerate(states):
-            assert state.sampling.grammar is not None
-            state.sampling.grammar.fill_bitmask(mask[j])
+    def _mask_logits(logits: torch.Tensor, mask: torch.Tensor, rows: list[int]) -> None:
+        """-inf for every token the grammar of each constrained row forbids next (logit columns
+        past the tokenizer's vocabulary, where a model pads its head, are forbidden too)."""
+        extra = bitmask_words(logits.shape[1]) - mask.shape[1]
+        if extra > 0:
+            mask = torch.nn.functional.pad(mask, (0, extra))
         if len(rows) == logits.shape[0]:  # every row constrained: in place
             apply_bitmask(logits, mask)
             return
@@ -205,3 +241,9 @@ class EngineRunner:
             k = state.sampling.params.prompt_logprobs or 0
             result[req_id] = compute_logprobs(logits.float(), targets, k).rows_to_lists(0, len(targets), k)
         return result
+
+
+def _usable_cores() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1

@@ -1,7 +1,13 @@
 """`StructuredOutputManager`: one per engine (one tokenizer). Turns `StructuredOutputsParams` into an
-llguidance grammar, validates it against the tokenizer when the request arrives (a bad schema,
-regex or grammar is a `ParameterError` naming the field, before anything is queued), caches the
-result by constraint, and gives each request a `GrammarState`.
+llguidance grammar and compiles it against the tokenizer when the request arrives, off the engine
+thread (a bad schema, regex or grammar is a `ParameterError` naming the field, before anything is
+queued), caches the compiled matcher by constraint, and gives each request a `GrammarState`: a
+copy of the cached matcher (~0.1 ms, where compiling a large grammar takes up to a second).
+
+Compilation is bounded twice: llguidance's own resource limits (`LIMITS`: grammar size, lexer
+states and the work per mask) refuse grammars too large to serve, and `compile_timeout` refuses
+one that takes longer than that to compile (the request gets its 400 then; llguidance finishes
+the abandoned compile in the background within its limits).
 
 A `GrammarState` lives with the request's sampling state: it survives preemption (the tokens it
 accepted are the request's output, which a recomputed request keeps) and prefix-cache hits (only
@@ -14,6 +20,8 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import llguidance
 import torch
@@ -27,6 +35,19 @@ from llmserve.tokenizer import Tokenizer
 # a small model can loop (llguidance's default allows any run of whitespace there).
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _PARAM = "structured_outputs"  # the server renames it to the field the constraint came in
+
+LIMITS = llguidance.LLParserLimits(
+    max_grammar_size=500_000,  # symbols in the grammar's productions
+    initial_lexer_fuel=1_000_000,  # lexer construction at compile time (~20 ms of work)
+    step_lexer_fuel=200_000,  # lexer work per token mask (~15 ms)
+    step_max_items=50_000,  # parser items per token mask (~2.5 ms)
+    max_lexer_states=250_000,  # ~1-2 kB each
+)
+"""llguidance's resource limits (its defaults, stated here so they are ours to change): a grammar
+past them fails to compile, or fails its request at the step that exceeds them."""
+
+DEFAULT_COMPILE_TIMEOUT = 10.0
+"""Seconds a constraint may take to compile before its request is refused."""
 
 
 class GrammarState:
@@ -58,17 +79,23 @@ class GrammarState:
 
 class StructuredOutputManager:
     def __init__(
-        self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Iterable[int], cache_size: int = 512
+        self,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        eos_token_ids: Iterable[int],
+        cache_size: int = 512,
+        compile_timeout: float = DEFAULT_COMPILE_TIMEOUT,
     ) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._eos = sorted(eos_token_ids)
         self._ll: llguidance.LLTokenizer | None = None  # built on first use (~0.1-1 s)
-        self._cache: OrderedDict[str, str] = OrderedDict()  # cache_key -> validated grammar
+        self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()  # cache_key -> fresh matcher
         self._cache_size = cache_size
-        self._lock = (
-            threading.Lock()
-        )  # compile() runs on the server's event loop, states in the engine thread
+        self.compile_timeout = compile_timeout
+        self._compiler: ThreadPoolExecutor | None = None
+        # compile() runs on the server's input threads, new_state() in the engine thread
+        self._lock = threading.Lock()
 
     @property
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
@@ -79,31 +106,41 @@ class StructuredOutputManager:
                 )
             return self._ll
 
-    def compile(self, params: StructuredOutputsParams) -> str:
-        """The llguidance grammar for `params`, validated; ParameterError when it is invalid."""
+    def compile(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
+        """A matcher at the start of `params`' grammar (cached; copy it before advancing it);
+        ParameterError when the constraint is invalid, too large, or slower than
+        `compile_timeout` to compile."""
         key = params.cache_key()
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
+            if self._compiler is None:
+                self._compiler = ThreadPoolExecutor(2, thread_name_prefix="llmserve-grammar-compile")
+            compiler = self._compiler
+        tokenizer = self.ll_tokenizer
         grammar = _to_grammar(params)
-        error = llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
-        if error and not error.startswith("WARNING"):
+        job = compiler.submit(llguidance.LLMatcher, tokenizer, grammar, log_level=0, limits=LIMITS)
+        try:
+            matcher = job.result(timeout=self.compile_timeout)
+        except FutureTimeout:
             raise ParameterError(
-                f"invalid structured_outputs.{params.kind}: {error.strip()[:500]}",
+                f"structured_outputs.{params.kind} took longer than {self.compile_timeout:g} s to compile",
+                param=_PARAM,
+            ) from None
+        if matcher.is_error():
+            raise ParameterError(
+                f"invalid structured_outputs.{params.kind}: {matcher.get_error().strip()[:500]}",
                 param=_PARAM,
             )
         with self._lock:
-            self._cache[key] = grammar
+            self._cache[key] = matcher
             if len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
-        return grammar
+        return matcher
 
     def new_state(self, params: StructuredOutputsParams) -> GrammarState:
-        matcher = llguidance.LLMatcher(self.ll_tokenizer, self.compile(params), log_level=0)
-        if matcher.is_error():  # validated above: only resource limits get here
-            raise ParameterError(f"structured_outputs.{params.kind}: {matcher.get_error()}", param=_PARAM)
-        return GrammarState(matcher, params.kind)
+        return GrammarState(self.compile(params).deep_copy(), params.kind)
 
 
 def _to_grammar(params: StructuredOutputsParams) -> str:

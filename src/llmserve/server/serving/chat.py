@@ -40,12 +40,13 @@ from llmserve.server.serving.common import (
 from llmserve.server.serving.reasoning import OPEN as THINK_OPEN
 from llmserve.server.serving.reasoning import ReasoningStreamSplitter, split_reasoning, uses_think_tags
 from llmserve.server.serving.tools import (
+    FORMATS,
+    ToolFormat,
     ToolPlan,
     ToolStreamSplitter,
-    parse_tool_calls,
     plan_tools,
     template_mentions_tools,
-    tools_system_prompt,
+    tool_format,
 )
 
 
@@ -75,9 +76,9 @@ def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 def render_chat(ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool,
                 continue_final_message: bool = False, extra: dict[str, Any] | None = None,
-                tools: list[dict[str, Any]] | None = None) -> list[int]:  # fmt: skip
+                tools: list[dict[str, Any]] | None = None, fmt: ToolFormat | None = None) -> list[int]:  # fmt: skip
     """Chat template -> token ids; a template that refuses the conversation is a 400. `tools` reach
-    the template as its `tools` variable, or a system message where the template has none."""
+    the template as its `tools` variable, or a system message in `fmt` where the template has none."""
     if continue_final_message and add_generation_prompt:
         raise APIError(
             400, "continue_final_message and add_generation_prompt cannot both be true",
@@ -96,7 +97,7 @@ def render_chat(ctx: ServingContext, messages: list[ChatMessage], add_generation
     if tools and template_mentions_tools(ctx.tokenizer.chat_template):
         extra["tools"] = tools
     elif tools:
-        described = tools_system_prompt(tools)
+        described = (fmt or FORMATS["hermes"]).instructions(tools)
         if dicts and dicts[0]["role"] == "system":
             dicts[0] = {**dicts[0], "content": f"{dicts[0]['content']}\n\n{described}"}
         else:
@@ -117,6 +118,7 @@ def render_chat(ctx: ServingContext, messages: list[ChatMessage], add_generation
 class ChatServing:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
+        self.tool_format = tool_format(ctx.config.tool_call_parser, ctx.tokenizer.chat_template)
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Any:
         ctx = self.ctx
@@ -125,16 +127,18 @@ class ChatServing:
         if top is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
         check_caps(ctx, req, top, "top_logprobs")
-        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_format)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         if max_tokens is not None and max_tokens < 1:
             raise APIError(400, f"{param_name} must be >= 1; got {max_tokens}", param=param_name)
         ids = render_chat(
             ctx, req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs,
-            plan.tools,
+            plan.tools, plan.fmt,
         )  # fmt: skip
         params = sampling_params(req, max_tokens, (top or 0) if req.logprobs else None, None)
+        if plan.active and plan.fmt.keeps_special_tokens:  # the calls' marker is a special token
+            params = dataclasses.replace(params, skip_special_tokens=False)
         if plan.constraint is not None:
             if params.structured_outputs is not None:
                 raise APIError(400, f"tool_choice {plan.choice!r} cannot be combined with another output "
@@ -220,7 +224,7 @@ class ChatServing:
             message["content"] = text
             finish_reason = choice.finish_reason
             if plan.active and text:
-                content, calls = parse_tool_calls(text)
+                content, calls = plan.fmt.parse(text)
                 if calls:
                     message["content"] = content
                     message["tool_calls"] = [call.to_dict() for call in calls]
@@ -283,7 +287,7 @@ class ChatServing:
             yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                          "finish_reason": None})  # fmt: skip
         finished = [False] * req.n
-        splitters = [ToolStreamSplitter() for _ in range(req.n)] if plan.active else None
+        splitters = [ToolStreamSplitter(plan.fmt) for _ in range(req.n)] if plan.active else None
         thinkers = (
             [ReasoningStreamSplitter(opened=think) for _ in range(req.n)] if think is not None else None
         )

@@ -1,18 +1,28 @@
-"""Tool calling on `/v1/chat/completions`, in the Hermes format (Qwen 2.5/3, Hermes, SmolLM3 and
-most open models' templates):
+"""Tool calling on `/v1/chat/completions`, in the formats open models are trained on:
 
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
+  hermes       <tool_call>                                  Qwen 2.5/3, Hermes, SmolLM3 and
+               {"name": "get_weather", "arguments": {...}}  most templates that render tools
+               </tool_call>
+  llama3_json  {"name": "get_weather", "parameters": {...}} Llama 3.1-3.3: the whole reply is
+               (after an optional <|python_tag|>; several   the call
+               calls joined by "; ")
+  mistral      [TOOL_CALLS][{"name": "get_weather",         Mistral 7B v0.3, Nemo, Small; the
+               "arguments": {...}}]                         newer `[TOOL_CALLS]name[ARGS]{...}`
+                                                            is parsed too
 
-  - `tools` reach the chat template as its `tools` variable; a template that never mentions tools
-    gets them described in a system message instead (with the format above), as llama.cpp does;
-  - `tool_choice`: "none" (tools neither shown nor parsed), "auto" (the model decides; calls are
-    parsed out of its text), "required" and a named function: enforced by a grammar (one
-    `<tool_call>` block per call, its JSON constrained to `{"name": <a tool>, "arguments": <that
-    tool's parameters schema>}`), so even a tiny model returns a call whose arguments validate;
-  - `parallel_tool_calls` false: exactly one call under a grammar;
-  - the reply: `tool_calls` with `finish_reason: "tool_calls"`, the text around them as content.
+- `--tool-call-parser auto` (the default) reads the format off the chat template (the markers
+  above; hermes when none is found);
+- `tools` reach the chat template as its `tools` variable; a template that never mentions tools
+  gets them described in a system message instead, with the format's instructions, as llama.cpp
+  does;
+- `tool_choice`: "none" (tools neither shown nor parsed), "auto" (the model decides; calls are
+  parsed out of its text), "required" and a named function: enforced by a grammar in the
+  format (its JSON constrained to a call of one of the tools, arguments to that tool's
+  parameters schema), so even a tiny model returns a call whose arguments validate;
+- `parallel_tool_calls` false: exactly one call under a grammar;
+- the reply: `tool_calls` with `finish_reason: "tool_calls"`, the text around them as content.
+  Streamed, content goes out as it comes until a call may be starting; the calls follow as one
+  `tool_calls` delta when the choice ends.
 """
 
 from __future__ import annotations
@@ -26,10 +36,11 @@ from typing import Any
 from llmserve.sampling_params import StructuredOutputsParams
 from llmserve.server.errors import APIError
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
+
 # JSON inside a grammar comes compact, as for response_format: no free whitespace to loop on
 _COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_JSON = json.JSONDecoder()
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +57,207 @@ class ToolCall:
         return out
 
 
+def _call_from(value: Any) -> ToolCall | None:
+    """A decoded JSON value as a call: an object with a string `name` and `arguments` (or
+    `parameters`, Llama's key) that is an object or its JSON text."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    args = value.get("arguments", value.get("parameters", {}))
+    if isinstance(args, str):
+        return ToolCall(value["name"], args)
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(value["name"], json.dumps(args, ensure_ascii=False))
+
+
+def _call_schemas(tools: list[dict[str, Any]], args_key: str) -> dict[str, Any]:
+    """The JSON schema of one call of any of `tools`: {"name": <const>, args_key: <parameters>}."""
+    variants = []
+    for tool in tools:
+        fn = tool["function"]
+        params = fn.get("parameters") or {"type": "object", "properties": {}}
+        variants.append({"type": "object", "additionalProperties": False, "required": ["name", args_key],
+                         "properties": {"name": {"const": fn["name"]}, args_key: params}})  # fmt: skip
+    schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
+    return {**schema, "x-guidance": _COMPACT}
+
+
+def _lark_literal(text: str) -> str:
+    return json.dumps(text)  # a Lark string literal: double quotes, JSON escapes
+
+
+class ToolFormat:
+    """How one family of models writes tool calls: the grammar that forces them, the parser that
+    reads them back, and where in a reply they may start (for streaming)."""
+
+    name = ""
+    marker = ""
+    """Text that opens the calls wherever it appears in a reply (content before it streams)."""
+    leading: tuple[str, ...] = ()
+    """Or: prefixes that open calls only at the very start of a reply (after whitespace)."""
+    keeps_special_tokens = False
+    """The marker is a special token of the family's tokenizer: detokenize with it kept."""
+
+    def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
+        raise NotImplementedError
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """Calls out of a whole reply, and the content around them (None when empty). Text that
+        does not parse as calls stays content, as the model wrote it."""
+        raise NotImplementedError
+
+    def instructions(self, tools: list[dict[str, Any]]) -> str:
+        """Tools described for a template that cannot render them itself."""
+        listing = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
+        return f"You may call functions to answer. The functions, as JSON:\n{listing}\n{self.how_to_call}"
+
+    how_to_call = ""
+
+
+class HermesFormat(ToolFormat):
+    name = "hermes"
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    marker = OPEN
+    _BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
+    how_to_call = (
+        "To call one, reply with one block per call and nothing after it:\n"
+        f'{OPEN}\n{{"name": <function name>, "arguments": <arguments as a JSON object>}}\n{CLOSE}'
+    )
+
+    def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
+        repeat = ' ("\\n" call)*' if parallel else ""
+        return (f'start: call{repeat}\ncall: "{self.OPEN}\\n" body "\\n{self.CLOSE}"\n'
+                f"body: %json {json.dumps(_call_schemas(tools, 'arguments'))}")  # fmt: skip
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        calls: list[ToolCall] = []
+        kept: list[str] = []
+        last = 0
+        for m in self._BLOCK.finditer(text):
+            try:
+                call = _call_from(json.loads(m.group(1)))
+            except ValueError:
+                call = None
+            if call is None:
+                continue
+            kept.append(text[last : m.start()])
+            last = m.end()
+            calls.append(call)
+        kept.append(text[last:])
+        return ("".join(kept).strip() or None), calls
+
+
+class Llama3JsonFormat(ToolFormat):
+    """Llama 3.1+'s JSON tool calls: the reply is one call object (`parameters` holds the
+    arguments), or several joined by ";", optionally after `<|python_tag|>`. A reply that starts
+    otherwise, or does not parse whole, is content."""
+
+    name = "llama3_json"
+    PYTHON_TAG = "<|python_tag|>"
+    leading = (PYTHON_TAG, "{")
+    how_to_call = (
+        'To call one, reply with nothing but its JSON, several joined by "; ":\n'
+        '{"name": <function name>, "parameters": <arguments as a JSON object>}'
+    )
+
+    def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
+        repeat = ' ("; " call)*' if parallel else ""
+        return f"start: call{repeat}\ncall: %json {json.dumps(_call_schemas(tools, 'parameters'))}"
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        body = text.strip()
+        body = body.removeprefix(self.PYTHON_TAG).lstrip()
+        calls: list[ToolCall] = []
+        at = 0
+        while at < len(body):
+            try:
+                value, end = _JSON.raw_decode(body, at)
+            except ValueError:
+                return (text.strip() or None), []
+            call = _call_from(value)
+            if call is None:
+                return (text.strip() or None), []
+            calls.append(call)
+            at = end
+            while at < len(body) and body[at] in " \t\r\n;":
+                at += 1
+        return None, calls
+
+
+class MistralFormat(ToolFormat):
+    """Mistral's `[TOOL_CALLS]` (a special token): a JSON array of calls after it (v3 tokenizers:
+    Mistral 7B v0.3, Nemo), or `name[ARGS]{...}` per call (v11+: Small 3.1 and later)."""
+
+    name = "mistral"
+    MARKER, ARGS = "[TOOL_CALLS]", "[ARGS]"
+    marker = MARKER
+    keeps_special_tokens = True
+    how_to_call = (
+        f"To call functions, reply with {MARKER} and a JSON array of calls, nothing after it:\n"
+        f'{MARKER}[{{"name": <function name>, "arguments": <arguments as a JSON object>}}]'
+    )
+
+    def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
+        repeat = ' (", " call)*' if parallel else ""
+        return (f'start: {_lark_literal(self.MARKER + "[")} call{repeat} "]"\n'
+                f"call: %json {json.dumps(_call_schemas(tools, 'arguments'))}")  # fmt: skip
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        at = text.find(self.MARKER)
+        if at < 0:
+            return (text.strip() or None), []
+        content, rest = text[:at], text[at:]
+        calls: list[ToolCall] = []
+        for piece in rest.split(self.MARKER)[1:]:
+            piece = piece.strip()
+            parsed = self._parse_piece(piece)
+            if parsed is None:
+                return (text.strip() or None), []
+            calls.extend(parsed)
+        return (content.strip() or None), calls
+
+    def _parse_piece(self, piece: str) -> list[ToolCall] | None:
+        if self.ARGS in piece and not piece.startswith(("[", "{")):  # name[ARGS]{...}
+            name, _, args = piece.partition(self.ARGS)
+            try:
+                value, end = _JSON.raw_decode(args.strip())
+            except ValueError:
+                return None
+            call = _call_from({"name": name.strip(), "arguments": value})
+            return None if call is None or args.strip()[end:].strip() else [call]
+        try:
+            value, end = _JSON.raw_decode(piece)
+        except ValueError:
+            return None
+        if piece[end:].strip():
+            return None
+        values = value if isinstance(value, list) else [value]
+        calls = [_call_from(v) for v in values]
+        return None if not calls or None in calls else calls  # type: ignore[return-value]
+
+
+FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HermesFormat(), Llama3JsonFormat(), MistralFormat())}
+
+
+def detect_tool_format(chat_template: str | None) -> ToolFormat:
+    """The format a chat template teaches its model: its markers, else hermes."""
+    template = chat_template or ""
+    if MistralFormat.MARKER in template or "[AVAILABLE_TOOLS]" in template:
+        return FORMATS["mistral"]
+    if HermesFormat.OPEN in template:
+        return FORMATS["hermes"]
+    if Llama3JsonFormat.PYTHON_TAG in template or ("ipython" in template and '"parameters"' in template):
+        return FORMATS["llama3_json"]
+    return FORMATS["hermes"]
+
+
+def tool_format(parser: str, chat_template: str | None) -> ToolFormat:
+    """`--tool-call-parser`'s format: a name, or `auto` (read off the template)."""
+    if parser == "auto":
+        return detect_tool_format(chat_template)
+    return FORMATS[parser]
+
+
 @dataclass(frozen=True, slots=True)
 class ToolPlan:
     """What a request's `tools` and `tool_choice` mean for this request."""
@@ -56,14 +268,18 @@ class ToolPlan:
     """"none", "auto", "required", or "function" (one named function)."""
     constraint: StructuredOutputsParams | None
     """The grammar of `required` and named choices."""
+    fmt: ToolFormat
 
     @property
     def active(self) -> bool:
         return self.choice != "none"
 
 
-def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool | None) -> ToolPlan:
+def plan_tools(
+    tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool | None, fmt: ToolFormat | None = None
+) -> ToolPlan:
     """Validate `tools` / `tool_choice` (400s naming them) and decide what the request does."""
+    fmt = fmt or FORMATS["hermes"]
     tools = tools or []
     names = [_check_tool(i, t) for i, t in enumerate(tools)]
     if tool_choice is None:
@@ -86,11 +302,11 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: b
                            param="tool_choice")  # fmt: skip
         choice, chosen = "function", [t for t in tools if t["function"]["name"] == name]
     if choice == "none":
-        return ToolPlan([], "none", None)
+        return ToolPlan([], "none", None, fmt)
     constraint = None
     if choice in ("required", "function"):
-        constraint = StructuredOutputsParams(grammar=_calls_grammar(chosen, parallel is not False))
-    return ToolPlan(chosen, choice, constraint)
+        constraint = StructuredOutputsParams(grammar=fmt.grammar(chosen, parallel is not False))
+    return ToolPlan(chosen, choice, constraint, fmt)
 
 
 def _check_tool(i: int, tool: Any) -> str:
@@ -107,71 +323,20 @@ def _check_tool(i: int, tool: Any) -> str:
     return name
 
 
-def _calls_grammar(tools: list[dict[str, Any]], parallel: bool) -> str:
-    """A Lark grammar (llguidance) for one or more Hermes blocks whose JSON is a call of `tools`."""
-    variants = []
-    for tool in tools:
-        fn = tool["function"]
-        params = fn.get("parameters") or {"type": "object", "properties": {}}
-        variants.append({"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                         "properties": {"name": {"const": fn["name"]}, "arguments": params}})  # fmt: skip
-    schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
-    schema = {**schema, "x-guidance": _COMPACT}
-    repeat = ' ("\\n" call)*' if parallel else ""
-    return f'start: call{repeat}\ncall: "{OPEN}\\n" body "\\n{CLOSE}"\nbody: %json {json.dumps(schema)}'
-
-
 def template_mentions_tools(template: str | None) -> bool:
     return bool(template) and "tools" in template  # type: ignore[operator]
 
 
-def tools_system_prompt(tools: list[dict[str, Any]]) -> str:
-    """Tools described for a template that cannot render them itself."""
-    listing = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
-    return (
-        "You may call functions to answer. The functions, as JSON:\n"
-        f"{listing}\n"
-        "To call one, reply with one block per call and nothing after it:\n"
-        f'{OPEN}\n{{"name": <function name>, "arguments": <arguments as a JSON object>}}\n{CLOSE}'
-    )
-
-
-def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
-    """Calls out of a model's text; the rest is content (None when empty). A block whose JSON does
-    not parse, or lacks a string name, stays in the content as the model wrote it."""
-    calls: list[ToolCall] = []
-    kept: list[str] = []
-    last = 0
-    for m in _BLOCK.finditer(text):
-        call = _parse_one(m.group(1))
-        if call is None:
-            continue
-        kept.append(text[last : m.start()])
-        last = m.end()
-        calls.append(call)
-    kept.append(text[last:])
-    content = "".join(kept).strip()
-    return (content or None), calls
-
-
-def _parse_one(body: str) -> ToolCall | None:
-    try:
-        value = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    args = value.get("arguments", value.get("parameters", {}))
-    return ToolCall(value["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
-
-
 class ToolStreamSplitter:
-    """Streams a choice's text as content until a `<tool_call>` may be starting; from there on
-    the text is held back, and `finish` parses it into calls (and any content left over)."""
+    """Streams a choice's text as content until calls may be starting (the format's marker, or
+    one of its leading prefixes at the start of the reply); from there on the text is held back,
+    and `finish` parses it into calls (and any content left over)."""
 
-    def __init__(self) -> None:
+    def __init__(self, fmt: ToolFormat | None = None) -> None:
+        self.fmt = fmt or FORMATS["hermes"]
         self._held = ""
         self._in_calls = False
+        self._decided = not self.fmt.leading  # leading formats: until the reply's start is known
 
     def feed(self, text: str) -> str:
         """The part of `text` that is safe to stream as content now."""
@@ -179,15 +344,30 @@ class ToolStreamSplitter:
             self._held += text
             return ""
         buf = self._held + text
-        at = buf.find(OPEN)
+        if not self._decided:
+            head = buf.lstrip()
+            if any(head.startswith(p) for p in self.fmt.leading):
+                self._in_calls, self._held = True, buf
+                return ""
+            if not head or any(p.startswith(head) for p in self.fmt.leading):
+                self._held = buf  # not decided yet
+                return ""
+            self._decided = True
+        if not self.fmt.marker:
+            self._held = ""
+            return buf
+        marker = self.fmt.marker
+        at = buf.find(marker)
         if at >= 0:
             self._in_calls, self._held = True, buf[at:]
             return buf[:at]
-        keep = next((k for k in range(min(len(OPEN) - 1, len(buf)), 0, -1) if OPEN.startswith(buf[-k:])), 0)
+        keep = next(
+            (k for k in range(min(len(marker) - 1, len(buf)), 0, -1) if marker.startswith(buf[-k:])), 0
+        )
         self._held = buf[len(buf) - keep :]
         return buf[: len(buf) - keep]
 
     def finish(self) -> tuple[str | None, list[ToolCall]]:
         """Content still held back and the calls found in it."""
         held, self._held = self._held, ""
-        return parse_tool_calls(held) if self._in_calls else ((held or None), [])
+        return self.fmt.parse(held) if self._in_calls else ((held or None), [])
