@@ -6,6 +6,7 @@ are 400s naming the field. The Hermes parser and the stream splitter are checked
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import jsonschema
@@ -214,3 +215,47 @@ def test_llama3_and_mistral_formats_read_off_the_template(fmt_server) -> None:
             finish = c.finish_reason or finish
     assert finish == "tool_calls" and content == "" and [c["name"] for c in calls.values()] == ["add"]
     jsonschema.validate(json.loads(calls[0]["arguments"]), ADD)
+
+
+AUTO_CALL = {"hermes": '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>',
+             "llama3_json": '{"name": "add", "parameters": {"a": 1, "b": 2}}',
+             "mistral": 'Adding.[TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": 2}}]'}  # fmt: skip
+
+
+def _auto_round_trip(server: ServerProcess, fmt: str) -> None:
+    """`auto`: the model's own text decides. A regex constraint makes the tiny model write a call in
+    the format (or plain text), and the server must find it, streamed and not."""
+    client = server.client()
+    content = "Adding." if fmt == "mistral" else None
+    for text, calls in ((AUTO_CALL[fmt], True), ("just text", False)):
+        extra = {"structured_outputs": {"regex": re.escape(text)}}
+        r = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice="auto",
+                                           max_tokens=80, extra_body=extra)  # fmt: skip
+        message = r.choices[0].message
+        if calls:
+            assert r.choices[0].finish_reason == "tool_calls" and message.content == content
+            assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
+                ("add", {"a": 1, "b": 2})
+            ]
+        else:
+            assert r.choices[0].finish_reason == "stop" and message.content == text and not message.tool_calls
+        stream = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice="auto",
+                                                max_tokens=80, extra_body=extra, stream=True)  # fmt: skip
+        streamed, names, finish = "", [], None
+        for chunk in stream:
+            for c in chunk.choices:
+                streamed += c.delta.content or ""
+                names += [d.function.name for d in c.delta.tool_calls or []]
+                finish = c.finish_reason or finish
+        assert (streamed, names, finish) == (
+            (content or "", ["add"], "tool_calls") if calls else (text, [], "stop")
+        )
+
+
+def test_auto_calls_round_trip_hermes(so_server: ServerProcess) -> None:
+    _auto_round_trip(so_server, "hermes")
+
+
+def test_auto_calls_round_trip_other_formats(fmt_server) -> None:
+    fmt, server = fmt_server
+    _auto_round_trip(server, fmt)
