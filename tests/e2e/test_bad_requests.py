@@ -70,6 +70,9 @@ CASES = [
     chat("content-number", "messages", messages=[{"role": "user", "content": 5}]),
     chat("image-part", "messages",
          messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]),
+    # found by the OpenAPI fuzzer: a text part without a string `text` was a 500 (AttributeError)
+    chat("text-part-without-text", "messages", messages=[{"role": "user", "content": [{"type": "text"}]}]),
+    chat("text-part-number", "messages", messages=[{"role": "user", "content": [{"type": "text", "text": 3}]}]),
     chat("empty-messages", "messages", messages=[]),
     chat("template-kwargs-clash", "chat_template_kwargs", chat_template_kwargs={"add_generation_prompt": False}),
     chat("continue-without-assistant", "messages", continue_final_message=True, add_generation_prompt=False),

@@ -340,11 +340,19 @@ def registered_routes() -> list[tuple[str, str]]:
     from llmserve.server.app import build_app
 
     app = build_app(lambda: None, ServerConfig(), MODEL_NAME)  # type: ignore[arg-type,return-value]
+
+    def walk(entries):  # routers included without a prefix show up as one entry each
+        for route in entries:
+            included = getattr(route, "original_router", None)
+            if included is not None:
+                yield from walk(included.routes)
+            elif isinstance(route, Route) and route.methods:
+                yield route
+
     routes = []
-    for route in app.routes:
-        if isinstance(route, Route) and route.methods:
-            path = re.sub(r"\{[^}]*\}", MODEL_NAME, route.path)
-            routes += [(method, path) for method in sorted(route.methods - {"HEAD"})]
+    for route in walk(app.routes):
+        path = re.sub(r"\{[^}]*\}", MODEL_NAME, route.path)
+        routes += [(method, path) for method in sorted(route.methods - {"HEAD"})]
     return routes
 
 
@@ -353,7 +361,15 @@ ROUTES = registered_routes()
 
 def test_route_table_is_found() -> None:
     paths = {path for _, path in ROUTES}
-    assert {"/health", "/v1/completions", "/v1/chat/completions", "/v1/models", "/stats"} <= paths
+    assert {
+        "/health",
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/stats",
+        "/metrics",
+        "/tokenize",
+    } <= paths
 
 
 def bad_credentials(key: str) -> dict[str, dict[str, str]]:

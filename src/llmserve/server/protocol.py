@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
 
 # Token ids are strict integers: `true` or `1.5` in a prompt is an error, not token 1.
 TokenIds = list[StrictInt]
@@ -103,6 +103,13 @@ class OtherPart(_Request):
     """Any other content part (images, audio, files): recognized, then refused with a clear 400."""
 
     type: StrictStr
+
+    @field_validator("type")
+    @classmethod
+    def _not_text(cls, value: str) -> str:
+        if value == "text":  # a text part that failed TextPart: its `text` is missing or not a string
+            raise ValueError("a text content part needs `text`, a string")
+        return value
 
 
 ContentPart = Annotated[TextPart | OtherPart, Field(union_mode="left_to_right")]

@@ -17,7 +17,7 @@ from starlette.requests import Request
 from llmserve.engine.llm_engine import ProcessedPrompt
 from llmserve.outputs import PositionLogprobs
 from llmserve.server.errors import APIError
-from llmserve.server.protocol import ChatCompletionRequest, ChatMessage
+from llmserve.server.protocol import ChatCompletionRequest, ChatMessage, TextPart
 from llmserve.server.serving.common import (
     Choice,
     ServingContext,
@@ -58,12 +58,12 @@ def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         if isinstance(content, list):
             texts = []
             for part in content:
-                if part.type != "text":
+                if not isinstance(part, TextPart):
                     raise APIError(
                         400, f"messages[{i}]: content parts of type {part.type!r} are not supported (text only)",
                         param="messages",
                     )  # fmt: skip
-                texts.append(part.text)  # type: ignore[union-attr]
+                texts.append(part.text)
             content = "\n".join(texts)
         d: dict[str, Any] = {"role": m.role, "content": content if content is not None else ""}
         for key in ("name", "tool_calls", "tool_call_id"):

@@ -1,0 +1,119 @@
+"""The request gate: pure ASGI middleware that runs before routing.
+
+    CORS (only when origins are given)
+      -> Gate: 503 while loading or draining, 401 without the API key, 413 for a large body;
+       counts every refused request by reason (the request_rejected metric)
+        -> routes (server/routes.py) -> serving layer -> AsyncEngine
+
+The gate is deny-by-default: it runs before routing, so every route, including one added later and
+unknown paths, needs the key; only /health is open. The key is compared in constant time.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from llmserve.server.errors import error_body
+from llmserve.server.state import ServerState
+
+OPEN_PATHS = frozenset({"/health"})
+
+# HTTP status of a refused request -> the `reason` label of llmserve:request_rejected
+REJECT_REASONS = {
+    400: "validation", 422: "validation", 401: "auth", 404: "not_found", 405: "not_found",
+    413: "too_large", 429: "queue_full", 503: "unavailable",
+}  # fmt: skip
+
+
+async def send_error(send: Send, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+    response = JSONResponse(error_body(status, message), status_code=status, headers=headers)
+    await response({"type": "http"}, _no_receive, send)
+
+
+async def _no_receive() -> Message:
+    return {"type": "http.disconnect"}
+
+
+class Gate:
+    """Pure ASGI middleware: availability, authentication and body size, before any route runs."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+        key = state.config.api_key
+        self._expected = key.encode() if key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        send = self._counting(send)
+        path: str = scope["path"]
+        headers = dict(scope["headers"])
+        if path not in OPEN_PATHS:
+            if self._expected is not None:
+                scheme, _, given = headers.get(b"authorization", b"").partition(b" ")
+                # the scheme is case-insensitive (RFC 9110); the key is compared in constant time
+                if not (hmac.compare_digest(given.strip(), self._expected) and scheme.lower() == b"bearer"):
+                    await send_error(send, 401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                      {"WWW-Authenticate": "Bearer"})  # fmt: skip
+                    return
+            state = self.state
+            if state.draining:
+                await send_error(send, 503, "the server is shutting down")
+                return
+            if state.ctx is None:
+                await send_error(send, 503, "the model is still loading; retry shortly", {"Retry-After": "5"})
+                return
+        limit = self.state.config.max_body_bytes
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            await send_error(send, 413, f"the request body has {int(length)} bytes; the limit is {limit}")
+            return
+        # Read the body here (chunked uploads have no content-length), then replay it to the app;
+        # later receive() calls reach the client again (disconnect detection).
+        chunks: list[bytes] = []
+        received = 0
+        more = scope["method"] in ("POST", "PUT", "PATCH")
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            received += len(chunks[-1])
+            if received > limit:
+                await send_error(send, 413, f"the request body is larger than the limit of {limit} bytes")
+                return
+            more = message.get("more_body", False)
+        if chunks and not headers.get(b"content-type", b"").startswith(b"application/json"):
+            # Every body here is JSON: read it as such whatever the client declared (`curl -d`
+            # sends a form type), so the client gets JSON errors about its content, not its headers.
+            scope = dict(scope)
+            scope["headers"] = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+            scope["headers"].append((b"content-type", b"application/json"))
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    def _counting(self, send: Send) -> Send:
+        """`send`, counting a refused request (by its status) in the metrics."""
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                reason = REJECT_REASONS.get(message["status"])
+                metrics = self.state.metrics
+                if reason is not None and metrics is not None:
+                    metrics.record_rejected(reason)
+            await send(message)
+
+        return counting_send
