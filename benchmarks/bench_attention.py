@@ -11,7 +11,7 @@ forward of the attention backend in every layer (K/V write included) with a fres
 `AttentionMetadata`, as the model runner does. GB/s is the KV bytes of all contexts (K and V,
 all layers) over the step time: the rate at which the backend streams the cache.
 
---model also times a whole decode step of the embedded SmolLM2 (`ModelRunner.execute`: weights,
+--model also times a whole decode step of the embedded SmolLM2 (`ForwardRunner.execute`: weights,
 attention, LM head) at the same batches with each backend; the caches hold random values, which
 costs attention the same as real ones.
 
@@ -113,25 +113,25 @@ def bench_attention(args: argparse.Namespace) -> None:
 
 def bench_model_step(args: argparse.Namespace) -> None:
     from llmserve.config import ModelConfig
+    from llmserve.model_executor.forward_runner import ForwardRunner, SequenceBatchEntry
     from llmserve.model_executor.model_loader import load_model
-    from llmserve.model_executor.model_runner import ModelRunner, SequenceBatchEntry
 
     model = load_model(ModelConfig(quantization="none", show_progress=False)).model
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     backends = {name: get_attention_backend(name) for name in BACKENDS}
 
-    def step_ms(name: str, runner: ModelRunner, batch: list[SequenceBatchEntry]) -> float:
+    def step_ms(name: str, runner: ForwardRunner, batch: list[SequenceBatchEntry]) -> float:
         for m in layers:
             m.backend = backends[name]
         start = time.perf_counter()
         runner.execute(batch)
         return (time.perf_counter() - start) * 1e3
 
-    print(f"\nwhole decode step of the embedded SmolLM2 (ModelRunner.execute), median of {args.repeats}")
+    print(f"\nwhole decode step of the embedded SmolLM2 (ForwardRunner.execute), median of {args.repeats}")
     print(f"{'batch':>5} {'torch':>10} {'cpu (numba)':>12} {'speedup':>8}")
     for B in args.batch:
         seq_lens, tables, num_blocks = make_batch(B, args.seed, args.min_context, args.max_context)
-        runner = ModelRunner(model, num_blocks=num_blocks, block_size=BLOCK)
+        runner = ForwardRunner(model, num_blocks=num_blocks, block_size=BLOCK)
         for cache in runner.kv_caches:
             cache.normal_()
         batch = [SequenceBatchEntry([7], n, t) for n, t in zip(seq_lens, tables, strict=True)]
@@ -171,12 +171,12 @@ def bench_kv_dtypes(args: argparse.Namespace) -> None:
         return
 
     from llmserve.config import ModelConfig
+    from llmserve.model_executor.forward_runner import ForwardRunner, SequenceBatchEntry
     from llmserve.model_executor.model_loader import load_model
-    from llmserve.model_executor.model_runner import ModelRunner, SequenceBatchEntry
 
     model = load_model(ModelConfig(quantization="none", show_progress=False)).model
 
-    def step_ms(runner: ModelRunner, batch: list[SequenceBatchEntry]) -> float:
+    def step_ms(runner: ForwardRunner, batch: list[SequenceBatchEntry]) -> float:
         start = time.perf_counter()
         runner.execute(batch)
         return (time.perf_counter() - start) * 1e3
@@ -188,7 +188,7 @@ def bench_kv_dtypes(args: argparse.Namespace) -> None:
         batch = [SequenceBatchEntry([7], n, t) for n, t in zip(seq_lens, tables, strict=True)]
         runners = {}
         for n, dt in dtypes.items():
-            runners[n] = ModelRunner(model, num_blocks=num_blocks, block_size=BLOCK, kv_cache_dtype=dt)
+            runners[n] = ForwardRunner(model, num_blocks=num_blocks, block_size=BLOCK, kv_cache_dtype=dt)
             for cache in runners[n].kv_caches:
                 cache.normal_()
         med = interleaved_medians({n: partial(step_ms, r, batch) for n, r in runners.items()}, args.repeats)

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from llmserve.config import ModelConfig
+from llmserve.model_executor.forward_runner import ForwardRunner, SequenceBatchEntry
 from llmserve.model_executor.model_loader import load_model
-from llmserve.model_executor.model_runner import ModelRunner, SequenceBatchEntry
 from llmserve.tokenizer import load_tokenizer
 
 TEXT = (
@@ -32,7 +32,7 @@ TEXT = (
 )
 
 
-def llmserve_run(runner: ModelRunner, prompt: list[int], n_decode: int) -> tuple[float, float, list[int]]:
+def llmserve_run(runner: ForwardRunner, prompt: list[int], n_decode: int) -> tuple[float, float, list[int]]:
     """(prefill s, decode s for n_decode tokens, generated ids)."""
     bs = runner.block_size
     blocks = list(range((len(prompt) + n_decode + bs - 1) // bs))
@@ -84,12 +84,12 @@ def main() -> None:
     tok = load_tokenizer(loaded.source)
     prompt = (tok.encode(TEXT * 40, add_special_tokens=False))[: args.prompt_tokens]
     num_blocks = (args.prompt_tokens + args.decode_tokens) // 16 + 2
-    runners = {f"llmserve ({loaded.linear_kernel})": ModelRunner(loaded.model, num_blocks=num_blocks)}
+    runners = {f"llmserve ({loaded.linear_kernel})": ForwardRunner(loaded.model, num_blocks=num_blocks)}
     if loaded.linear_kernel != "blas":
         blas = load_model(
             ModelConfig(model=args.model, dtype=args.dtype, cpu_gemm="blas", show_progress=False)
         )
-        runners["llmserve (blas)"] = ModelRunner(blas.model, num_blocks=num_blocks)
+        runners["llmserve (blas)"] = ForwardRunner(blas.model, num_blocks=num_blocks)
 
     from transformers import AutoModelForCausalLM
 

@@ -4,7 +4,7 @@
 
 1. Per call, hidden size 576 (SmolLM2's), rows M: torch's residual add + `F.rms_norm` against the
    fused `add_rms_norm`, interleaved, medians in µs.
-2. A whole forward of the embedded model (`ModelRunner.execute`), with the fused kernels and with
+2. A whole forward of the embedded model (`ForwardRunner.execute`), with the fused kernels and with
    torch's ops (the layers' fallback path, switched in the same process): decode steps at batch
    1, 16 and 64 (contexts 128-256) and a 512-token prefill, interleaved, medians in ms.
 """
@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from llmserve.config import ModelConfig
 from llmserve.layers import cpu_fused, layernorm
 from llmserve.model_executor.cpu_memory import keep_freed_memory
+from llmserve.model_executor.forward_runner import ForwardRunner, SequenceBatchEntry
 from llmserve.model_executor.model_loader import load_model
-from llmserve.model_executor.model_runner import ModelRunner, SequenceBatchEntry
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_attention import BLOCK, make_batch
@@ -54,14 +54,14 @@ def bench_model(repeats: int) -> None:
     model = load_model(ModelConfig(quantization="none", show_progress=False)).model
     kernels = layernorm.cpu_fused
 
-    def step(fused: bool, runner: ModelRunner, batch: list[SequenceBatchEntry]) -> None:
+    def step(fused: bool, runner: ForwardRunner, batch: list[SequenceBatchEntry]) -> None:
         layernorm.cpu_fused = kernels if fused else None
         runner.execute(batch)
 
-    cases: list[tuple[str, ModelRunner, list[SequenceBatchEntry]]] = []
+    cases: list[tuple[str, ForwardRunner, list[SequenceBatchEntry]]] = []
     for B in (1, 16, 64):
         seq_lens, tables, num_blocks = make_batch(B, 0, 128, 256)
-        runner = ModelRunner(model, num_blocks=num_blocks, block_size=BLOCK)
+        runner = ForwardRunner(model, num_blocks=num_blocks, block_size=BLOCK)
         cases.append(
             (
                 f"decode, batch {B}",
@@ -70,7 +70,7 @@ def bench_model(repeats: int) -> None:
             )
         )
     T = 512
-    runner = ModelRunner(model, num_blocks=T // BLOCK + 1, block_size=BLOCK)
+    runner = ForwardRunner(model, num_blocks=T // BLOCK + 1, block_size=BLOCK)
     cases.append(
         (
             f"prefill, {T} tokens",

@@ -25,18 +25,18 @@ def measure(repeats: int) -> dict[str, float]:
     sys.path.insert(0, str(Path(__file__).parent))
     from bench_attention import BLOCK, make_batch
     from llmserve.config import ModelConfig
+    from llmserve.model_executor.forward_runner import ForwardRunner, SequenceBatchEntry
     from llmserve.model_executor.model_loader import load_model
-    from llmserve.model_executor.model_runner import ModelRunner, SequenceBatchEntry
 
     model = load_model(ModelConfig(quantization="none", show_progress=False)).model
     cases = {}
     for B in (1, 16, 64):
         seq_lens, tables, num_blocks = make_batch(B, 0, 128, 256)
-        runner = ModelRunner(model, num_blocks=num_blocks, block_size=BLOCK)
+        runner = ForwardRunner(model, num_blocks=num_blocks, block_size=BLOCK)
         batch = [SequenceBatchEntry([7], n, t) for n, t in zip(seq_lens, tables, strict=True)]
         cases[f"decode, batch {B}"] = (runner, batch)
     for T in (256, 1024):
-        runner = ModelRunner(model, num_blocks=T // BLOCK + 1, block_size=BLOCK)
+        runner = ForwardRunner(model, num_blocks=T // BLOCK + 1, block_size=BLOCK)
         cases[f"prefill, {T} tokens"] = (
             runner,
             [SequenceBatchEntry(list(range(5, 5 + T)), T, list(range(T // BLOCK)))],

@@ -29,9 +29,9 @@ import torch
 
 from llmserve.bench.quality import evaluate
 from llmserve.config import ModelConfig
+from llmserve.model_executor.forward_runner import resolve_kv_cache_dtype
 from llmserve.model_executor.model_loader import load_model
 from llmserve.model_executor.model_loader.source import DEFAULT_MODEL, resolve_model
-from llmserve.model_executor.model_runner import resolve_kv_cache_dtype
 from llmserve.tokenizer import load_tokenizer
 from peers.gguf_to_f32 import ensure_f32_gguf, ensure_quantized_gguf, peers_dir
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from llmserve.config import ModelConfig
+from llmserve.model_executor.forward_runner import ForwardRunner, SequenceBatchEntry
 from llmserve.model_executor.greedy import generate_greedy
 from llmserve.model_executor.model_loader import load_model
-from llmserve.model_executor.model_runner import ModelRunner, SequenceBatchEntry
 from llmserve.tokenizer import load_tokenizer
 
 pytestmark = [
@@ -55,7 +55,7 @@ def test_logits_match_transformers(models):
     ours, ref, tok = models
     ids = tok.encode(PROMPTS[0])
     assert ids[0] == tok.bos_token_id == 2
-    runner = ModelRunner(ours.model, num_blocks=4, block_size=16)
+    runner = ForwardRunner(ours.model, num_blocks=4, block_size=16)
     logits = runner.execute([SequenceBatchEntry(ids, len(ids), [0])], all_logits=True)
     with torch.no_grad():
         expected = ref(torch.tensor([ids])).logits[0]
@@ -66,7 +66,7 @@ def test_greedy_matches_transformers(models):
     ours, ref, tok = models
     prompts = [tok.encode(p) for p in PROMPTS]
     expected = [_hf_greedy(ref, p, NUM_TOKENS) for p in prompts]
-    runner = ModelRunner(ours.model, num_blocks=32, block_size=16)
+    runner = ForwardRunner(ours.model, num_blocks=32, block_size=16)
     assert generate_greedy(runner, prompts, NUM_TOKENS) == expected
     assert generate_greedy(runner, [prompts[1]], NUM_TOKENS) == [expected[1]]
     # The continuation is text, not noise: the dequantization and architecture are right.

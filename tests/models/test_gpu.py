@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from llmserve.config import ModelConfig
+from llmserve.model_executor.forward_runner import ForwardRunner, SequenceBatchEntry
 from llmserve.model_executor.model_loader import load_model
-from llmserve.model_executor.model_runner import ModelRunner, SequenceBatchEntry
 from tests.models.tiny import make_tiny_model
 
 pytestmark = pytest.mark.gpu
@@ -21,7 +21,7 @@ def test_cuda_logits_match_transformers(tmp_path, arch, dtype):
     hf = make_tiny_model(arch, tmp_path)
     ours = load_model(ModelConfig(model=str(tmp_path), device="cuda", dtype=dtype, show_progress=False))
     assert ours.device.type == "cuda" and str(ours.dtype) == f"torch.{dtype}"
-    runner = ModelRunner(ours.model, num_blocks=8, block_size=4)
+    runner = ForwardRunner(ours.model, num_blocks=8, block_size=4)
     logits = runner.execute([SequenceBatchEntry(PROMPT, len(PROMPT), list(range(5)))], all_logits=True)
     with torch.no_grad():
         ref = hf(torch.tensor([PROMPT])).logits[0]

@@ -9,9 +9,9 @@ import torch
 
 from llmserve.config import ModelConfig
 from llmserve.layers import onednn
+from llmserve.model_executor.forward_runner import ForwardRunner, SequenceBatchEntry
 from llmserve.model_executor.greedy import generate_greedy
 from llmserve.model_executor.model_loader import load_model
-from llmserve.model_executor.model_runner import ModelRunner, SequenceBatchEntry
 from tests.models.tiny import TINY_CONFIGS, make_tiny_model
 
 PROMPTS = [
@@ -51,7 +51,7 @@ def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
 
 def test_logits_match_transformers(pair):
     hf, ours = pair
-    runner = ModelRunner(ours.model, num_blocks=16, block_size=4)
+    runner = ForwardRunner(ours.model, num_blocks=16, block_size=4)
     batch, next_block = [], 0
     for p in PROMPTS:
         n = (len(p) + 3) // 4
@@ -69,7 +69,7 @@ def test_logits_match_transformers(pair):
 def test_greedy_matches_transformers_alone_and_batched(pair):
     hf, ours = pair
     expected = [_hf_greedy(hf, p, NUM_TOKENS) for p in PROMPTS]
-    runner = ModelRunner(ours.model, num_blocks=64, block_size=4)
+    runner = ForwardRunner(ours.model, num_blocks=64, block_size=4)
     for p, exp in zip(PROMPTS, expected, strict=True):
         assert generate_greedy(runner, [p], NUM_TOKENS) == [exp]
     assert generate_greedy(runner, PROMPTS, NUM_TOKENS) == expected
@@ -80,7 +80,7 @@ def test_chunked_prefill_through_the_cache(pair):
     sliding-window boundaries) gives transformers' logits at every position."""
     hf, ours = pair
     prompt = PROMPTS[1] + PROMPTS[0] + PROMPTS[1]  # 44 tokens
-    runner = ModelRunner(ours.model, num_blocks=16, block_size=4)
+    runner = ForwardRunner(ours.model, num_blocks=16, block_size=4)
     blocks = [9, 3, 12, 0, 5, 7, 1, 14, 2, 8, 6]  # deliberately out of order
     pieces = []
     for start in range(0, len(prompt), 7):
@@ -103,7 +103,7 @@ def test_16_bit_kv_cache_tracks_transformers(pair, kv_cache_dtype, tol):
     from the rounded cache), within the rounding."""
     hf, ours = pair
     prompt = PROMPTS[1] + PROMPTS[0]
-    runner = ModelRunner(ours.model, num_blocks=16, block_size=4, kv_cache_dtype=kv_cache_dtype)
+    runner = ForwardRunner(ours.model, num_blocks=16, block_size=4, kv_cache_dtype=kv_cache_dtype)
     assert runner.kv_caches[0].dtype == kv_cache_dtype
     blocks = [9, 3, 12, 0, 5, 7, 1, 14, 2, 8]
     pieces = [runner.execute([SequenceBatchEntry(prompt[:6], 6, blocks)], all_logits=True)]
@@ -123,7 +123,7 @@ def test_bfloat16_dtype(tmp_path):
     bf16 = load_model(ModelConfig(model=str(tmp_path), dtype="bfloat16", show_progress=False))
     assert bf16.dtype == torch.bfloat16 and bf16.weight_bytes * 2 == fp32.weight_bytes
     entry = [SequenceBatchEntry(PROMPTS[1], len(PROMPTS[1]), list(range(5)))]
-    ref = ModelRunner(fp32.model, num_blocks=8, block_size=4).execute(entry, all_logits=True)
-    out = ModelRunner(bf16.model, num_blocks=8, block_size=4).execute(entry, all_logits=True)
+    ref = ForwardRunner(fp32.model, num_blocks=8, block_size=4).execute(entry, all_logits=True)
+    out = ForwardRunner(bf16.model, num_blocks=8, block_size=4).execute(entry, all_logits=True)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, rtol=0.05, atol=0.15)

@@ -17,9 +17,9 @@ from gguf import GGMLQuantizationType as Q
 from llmserve.config import ModelConfig
 from llmserve.layers.quantization import QuantizedLinear, cpu_kernels
 from llmserve.layers.quantization.formats import quantize
+from llmserve.model_executor.forward_runner import ForwardRunner, SequenceBatchEntry
 from llmserve.model_executor.greedy import generate_greedy
 from llmserve.model_executor.model_loader import load_model
-from llmserve.model_executor.model_runner import ModelRunner, SequenceBatchEntry
 from tests.gguf_writer import write_hf_model
 from tests.models.tiny import TINY_CONFIGS, make_tiny_model
 
@@ -90,7 +90,7 @@ def test_prefill_and_decode_logits_match_transformers(pair):
     """A batch of prompts, then three decode steps of all three sequences together (the fused
     decode step for Llama-family models), against transformers on the whole sequences."""
     hf, ours = pair
-    runner = ModelRunner(ours.model, num_blocks=32, block_size=4)
+    runner = ForwardRunner(ours.model, num_blocks=32, block_size=4)
     tables = [list(range(i * 8, i * 8 + 8)) for i in range(len(PROMPTS))]
     seqs = [list(p) for p in PROMPTS]
     got = [
@@ -117,7 +117,7 @@ def test_chunked_prefill_through_the_cache(pair):
     """A prompt fed in chunks of 7 over blocks out of order: every position's logits."""
     hf, ours = pair
     prompt = PROMPTS[1] + PROMPTS[0] + PROMPTS[1]
-    runner = ModelRunner(ours.model, num_blocks=16, block_size=4)
+    runner = ForwardRunner(ours.model, num_blocks=16, block_size=4)
     blocks = [9, 3, 12, 0, 5, 7, 1, 14, 2, 8, 6]
     pieces = [
         runner.execute(
@@ -133,7 +133,7 @@ def test_chunked_prefill_through_the_cache(pair):
 def test_greedy_matches_transformers_alone_and_batched(pair):
     hf, ours = pair
     expected = [_hf_greedy(hf, p, 16) for p in PROMPTS]
-    runner = ModelRunner(ours.model, num_blocks=64, block_size=4)
+    runner = ForwardRunner(ours.model, num_blocks=64, block_size=4)
     for p, (tokens, logits) in zip(PROMPTS, expected, strict=True):
         assert_greedy_close(generate_greedy(runner, [p], 16)[0], tokens, logits)
     for out, (tokens, logits) in zip(generate_greedy(runner, PROMPTS, 16), expected, strict=True):
@@ -163,7 +163,7 @@ def test_fused_decode_matches_layer_by_layer(tmp_path, name, kv_cache_dtype):
     logits = {}
     for fused in (True, False):
         model.fused_forward = fused
-        runner = ModelRunner(loaded.model, num_blocks=48, block_size=4, kv_cache_dtype=kv_cache_dtype)
+        runner = ForwardRunner(loaded.model, num_blocks=48, block_size=4, kv_cache_dtype=kv_cache_dtype)
         tables = [
             [47, 3, 20, 8, 30, 1, 12, 40],
             [5, 9, 33, 2, 41, 17, 25, 44],
@@ -194,7 +194,7 @@ def test_float_models_do_not_take_the_fused_step(tmp_path):
     make_tiny_model("llama", tmp_path)
     loaded = load_model(ModelConfig(model=str(tmp_path), show_progress=False))
     assert loaded.quantization == "none"
-    runner = ModelRunner(loaded.model, num_blocks=8, block_size=4)
+    runner = ForwardRunner(loaded.model, num_blocks=8, block_size=4)
     runner.execute([SequenceBatchEntry([1, 2, 3], 3, [0])])
     runner.execute([SequenceBatchEntry([4], 4, [0])])
     assert loaded.model.model._fused is None and "float linear" in loaded.model.model._fused_unsupported[1]
@@ -243,8 +243,8 @@ def test_gguf_served_quantized_matches_dequantized(quantized_gguf):
     assert layer.self_attn.qkv_proj.fmt == "q4"  # Q4_K, Q4_0 and Q4_1 shards
     assert layer.self_attn.o_proj.fmt == layer.mlp.gate_up_proj.fmt == layer.mlp.down_proj.fmt == "q8"
     entry = [SequenceBatchEntry(PROMPTS[1], len(PROMPTS[1]), list(range(5)))]
-    got = ModelRunner(quant.model, num_blocks=8, block_size=4).execute(entry, all_logits=True)
-    want = ModelRunner(plain.model, num_blocks=8, block_size=4).execute(entry, all_logits=True)
+    got = ForwardRunner(quant.model, num_blocks=8, block_size=4).execute(entry, all_logits=True)
+    want = ForwardRunner(plain.model, num_blocks=8, block_size=4).execute(entry, all_logits=True)
     torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
 
 
@@ -290,12 +290,12 @@ def test_quantization_without_native_kernels_is_refused_unless_forced(tmp_path, 
         monkeypatch.setenv("LLMSERVE_QUANT_KERNELS", "torch")  # the user accepts the slow path
         forced = load_model(ModelConfig(model=str(tmp_path), quantization="int8", show_progress=False))
         assert "on torch" in forced.linear_kernel
-        runner = ModelRunner(forced.model, num_blocks=64, block_size=4)
+        runner = ForwardRunner(forced.model, num_blocks=64, block_size=4)
         got = generate_greedy(runner, PROMPTS, 16)
         assert forced.model.model._fused is None  # the fused step needs the native kernels
     finally:
         cpu_kernels.set_kernels("auto")
-    assert got == generate_greedy(ModelRunner(reference.model, num_blocks=64, block_size=4), PROMPTS, 16)
+    assert got == generate_greedy(ForwardRunner(reference.model, num_blocks=64, block_size=4), PROMPTS, 16)
 
 
 def test_quantized_kv_path_on_cuda_is_refused(tmp_path):
@@ -330,7 +330,7 @@ def test_fused_decode_splits_long_contexts(tmp_path, window):
     logits = {}
     for fused in (True, False):
         loaded.model.model.fused_forward = fused
-        runner = ModelRunner(loaded.model, num_blocks=80, block_size=16)
+        runner = ForwardRunner(loaded.model, num_blocks=80, block_size=16)
         runner.execute([SequenceBatchEntry(p, len(p), t) for p, t in zip(prompts, tables, strict=True)])
         logits[fused] = torch.stack(
             [

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from llmserve.config import ModelConfig
+from llmserve.model_executor.forward_runner import ForwardRunner, resolve_kv_cache_dtype
 from llmserve.model_executor.greedy import generate_greedy
 from llmserve.model_executor.model_loader import load_model
-from llmserve.model_executor.model_runner import ModelRunner, resolve_kv_cache_dtype
 
 
 def _f32_cases(reference: dict) -> list[dict]:
@@ -44,7 +44,7 @@ def test_greedy_matches_llamacpp_f32(smollm2, llamacpp_reference, batched, kv_ca
     cases = _f32_cases(llamacpp_reference)
     assert len(cases) == 5
     eos = frozenset({llamacpp_reference_eos(smollm2)})
-    runner = ModelRunner(smollm2.model, num_blocks=64, block_size=16, kv_cache_dtype=kv_cache_dtype)
+    runner = ForwardRunner(smollm2.model, num_blocks=64, block_size=16, kv_cache_dtype=kv_cache_dtype)
     assert runner.kv_caches[0].dtype == kv_cache_dtype
     prompts = [c["prompt_ids"] for c in cases]
     if batched:
@@ -68,7 +68,7 @@ def test_quantized_greedy_matches_llamacpp_f32(smollm2_quantized, llamacpp_refer
     eos = frozenset({llamacpp_reference_eos(smollm2_quantized)})
     kv_dtype = resolve_kv_cache_dtype(kv, smollm2_quantized.dtype, smollm2_quantized.quantization != "none")
     assert kv_dtype == (torch.float16 if kv == "auto" else torch.float32)
-    runner = ModelRunner(smollm2_quantized.model, num_blocks=64, block_size=16, kv_cache_dtype=kv_dtype)
+    runner = ForwardRunner(smollm2_quantized.model, num_blocks=64, block_size=16, kv_cache_dtype=kv_dtype)
     prompts = [c["prompt_ids"] for c in cases]
     model.fused_forward = fused
     try:
@@ -89,7 +89,7 @@ def test_int8_greedy_follows_the_float_path(llamacpp_reference):
     int8 = load_model(ModelConfig(quantization="int8", show_progress=False))
     assert {g.fmt for g in int8.weight_groups if g.role != "other"} == {"q8"}
     cases = _f32_cases(llamacpp_reference)
-    runner = ModelRunner(int8.model, num_blocks=64, block_size=16)
+    runner = ForwardRunner(int8.model, num_blocks=64, block_size=16)
     eos = frozenset({llamacpp_reference_eos(int8)})
     outputs = generate_greedy(runner, [c["prompt_ids"] for c in cases], 32, stop_token_ids=eos)
     for case, out in zip(cases, outputs, strict=True):
@@ -116,6 +116,6 @@ def llamacpp_reference_eos(loaded) -> int:
 
 def test_kv_cache_size_per_token(smollm2):
     """2 (K and V) x 30 layers x 3 KV heads x 64 dims x 4 bytes."""
-    runner = ModelRunner(smollm2.model, num_blocks=2, block_size=16)
+    runner = ForwardRunner(smollm2.model, num_blocks=2, block_size=16)
     assert runner.kv_bytes_per_token() == 2 * 30 * 3 * 64 * 4
     assert runner.kv_caches[0].shape == (2, 3, 2, 16, 64) and len(runner.kv_caches) == 30

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from llmserve.config import ModelConfig
 from llmserve.layers import onednn
+from llmserve.model_executor.forward_runner import ForwardRunner, SequenceBatchEntry
 from llmserve.model_executor.model_loader import load_model
 from llmserve.model_executor.model_loader.errors import (
     MissingWeightsError,
@@ -23,7 +24,6 @@ from llmserve.model_executor.model_loader.errors import (
     UnsupportedArchitectureError,
     WeightShapeError,
 )
-from llmserve.model_executor.model_runner import ModelRunner, SequenceBatchEntry
 from tests.models.tiny import make_tiny_model
 
 PROMPT = [3, 14, 15, 92, 65, 35]
@@ -34,7 +34,7 @@ def _load(folder: Path, **kw) -> object:
 
 
 def _logits(loaded) -> torch.Tensor:
-    runner = ModelRunner(loaded.model, num_blocks=4, block_size=4)
+    runner = ForwardRunner(loaded.model, num_blocks=4, block_size=4)
     return runner.execute([SequenceBatchEntry(PROMPT, len(PROMPT), [0, 1])], all_logits=True)
 
 

@@ -8,10 +8,9 @@ import logging
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmserve.core.scheduler import SchedulerStats
 from llmserve.metrics.loggers import LoggingStatLogger
 from llmserve.metrics.prometheus import PrometheusStatLogger, _token_buckets
-from llmserve.metrics.stats import IterationStats, SequenceTimes
+from llmserve.metrics.stats import IterationStats, SchedulerStats, SequenceTimes
 
 
 class Clock:
@@ -23,7 +22,9 @@ class Clock:
 
 
 def step(running: int, waiting: int, prompt: int = 0, generated: int = 0, queries: int = 0, hits: int = 0):
-    stats = IterationStats(0.0, SchedulerStats(running, waiting, 0.25, 0, queries, hits, prompt + generated))
+    stats = IterationStats(
+        0.0, SchedulerStats(running, waiting, 100, 25, 0, queries, hits, step_tokens=prompt + generated)
+    )
     stats.num_prompt_tokens, stats.num_generation_tokens = prompt, generated
     return stats
 
@@ -70,8 +71,8 @@ def sample(logger: PrometheusStatLogger, name: str, **labels: str) -> float:
 
 def test_prometheus_counters_from_cumulative_scheduler_counts() -> None:
     logger = PrometheusStatLogger("m", max_model_len=2048)
-    logger.record(IterationStats(0.0, SchedulerStats(2, 1, 0.5, 1, 64, 16, 40)))
-    logger.record(IterationStats(0.0, SchedulerStats(1, 0, 0.125, 3, 96, 48, 2)))
+    logger.record(IterationStats(0.0, SchedulerStats(2, 1, 8, 4, 1, 64, 16, step_tokens=40)))
+    logger.record(IterationStats(0.0, SchedulerStats(1, 0, 8, 1, 3, 96, 48, step_tokens=2)))
     assert sample(logger, "llmserve:num_preemptions_total", model_name="m") == 3
     assert sample(logger, "llmserve:prefix_cache_queries_total") == 96
     assert sample(logger, "llmserve:prefix_cache_hits_total") == 48

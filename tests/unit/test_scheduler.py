@@ -8,13 +8,14 @@ from llmserve.config import CacheConfig, SchedulerConfig
 from llmserve.core.request import Request, RequestStatus
 from llmserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from llmserve.core.scheduler import Scheduler
+from llmserve.core.scheduler import make_scheduler as build_scheduler
 from llmserve.sampling_params import SamplingParams
 
 EOS = 2
 
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, caching: bool = True, **sched) -> Scheduler:
-    return Scheduler(
+    return build_scheduler(
         SchedulerConfig(**sched),
         CacheConfig(block_size=block_size, enable_prefix_caching=caching),
         num_kv_blocks=num_blocks,
@@ -104,7 +105,7 @@ def test_abort_frees_blocks_at_once():
     step(sched)
     used = 64 - sched.kv_cache_manager.get_num_free_blocks()
     assert used == 6
-    sched.abort_requests(["a", "b"])
+    sched.finish_requests(["a", "b"])
     assert sched.kv_cache_manager.get_num_free_blocks() == 64
     so = sched.schedule()
     assert so.finished_req_ids == {"a", "b"} and so.is_empty
@@ -184,9 +185,9 @@ def test_static_mode_abort_of_the_last_member_frees_the_padding():
     sched.add_request(make_request("short", 3, max_tokens=1))
     sched.add_request(make_request("long", 3, max_tokens=8, first=50))
     step(sched)
-    sched.abort_requests(["short"])  # already finished for its user: nothing happens
+    sched.finish_requests(["short"])  # already finished for its user: nothing happens
     assert "short" in sched.requests
-    sched.abort_requests(["long"])
+    sched.finish_requests(["long"])
     assert sched.requests == {} and sched.running == []
     assert sched.kv_cache_manager.get_num_free_blocks() == 64
 
@@ -246,7 +247,7 @@ def test_static_mode_aborting_a_waiting_member_drops_its_padding():
     sched.add_request(make_request("short", 3, max_tokens=2))
     so, _ = step(sched)  # long takes the whole budget; short waits with its pad prepared
     assert so.num_scheduled_tokens == {"long": 9}
-    sched.abort_requests(["short"])
+    sched.finish_requests(["short"])
     while sched.has_unfinished_requests():
         so, _ = step(sched)
         assert set(so.num_scheduled_tokens) == {"long"}
@@ -289,3 +290,16 @@ def test_invalid_scheduler_config():
         SchedulerConfig(max_num_seqs=0)
     with pytest.raises(ValueError, match="admission"):
         SchedulerConfig(admission="lazy")  # type: ignore[arg-type]
+
+
+def test_static_modes_run_in_their_own_class():
+    from llmserve.core.scheduler import Scheduler
+    from llmserve.core.static_scheduler import StaticBatchScheduler
+
+    assert type(make_scheduler()) is Scheduler
+    assert type(make_scheduler(mode="static-ragged")) is StaticBatchScheduler
+    cache = CacheConfig(block_size=4)
+    with pytest.raises(ValueError, match="mode 'static' is run by StaticBatchScheduler"):
+        Scheduler(SchedulerConfig(mode="static"), cache, num_kv_blocks=8, max_model_len=64)
+    with pytest.raises(ValueError, match="StaticBatchScheduler runs the static modes; got mode 'continuous'"):
+        StaticBatchScheduler(SchedulerConfig(), cache, num_kv_blocks=8, max_model_len=64)

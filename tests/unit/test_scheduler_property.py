@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from llmserve.config import CacheConfig, SchedulerConfig
 from llmserve.core.request import Request
 from llmserve.core.sched_output import ModelRunnerOutput
-from llmserve.core.scheduler import Scheduler
+from llmserve.core.scheduler import Scheduler, make_scheduler
 from llmserve.sampling_params import SamplingParams
 
 EOS = 2
@@ -60,7 +60,7 @@ def check_pool(sched: Scheduler) -> None:
     events=st.lists(EVENT, max_size=30),
 )
 def test_scheduler_invariants(mode, admission, num_blocks, budget, max_num_seqs, caching, first, events):
-    sched = Scheduler(
+    sched = make_scheduler(
         SchedulerConfig(
             max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, admission=admission, mode=mode
         ),
@@ -118,7 +118,7 @@ def test_scheduler_invariants(mode, admission, num_blocks, budget, max_num_seqs,
             req_id = f"r{arg % len(params)}"
             if req_id not in finished:
                 aborted.add(req_id)
-            sched.abort_requests([req_id])
+            sched.finish_requests([req_id])
             check_pool(sched)
     tokens = [7]
     for _ in range(2000):

@@ -10,7 +10,7 @@ so a model quantized by llmserve and the same file run by `llama-perplexity --kl
 give comparable figures. `top1` is the share of scored positions where both models rank the
 same token first (llama.cpp's "Same top p"). Uncertainties are standard errors of the mean.
 
-Does not know HTTP or the scheduler: it runs a `ModelRunner` directly, one chunk at a time.
+Does not know HTTP or the scheduler: it runs a `ForwardRunner` directly, one chunk at a time.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from llmserve.model_executor.forward_runner import ForwardRunner, SequenceBatchEntry
 from llmserve.model_executor.model_loader import LoadedModel
-from llmserve.model_executor.model_runner import ModelRunner, SequenceBatchEntry
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,15 +53,17 @@ class QualityResult:
         return text
 
 
-def _chunk_logprobs(runner: ModelRunner, chunk: list[int], first: int) -> torch.Tensor:
+def _chunk_logprobs(runner: ForwardRunner, chunk: list[int], first: int) -> torch.Tensor:
     """log-softmax rows first .. n-2 of a chunk run as one prompt: [n - 1 - first, vocab]."""
     blocks = list(range(-(-len(chunk) // runner.block_size)))
     logits = runner.execute([SequenceBatchEntry(chunk, len(chunk), blocks)], all_logits=True)
     return torch.log_softmax(logits[first:-1].double(), dim=-1)
 
 
-def _runner(loaded: LoadedModel, n_ctx: int, kv_cache_dtype: torch.dtype | None = None) -> ModelRunner:
-    return ModelRunner(loaded.model, num_blocks=-(-n_ctx // 16), block_size=16, kv_cache_dtype=kv_cache_dtype)
+def _runner(loaded: LoadedModel, n_ctx: int, kv_cache_dtype: torch.dtype | None = None) -> ForwardRunner:
+    return ForwardRunner(
+        loaded.model, num_blocks=-(-n_ctx // 16), block_size=16, kv_cache_dtype=kv_cache_dtype
+    )
 
 
 def evaluate(

@@ -82,7 +82,7 @@ def run_perplexity(args: argparse.Namespace) -> int:
         bar.update(done - bar.n)
 
     from llmserve.config import CacheConfig
-    from llmserve.model_executor.model_runner import resolve_kv_cache_dtype
+    from llmserve.model_executor.forward_runner import resolve_kv_cache_dtype
 
     kv_name = CacheConfig(kv_cache_dtype=args.kv_cache_dtype).kv_cache_dtype  # validated
     kv_dtype = resolve_kv_cache_dtype(kv_name, loaded.dtype, loaded.quantization != "none", loaded.device)

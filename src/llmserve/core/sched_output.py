@@ -1,6 +1,6 @@
 """The data that crosses the scheduler <-> model-runner boundary, one step at a time.
 
-    Scheduler.schedule() -> SchedulerOutput -> ModelRunner.execute_model() -> ModelRunnerOutput
+    Scheduler.schedule() -> SchedulerOutput -> ForwardRunner.execute_model() -> ModelRunnerOutput
                                              -> Scheduler.update_from_output()
 
 Requests are sent whole the first time they are scheduled (`NewRequestData`) and afterwards only

@@ -14,21 +14,8 @@ One step of continuous (in-flight) batching with chunked prefill:
 Admission `reserve` admits a request only when blocks for its whole prompt + max_tokens are free
 after every running request's own reservation, so step 1 never runs out of blocks.
 
-Mode `static` is the request-level batching that continuous batching replaced (HF `generate`,
-FasterTransformer; Orca's baseline), run by this engine for comparison: a batch of the next
-`max_num_seqs` waiting requests runs until its longest member finishes, and no other request joins
-meanwhile. A fixed-shape batch is padded in both directions, and so is this one:
-  - prompts: a member shorter than the batch's longest prompt brings a prompt-padding sequence of
-    the missing length (pad tokens, prefilled beside it, never decoding, its K/V dropped when its
-    prefill is done), so the batch computes as many prompt rows as a left-padded [B, longest]
-    batch. The pad positions are not attended to by the member, so its tokens do not change; a
-    padded batch would also attend over them, so this is a lower bound of a padded batch's cost.
-  - outputs: a member that finishes early is reported finished at once but keeps its slot and its
-    blocks as padding: it is still computed every step (its tokens are discarded), as a fixed-shape
-    batch computes finished rows, until the whole batch is done.
-Mode `static-ragged` pads outputs only: prompts of different lengths share a batch as they are,
-which needs what continuous batching brought (ragged batches, paged K/V); it isolates what
-admitting requests every step is worth on its own.
+The static (request-level) batching modes, for comparison, are a subclass in
+`static_scheduler.py`; `make_scheduler` picks the class from `SchedulerConfig.mode`.
 
 The scheduler owns the request objects and the KV-cache manager; it never touches tensors.
 `update_from_output` consumes the runner's sampled tokens as data and decides who finished.
@@ -36,8 +23,6 @@ The scheduler owns the request objects and the KV-cache manager; it never touche
 
 from __future__ import annotations
 
-import itertools
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -52,11 +37,7 @@ from llmserve.core.sched_output import (
     NewRequestData,
     SchedulerOutput,
 )
-from llmserve.sampling_params import SamplingParams
-
-# A prompt-padding sequence's tokens and sampling: its values do not change what it costs.
-_PAD_TOKEN = 0
-_PAD_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
+from llmserve.metrics.stats import SchedulerStats
 
 
 @dataclass(slots=True)
@@ -73,19 +54,6 @@ class EngineCoreOutput:
 
 
 @dataclass(slots=True)
-class SchedulerStats:
-    """A snapshot taken once per step."""
-
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    num_preemptions: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    step_tokens: int = 0
-
-
-@dataclass(slots=True)
 class _StepPlan:
     """What one `schedule()` call decided (filled by the two passes)."""
 
@@ -97,6 +65,9 @@ class _StepPlan:
 
 
 class Scheduler:
+    """Continuous (in-flight) batching. Subclasses change who runs through the hooks marked below
+    (`StaticBatchScheduler`: request-level batches with padding)."""
+
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
@@ -104,6 +75,10 @@ class Scheduler:
         num_kv_blocks: int,
         max_model_len: int,
     ) -> None:
+        if scheduler_config.is_static and type(self) is Scheduler:
+            raise ValueError(
+                f"mode {scheduler_config.mode!r} is run by StaticBatchScheduler (make_scheduler)"
+            )
         self.config = scheduler_config
         self.max_model_len = max_model_len
         self.kv_cache_manager = KVCacheManager(
@@ -113,16 +88,9 @@ class Scheduler:
         self.waiting: RequestQueue = QUEUES[scheduler_config.policy]()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_steps = 0  # steps whose outputs came back (update_from_output calls)
         # Requests that left since the last step; the runner drops their state.
         self._finished_req_ids: set[str] = set()
-        # Static mode: the unfinished members of the batch being run (empty when a new batch may
-        # form), and the finished members still computed as padding until the batch is done.
-        self._static_batch: set[str] = set()
-        self._padding: list[Request] = []
-        # Static mode: each member's prompt-padding sequence, made when its batch forms, queued
-        # when the member is admitted, admitted right after it.
-        self._prompt_pads: dict[str, Request] = {}
-        self._pending_pads: deque[Request] = deque()
 
     # -- requests in and out ----------------------------------------------------------------------
 
@@ -131,7 +99,7 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
-    def abort_requests(
+    def finish_requests(
         self, req_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
     ) -> None:
         """Finish requests now (abort, or a stop string found by output processing); frees their blocks."""
@@ -139,55 +107,68 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.is_finished:
                 continue
-            if request.padding:
-                continue  # already finished for its user; the batch frees it
             if status != RequestStatus.FINISHED_ABORTED and request.status == RequestStatus.RUNNING:
-                self._end(request, status)  # a stop string: padding in static mode
+                self._end(request, status)  # done for its user (static mode may keep it as padding)
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
             else:
                 self.waiting.remove(request)
             self._finish(request, status)
-        self._release_padding()
+        self._after_step()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or len(self.waiting) > 0
 
-    def _end(self, request: Request, status: RequestStatus) -> None:
-        """A running request is done for its user: finished, or kept as static-batch padding."""
-        if self.config.is_static and len(self._static_batch) > 1:
-            request.padding = True
-            self._static_batch.discard(request.request_id)
-            self._padding.append(request)
-            return
-        self.running.remove(request)
-        self._finish(request, status)
-
-    def _release_padding(self) -> None:
-        """Free the padding rows once their static batch has no unfinished member left."""
-        if self._static_batch or not (self._padding or self._pending_pads or self._prompt_pads):
-            return
-        self._prompt_pads.clear()
-        self._pending_pads.clear()
-        for request in self._padding:
-            self.running.remove(request)
-            self._finish(request, RequestStatus.FINISHED_LENGTH_CAPPED)
-        self._padding = []
-
-    def _drop_padding(self, request: Request) -> None:
-        """A padding row leaves before its batch ends (a prompt pad done, or room needed)."""
-        self._padding.remove(request)
-        self.running.remove(request)
-        self._finish(request, RequestStatus.FINISHED_LENGTH_CAPPED)
-
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
-        self._static_batch.discard(request.request_id)
-        self._prompt_pads.pop(request.request_id, None)  # a member aborted before admission
         self.kv_cache_manager.free(request)
         self._finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+
+    # -- hooks (continuous batching's choices; StaticBatchScheduler overrides them) ----------------
+
+    def _end(self, request: Request, status: RequestStatus) -> None:
+        """A running request is done for its user."""
+        self.running.remove(request)
+        self._finish(request, status)
+
+    def _after_step(self) -> None:
+        """Called after outputs are processed and after finish_requests."""
+
+    def _running_order(self) -> list[Request]:
+        """Running requests in the order they get the step's budget and blocks."""
+        return list(self.running)
+
+    def _num_members(self) -> int:
+        """Running requests that count against max_num_seqs."""
+        return len(self.running)
+
+    def _make_room(self, request: Request, plan: _StepPlan) -> Request:
+        """Free blocks for `request` by preempting the newest running request (it may be `request`
+        itself). Returns who gave way; the newest has not been scheduled in this step yet."""
+        assert self.config.admission == "optimistic", "reserve admission must never run out of blocks"
+        victim = self.running.pop()  # the most recently admitted request
+        self._preempt(victim, plan)
+        return victim
+
+    def _open_admission(self) -> None:
+        """Before waiting requests are considered in a step."""
+
+    def _admit_pending(self, plan: _StepPlan) -> bool | None:
+        """Admit something of the subclass's own before the next waiting request: True when it
+        did (try again), False when it could not (stop admitting), None when it has nothing."""
+        return None
+
+    def _may_admit(self, request: Request) -> bool:
+        return True
+
+    def _admitted(self, request: Request) -> None:
+        """A waiting request has just been admitted."""
+
+    def _consume_extra(self, request: Request, sampled: list[int]) -> bool:
+        """Take the sampled tokens of a running request that is not a user's (True: handled)."""
+        return False
 
     # -- one step -----------------------------------------------------------------------------------
 
@@ -211,10 +192,7 @@ class Scheduler:
         )
 
     def _schedule_running(self, plan: _StepPlan) -> None:
-        # Members in admission order, then static-batch padding: padding never takes a block or
-        # budget a member needs, and can give its blocks back without undoing scheduled work.
-        order = [r for r in self.running if not r.padding] + self._padding
-        for request in order:
+        for request in self._running_order():
             if plan.budget <= 0:
                 return
             if request.status != RequestStatus.RUNNING:
@@ -235,20 +213,6 @@ class Scheduler:
             plan.num_tokens[request.request_id] = num_new
             plan.budget -= num_new
 
-    def _make_room(self, request: Request, plan: _StepPlan) -> Request:
-        """Free blocks for `request`: drop the newest padding row (padding has no user left, so it
-        is not recomputed), else preempt the newest member. Returns who gave way. Neither has
-        been scheduled in this step yet: padding comes after every member, and the newest member
-        is `request` itself or one the loop has not reached."""
-        if self._padding:
-            victim = request if request.padding else self._padding[-1]
-            self._drop_padding(victim)
-            return victim
-        assert self.config.admission == "optimistic", "reserve admission must never run out of blocks"
-        victim = self.running.pop()  # the most recently admitted request
-        self._preempt(victim, plan)
-        return victim
-
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
@@ -262,24 +226,18 @@ class Scheduler:
         assert request.request_id not in plan.num_tokens
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
-        static = self.config.is_static
-        if static and not self._static_batch:
-            self._form_static_batch()
+        self._open_admission()
         kv = self.kv_cache_manager
         while plan.budget > 0:
-            if self._pending_pads:  # the prompt padding of the member admitted last
-                pad = self._pending_pads[0]
-                if not self._admit(pad, plan, [], 0):
+            pending = self._admit_pending(plan)
+            if pending is not None:
+                if not pending:
                     break
-                self._pending_pads.popleft()
-                self.requests[pad.request_id] = pad
-                self._padding.append(pad)
                 continue
-            # Padding rows (static mode) are not members: they do not count against max_num_seqs.
-            if len(self.waiting) == 0 or len(self.running) - len(self._padding) >= self.config.max_num_seqs:
+            if len(self.waiting) == 0 or self._num_members() >= self.config.max_num_seqs:
                 break
             request = self.waiting.peek()
-            if static and request.request_id not in self._static_batch:
+            if not self._may_admit(request):
                 break
             # Prompt logprobs need every prompt position computed: no prefix-cache hit then.
             wants_prompt_logprobs = request.sampling_params.prompt_logprobs is not None
@@ -289,8 +247,7 @@ class Scheduler:
             if not self._admit(request, plan, computed_blocks, num_computed):
                 break
             self.waiting.pop()
-            if (pad := self._prompt_pads.pop(request.request_id, None)) is not None:
-                self._pending_pads.append(pad)
+            self._admitted(request)
 
     def _admit(self, request: Request, plan: _StepPlan, computed_blocks: list, num_computed: int) -> bool:
         """Start running a request (its first chunk in this step) if the KV pool allows."""
@@ -321,25 +278,6 @@ class Scheduler:
         plan.budget -= num_new
         return True
 
-    def _form_static_batch(self) -> None:
-        """The next `max_num_seqs` waiting requests become a batch; in `static` mode, each member
-        shorter than the longest prompt gets its prompt-padding sequence."""
-        members = list(itertools.islice(self.waiting, self.config.max_num_seqs))
-        self._static_batch = {r.request_id for r in members}
-        if self.config.mode != "static" or not members:
-            return
-        width = max(r.num_tokens for r in members)
-        for r in members:
-            if r.num_tokens < width:
-                self._prompt_pads[r.request_id] = Request(
-                    request_id=f"{r.request_id}#prompt-padding",
-                    prompt_token_ids=[_PAD_TOKEN] * (width - r.num_tokens),
-                    sampling_params=_PAD_PARAMS,
-                    max_tokens=1,
-                    padding=True,
-                    prompt_padding=True,
-                )
-
     def _total_len(self, request: Request) -> int:
         return min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
 
@@ -356,15 +294,13 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop conditions, free finished requests."""
+        self.num_steps += 1
         outputs: list[EngineCoreOutput] = []
         for req_id, sampled in zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True):
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
-            if request.padding:  # computed like the rest of the batch; its tokens go nowhere
-                request.output_token_ids.extend(sampled)
-                if sampled and (request.prompt_padding or request.num_tokens >= self.max_model_len):
-                    self._drop_padding(request)
+            if self._consume_extra(request, sampled):
                 continue
             prompt_lp = runner_output.prompt_logprobs.get(req_id)
             if not sampled and prompt_lp is None:
@@ -384,7 +320,7 @@ class Scheduler:
             if sampled:
                 out.logprobs = runner_output.logprobs.get(req_id)
             outputs.append(out)
-        self._release_padding()
+        self._after_step()
         return outputs
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
@@ -400,13 +336,27 @@ class Scheduler:
         return None
 
     def stats(self, step_tokens: int = 0) -> SchedulerStats:
-        pc = self.kv_cache_manager.prefix_cache_stats
+        kv = self.kv_cache_manager
+        pc = kv.prefix_cache_stats
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
-            kv_usage=self.kv_cache_manager.usage(),
+            kv_blocks_total=kv.num_blocks,
+            kv_blocks_used=kv.num_blocks - kv.get_num_free_blocks(),
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=pc.queries,
             prefix_cache_hits=pc.hits,
+            num_steps=self.num_steps,
             step_tokens=step_tokens,
         )
+
+
+def make_scheduler(
+    scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_kv_blocks: int, max_model_len: int
+) -> Scheduler:
+    """The scheduler for `scheduler_config.mode`: continuous batching, or a static mode."""
+    if scheduler_config.is_static:
+        from llmserve.core.static_scheduler import StaticBatchScheduler
+
+        return StaticBatchScheduler(scheduler_config, cache_config, num_kv_blocks, max_model_len)
+    return Scheduler(scheduler_config, cache_config, num_kv_blocks, max_model_len)

@@ -28,11 +28,10 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
 
 from llmserve.engine.llm_engine import LLMEngine, ProcessedPrompt
 from llmserve.metrics.loggers import StatLogger
-from llmserve.metrics.stats import IterationStats
+from llmserve.metrics.stats import IterationStats, SchedulerStats
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
 
@@ -53,21 +52,6 @@ class EngineDeadError(RuntimeError):
 
 class RequestAbortedError(RuntimeError):
     """The engine side aborted a request someone was still reading (shutdown)."""
-
-
-@dataclass(frozen=True, slots=True)
-class EngineSnapshot:
-    """What the engine thread publishes after each step (read by the event loop, never locked)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_blocks_total: int = 0
-    kv_blocks_used: int = 0
-    num_preemptions: int = 0
-    num_steps: int = 0
-    prefix_cache_queries: int = 0
-    """Prompt tokens looked up in the prefix cache, and found there (cumulative)."""
-    prefix_cache_hits: int = 0
 
 
 class RequestStream:
@@ -122,7 +106,9 @@ class AsyncEngine:
         self.max_queued_requests = max_queued_requests
         self.stat_loggers = list(stat_loggers)
         engine.log_stats = bool(self.stat_loggers)
-        self.snapshot = EngineSnapshot(kv_blocks_total=engine.kv_info.num_blocks)
+        self.snapshot: SchedulerStats = engine.scheduler.stats()
+        """What the engine thread publishes after each step and after aborts (read by the event
+        loop, never locked: one frozen record replaced whole)."""
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._ids = itertools.count()
@@ -283,11 +269,11 @@ class AsyncEngine:
                     if command is None:
                         return
                     command()
-                self._publish(stepped=False)
+                self._publish()
                 outputs: list[RequestOutput] = []
                 if engine.has_unfinished_requests():
                     outputs = engine.step()
-                    self._publish(stepped=True)
+                    self._publish()
                 # this step's statistics, or the aborts applied above when nothing runs any more
                 stats = engine.take_stats() if self.stat_loggers else None
                 if outputs or stats is not None:
@@ -299,19 +285,8 @@ class AsyncEngine:
             if self._loop is not None and not self._loop.is_closed():
                 self._loop.call_soon_threadsafe(self._fail_all, e)
 
-    def _publish(self, stepped: bool) -> None:
-        scheduler = self.engine.scheduler
-        kv = scheduler.kv_cache_manager
-        self.snapshot = EngineSnapshot(
-            num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting),
-            kv_blocks_total=kv.num_blocks,
-            kv_blocks_used=kv.num_blocks - kv.get_num_free_blocks(),
-            num_preemptions=scheduler.num_preemptions,
-            num_steps=self.snapshot.num_steps + stepped,
-            prefix_cache_queries=kv.prefix_cache_stats.queries,
-            prefix_cache_hits=kv.prefix_cache_stats.hits,
-        )
+    def _publish(self) -> None:
+        self.snapshot = self.engine.scheduler.stats()
         if self._num_added:
             # Only now do the new requests show in `num_waiting`; uncounting them as pending any
             # earlier would let `check_queue` see them nowhere and overfill the queue.

@@ -17,14 +17,14 @@ from dataclasses import dataclass
 
 from llmserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from llmserve.core.request import Request, RequestStatus
-from llmserve.core.scheduler import Scheduler, SchedulerStats
+from llmserve.core.scheduler import Scheduler, make_scheduler
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.errors import ParameterError
 from llmserve.layers.attention import KVCacheSpec
-from llmserve.metrics.stats import IterationStats
-from llmserve.model_executor.engine_runner import EngineRunner
+from llmserve.metrics.stats import IterationStats, SchedulerStats
+from llmserve.model_executor.forward_runner import resolve_kv_cache_dtype
 from llmserve.model_executor.model_loader import LoadedModel, load_model
-from llmserve.model_executor.model_runner import resolve_kv_cache_dtype
+from llmserve.model_executor.model_runner import ModelRunner
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
 from llmserve.structured_output import StructuredOutputManager
@@ -112,11 +112,13 @@ class LLMEngine:
         )
         logger.info(self.kv_info.summary())
 
-        self.scheduler = Scheduler(self.scheduler_config, self.cache_config, num_blocks, self.max_model_len)
+        self.scheduler: Scheduler = make_scheduler(
+            self.scheduler_config, self.cache_config, num_blocks, self.max_model_len
+        )
         self.structured_outputs = StructuredOutputManager(
             self.tokenizer, self.vocab_size, self.tokenizer.eos_token_ids
         )
-        self.runner = EngineRunner(
+        self.runner = ModelRunner(
             self.loaded.model,
             num_blocks,
             self.cache_config.block_size,
@@ -218,7 +220,7 @@ class LLMEngine:
         """Abort requests now: their KV blocks are freed immediately."""
         outputs = []
         for request_id in request_ids:
-            self.scheduler.abort_requests(self.output_processor.child_ids(request_id))
+            self.scheduler.finish_requests(self.output_processor.child_ids(request_id))
             out = self.output_processor.abort_request(request_id, self._stats)
             if out is not None:
                 outputs.append(out)
@@ -248,7 +250,7 @@ class LLMEngine:
         stats.timestamp = time.monotonic()
         outputs, stopped = self.output_processor.process_outputs(core_outputs, stats)
         if stopped:  # stop strings found by the detokenizer end those requests in the scheduler too
-            self.scheduler.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self.last_stats = stats.scheduler = self.scheduler.stats(scheduler_output.total_num_scheduled_tokens)
         return outputs
 

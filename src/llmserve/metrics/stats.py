@@ -24,7 +24,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llmserve.core.scheduler import SchedulerStats
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """The engine's state after a step (or after aborts that left it idle): the one record the
+    stat loggers, the server's /stats and its queue check all read. Counters are cumulative."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    """Blocks held by requests (free blocks that still cache a prefix count as unused)."""
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    """Prompt tokens looked up in the prefix cache, and found there."""
+    prefix_cache_hits: int = 0
+    num_steps: int = 0
+    """Engine steps run so far."""
+    step_tokens: int = 0
+    """Tokens the step computed (0 for a record taken outside a step)."""
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of the KV cache's blocks held by requests (1.0: full)."""
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
 
 
 @dataclass(slots=True)

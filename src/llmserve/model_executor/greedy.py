@@ -1,5 +1,5 @@
 """Batched greedy generation over a contiguous KV cache: each sequence gets its own run of blocks
-for prompt + max_tokens. This is the simplest client of `ModelRunner` - used by `llmserve
+for prompt + max_tokens. This is the simplest client of `ForwardRunner` - used by `llmserve
 generate`, the benchmarks and the parity tests until the engine's scheduler takes over."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from llmserve.model_executor.model_runner import ModelRunner, SequenceBatchEntry
+from llmserve.model_executor.forward_runner import ForwardRunner, SequenceBatchEntry
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -16,7 +16,7 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 
 
 def generate_greedy(
-    runner: ModelRunner,
+    runner: ForwardRunner,
     prompts: Sequence[Sequence[int]],
     max_tokens: int,
     stop_token_ids: frozenset[int] = frozenset(),

@@ -1,48 +1,61 @@
-"""`ModelRunner`: owns the model's KV cache and runs one forward pass over a flat batch.
+"""`ModelRunner` (vLLM's name for it): what the engine drives with the scheduler's decisions,
+`execute_model(SchedulerOutput) -> ModelRunnerOutput`, one forward pass (through the
+`ForwardRunner` it owns, which holds the KV cache) and the sampling after it. It keeps one `CachedRequestState` per live
+request (token ids, block table, progress, sampling state) so the scheduler only sends what
+changed, and per step:
 
-The caller says, per sequence, which new tokens to run, how long the context becomes and which
-cache blocks hold it; the runner flattens that into (input_ids, positions, AttentionMetadata),
-runs the model, and returns logits for the last new token of each sequence (or for every new
-token when asked, for prompt logprobs and parity tests).
+  1. drops finished requests (and the blocks of preempted ones, keeping their sampling state);
+  2. registers new requests and extends the block tables of running ones;
+  3. flattens every scheduled chunk into one batch and runs the model once;
+  4. projects to the vocabulary only the rows that are needed: the last position of each request
+     whose known tokens are now all computed (it samples), and the prompt positions of requests
+     that asked for prompt logprobs;
+  5. masks the logits of requests with structured outputs to what their grammar allows next (the
+     masks are computed on a worker thread while the forward pass runs, where a core is free for
+     it), samples all requests together, then appends the tokens to their states (and grammars).
 """
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
-from llmserve.layers.attention import Attention, AttentionMetadata, KVCacheSpec
-from llmserve.model_executor.cpu_memory import keep_freed_memory
+from llmserve.core.sched_output import Logprobs, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from llmserve.model_executor.forward_runner import ForwardRunner, SequenceBatchEntry
 from llmserve.models import CausalLM
+from llmserve.sample import RequestSamplingState, Sampler, SamplingMetadata, compute_logprobs, make_generator
+from llmserve.structured_output import StructuredOutputManager, apply_bitmask, bitmask_words
 
 
-def resolve_kv_cache_dtype(
-    name: str, model_dtype: torch.dtype, quantized: bool = False, device: torch.device | str = "cpu"
-) -> torch.dtype:
-    """`CacheConfig.kv_cache_dtype` as a torch dtype. `auto` is the model's dtype, except for a
-    float32 model on the CPU whose linear layers run quantized (`quantized`: a GGUF quant file, or
-    `--quantization int8|int4`): its K/V are kept in float16, llama.cpp's default cache type. Its
-    weights are already rounded to 8 or 4 bits, and decode attention at a batch of 16 reads K/V for
-    about a third of a step: half the bytes make the step 1.2x faster and the cache hold twice the
-    tokens (docs/benchmarks.md)."""
-    if name != "auto":
-        return getattr(torch, name)
-    if quantized and model_dtype == torch.float32 and torch.device(device).type == "cpu":
-        return torch.float16
-    return model_dtype
-
-
-@dataclass(frozen=True, slots=True)
-class SequenceBatchEntry:
-    """One sequence's part of a forward pass."""
-
-    new_token_ids: list[int]
-    """Tokens to run now: the last `len(new_token_ids)` tokens of the context."""
-    seq_len: int
-    """Context length after this step (tokens already cached + new ones)."""
+@dataclass(slots=True)
+class CachedRequestState:
+    req_id: str
+    prompt_token_ids: list[int]
     block_ids: list[int]
-    """Cache blocks holding this sequence, in order; enough for `seq_len` tokens."""
+    num_computed_tokens: int
+    sampling: RequestSamplingState
+    """Holds `output_token_ids` (the list the sampler reads for penalties) and the generator."""
+    num_prompt_logprobs: int = 0
+    """Prompt positions whose logprobs were already returned (a preempted request recomputes
+    its prompt, but must not return them twice)."""
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.sampling.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.sampling.output_token_ids)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        P = len(self.prompt_token_ids)
+        if end <= P:
+            return self.prompt_token_ids[start:end]
+        out = self.sampling.output_token_ids
+        return self.prompt_token_ids[start:P] + out[max(start - P, 0) : end - P]
 
 
 class ModelRunner:
@@ -50,60 +63,187 @@ class ModelRunner:
         self,
         model: CausalLM,
         num_blocks: int,
-        block_size: int = 16,
+        block_size: int,
+        vocab_size: int,
         kv_cache_dtype: torch.dtype | None = None,
+        structured_outputs: StructuredOutputManager | None = None,
     ) -> None:
-        """`kv_cache_dtype`: what the cache stores K/V in (default: the model's dtype)."""
-        shape = model.kv_cache_shape()
-        param = next(model.parameters())
-        self.model = model
-        self.device, self.dtype = param.device, param.dtype
-        if self.device.type == "cpu":
-            keep_freed_memory()  # activations are reused every step: no page faults on them
-        kv_dtype = kv_cache_dtype or self.dtype
-        self.spec = KVCacheSpec(num_blocks, block_size, shape.num_kv_heads, shape.head_dim, kv_dtype)
-        # One [2, num_kv_heads, num_blocks, block_size, head_dim] tensor per layer.
-        self.kv_caches = [
-            torch.zeros(self.spec.shape(), dtype=kv_dtype, device=self.device)
-            for _ in range(shape.num_layers)
-        ]
-        for backend in {
-            id(m.backend): m.backend for m in model.modules() if isinstance(m, Attention)
-        }.values():
-            backend.prepare(kv_dtype)
+        """`structured_outputs`: makes the grammar state of requests that constrain their output."""
+        self.runner = ForwardRunner(model, num_blocks, block_size, kv_cache_dtype)
+        self.structured_outputs = structured_outputs
+        self.device = self.runner.device
+        self.vocab_size = vocab_size
+        self._masks: ThreadPoolExecutor | None = None  # grammar masks, made beside the forward pass
+        # Beside the forward pass only with a core to spare: on the CPU, a mask thread sharing the
+        # cores of the matmuls' OpenMP threads stalls them at every barrier (2 cores, 2 threads:
+        # a JSON schema's TPOT overhead at batch 16 went from 3-4% to 5-13%, docs/benchmarks.md).
+        self.overlap_masks = self.device.type != "cpu" or _usable_cores() > torch.get_num_threads()
+        self.sampler = Sampler()
+        self.requests: dict[str, CachedRequestState] = {}
+        # Sampling states of preempted requests, waiting for them to be rescheduled.
+        self._parked: dict[str, tuple[RequestSamplingState, int]] = {}
 
-    @property
-    def block_size(self) -> int:
-        return self.spec.block_size
-
-    def kv_bytes_per_token(self) -> int:
-        """2 x layers x kv_heads x head_dim x dtype bytes."""
-        return self.spec.bytes_per_token() * len(self.kv_caches)
-
-    def forward(self, batch: list[SequenceBatchEntry]) -> tuple[torch.Tensor, AttentionMetadata]:
-        """Run the model over the flat batch: hidden states [num_new_tokens, hidden] and the metadata."""
-        ids: list[int] = []
-        positions: list[int] = []
-        for entry in batch:
-            ids.extend(entry.new_token_ids)
-            positions.extend(range(entry.seq_len - len(entry.new_token_ids), entry.seq_len))
-        md = AttentionMetadata.build(
-            query_lens=[len(e.new_token_ids) for e in batch],
-            seq_lens=[e.seq_len for e in batch],
-            block_tables=[e.block_ids for e in batch],
-            block_size=self.block_size,
-            device=self.device,
+    def _add(self, new: NewRequestData) -> None:
+        sampling, num_prompt_logprobs = self._parked.pop(new.req_id, (None, 0))
+        if sampling is None:
+            sampling = RequestSamplingState(
+                params=new.sampling_params,
+                prompt_token_ids=new.prompt_token_ids,
+                output_token_ids=list(new.output_token_ids),
+                eos_token_ids=new.eos_token_ids,
+                generator=make_generator(new.sampling_params.seed, self.device),
+            )
+            constraint = new.sampling_params.structured_outputs
+            if constraint is not None:
+                assert self.structured_outputs is not None, "a constrained request needs the manager"
+                sampling.grammar = self.structured_outputs.new_state(constraint)
+                sampling.grammar.accept_all(new.output_token_ids)
+        else:
+            sampling.output_token_ids[:] = new.output_token_ids
+        self.requests[new.req_id] = CachedRequestState(
+            new.req_id,
+            new.prompt_token_ids,
+            list(new.block_ids),
+            new.num_computed_tokens,
+            sampling,
+            num_prompt_logprobs,
         )
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        return self.model(input_ids, pos, self.kv_caches, md), md
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+            self._parked.pop(req_id, None)
+        for req_id in so.preempted_req_ids:
+            state = self.requests.pop(req_id, None)
+            if state is not None:
+                self._parked[req_id] = (state.sampling, state.num_prompt_logprobs)
+        for new in so.scheduled_new_reqs:
+            self._add(new)
+        for cached in so.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            state.block_ids.extend(cached.new_block_ids)
+            assert state.num_computed_tokens == cached.num_computed_tokens, cached.req_id
 
     @torch.inference_mode()
-    def execute(self, batch: list[SequenceBatchEntry], all_logits: bool = False) -> torch.Tensor:
-        """Logits [num_seqs, vocab] for each sequence's last new token ([num_new_tokens, vocab]
-        over the whole batch when `all_logits`)."""
-        hidden, md = self.forward(batch)
-        if not all_logits:
-            last = torch.tensor(md.query_start_loc[1:], device=self.device) - 1
-            hidden = hidden.index_select(0, last)  # only the rows that are sampled
-        return self.model.compute_logits(hidden)
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        req_ids = list(so.num_scheduled_tokens)
+        if not req_ids:
+            return ModelRunnerOutput([], [])
+        batch: list[SequenceBatchEntry] = []
+        sample_rows: list[int] = []  # flat-batch row of each sampling request's last token
+        samplers: list[tuple[int, CachedRequestState]] = []  # (position in req_ids, state)
+        prompt_rows: list[tuple[str, int, int]] = []  # (req_id, first row, first prompt position)
+        row = 0
+        for pos, req_id in enumerate(req_ids):
+            state, n = self.requests[req_id], so.num_scheduled_tokens[req_id]
+            start, end = state.num_computed_tokens, state.num_computed_tokens + n
+            batch.append(SequenceBatchEntry(state.token_slice(start, end), end, state.block_ids))
+            # Prompt logprobs for positions [first, end) of this chunk not returned before.
+            first = max(start, state.num_prompt_logprobs)
+            if state.sampling.params.prompt_logprobs is not None and first < min(
+                end, len(state.prompt_token_ids) - 1
+            ):
+                prompt_rows.append((req_id, row + first - start, first))
+            if end == state.num_tokens:
+                sample_rows.append(row + n - 1)
+                samplers.append((pos, state))
+            state.num_computed_tokens = end
+            row += n
+
+        # Grammar masks depend only on the tokens sampled so far: where a core is free, they are
+        # computed on a worker thread while the forward pass runs (both release the GIL).
+        constrained = [i for i, (_, s) in enumerate(samplers) if s.sampling.grammar is not None]
+        grammars = [samplers[i][1] for i in constrained]
+        masks = (
+            self._mask_worker().submit(self._fill_masks, grammars)
+            if constrained and self.overlap_masks
+            else None
+        )
+        try:
+            hidden, _ = self.runner.forward(batch)
+        finally:
+            mask = masks.result() if masks is not None else None  # never left running past the step
+        if constrained and mask is None:
+            mask = self._fill_masks(grammars)
+        out = ModelRunnerOutput(req_ids, [[] for _ in req_ids])
+        if prompt_rows:
+            out.prompt_logprobs = self._prompt_logprobs(hidden, prompt_rows)
+        if samplers:
+            self._sample(hidden, sample_rows, samplers, out, constrained, mask)
+        return out
+
+    def _mask_worker(self) -> ThreadPoolExecutor:
+        if self._masks is None:
+            self._masks = ThreadPoolExecutor(1, thread_name_prefix="llmserve-grammar")
+        return self._masks
+
+    def _fill_masks(self, states: list[CachedRequestState]) -> torch.Tensor:
+        """Row j: the tokens the grammar of states[j] allows next."""
+        mask = torch.zeros(len(states), bitmask_words(self.vocab_size), dtype=torch.int32)
+        for j, state in enumerate(states):
+            assert state.sampling.grammar is not None
+            state.sampling.grammar.fill_bitmask(mask[j])
+        return mask
+
+    def _sample(
+        self,
+        hidden: torch.Tensor,
+        rows: list[int],
+        states: list[tuple[int, CachedRequestState]],
+        out: ModelRunnerOutput,
+        constrained: list[int],
+        mask: torch.Tensor | None,
+    ) -> None:
+        logits = self.runner.model.compute_logits(hidden[rows])  # [num_sampling, vocab]
+        if mask is not None:
+            self._mask_logits(logits, mask, constrained)
+        metadata = SamplingMetadata.build([s.sampling for _, s in states], self.vocab_size, self.device)
+        result = self.sampler(logits, metadata)
+        tokens = result.sampled_token_ids.tolist()  # the step's one device->host sync
+        for i, ((pos, state), token) in enumerate(zip(states, tokens, strict=True)):
+            state.output_token_ids.append(token)
+            if state.sampling.grammar is not None:
+                state.sampling.grammar.accept(token)
+            out.sampled_token_ids[pos] = [token]
+            k = state.sampling.params.logprobs
+            if k is not None and result.logprobs is not None:
+                out.logprobs[state.req_id] = result.logprobs.to_lists(i, k)
+
+    @staticmethod
+    def _mask_logits(logits: torch.Tensor, mask: torch.Tensor, rows: list[int]) -> None:
+        """-inf for every token the grammar of each constrained row forbids next (logit columns
+        past the tokenizer's vocabulary, where a model pads its head, are forbidden too)."""
+        extra = bitmask_words(logits.shape[1]) - mask.shape[1]
+        if extra > 0:
+            mask = torch.nn.functional.pad(mask, (0, extra))
+        if len(rows) == logits.shape[0]:  # every row constrained: in place
+            apply_bitmask(logits, mask)
+            return
+        index = torch.tensor(rows, device=logits.device)
+        masked = logits.index_select(0, index)
+        apply_bitmask(masked, mask)
+        logits.index_copy_(0, index, masked)
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, rows: list[tuple[str, int, int]]
+    ) -> dict[str, Logprobs | None]:
+        """Logprobs of the prompt tokens this chunk predicts: position p scores prompt token p + 1."""
+        result: dict[str, Logprobs | None] = {}
+        for req_id, first_row, start in rows:
+            state = self.requests[req_id]
+            P = len(state.prompt_token_ids)
+            # Positions up to the chunk's end that still have a next prompt token to score.
+            end = min(state.num_computed_tokens, P - 1)
+            state.num_prompt_logprobs = end
+            logits = self.runner.model.compute_logits(hidden[first_row : first_row + end - start])
+            targets = torch.tensor(state.prompt_token_ids[start + 1 : end + 1], device=logits.device)
+            k = state.sampling.params.prompt_logprobs or 0
+            result[req_id] = compute_logprobs(logits.float(), targets, k).rows_to_lists(0, len(targets), k)
+        return result
+
+
+def _usable_cores() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1

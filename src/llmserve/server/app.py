@@ -91,6 +91,7 @@ def build_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig, mod
     app.include_router(routes.ops)
     app.include_router(routes.openai)
     app.include_router(routes.tokenizer)
+    app.include_router(routes.ollama)
     if config.enable_metrics:
         app.include_router(routes.metrics)
     return app

@@ -3,6 +3,7 @@
     openai     /v1/models, /v1/models/{model}, /v1/completions, /v1/chat/completions
     tokenizer  /tokenize, /detokenize, /tokenizer_info                    (vLLM's extras)
     ops        /health, /version, /stats, and /metrics when enabled
+    ollama     /api/generate, /api/chat, /api/tags, /api/ps, /api/show, /api/version (Ollama's API)
 
 Routes reach the server through `ServerState` (app.state.server): the gate has already refused
 requests while the model loads or the server drains, so the serving context is set here.
@@ -16,7 +17,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from llmserve import __version__
-from llmserve.server.errors import error_body
+from llmserve.server.errors import APIError, error_body
 from llmserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -24,6 +25,7 @@ from llmserve.server.protocol import (
     TokenizeRequest,
 )
 from llmserve.server.serving import ChatServing, CompletionServing, ServingContext, TokenServing
+from llmserve.server.serving.ollama import OllamaServing, ollama_error
 from llmserve.server.state import ServerState, server_state, serving_context
 
 State = Annotated[ServerState, Depends(server_state)]
@@ -33,6 +35,7 @@ openai = APIRouter()
 tokenizer = APIRouter()
 ops = APIRouter()
 metrics = APIRouter()
+ollama = APIRouter()
 
 
 def _model_card(state: ServerState, ctx: ServingContext) -> dict[str, Any]:
@@ -125,3 +128,43 @@ async def prometheus_metrics(state: State, ctx: Serving) -> Response:
     assert state.metrics is not None
     body, content_type = state.metrics.exposition()
     return Response(body, media_type=content_type)
+
+
+async def _ollama(call: Any) -> Any:
+    """Ollama's error shape, `{"error": "..."}`, for anything a route refuses."""
+    try:
+        return await call
+    except APIError as e:
+        return ollama_error(e)
+    except ValueError as e:  # a body that is not JSON
+        return ollama_error(APIError(400, f"the request body is not valid JSON: {e}"))
+
+
+@ollama.post("/api/generate")
+async def ollama_generate(raw: Request, ctx: Serving) -> Any:
+    return await _ollama(OllamaServing(ctx).generate(raw))
+
+
+@ollama.post("/api/chat")
+async def ollama_chat(raw: Request, ctx: Serving) -> Any:
+    return await _ollama(OllamaServing(ctx).chat(raw))
+
+
+@ollama.post("/api/show")
+async def ollama_show(raw: Request, ctx: Serving) -> Any:
+    return await _ollama(OllamaServing(ctx).show(raw))
+
+
+@ollama.get("/api/tags")
+async def ollama_tags(ctx: Serving) -> Any:
+    return OllamaServing(ctx).tags()
+
+
+@ollama.get("/api/ps")
+async def ollama_ps(ctx: Serving) -> Any:
+    return OllamaServing(ctx).ps()
+
+
+@ollama.get("/api/version")
+async def ollama_version() -> Any:
+    return OllamaServing.version()

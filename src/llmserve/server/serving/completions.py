@@ -17,25 +17,19 @@ from llmserve.engine.llm_engine import ProcessedPrompt
 from llmserve.outputs import PositionLogprobs
 from llmserve.server.errors import APIError
 from llmserve.server.protocol import CompletionRequest
-from llmserve.server.serving.common import (
+from llmserve.server.serving.context import ServingContext
+from llmserve.server.serving.inputs import check_caps, process_prompt, sampling_params, start_requests
+from llmserve.server.serving.outputs import (
     Choice,
-    ServingContext,
     Timings,
     Usage,
-    check_caps,
     closing_chunk,
-    engine_error,
-    merged,
     new_id,
     now,
-    process_prompt,
-    run_unless_disconnected,
-    sampling_params,
     sse,
-    sse_with_errors,
-    start_requests,
     wants_timings,
 )
+from llmserve.server.serving.streaming import engine_error, merged, run_unless_disconnected, sse_with_errors
 
 
 class _LogprobsBuilder:

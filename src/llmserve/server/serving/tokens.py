@@ -9,7 +9,7 @@ from typing import Any
 from llmserve.server.errors import APIError
 from llmserve.server.protocol import DetokenizeRequest, TokenizeRequest
 from llmserve.server.serving.chat import render_chat
-from llmserve.server.serving.common import ServingContext
+from llmserve.server.serving.context import ServingContext
 
 
 class TokenServing:

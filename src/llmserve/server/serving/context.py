@@ -1,0 +1,48 @@
+"""`ServingContext`: the engine behind the server, the server's settings, the model check, and
+token strings for logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmserve.config import ServerConfig
+from llmserve.engine.async_engine import AsyncEngine
+from llmserve.outputs import PositionLogprobs
+from llmserve.server.errors import APIError
+
+
+@dataclass
+class ServingContext:
+    """The engine behind the server and the server's own settings."""
+
+    engine: AsyncEngine
+    config: ServerConfig
+    model_name: str
+    _token_strs: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def tokenizer(self):
+        return self.engine.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine.max_model_len
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(
+                404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                param="model", code="model_not_found",
+            )  # fmt: skip
+
+    def token_str(self, token_id: int) -> str:
+        """A token's own text, as logprobs show it (special tokens spelled out)."""
+        text = self._token_strs.get(token_id)
+        if text is None:
+            text = self._token_strs[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def top_logprobs(self, position: PositionLogprobs, k: int) -> list[tuple[int, float]]:
+        """The k most likely tokens of a position, most likely first."""
+        ranked = sorted((rank, tid, lp) for tid, (lp, rank) in position.items() if rank <= k)
+        return [(tid, lp) for _, tid, lp in ranked[:k]]

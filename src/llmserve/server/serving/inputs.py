@@ -1,0 +1,130 @@
+"""The request side shared by completions and chat: caps on n and logprobs, sampling parameters,
+checking a prompt against the model, and queueing a request's prompts (or none of them)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from llmserve.engine.async_engine import EngineDeadError, QueueFullError, RequestStream
+from llmserve.engine.llm_engine import ProcessedPrompt
+from llmserve.sampling_params import SamplingParams
+from llmserve.server.errors import APIError
+from llmserve.server.protocol import _SamplingFields
+from llmserve.server.serving.context import ServingContext
+from llmserve.server.serving.structured import structured_outputs
+
+logger = logging.getLogger("llmserve.server")
+
+
+def check_caps(ctx: ServingContext, req: _SamplingFields, logprobs: int | None, logprobs_name: str) -> None:
+    cfg = ctx.config
+    if not 1 <= req.n <= cfg.max_n:
+        raise APIError(400, f"n must be in [1, {cfg.max_n}]; got {req.n}", param="n")
+    if logprobs is not None and not 0 <= logprobs <= cfg.max_logprobs:
+        raise APIError(
+            400, f"{logprobs_name} must be in [0, {cfg.max_logprobs}]; got {logprobs}", param=logprobs_name
+        )
+    stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    if len(stop) > cfg.max_stop:
+        raise APIError(400, f"stop has {len(stop)} strings; at most {cfg.max_stop} are allowed", param="stop")
+    for s in stop:
+        if not s or len(s) > cfg.max_stop_length:
+            raise APIError(
+                400, f"each stop string must have 1 to {cfg.max_stop_length} characters; got {len(s)}",
+                param="stop",
+            )  # fmt: skip
+
+
+def logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
+    if raw is None:
+        return None
+    out = {}
+    for key, value in raw.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise APIError(
+                400, f"logit_bias keys must be token ids; got {key!r}", param="logit_bias"
+            ) from None
+        out[token] = value
+    return out
+
+
+def sampling_params(
+    req: _SamplingFields, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
+) -> SamplingParams:
+    """The engine's parameters for a request; range errors become a 400 naming the parameter."""
+    constraint, _ = structured_outputs(req)
+    try:
+        return SamplingParams(
+            n=req.n,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            logit_bias=logit_bias(req.logit_bias),
+            seed=req.seed,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            ignore_eos=req.ignore_eos,
+            stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+            stop_token_ids=list(req.stop_token_ids or []),
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+            structured_outputs=constraint,
+        )
+    except ValueError as e:
+        raise APIError(400, str(e), param=getattr(e, "param", None)) from None
+
+
+async def process_prompt(
+    ctx: ServingContext,
+    prompt: str | Sequence[int],
+    params: SamplingParams,
+    req: _SamplingFields | None = None,
+) -> ProcessedPrompt:
+    """Tokenize and check one prompt; a prompt that cannot fit is a 400 with both numbers, an
+    invalid structured-output constraint a 400 naming the field it came in."""
+    try:
+        return await ctx.engine.process_inputs(prompt, params)
+    except ValueError as e:
+        param = getattr(e, "param", None)
+        if param == "structured_outputs" and req is not None:
+            param = structured_outputs(req)[1] or param
+        raise APIError(400, str(e), param=param) from None
+
+
+def start_requests(
+    ctx: ServingContext, prompts: list[ProcessedPrompt], priority: int, prefix: str
+) -> list[RequestStream]:
+    """Queue every prompt of one API request, or none of them (429 when the queue is full)."""
+    engine = ctx.engine
+    num_sequences = sum(p.params.n for p in prompts)
+    limit = ctx.config.max_queued_requests
+    if limit is not None and num_sequences > max(limit, 1):
+        # retrying could never help: the request alone is larger than the queue
+        raise APIError(
+            400, f"this request needs {num_sequences} sequences (prompts x n); the server queues at most {limit}",
+            param="n",
+        )  # fmt: skip
+    try:
+        engine.check_queue(num_sequences)
+    except QueueFullError as e:
+        raise APIError(429, str(e), code="queue_full", headers={"Retry-After": str(e.retry_after)}) from None
+    except EngineDeadError as e:
+        raise APIError(503, str(e), code="engine_dead") from None
+    streams = [engine.add_request(engine.new_request_id(prefix), p, priority) for p in prompts]
+    for stream in streams:
+        p = stream.prompt
+        logger.info(
+            "request %s: %d prompt tokens, n=%d, max_tokens=%d%s",
+            stream.request_id, len(p.token_ids), p.params.n, p.max_tokens,
+            f", prompt={p.text if p.text is not None else p.token_ids!r}" if ctx.config.log_requests else "",
+        )  # fmt: skip
+    return streams

@@ -1,0 +1,128 @@
+"""Ollama's API through the `ollama` Python client (PyPI) as a real client, on the tiny model:
+generate and chat, streamed (NDJSON) and not, list/ps/show/version, options mapped to sampling
+parameters (checked against the OpenAI endpoint's output for the same settings), `format` as JSON,
+and errors in Ollama's `{"error": ...}` shape."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import ollama
+import pytest
+
+from tests.e2e.conftest import MODEL_NAME, ServerProcess
+
+pytestmark = pytest.mark.e2e
+
+GREEDY = {"temperature": 0, "num_predict": 8, "repeat_penalty": 1.0, "top_k": 0, "top_p": 1.0}
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> ollama.Client:
+    return ollama.Client(host=server.url)
+
+
+def openai_text(server: ServerProcess, **body) -> str:
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL_NAME, **body}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def test_generate_raw_matches_the_openai_endpoint(client: ollama.Client, server: ServerProcess) -> None:
+    """Greedy options give the very text /v1/completions gives for the same prompt, whole and
+    streamed; the final object carries Ollama's counts and the context."""
+    expected = openai_text(server, prompt="The quick brown fox", max_tokens=8, temperature=0)
+    r = client.generate(model=MODEL_NAME, prompt="The quick brown fox", raw=True, options=GREEDY)
+    assert r.done and r.done_reason == "length" and r.response == expected
+    assert r.eval_count == 8 and r.prompt_eval_count > 0 and r.total_duration > 0 and r.context
+    parts = list(
+        client.generate(model=MODEL_NAME, prompt="The quick brown fox", raw=True, options=GREEDY, stream=True)
+    )
+    assert [p.done for p in parts][-1] is True and not any(p.done for p in parts[:-1])
+    assert "".join(p.response for p in parts) == expected
+    assert parts[-1].eval_count == 8
+
+
+def test_chat_whole_and_streamed(client: ollama.Client) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    whole = client.chat(model=MODEL_NAME, messages=messages, options=GREEDY)
+    assert whole.message.role == "assistant" and whole.done and whole.eval_count == 8
+    parts = list(client.chat(model=MODEL_NAME, messages=messages, options=GREEDY, stream=True))
+    assert "".join(p.message.content for p in parts) == whole.message.content
+    assert parts[-1].done and parts[-1].done_reason == "length"
+    # the ":latest" tag names the same model, as in Ollama
+    again = client.chat(model=f"{MODEL_NAME}:latest", messages=messages, options=GREEDY)
+    assert again.message.content == whole.message.content
+
+
+def test_options_reach_the_sampler(client: ollama.Client) -> None:
+    """A seed repeats a sampled reply; stop ends it at the stop string (excluded)."""
+    opts = {"temperature": 1.0, "seed": 7, "num_predict": 12}
+    a = client.generate(model=MODEL_NAME, prompt="Once", raw=True, options=opts).response
+    b = client.generate(model=MODEL_NAME, prompt="Once", raw=True, options=opts).response
+    assert a == b
+    full = client.generate(
+        model=MODEL_NAME, prompt="Once", raw=True, options={**GREEDY, "num_predict": 12}
+    ).response
+    stop = full[3:6]
+    cut = client.generate(
+        model=MODEL_NAME, prompt="Once", raw=True, options={**GREEDY, "num_predict": 12, "stop": [stop]}
+    )
+    assert cut.done_reason == "stop" and stop not in cut.response and full.startswith(cut.response)
+
+
+def test_format_json(so_server: ServerProcess) -> None:
+    """`format` as a schema constrains the reply (the server whose tiny model's EOS is not a quote)."""
+    client = ollama.Client(host=so_server.url)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}  # fmt: skip
+    for seed in range(3):
+        r = client.generate(
+            model=MODEL_NAME,
+            prompt="JSON:",
+            raw=True,
+            format=schema,
+            options={"num_predict": 40, "seed": seed},
+        )
+        assert r.done_reason == "stop" and isinstance(json.loads(r.response)["a"], int), r.response
+    r = client.chat(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "hi"}],
+        format="json",
+        options={"num_predict": 6, "seed": 0},
+    )
+    # "json" is any object: the random model opens one (and, unbounded, rarely closes it in 6 tokens)
+    assert r.message.content.startswith("{"), r.message.content
+
+
+def test_list_ps_show_version(client: ollama.Client) -> None:
+    listed = client.list().models
+    assert [m.model for m in listed] == [MODEL_NAME] and listed[0].size > 0
+    assert listed[0].details.family == "llama"
+    assert [m.model for m in client.ps().models] == [MODEL_NAME]
+    shown = client.show(MODEL_NAME)
+    assert shown.details.family == "llama" and "im_start" in (shown.template or "")
+    assert shown.modelinfo["llama.context_length"] == 256
+    assert httpx.get(f"{client._client.base_url}/api/version").json()["version"]
+
+
+def test_errors_are_ollama_shaped(client: ollama.Client, server: ServerProcess) -> None:
+    with pytest.raises(ollama.ResponseError) as e:
+        client.chat(model="nope", messages=[{"role": "user", "content": "hi"}])
+    assert e.value.status_code == 404 and "not found" in e.value.error
+    for body, where in [
+        ({"model": MODEL_NAME, "prompt": "x", "options": {"temperature": "hot"}}, "options.temperature"),
+        ({"model": MODEL_NAME, "prompt": "x", "options": {"num_predict": 0}}, "num_predict"),
+        ({"model": MODEL_NAME, "prompt": 5}, "prompt"),
+        ({"prompt": "x"}, "model"),
+    ]:
+        r = httpx.post(f"{server.url}/api/generate", json=body, timeout=30)
+        assert r.status_code == 400 and where in r.json()["error"], (body, r.text)
+    r = httpx.post(f"{server.url}/api/chat", content=b"{not json", timeout=30)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]
+    # unknown runtime options are ignored, as Ollama does
+    ok = client.generate(
+        model=MODEL_NAME, prompt="x", raw=True, options={"num_predict": 2, "num_ctx": 4096, "mirostat": 1}
+    )
+    assert ok.done and ok.eval_count == 2
