@@ -123,6 +123,10 @@ def test_errors_are_ollama_shaped(client: ollama.Client, server: ServerProcess) 
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]
     # unknown runtime options are ignored, as Ollama does
     ok = client.generate(
-        model=MODEL_NAME, prompt="x", raw=True, options={"num_predict": 2, "num_ctx": 4096, "mirostat": 1}
+        model=MODEL_NAME,
+        prompt="The quick brown fox",
+        raw=True,
+        options={**GREEDY, "num_ctx": 4096, "mirostat": 1},
     )
-    assert ok.done and ok.eval_count == 2
+    plain = client.generate(model=MODEL_NAME, prompt="The quick brown fox", raw=True, options=GREEDY)
+    assert ok.done and ok.response == plain.response and ok.eval_count == plain.eval_count
