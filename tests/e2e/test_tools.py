@@ -14,7 +14,8 @@ import openai
 import pytest
 
 from llmserve.server.serving.tools import FORMATS, ToolStreamSplitter
-from tests.e2e.conftest import MODEL_NAME, ServerProcess
+from tests.e2e.conftest import CHAT_TEMPLATE, MODEL_NAME, ServerProcess
+from tests.models.tiny import make_tiny_model_eos0
 
 pytestmark = pytest.mark.e2e
 
@@ -173,8 +174,6 @@ OPENERS = {"llama3_json": '{"name": ', "mistral": '[TOOL_CALLS][{"name": '}
 
 @pytest.fixture(scope="module", params=["llama3_json", "mistral"])
 def fmt_server(request, tmp_path_factory: pytest.TempPathFactory):
-    from tests.models.tiny import make_tiny_model_eos0
-
     folder = tmp_path_factory.mktemp(f"tools-{request.param}")
     make_tiny_model_eos0(folder)
     config = json.loads((folder / "tokenizer_config.json").read_text())
@@ -259,3 +258,22 @@ def test_auto_calls_round_trip_hermes(so_server: ServerProcess) -> None:
 def test_auto_calls_round_trip_other_formats(fmt_server) -> None:
     fmt, server = fmt_server
     _auto_round_trip(server, fmt)
+
+
+def test_tool_call_parser_flag_overrides_the_template(tmp_path) -> None:
+    """`--tool-call-parser llama3_json` on a ChatML (hermes-looking) template: calls are written and
+    read in Llama's format."""
+    make_tiny_model_eos0(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    server = ServerProcess(tmp_path, "--tool-call-parser", "llama3_json").start()
+    try:
+        r = server.client().chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+            seed=0, temperature=1.0, max_tokens=160, logprobs=True,
+        )  # fmt: skip
+        raw = "".join(t.token for t in r.choices[0].logprobs.content)
+        assert raw.startswith(OPENERS["llama3_json"]), raw
+        check_calls(r.choices[0].message.tool_calls)
+    finally:
+        server.stop()

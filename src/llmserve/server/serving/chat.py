@@ -40,7 +40,6 @@ from llmserve.server.serving.tools import (
     ToolStreamSplitter,
     plan_tools,
     template_mentions_tools,
-    tool_format,
 )
 
 
@@ -112,7 +111,6 @@ def render_chat(ctx: ServingContext, messages: list[ChatMessage], add_generation
 class ChatServing:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
-        self.tool_format = tool_format(ctx.config.tool_call_parser, ctx.tokenizer.chat_template)
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Any:
         ctx = self.ctx
@@ -121,7 +119,7 @@ class ChatServing:
         if top is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
         check_caps(ctx, req, top, "top_logprobs")
-        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_format)
+        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, ctx.tool_format)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         if max_tokens is not None and max_tokens < 1:

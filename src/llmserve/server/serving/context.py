@@ -4,11 +4,13 @@ token strings for logprobs."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from llmserve.config import ServerConfig
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.outputs import PositionLogprobs
 from llmserve.server.errors import APIError
+from llmserve.server.serving.tools import ToolFormat, tool_format
 
 
 @dataclass
@@ -27,6 +29,12 @@ class ServingContext:
     @property
     def max_model_len(self) -> int:
         return self.engine.engine.max_model_len
+
+    @cached_property
+    def tool_format(self) -> ToolFormat:
+        """How tool calls are written for this model: `--tool-call-parser`, or read off the chat
+        template once (`auto`)."""
+        return tool_format(self.config.tool_call_parser, self.tokenizer.chat_template)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
