@@ -256,11 +256,13 @@ class AsyncEngine:
         try:
             while True:
                 # Block for work when idle; otherwise take whatever arrived during the last step.
+                applied = 0
                 if not engine.has_unfinished_requests():
                     command = self._commands.get()
                     if command is None:
                         return
                     command()
+                    applied += 1
                 while True:
                     try:
                         command = self._commands.get_nowait()
@@ -269,11 +271,14 @@ class AsyncEngine:
                     if command is None:
                         return
                     command()
-                self._publish()
+                    applied += 1
+                if applied:  # adds and aborts change the state a step may not follow to publish
+                    self._publish(engine.scheduler.stats())
                 outputs: list[RequestOutput] = []
                 if engine.has_unfinished_requests():
                     outputs = engine.step()
-                    self._publish()
+                    assert engine.last_stats is not None
+                    self._publish(engine.last_stats)  # the step's own record, taken after it
                 # this step's statistics, or the aborts applied above when nothing runs any more
                 stats = engine.take_stats() if self.stat_loggers else None
                 if outputs or stats is not None:
@@ -285,8 +290,8 @@ class AsyncEngine:
             if self._loop is not None and not self._loop.is_closed():
                 self._loop.call_soon_threadsafe(self._fail_all, e)
 
-    def _publish(self) -> None:
-        self.snapshot = self.engine.scheduler.stats()
+    def _publish(self, stats: SchedulerStats) -> None:
+        self.snapshot = stats
         if self._num_added:
             # Only now do the new requests show in `num_waiting`; uncounting them as pending any
             # earlier would let `check_queue` see them nowhere and overfill the queue.

@@ -11,6 +11,7 @@ requests while the model loads or the server drains, so the serving context is s
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
@@ -107,19 +108,9 @@ async def version() -> dict[str, str]:
 @ops.get("/stats")
 async def stats(ctx: Serving) -> dict[str, Any]:
     """The engine's state right now (requests, KV blocks): for operators and tests."""
-    engine = ctx.engine
-    s = engine.snapshot
-    return {
-        "num_active_requests": engine.num_active,
-        "num_running": s.num_running,
-        "num_waiting": s.num_waiting,
-        "kv_blocks_total": s.kv_blocks_total,
-        "kv_blocks_used": s.kv_blocks_used,
-        "num_preemptions": s.num_preemptions,
-        "num_steps": s.num_steps,
-        "prefix_cache_queries": s.prefix_cache_queries,
-        "prefix_cache_hits": s.prefix_cache_hits,
-    }
+    snapshot = dataclasses.asdict(ctx.engine.snapshot)
+    del snapshot["step_tokens"]  # the last step's, not the server's state
+    return {"num_active_requests": ctx.engine.num_active, **snapshot}
 
 
 @metrics.get("/metrics")
