@@ -47,17 +47,19 @@ class ServerProcess:
     """`llmserve serve` in a subprocess; `start()` returns once /health answers 200."""
 
     def __init__(
-        self, model: Path | str, *args: str, env: dict[str, str] | None = None, log_dir: Path | None = None,
-        module: str = "llmserve.cli.main",
+        self, model: Path | str | list[str], *args: str, env: dict[str, str] | None = None,
+        log_dir: Path | None = None, module: str = "llmserve.cli.main", served_name: str | None = MODEL_NAME,
     ) -> None:  # fmt: skip
         """`model`: a model folder or file (the log goes beside it) or a name such as the embedded
-        model's (give `log_dir` then). `module`: what `python -m` runs (the CLI, or a test wrapper)."""
+        model's (give `log_dir` then), or several MODEL arguments (give `log_dir`). `module`: what
+        `python -m` runs (the CLI, or a test wrapper). `served_name`: --served-model-name."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = (log_dir or Path(model).parent) / f"server-{self.port}.log"
+        models = [str(m) for m in model] if isinstance(model, list) else [str(model)]
+        self.log_path = (log_dir or Path(models[0]).parent) / f"server-{self.port}.log"
         cmd = [
-            sys.executable, "-m", module, "serve", str(model),
-            "--port", str(self.port), "--served-model-name", MODEL_NAME,
+            sys.executable, "-m", module, "serve", *models, "--port", str(self.port),
+            *(["--served-model-name", served_name] if served_name else []),
             "--num-kv-blocks", "256", "--max-num-seqs", "8", *args,
         ]  # fmt: skip
         self._log = open(self.log_path, "w")  # noqa: SIM115

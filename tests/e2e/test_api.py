@@ -9,6 +9,7 @@ transformers on the same checkpoint.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from pathlib import Path
@@ -145,15 +146,24 @@ def client(server: ServerProcess) -> openai.OpenAI:
 # -- models, version, tokenizer -----------------------------------------------------------------
 
 
-def test_models_and_version(server: ServerProcess, client: openai.OpenAI) -> None:
+def test_models_and_version(server: ServerProcess, client: openai.OpenAI, tiny_model_dir: Path) -> None:
     assert [m.id for m in client.models.list()] == [MODEL_NAME]
     assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
     listing = httpx.get(f"{server.url}/v1/models").json()
     assert listing["object"] == "list"
-    card = strict(Model, listing["data"][0], allowed=("max_model_len",))
-    assert card.id == MODEL_NAME and listing["data"][0]["max_model_len"] == 256
+    extras = ("max_model_len", "state", "engine", "aliases", "size", "digest")
+    card = strict(Model, listing["data"][0], allowed=extras)
+    raw = listing["data"][0]
+    assert card.id == MODEL_NAME and raw["max_model_len"] == 256
+    assert raw["state"] == "loaded" and raw["engine"] == "native" and raw["aliases"] == []
+    weights = sum(p.stat().st_size for p in tiny_model_dir.glob("*.safetensors"))
+    assert raw["size"] > weights  # the loaded weights (float32) and the KV cache
+    assert raw["digest"] in (
+        None,
+        "sha256:" + hashlib.sha256((tiny_model_dir / "model.safetensors").read_bytes()).hexdigest(),
+    )
     one = httpx.get(f"{server.url}/v1/models/{MODEL_NAME}").json()
-    assert strict(Model, one, allowed=("max_model_len",)) == card
+    assert strict(Model, one, allowed=extras) == card
     assert httpx.get(f"{server.url}/version").json() == {"version": __version__}
 
 

@@ -93,6 +93,7 @@ def scrape(server: ServerProcess, headers: dict[str, str] | None = None) -> dict
             labels = dict(sample.labels)
             if sample.name != "llmserve:cache_config_info":
                 assert labels.pop("model_name") == MODEL_NAME, sample
+                assert labels.pop("engine") == "native", sample
             labels.pop("le", None) if sample.name.endswith("_bucket") else None
             key = sample.name + "".join(f"[{v}]" for _, v in sorted(labels.items()))
             if sample.name.endswith("_bucket"):

@@ -337,9 +337,10 @@ def registered_routes() -> list[tuple[str, str]]:
     from starlette.routing import Route
 
     from llmserve.config import ServerConfig
+    from llmserve.config.models import ModelSpec
     from llmserve.server.app import build_app
 
-    app = build_app(lambda: None, ServerConfig(), MODEL_NAME)  # type: ignore[arg-type,return-value]
+    app = build_app([ModelSpec(MODEL_NAME)], ServerConfig())
 
     def walk(entries):  # routers included without a prefix show up as one entry each
         for route in entries:

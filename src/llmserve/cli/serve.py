@@ -3,6 +3,12 @@
     llmserve serve                                  # the embedded SmolLM2-135M-Instruct on :8000
     llmserve serve ./my-model --port 9000 --api-key $KEY
     LLMSERVE_API_KEY=... llmserve serve model.gguf --max-queued-requests 64
+    llmserve serve smollm2:135m=smollm2-135m-instruct gemma3:270m=gemma3-270m --max-loaded-models 1
+    llmserve serve --config models.yaml --models-memory 4GiB --keep-alive 10m
+
+Several models: the first is the default (a request without `model`) and loads at start-up, the
+others on their first request (`--preload all` loads every one); `--config` lists models with
+their own engines, options and aliases (docs/serving.md).
 
 SIGTERM/SIGINT: stop accepting, let in-flight requests finish for up to --shutdown-timeout seconds,
 abort the rest, exit 0. A second signal exits at once.
@@ -19,11 +25,13 @@ import signal
 import socket
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from llmserve.cli.engine_args import add_engine_args, llm_kwargs
 from llmserve.config import ServerConfig
 from llmserve.config.cache import parse_bytes
+from llmserve.config.models import ModelSpec, check_specs, load_models_file, parse_duration
 
 logger = logging.getLogger("llmserve.server")
 
@@ -33,7 +41,35 @@ SHUTDOWN_GRACE = 2.0  # seconds for aborted requests to send their error before 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a model over the OpenAI API")
-    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="same as --model")
+    p.add_argument(
+        "model_tag", nargs="*", default=[], metavar="MODEL",
+        help="model(s) to serve: a folder, .gguf file or bundled name, or NAME=SOURCE to serve it as NAME "
+        "(an Ollama-style name:tag works); the first is the default",
+    )  # fmt: skip
+    m = p.add_argument_group("several models")
+    m.add_argument(
+        "--config", default=None, help="a models.yaml listing the models to serve (instead of MODEL)"
+    )
+    m.add_argument(
+        "--preload", choices=["first", "all", "none"], default="first",
+        help="which of the MODELs load at start-up (the rest load on their first request)",
+    )  # fmt: skip
+    m.add_argument(
+        "--max-loaded-models", type=int, default=None,
+        help="native models loaded at once; loading another unloads the least recently used idle one",
+    )  # fmt: skip
+    m.add_argument(
+        "--models-memory", type=parse_bytes, default=None,
+        help="memory the loaded models may take together (weights + KV caches), e.g. 8GiB",
+    )  # fmt: skip
+    m.add_argument(
+        "--keep-alive", default="-1",
+        help="how long an idle model stays loaded: 5m, 1h, 300 (seconds); -1: until evicted (default)",
+    )  # fmt: skip
+    m.add_argument(
+        "--model-load-timeout", type=float, default=ServerConfig().model_load_timeout,
+        help="seconds a request waits for its model to load before a 503 (the load goes on)",
+    )  # fmt: skip
     s = p.add_argument_group("server")
     defaults = ServerConfig()
     s.add_argument("--host", default=defaults.host)
@@ -94,23 +130,55 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         enable_response_timings=args.enable_response_timings,
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,
+        max_loaded_models=args.max_loaded_models,
+        models_memory=args.models_memory,
+        keep_alive=parse_duration(args.keep_alive),  # type: ignore[arg-type]
+        model_load_timeout=args.model_load_timeout,
     )
+
+
+def model_specs(args: argparse.Namespace) -> list[ModelSpec]:
+    """The models to serve: --config's, or the MODEL arguments (--model counts as the first)."""
+    from llmserve.model_executor.model_loader.source import DEFAULT_MODEL
+
+    given = ([args.model] if args.model else []) + list(args.model_tag)
+    if args.config:
+        if given:
+            raise ValueError("give the models either as MODEL arguments or in --config, not both")
+        if args.served_model_name:
+            raise ValueError("--served-model-name does not apply to --config (name each model in the file)")
+        return load_models_file(args.config)
+    if args.served_model_name and len(given) > 1:
+        raise ValueError("--served-model-name names one model; with several, write NAME=SOURCE for each")
+    specs = []
+    for i, item in enumerate(given or [None]):
+        if item is None:
+            name, source = DEFAULT_MODEL, None
+        elif "=" in item and not Path(item).exists():  # NAME=SOURCE (a path may contain '=')
+            name, _, source = item.partition("=")
+            if not name or not source:
+                raise ValueError(f"cannot read {item!r} as NAME=SOURCE")
+        else:
+            name, source = item, item
+        if i == 0 and args.served_model_name:
+            name = args.served_model_name
+        preload = args.preload == "all" or (args.preload == "first" and i == 0)
+        specs.append(ModelSpec(name=name, source=source, preload=preload))
+    check_specs(specs)
+    return specs
 
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from llmserve.engine.llm import build_engine
-    from llmserve.model_executor.model_loader.source import DEFAULT_MODEL
     from llmserve.server.app import build_app
 
-    if args.model_tag is not None:
-        args.model = args.model_tag
     config = server_config(args)
-    model_name = config.served_model_name or args.model or DEFAULT_MODEL
+    specs = model_specs(args)
     kwargs: dict[str, Any] = llm_kwargs(args)
-    app = build_app(lambda: build_engine(**kwargs), config, model_name)
+    app = build_app(specs, config, kwargs)
     state = app.state.server
+    model_name = ", ".join(s.name for s in specs)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
@@ -144,8 +212,7 @@ def run(args: argparse.Namespace) -> int:
                 abort.cancel()
 
     def abort_in_flight() -> None:
-        if state.ctx is not None:
-            state.ctx.engine.abort_all("the server is shutting down")
+        state.models.abort_all("the server is shutting down")
 
     server = Server(
         uvicorn.Config(

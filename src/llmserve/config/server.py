@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -47,6 +48,16 @@ class ServerConfig:
     """How tool calls are written and read back: `hermes` (`<tool_call>` JSON blocks: Qwen,
     Hermes), `llama3_json` (Llama 3.1+), `mistral` (`[TOOL_CALLS]`), or `auto`: the format the chat
     template uses (hermes when it names none)."""
+    max_loaded_models: int | None = None
+    """Native models loaded at once; loading one more unloads the least recently used idle one.
+    None: no limit (only `models_memory`)."""
+    models_memory: int | None = None
+    """Bytes the loaded native models may take together (weights + KV caches); None: no limit."""
+    keep_alive: float = math.inf
+    """Seconds a loaded model stays loaded once idle (math.inf: until evicted); a model's own
+    keep_alive and Ollama's per-request `keep_alive` override it."""
+    model_load_timeout: float = 300.0
+    """Seconds a request waits for its model to load before a 503 (the load goes on)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -65,5 +76,13 @@ class ServerConfig:
             raise ValueError(
                 f"tool_call_parser must be auto, hermes, llama3_json or mistral; got {self.tool_call_parser!r}"
             )
+        if self.max_loaded_models is not None and self.max_loaded_models < 1:
+            raise ValueError(f"max_loaded_models must be >= 1; got {self.max_loaded_models}")
+        if self.models_memory is not None and self.models_memory <= 0:
+            raise ValueError(f"models_memory must be > 0 bytes; got {self.models_memory}")
+        if self.keep_alive < 0:
+            raise ValueError(f"keep_alive must be >= 0 seconds (inf: forever); got {self.keep_alive}")
+        if self.model_load_timeout <= 0:
+            raise ValueError(f"model_load_timeout must be > 0 seconds; got {self.model_load_timeout}")
         if self.api_key == "":
             raise ValueError("api_key must not be empty (leave it unset to disable authentication)")

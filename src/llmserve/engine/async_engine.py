@@ -177,9 +177,9 @@ class AsyncEngine:
         threading.Thread(target=main, name="llmserve-engine", daemon=True).start()
         return await ready
 
-    def shutdown(self) -> None:
-        """Abort everything still running and stop the step loop."""
-        self.abort_all("the server is shutting down")
+    def shutdown(self, reason: str = "the server is shutting down") -> None:
+        """Abort everything still running (telling its readers `reason`) and stop the step loop."""
+        self.abort_all(reason)
         self._commands.put(None)
         if self._thread is not None:
             self._thread.join(timeout=30)

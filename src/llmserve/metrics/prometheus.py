@@ -6,8 +6,9 @@ table). Counters and histograms are updated from each step's `IterationStats` on
 the gauges are set from the step's scheduler snapshot. Rejected requests (which never reach the
 engine) are counted by the server through `record_rejected`.
 
-Each logger owns its own `CollectorRegistry` (two servers in one process, or tests, never collide),
-with the process and Python collectors that prometheus-client's default registry carries.
+Every metric also carries an `engine` label (`native`, `openai`). A server with several models keeps
+one registry (`MetricFamilies`) and gives each model its own `PrometheusStatLogger` (the children
+for its labels); a logger built alone owns a fresh registry, so two never collide.
 """
 
 from __future__ import annotations
@@ -54,31 +55,42 @@ def _token_buckets(max_model_len: int) -> list[float]:
         scale *= 10
 
 
-class PrometheusStatLogger:
-    def __init__(
-        self,
-        model_name: str,
-        max_model_len: int,
-        cache_info: dict[str, str] | None = None,
-        registry: CollectorRegistry | None = None,
-    ) -> None:
-        self.registry = registry or CollectorRegistry(auto_describe=True)
-        if registry is None:
-            for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
-                self.registry.register(collector)
-        label = {"model_name": model_name}
-        r = self.registry
+_LABELS = ["model_name", "engine"]
+CACHE_INFO_KEYS = (
+    "block_size",
+    "cache_dtype",
+    "enable_prefix_caching",
+    "kv_bytes_per_token",
+    "num_kv_blocks",
+)
+
+
+def new_registry() -> CollectorRegistry:
+    """A registry with the process and Python collectors of prometheus-client's default one."""
+    registry = CollectorRegistry(auto_describe=True)
+    for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+        registry.register(collector)
+    return registry
+
+
+class MetricFamilies:
+    """Every llmserve: metric of one registry, labelled by `model_name` and `engine`; each served
+    model binds its own children (`PrometheusStatLogger`). Token-count histograms end at
+    `max_model_len` (a server with several models passes the largest context it may meet)."""
+
+    def __init__(self, registry: CollectorRegistry, max_model_len: int) -> None:
+        self.registry = r = registry
+        tokens = _token_buckets(max_model_len)
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, ["model_name"], registry=r).labels(**label)
+            return Gauge(PREFIX + name, doc, _LABELS, registry=r)
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(PREFIX + name, doc, ["model_name"], registry=r).labels(**label)
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, [*_LABELS, *extra], registry=r)
 
         def histogram(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets, registry=r).labels(**label)
+            return Histogram(PREFIX + name, doc, _LABELS, buckets=buckets, registry=r)
 
-        tokens = _token_buckets(max_model_len)
         # scheduler state (gauges)
         self.running = gauge("num_requests_running", "Number of requests in model execution batches.")
         self.waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.")
@@ -93,20 +105,13 @@ class PrometheusStatLogger:
         self.preemptions = counter("num_preemptions", "Cumulative number of preemptions from the engine.")
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
-        success = Counter(
-            PREFIX + "request_success",
-            "Count of successfully processed requests.",
-            ["model_name", "finished_reason"],
-            registry=r,
+        self.success = counter(
+            "request_success", "Count of successfully processed requests.", ("finished_reason",)
         )
-        self.success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
-        rejected = Counter(
-            PREFIX + "request_rejected",
-            "Requests refused before reaching the engine, by reason (llmserve only).",
-            ["model_name", "reason"],
-            registry=r,
-        )
-        self.rejected = {reason: rejected.labels(model_name, reason) for reason in REJECT_REASONS}
+        self.rejected = counter(
+            "request_rejected", "Requests refused before reaching the engine, by reason (llmserve only).",
+            ("reason",),
+        )  # fmt: skip
         # histograms
         self.iteration_tokens = histogram(
             "iteration_tokens_total", "Histogram of number of tokens per engine_step.",
@@ -152,11 +157,70 @@ class PrometheusStatLogger:
         self.params_max_tokens = histogram(
             "request_params_max_tokens", "Histogram of the max_tokens request parameter.", tokens
         )
+        self.cache_info = Gauge(
+            PREFIX + "cache_config_info", "Information of the LLMEngine CacheConfig.",
+            [*_LABELS, *CACHE_INFO_KEYS], registry=r,
+        )  # fmt: skip
+        self.model_loaded = gauge(
+            "model_loaded", "1 while the model is loaded and serving, 0 otherwise (llmserve only)."
+        )
+        self.model_loads = counter("model_loads", "Model loads, by outcome (llmserve only).", ("outcome",))
+        self.model_load_time = histogram(
+            "model_load_seconds", "Histogram of the time a model took to load (llmserve only).",
+            (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0),
+        )  # fmt: skip
+
+
+class PrometheusStatLogger:
+    """One model's view of the metrics: the families' children for its `model_name` and `engine`.
+
+    Without `families` the logger owns a fresh registry (two loggers in one process never collide).
+    """
+
+    def __init__(
+        self,
+        model_name: str,
+        max_model_len: int,
+        cache_info: dict[str, str] | None = None,
+        families: MetricFamilies | None = None,
+        engine: str = "native",
+    ) -> None:
+        f = families or MetricFamilies(new_registry(), max_model_len)
+        self.families = f
+        self.registry = f.registry
+        labels = (model_name, engine)
+        self.labels = labels
+        self.running = f.running.labels(*labels)
+        self.waiting = f.waiting.labels(*labels)
+        self.kv_usage = f.kv_usage.labels(*labels)
+        self.cache_queries = f.cache_queries.labels(*labels)
+        self.cache_hits = f.cache_hits.labels(*labels)
+        self.preemptions = f.preemptions.labels(*labels)
+        self.prompt_tokens = f.prompt_tokens.labels(*labels)
+        self.generation_tokens = f.generation_tokens.labels(*labels)
+        self.success = {reason: f.success.labels(*labels, reason) for reason in FINISH_REASONS}
+        self.rejected = {reason: f.rejected.labels(*labels, reason) for reason in REJECT_REASONS}
+        self.iteration_tokens = f.iteration_tokens.labels(*labels)
+        self.ttft = f.ttft.labels(*labels)
+        self.itl = f.itl.labels(*labels)
+        self.tpot = f.tpot.labels(*labels)
+        self.e2e = f.e2e.labels(*labels)
+        self.queue_time = f.queue_time.labels(*labels)
+        self.inference_time = f.inference_time.labels(*labels)
+        self.prefill_time = f.prefill_time.labels(*labels)
+        self.decode_time = f.decode_time.labels(*labels)
+        self.prompt_len = f.prompt_len.labels(*labels)
+        self.generation_len = f.generation_len.labels(*labels)
+        self.params_n = f.params_n.labels(*labels)
+        self.params_max_tokens = f.params_max_tokens.labels(*labels)
         if cache_info:
-            Gauge(
-                PREFIX + "cache_config_info", "Information of the LLMEngine CacheConfig.",
-                sorted(cache_info), registry=r,
-            ).labels(**cache_info).set(1)  # fmt: skip
+            f.cache_info.labels(*labels, *(cache_info.get(k, "") for k in CACHE_INFO_KEYS)).set(1)
+        self._last_queries = self._last_hits = self._last_preemptions = 0
+
+    def set_idle(self) -> None:
+        """The model was unloaded: its gauges read 0 (counters keep their totals)."""
+        for g in (self.running, self.waiting, self.kv_usage):
+            g.set(0)
         self._last_queries = self._last_hits = self._last_preemptions = 0
 
     def record(self, stats: IterationStats) -> None:

@@ -1,80 +1,75 @@
-"""The FastAPI application for one model: the middleware (server/middleware.py), the routes
-(server/routes.py), and the engine's life cycle.
+"""The FastAPI application: the middleware (server/middleware.py), the routes (server/routes.py),
+and the models' life cycle (server/models.py).
 
-The model loads in a background thread after the server starts listening, so /health can answer
-503 while it loads and 200 once requests can be served; on shutdown the server drains (the gate
-answers 503) and aborts what is still in flight.
+The preloaded models load in the background after the server starts listening, so /health can
+answer 503 while they load and 200 once requests can be served; other models load on their first
+request. On shutdown the server drains (the gate answers 503) and aborts what is still in flight.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from llmserve import __version__
 from llmserve.config import ServerConfig
-from llmserve.engine.async_engine import AsyncEngine
-from llmserve.engine.llm_engine import LLMEngine
-from llmserve.metrics.loggers import LoggingStatLogger
-from llmserve.metrics.prometheus import PrometheusStatLogger
+from llmserve.config.models import ModelSpec
+from llmserve.metrics.prometheus import MetricFamilies, new_registry
 from llmserve.server import routes
 from llmserve.server.errors import install_error_handlers
 from llmserve.server.middleware import Gate
-from llmserve.server.serving import ServingContext
+from llmserve.server.models import ModelManager, ModelSlot
 from llmserve.server.state import ServerState
 
 logger = logging.getLogger("llmserve.server")
 
+TOKEN_HISTOGRAM_MAX = 2**17
+"""Where the token-count histograms end (they are shared by every model, so they are made before
+any model loads; one model with --max-model-len: at its context)."""
 
-def build_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig, model_name: str) -> FastAPI:
-    """The app for one model. `engine_factory` runs in a thread once the server listens."""
-    state = ServerState(config)
 
-    async def load() -> None:
-        try:
-            engine = await AsyncEngine.launch(engine_factory, max_queued_requests=config.max_queued_requests)
-        except Exception as e:
-            logger.error("loading the model failed: %s", e)
+def build_app(
+    specs: list[ModelSpec], config: ServerConfig, engine_options: dict[str, Any] | None = None
+) -> FastAPI:
+    """The app for `specs` (the first is the default model). `engine_options`: the native
+    engine's options for every model (each spec's own options win)."""
+    families = None
+    if config.enable_metrics:
+        max_len = (engine_options or {}).get("max_model_len") if len(specs) == 1 else None
+        families = MetricFamilies(new_registry(), max_len or TOKEN_HISTOGRAM_MAX)
+    models = ModelManager(specs, config, engine_options, families)
+    state = ServerState(config, models, families)
+    single = len(specs) == 1
+
+    def preload_failed(slot: ModelSlot, e: BaseException) -> None:
+        if single:  # a server of one model that cannot load it has nothing to serve: exit
             state.load_error = e
             if state.on_load_error is not None:
                 state.on_load_error(e)
-            return
-        core = engine.engine
-        engine.on_dead = state.on_engine_dead
-        if config.enable_metrics:
-            state.metrics = PrometheusStatLogger(
-                model_name,
-                core.max_model_len,
-                cache_info={
-                    "block_size": str(core.kv_info.block_size),
-                    "cache_dtype": core.kv_info.dtype,
-                    "num_kv_blocks": str(core.kv_info.num_blocks),
-                    "kv_bytes_per_token": str(core.kv_info.bytes_per_token),
-                    "enable_prefix_caching": str(core.cache_config.enable_prefix_caching),
-                },
-            )
-            engine.add_stat_logger(state.metrics)
-        if config.stats_log_interval > 0:
-            engine.add_stat_logger(LoggingStatLogger(config.stats_log_interval))
-        state.ctx = ServingContext(engine, config, model_name)
-        logger.info("ready: serving %r", model_name)
+
+    def engine_died(slot: ModelSlot, e: BaseException) -> None:
+        logger.error("the engine of %r stopped: %r", slot.name, e)
+        if single and state.on_engine_dead is not None:
+            state.on_engine_dead(e)
+
+    models.on_preload_error = preload_failed
+    models.on_engine_dead = engine_died
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        loader = asyncio.create_task(load())
+        models.start()
         yield
         state.draining = True
-        loader.cancel()
-        if state.ctx is not None:
-            active = state.ctx.engine.num_active
-            if active:
-                logger.info("shutdown: aborting %d unfinished request(s)", active)
-            state.ctx.engine.shutdown()
+        active = models.num_active
+        if active:
+            logger.info("shutdown: aborting %d unfinished request(s)", active)
+        await models.close()
+        await asyncio.sleep(0)
 
     app = FastAPI(title="llmserve", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state
@@ -92,6 +87,7 @@ def build_app(engine_factory: Callable[[], LLMEngine], config: ServerConfig, mod
     app.include_router(routes.openai)
     app.include_router(routes.tokenizer)
     app.include_router(routes.ollama)
+    app.include_router(routes.admin)
     if config.enable_metrics:
         app.include_router(routes.metrics)
     return app

@@ -1,7 +1,7 @@
 """The request gate: pure ASGI middleware that runs before routing.
 
     CORS (only when origins are given)
-      -> Gate: 503 while loading or draining, 401 without the API key, 413 for a large body;
+      -> Gate: 503 while the preloaded models load or the server drains, 401 without the API key, 413 for a large body;
        counts every refused request by reason (the request_rejected metric)
         -> routes (server/routes.py) -> serving layer -> AsyncEngine
 
@@ -50,8 +50,9 @@ class Gate:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        send = self._counting(send)
         path: str = scope["path"]
+        if path not in OPEN_PATHS:  # a health probe's 503 is an answer, not a refused request
+            send = self._counting(send)
         headers = dict(scope["headers"])
         if path not in OPEN_PATHS:
             if self._expected is not None:
@@ -65,7 +66,7 @@ class Gate:
             if state.draining:
                 await send_error(send, 503, "the server is shutting down")
                 return
-            if state.ctx is None:
+            if not state.models.started_up:
                 await send_error(send, 503, "the model is still loading; retry shortly", {"Retry-After": "5"})
                 return
         limit = self.state.config.max_body_bytes
@@ -111,9 +112,8 @@ class Gate:
         async def counting_send(message: Message) -> None:
             if message["type"] == "http.response.start":
                 reason = REJECT_REASONS.get(message["status"])
-                metrics = self.state.metrics
-                if reason is not None and metrics is not None:
-                    metrics.record_rejected(reason)
+                if reason is not None:
+                    self.state.record_rejected(reason)
             await send(message)
 
         return counting_send

@@ -4,9 +4,11 @@
     tokenizer  /tokenize, /detokenize, /tokenizer_info                    (vLLM's extras)
     ops        /health, /version, /stats, and /metrics when enabled
     ollama     /api/generate, /api/chat, /api/tags, /api/ps, /api/show, /api/version (Ollama's API)
+    admin      /admin/models/load, /admin/models/unload
 
-Routes reach the server through `ServerState` (app.state.server): the gate has already refused
-requests while the model loads or the server drains, so the serving context is set here.
+Routes reach the server through `ServerState` (app.state.server); a route that serves a model
+takes a lease on it from the `ModelManager` (server/models.py), which routes by `model` and loads
+the model first when it is not loaded.
 """
 
 from __future__ import annotations
@@ -16,9 +18,14 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt, StrictStr
 
 from llmserve import __version__
+from llmserve.config.models import parse_duration
+from llmserve.metrics.stats import SchedulerStats
 from llmserve.server.errors import APIError, error_body
+from llmserve.server.models import LOADED, ModelManager, ModelSlot
 from llmserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -26,77 +33,97 @@ from llmserve.server.protocol import (
     TokenizeRequest,
 )
 from llmserve.server.serving import ChatServing, CompletionServing, ServingContext, TokenServing
-from llmserve.server.serving.ollama import OllamaServing, ollama_error
-from llmserve.server.state import ServerState, server_state, serving_context
+from llmserve.server.serving.ollama import OllamaServing, ollama_error, parse
+from llmserve.server.state import ServerState, server_state
 
 State = Annotated[ServerState, Depends(server_state)]
-Serving = Annotated[ServingContext, Depends(serving_context)]
 
 openai = APIRouter()
 tokenizer = APIRouter()
 ops = APIRouter()
 metrics = APIRouter()
 ollama = APIRouter()
+admin = APIRouter()
 
 
-def _model_card(state: ServerState, ctx: ServingContext) -> dict[str, Any]:
-    return {
-        "id": ctx.model_name,
-        "object": "model",
-        "created": int(state.started),
-        "owned_by": "llmserve",
-        "max_model_len": ctx.max_model_len,
-    }
+def _models(request: Request) -> ModelManager:
+    return server_state(request).models
+
+
+Models = Annotated[ModelManager, Depends(_models)]
+
+
+def _native(slot: ModelSlot) -> ServingContext:
+    """The slot's serving context; a 400 for a remote model on a route only native models have."""
+    if slot.ctx is None:
+        raise APIError(
+            400, f"the model {slot.name!r} is served by the {slot.spec.engine} engine; this route needs a "
+            "native model", param="model",
+        )  # fmt: skip
+    return slot.ctx
 
 
 @openai.get("/v1/models")
-async def list_models(state: State, ctx: Serving) -> dict[str, Any]:
-    return {"object": "list", "data": [_model_card(state, ctx)]}
+async def list_models(state: State) -> dict[str, Any]:
+    """Every configured model, loaded or not, with its state, size and weights digest."""
+    return {"object": "list", "data": [state.models.card(slot, state.started) for slot in state.models.slots]}
 
 
 @openai.get("/v1/models/{model:path}")
-async def get_model(model: str, state: State, ctx: Serving) -> dict[str, Any]:
-    ctx.check_model(model)
-    return _model_card(state, ctx)
+async def get_model(model: str, state: State) -> dict[str, Any]:
+    return state.models.card(state.models.resolve(model), state.started)
 
 
 @openai.post("/v1/completions")
-async def completions(req: CompletionRequest, raw: Request, ctx: Serving) -> Any:
-    return await CompletionServing(ctx).create(req, raw)
+async def completions(req: CompletionRequest, raw: Request, models: Models) -> Any:
+    async with models.lease(req.model) as slot:
+        if slot.remote is not None:
+            return await slot.remote.proxy(raw, "/completions")
+        return await CompletionServing(_native(slot)).create(req, raw)
 
 
 @openai.post("/v1/chat/completions")
-async def chat_completions(req: ChatCompletionRequest, raw: Request, ctx: Serving) -> Any:
-    return await ChatServing(ctx).create(req, raw)
+async def chat_completions(req: ChatCompletionRequest, raw: Request, models: Models) -> Any:
+    async with models.lease(req.model) as slot:
+        if slot.remote is not None:
+            return await slot.remote.proxy(raw, "/chat/completions")
+        return await ChatServing(_native(slot)).create(req, raw)
 
 
 @tokenizer.post("/tokenize")
-async def tokenize(req: TokenizeRequest, ctx: Serving) -> Any:
-    return TokenServing(ctx).tokenize(req)
+async def tokenize(req: TokenizeRequest, models: Models) -> Any:
+    async with models.lease(req.model) as slot:
+        return TokenServing(_native(slot)).tokenize(req)
 
 
 @tokenizer.post("/detokenize")
-async def detokenize(req: DetokenizeRequest, ctx: Serving) -> Any:
-    return TokenServing(ctx).detokenize(req)
+async def detokenize(req: DetokenizeRequest, models: Models) -> Any:
+    async with models.lease(req.model) as slot:
+        return TokenServing(_native(slot)).detokenize(req)
 
 
 @tokenizer.get("/tokenizer_info")
-async def tokenizer_info(ctx: Serving) -> Any:
-    return TokenServing(ctx).info()
+async def tokenizer_info(models: Models, model: str | None = None) -> Any:
+    async with models.lease(model) as slot:
+        return TokenServing(_native(slot)).info()
 
 
 @ops.get("/health")
 async def health(state: State) -> Any:
-    """200 once requests can be served; 503 (OpenAI-shaped) while loading, draining, after a
-    failed load or once the engine has died. The one route the gate leaves open."""
+    """200 once requests can be served; 503 (OpenAI-shaped) while the preloaded models load, while
+    draining, after a one-model server's failed load or once its engine has died. The one route the
+    gate leaves open. A server of several models stays healthy while one of them has failed
+    (/v1/models shows which)."""
     if state.load_error is not None:
         return JSONResponse(error_body(503, f"loading the model failed: {state.load_error}"), status_code=503)
     if state.draining:
         return JSONResponse(error_body(503, "the server is shutting down"), status_code=503)
-    if state.ctx is None:
+    if not state.models.started_up:
         return JSONResponse(error_body(503, "the model is still loading"), status_code=503)
-    if state.ctx.engine.dead is not None:
-        return JSONResponse(error_body(503, f"the engine stopped: {state.ctx.engine.dead}"), status_code=503)
+    if len(state.models.slots) == 1 and state.models.default.error is not None:
+        return JSONResponse(
+            error_body(503, f"the engine stopped: {state.models.default.error}"), status_code=503
+        )
     return {"status": "ok"}
 
 
@@ -105,20 +132,72 @@ async def version() -> dict[str, str]:
     return {"version": __version__}
 
 
-@ops.get("/stats")
-async def stats(ctx: Serving) -> dict[str, Any]:
-    """The engine's state right now (requests, KV blocks): for operators and tests."""
-    snapshot = dataclasses.asdict(ctx.engine.snapshot)
+def _engine_stats(slot: ModelSlot) -> dict[str, Any]:
+    engine = slot.ctx.engine if slot.ctx is not None else None
+    snapshot = dataclasses.asdict(engine.snapshot if engine is not None else SchedulerStats())
     del snapshot["step_tokens"]  # the last step's, not the server's state
-    return {"num_active_requests": ctx.engine.num_active, **snapshot}
+    return {"state": slot.state, "num_active_requests": engine.num_active if engine else 0, **snapshot}
+
+
+@ops.get("/stats")
+async def stats(state: State, model: str | None = None) -> dict[str, Any]:
+    """The engine's state right now (requests, KV blocks): for operators and tests. The top level
+    is the default model's (or `?model=`'s); `models` has every native model's."""
+    models = state.models
+    return {
+        **_engine_stats(models.resolve(model)),
+        "models": {s.name: _engine_stats(s) for s in models.slots if not s.is_remote},
+    }
 
 
 @metrics.get("/metrics")
-async def prometheus_metrics(state: State, ctx: Serving) -> Response:
+async def prometheus_metrics(state: State) -> Response:
     """Prometheus exposition (docs/metrics.md lists every metric)."""
     assert state.metrics is not None
-    body, content_type = state.metrics.exposition()
+    body, content_type = generate_latest(state.metrics.registry), CONTENT_TYPE_LATEST
     return Response(body, media_type=content_type)
+
+
+# -- admin: load and unload models (behind the API key, like every route but /health) -----------
+
+
+class _ModelAction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: StrictStr
+    keep_alive: StrictStr | StrictInt | StrictFloat | None = None
+    """load: how long the model stays loaded once idle (as Ollama's keep_alive)."""
+
+
+async def _action(raw: Request) -> _ModelAction:
+    try:
+        body = await raw.json()
+    except ValueError as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    return parse(_ModelAction, body)
+
+
+@admin.post("/admin/models/load")
+async def admin_load(raw: Request, state: State) -> Any:
+    """Load a model now (a failed one is tried again); answers its card once loaded."""
+    action = await _action(raw)
+    try:
+        keep_alive = parse_duration(action.keep_alive)
+    except ValueError as e:
+        raise APIError(400, str(e), param="keep_alive") from None
+    slot = await state.models.load(action.model)
+    if keep_alive is not None:
+        slot.keep_alive = keep_alive
+    if slot.state != LOADED:
+        raise APIError(503, f"loading the model {slot.name!r} failed: {slot.error}", code="model_load_failed")
+    return state.models.card(slot, state.started)
+
+
+@admin.post("/admin/models/unload")
+async def admin_unload(raw: Request, state: State) -> Any:
+    """Unload a model now; requests still running get --shutdown-timeout seconds, then are aborted."""
+    action = await _action(raw)
+    slot = await state.models.unload(action.model)
+    return state.models.card(slot, state.started)
 
 
 async def _ollama(call: Any) -> Any:
@@ -132,28 +211,28 @@ async def _ollama(call: Any) -> Any:
 
 
 @ollama.post("/api/generate")
-async def ollama_generate(raw: Request, ctx: Serving) -> Any:
-    return await _ollama(OllamaServing(ctx).generate(raw))
+async def ollama_generate(raw: Request, models: Models) -> Any:
+    return await _ollama(OllamaServing(models).generate(raw))
 
 
 @ollama.post("/api/chat")
-async def ollama_chat(raw: Request, ctx: Serving) -> Any:
-    return await _ollama(OllamaServing(ctx).chat(raw))
+async def ollama_chat(raw: Request, models: Models) -> Any:
+    return await _ollama(OllamaServing(models).chat(raw))
 
 
 @ollama.post("/api/show")
-async def ollama_show(raw: Request, ctx: Serving) -> Any:
-    return await _ollama(OllamaServing(ctx).show(raw))
+async def ollama_show(raw: Request, models: Models) -> Any:
+    return await _ollama(OllamaServing(models).show(raw))
 
 
 @ollama.get("/api/tags")
-async def ollama_tags(ctx: Serving) -> Any:
-    return OllamaServing(ctx).tags()
+async def ollama_tags(models: Models) -> Any:
+    return OllamaServing(models).tags()
 
 
 @ollama.get("/api/ps")
-async def ollama_ps(ctx: Serving) -> Any:
-    return OllamaServing(ctx).ps()
+async def ollama_ps(models: Models) -> Any:
+    return OllamaServing(models).ps()
 
 
 @ollama.get("/api/version")

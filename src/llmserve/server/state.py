@@ -1,5 +1,5 @@
-"""`ServerState`: what the gate and the routes know about the server's life (loading, ready,
-draining, a failed load or a dead engine), shared through `app.state.server`."""
+"""`ServerState`: what the gate and the routes know about the server's life (starting, ready,
+draining, a failed start) and its models (`ModelManager`), shared through `app.state.server`."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from llmserve.config import ServerConfig
-from llmserve.metrics.prometheus import PrometheusStatLogger
-from llmserve.server.serving import ServingContext
+from llmserve.metrics.prometheus import MetricFamilies
+from llmserve.server.models import ModelManager
 
 
 @dataclass
@@ -19,26 +19,27 @@ class ServerState:
     """What the gate and the routes need to know about the server's life."""
 
     config: ServerConfig
-    ctx: ServingContext | None = None
+    models: ModelManager
+    metrics: MetricFamilies | None = None
     load_error: BaseException | None = None
+    """Set when a one-model server's model failed to load (the server then exits)."""
     draining: bool = False
-    metrics: PrometheusStatLogger | None = None
     started: float = field(default_factory=time.time)
     on_load_error: Callable[[BaseException], None] | None = None
     on_engine_dead: Callable[[BaseException], None] | None = None
-    """Called once the engine's step loop has died (after every in-flight request failed)."""
+    """Called once a one-model server's engine has died (after every in-flight request failed)."""
 
     @property
     def ready(self) -> bool:
-        return self.ctx is not None and not self.draining
+        """Every preloaded model is loaded (or failed, beside others) and the server is not draining."""
+        return self.models.started_up and self.load_error is None and not self.draining
+
+    def record_rejected(self, reason: str) -> None:
+        """A request refused before it was routed, counted under the default model."""
+        if self.metrics is not None:
+            default = self.models.default
+            self.metrics.rejected.labels(default.name, default.spec.engine, reason).inc()
 
 
 def server_state(request: Request) -> ServerState:
     return request.app.state.server
-
-
-def serving_context(request: Request) -> ServingContext:
-    """The serving context of a ready server (the gate answers 503 before it is set)."""
-    ctx = server_state(request).ctx
-    assert ctx is not None
-    return ctx

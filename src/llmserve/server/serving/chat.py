@@ -114,7 +114,6 @@ class ChatServing:
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Any:
         ctx = self.ctx
-        ctx.check_model(req.model)
         top = req.top_logprobs
         if top is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")

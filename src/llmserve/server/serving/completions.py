@@ -80,7 +80,6 @@ class CompletionServing:
 
     async def create(self, req: CompletionRequest, raw: Request) -> Any:
         ctx = self.ctx
-        ctx.check_model(req.model)
         prompts = self._prompt_list(req)
         check_caps(ctx, req, req.logprobs, "logprobs")
         if req.suffix is not None:

@@ -1,5 +1,5 @@
-"""`ServingContext`: the engine behind the server, the server's settings, the model check, and
-token strings for logprobs."""
+"""`ServingContext`: one loaded model's engine, the server's settings, and token strings for
+logprobs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from functools import cached_property
 from llmserve.config import ServerConfig
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.outputs import PositionLogprobs
-from llmserve.server.errors import APIError
 from llmserve.server.serving.tools import ToolFormat, tool_format
 
 
@@ -35,13 +34,6 @@ class ServingContext:
         """How tool calls are written for this model: `--tool-call-parser`, or read off the chat
         template once (`auto`)."""
         return tool_format(self.config.tool_call_parser, self.tokenizer.chat_template)
-
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(
-                404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                param="model", code="model_not_found",
-            )  # fmt: skip
 
     def token_str(self, token_id: int) -> str:
         """A token's own text, as logprobs show it (special tokens spelled out)."""

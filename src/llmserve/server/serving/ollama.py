@@ -3,8 +3,11 @@ JS libraries, Open WebUI, editors' plugins):
 
     POST /api/generate   a prompt (raw, or through the chat template with `system`), NDJSON stream
     POST /api/chat       messages through the chat template, NDJSON stream
-    GET  /api/tags       the served model          GET /api/ps    the loaded model
-    POST /api/show       its details               GET /api/version
+    GET  /api/tags       the served models         GET /api/ps    the loaded ones, with expiry
+    POST /api/show       a model's details         GET /api/version
+
+`keep_alive` works as in Ollama: a request's value is how long its model stays loaded once idle;
+`/api/generate` or `/api/chat` without a prompt loads the model, and with `keep_alive: 0` unloads it.
 
 Streaming is Ollama's default (`"stream": true`): one JSON object per line, `done: false` with
 the new text, then a last object with `done: true`, `done_reason` and the counts and durations (in
@@ -21,17 +24,19 @@ the wrong type is a 400. Errors are Ollama's `{"error": "..."}` with the HTTP st
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 from starlette.requests import Request
 
 from llmserve import __version__
+from llmserve.config.models import parse_duration
 from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
 from llmserve.server.errors import APIError
 from llmserve.server.protocol import ChatMessage
@@ -39,6 +44,11 @@ from llmserve.server.serving.chat import render_chat
 from llmserve.server.serving.context import ServingContext
 from llmserve.server.serving.inputs import process_prompt, start_requests
 from llmserve.server.serving.streaming import merged, run_unless_disconnected
+
+if TYPE_CHECKING:
+    from llmserve.server.models import ModelManager, ModelSlot
+
+LOADED = "loaded"  # llmserve.server.models.LOADED (that module imports this package)
 
 OLLAMA_API_VERSION = "0.6.3"
 """The Ollama version whose API this follows (reported by /api/version with llmserve's own)."""
@@ -67,7 +77,7 @@ class _OllamaRequest(_Lenient):
     options: OllamaOptions | None = None
     format: Literal["", "json"] | dict[str, Any] | None = None
     keep_alive: StrictStr | StrictInt | StrictFloat | None = None
-    """Accepted for compatibility; the one model stays loaded."""
+    """How long the model stays loaded once idle ("5m", seconds, -1: forever, 0: unload now)."""
 
 
 class OllamaGenerateRequest(_OllamaRequest):
@@ -111,16 +121,37 @@ def _timestamp(t: float | None = None) -> str:
     return datetime.fromtimestamp(time.time() if t is None else t, UTC).isoformat().replace("+00:00", "Z")
 
 
-class OllamaServing:
-    def __init__(self, ctx: ServingContext) -> None:
-        self.ctx = ctx
+def _keep_alive(req: _OllamaRequest) -> float | None:
+    try:
+        return parse_duration(req.keep_alive)
+    except ValueError as e:
+        raise APIError(400, f"keep_alive: {e}", param="keep_alive") from None
 
-    def _check_model(self, name: str) -> None:
-        """Ollama's names carry a tag (`smollm2:latest`); the served name with or without one is it."""
-        ctx = self.ctx
-        if name in (ctx.model_name, f"{ctx.model_name}:latest"):
-            return
-        raise APIError(404, f"model {name!r} not found; this server serves {ctx.model_name!r}", param="model")
+
+class OllamaServing:
+    def __init__(self, models: ModelManager) -> None:
+        self.models = models
+
+    @contextlib.asynccontextmanager
+    async def _serving(self, req: _OllamaRequest) -> AsyncIterator[ServingContext]:
+        """The loaded native model `req` names, kept loaded for the request's keep_alive."""
+        async with self.models.lease(req.model, _keep_alive(req)) as slot:
+            if slot.ctx is None:
+                raise APIError(
+                    400, f"the model {slot.name!r} is served by the {slot.spec.engine} engine, which Ollama's API "
+                    "does not reach; use /v1/chat/completions", param="model",
+                )  # fmt: skip
+            yield slot.ctx
+
+    async def _load_or_unload(self, req: _OllamaRequest) -> Any:
+        """Ollama's way of loading a model (no prompt) or unloading it (no prompt, keep_alive 0)."""
+        if _keep_alive(req) == 0:
+            slot = self.models.resolve(req.model)
+            if not slot.is_remote:
+                await self.models.unload(req.model)
+            return await self._empty(req, "unload")
+        async with self._serving(req):
+            return await self._empty(req, "load")
 
     def _params(self, req: _OllamaRequest) -> SamplingParams:
         o = req.options or OllamaOptions()
@@ -153,24 +184,23 @@ class OllamaServing:
 
     async def generate(self, raw: Request) -> Any:
         req: OllamaGenerateRequest = parse(OllamaGenerateRequest, await raw.json())
-        self._check_model(req.model)
         if req.images:
             raise APIError(400, "images are not supported (text only)", param="images")
         params = self._params(req)
-        if not req.prompt:  # Ollama's way of loading a model: an empty response, done at once
-            return await self._empty(req, "load")
-        if req.raw:
-            prompt: str | list[int] = req.prompt
-        else:
-            messages = [ChatMessage(role="user", content=req.prompt)]
-            if req.system:
-                messages.insert(0, ChatMessage(role="system", content=req.system))
-            prompt = render_chat(self.ctx, messages, add_generation_prompt=True)
-        return await self._run(req, prompt, params, raw, chat=False)
+        if not req.prompt:
+            return await self._load_or_unload(req)
+        async with self._serving(req) as ctx:
+            if req.raw:
+                prompt: str | list[int] = req.prompt
+            else:
+                messages = [ChatMessage(role="user", content=req.prompt)]
+                if req.system:
+                    messages.insert(0, ChatMessage(role="system", content=req.system))
+                prompt = render_chat(ctx, messages, add_generation_prompt=True)
+            return await self._run(ctx, req, prompt, params, raw, chat=False)
 
     async def chat(self, raw: Request) -> Any:
         req: OllamaChatRequest = parse(OllamaChatRequest, await raw.json())
-        self._check_model(req.model)
         if req.tools:
             raise APIError(
                 400, "tools are not supported on /api/chat yet; use /v1/chat/completions", param="tools"
@@ -179,20 +209,20 @@ class OllamaServing:
             raise APIError(400, "images are not supported (text only)", param="messages")
         params = self._params(req)
         if not req.messages:
-            return await self._empty(req, "load")
+            return await self._load_or_unload(req)
         messages = [ChatMessage(role=m.role, content=m.content) for m in req.messages]
-        prompt = render_chat(self.ctx, messages, add_generation_prompt=messages[-1].role != "assistant",
-                             continue_final_message=messages[-1].role == "assistant")  # fmt: skip
-        return await self._run(req, prompt, params, raw, chat=True)
+        async with self._serving(req) as ctx:
+            prompt = render_chat(ctx, messages, add_generation_prompt=messages[-1].role != "assistant",
+                                 continue_final_message=messages[-1].role == "assistant")  # fmt: skip
+            return await self._run(ctx, req, prompt, params, raw, chat=True)
 
     async def _empty(self, req: _OllamaRequest, reason: str) -> Any:
         body = {"model": req.model, "created_at": _timestamp(), "done": True, "done_reason": reason}
         body.update({"message": {"role": "assistant", "content": ""}} if isinstance(req, OllamaChatRequest) else {"response": ""})  # fmt: skip
         return JSONResponse(body)
 
-    async def _run(self, req: _OllamaRequest, prompt: str | list[int], params: SamplingParams, raw: Request,
-                   chat: bool) -> Any:  # fmt: skip
-        ctx = self.ctx
+    async def _run(self, ctx: ServingContext, req: _OllamaRequest, prompt: str | list[int], params: SamplingParams,
+                   raw: Request, chat: bool) -> Any:  # fmt: skip
         processed = await process_prompt(ctx, prompt, params)
         streams = start_requests(ctx, [processed], 0, "ollama-chat" if chat else "ollama-gen")
         start = time.monotonic()
@@ -252,62 +282,84 @@ class OllamaServing:
 
         return await run_unless_disconnected(raw, whole, streams)
 
-    # -- the model, as Ollama describes it ----------------------------------------------------------
+    # -- the models, as Ollama describes them --------------------------------------------------------
 
-    def _details(self) -> dict[str, Any]:
-        loaded = self.ctx.engine.engine.loaded
+    @staticmethod
+    def _details(slot: ModelSlot) -> dict[str, Any]:
+        files = slot.files
+        details: dict[str, Any] = {
+            "parent_model": "",
+            "format": "gguf" if files and files[0].suffix == ".gguf" else "safetensors" if files else slot.spec.engine,
+            "family": "",
+            "families": [],
+            "parameter_size": "",
+            "quantization_level": "",
+        }  # fmt: skip
+        if slot.ctx is None:  # what is known without loading it
+            return details
+        loaded = slot.ctx.engine.engine.loaded
         fmt = loaded.checkpoint_format
         kinds = sorted({g.fmt for g in loaded.weight_groups if g.role != "other"})
-        return {
-            "parent_model": "",
-            "format": "gguf" if fmt.startswith("gguf") else fmt,
-            "family": str(getattr(loaded.hf_config, "model_type", "")),
-            "families": [str(getattr(loaded.hf_config, "model_type", ""))],
-            "parameter_size": f"{loaded.num_params / 1e6:.0f}M" if loaded.num_params < 1e9 else f"{loaded.num_params / 1e9:.1f}B",
-            "quantization_level": fmt[fmt.find("(") + 1 : fmt.find(",")] if "(" in fmt else ",".join(kinds) or str(loaded.dtype).removeprefix("torch."),
-        }  # fmt: skip
+        family = str(getattr(loaded.hf_config, "model_type", ""))
+        details.update(
+            family=family,
+            families=[family],
+            parameter_size=f"{loaded.num_params / 1e6:.0f}M" if loaded.num_params < 1e9 else f"{loaded.num_params / 1e9:.1f}B",
+            quantization_level=fmt[fmt.find("(") + 1 : fmt.find(",")] if "(" in fmt else ",".join(kinds) or str(loaded.dtype).removeprefix("torch."),
+        )  # fmt: skip
+        return details
 
-    def _entry(self) -> dict[str, Any]:
-        loaded = self.ctx.engine.engine.loaded
-        name = self.ctx.model_name
+    def _entry(self, slot: ModelSlot) -> dict[str, Any]:
+        files = [p for p in slot.files if p.exists()]
         return {
-            "name": name,
-            "model": name,
-            "modified_at": _timestamp(loaded.source.path.stat().st_mtime) if loaded.source.path.exists() else _timestamp(),
-            "size": int(loaded.weight_bytes),
-            "digest": "",
-            "details": self._details(),
-        }  # fmt: skip
+            "name": slot.name,
+            "model": slot.name,
+            "modified_at": _timestamp(max(p.stat().st_mtime for p in files)) if files else _timestamp(),
+            "size": slot.size_bytes if slot.size_bytes is not None else slot.file_bytes,
+            "digest": (slot.digest or "").removeprefix("sha256:"),
+            "details": self._details(slot),
+        }
 
     def tags(self) -> dict[str, Any]:
-        return {"models": [self._entry()]}
+        return {"models": [self._entry(slot) for slot in self.models.slots]}
 
     def ps(self) -> dict[str, Any]:
-        entry = self._entry()
-        entry.pop("modified_at")
-        entry.update(expires_at="9999-12-31T23:59:59Z", size_vram=0)  # loaded for the server's lifetime
-        return {"models": [entry]}
+        entries = []
+        for slot in self.models.slots:
+            if slot.state != LOADED or slot.is_remote:
+                continue
+            entry = self._entry(slot)
+            entry.pop("modified_at")
+            expires = slot.expires_at(self.models.config.keep_alive)
+            entry.update(
+                expires_at="9999-12-31T23:59:59Z" if expires is None else _timestamp(expires), size_vram=0
+            )
+            entries.append(entry)
+        return {"models": entries}
 
     async def show(self, raw: Request) -> dict[str, Any]:
         req: OllamaShowRequest = parse(OllamaShowRequest, await raw.json())
         name = req.model or req.name
         if not name:
             raise APIError(400, "model is required", param="model")
-        self._check_model(name)
-        engine = self.ctx.engine.engine
-        loaded = engine.loaded
-        info = {f"general.{k}": v for k, v in (("architecture", self._details()["family"]),
-                ("parameter_count", loaded.num_params))}  # fmt: skip
-        info["llama.context_length"] = engine.max_model_len
+        slot = self.models.resolve(name)
+        details = self._details(slot)
+        info: dict[str, Any] = {"general.architecture": details["family"]}
+        template = ""
+        if slot.ctx is not None:
+            engine = slot.ctx.engine.engine
+            info["general.parameter_count"] = engine.loaded.num_params
+            info[f"{details['family'] or 'llama'}.context_length"] = engine.max_model_len
+            template = engine.tokenizer.chat_template or ""
         return {
             "license": "",
-            "modelfile": f"# served by llmserve {__version__}\nFROM {loaded.source.path}\n",
+            "modelfile": f"# served by llmserve {__version__}\nFROM {slot.spec.source or slot.name}\n",
             "parameters": "",
-            "template": engine.tokenizer.chat_template or "",
-            "details": self._details(),
+            "template": template,
+            "details": details,
             "model_info": info,
             "capabilities": ["completion"],
-            "modified_at": self._entry()["modified_at"],
+            "modified_at": self._entry(slot)["modified_at"],
         }
 
     @staticmethod

@@ -1,0 +1,591 @@
+"""`ModelManager`: the models one server serves, loaded on demand and unloaded when idle or when
+another needs the room.
+
+    request(model) -> resolve(name:tag | alias) -> slot -> lease: load if needed (waiting, bounded),
+                      count the request, route to the slot's engine -> release
+
+A slot's states: unloaded -> loading -> loaded -> unloaded (idle past its keep-alive, evicted, or
+unloaded by an operator); a load that fails leaves the slot `failed` (its requests get a 503 that
+says why) and the other models serving; a request after `FAILED_RETRY_SECONDS` tries again.
+
+Room: at most `max_loaded_models` native models are loaded, and their sizes (weights + KV cache) sum
+to at most `models_memory`. Loading a model first unloads the least recently used idle ones until it
+fits; when every loaded model is busy, the load waits for one to go idle. A model's size is estimated
+from its files and KV budget before its first load, and measured after it. Loads run one at a time.
+
+Remote (`openai`) models hold no local memory: they are always "loaded" and never evicted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import gc
+import hashlib
+import inspect
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+from llmserve.config import ServerConfig
+from llmserve.config.cache import DEFAULT_KV_CACHE_MEMORY, parse_bytes
+from llmserve.config.models import ModelSpec, check_specs, split_tag
+from llmserve.engine.async_engine import AsyncEngine
+from llmserve.engine.llm import build_engine
+from llmserve.metrics.loggers import LoggingStatLogger
+from llmserve.metrics.prometheus import MetricFamilies, PrometheusStatLogger
+from llmserve.server.errors import APIError
+from llmserve.server.remote import RemoteModel
+from llmserve.server.serving import ServingContext
+
+logger = logging.getLogger("llmserve.server")
+
+UNLOADED, LOADING, LOADED, FAILED = "unloaded", "loading", "loaded", "failed"
+FAILED_RETRY_SECONDS = 30.0
+"""A failed model is tried again by the first request this long after the failure (or at once by
+an operator's load)."""
+REAP_INTERVAL = 0.5
+"""Seconds between checks for models idle past their keep-alive."""
+DIGEST_CACHE = Path.home() / ".cache" / "llmserve" / "digests.json"
+
+
+def native_options(options: dict[str, Any], where: str) -> dict[str, Any]:
+    """`options` checked against the native engine's keyword arguments; sizes may be text ("256MiB")."""
+    allowed = set(inspect.signature(build_engine).parameters) - {"model", "show_progress"}
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise ValueError(f"{where}: unknown engine option(s) {unknown}; known: {sorted(allowed)}")
+    out = dict(options)
+    if isinstance(out.get("kv_cache_memory"), str):
+        out["kv_cache_memory"] = parse_bytes(out["kv_cache_memory"])
+    return out
+
+
+def weight_files(source: str | None) -> list[Path]:
+    """The files a native model's weights come from (empty when it cannot be resolved)."""
+    from llmserve.model_executor.model_loader.source import resolve_model
+
+    try:
+        src = resolve_model(source)
+    except Exception:
+        return []
+    if src.kind == "gguf":
+        return list(src.gguf_files)
+    return sorted(p for p in src.path.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".pth"))
+
+
+def files_digest(files: list[Path]) -> str | None:
+    """sha256 over the weight files, in order (one file: its own sha256, as Ollama's blob digests);
+    cached on disk by path, size and modification time."""
+    if not files:
+        return None
+    key = "|".join(f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files)
+    try:
+        cache = json.loads(DIGEST_CACHE.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if key in cache:
+        return cache[key]
+    h = hashlib.sha256()
+    for p in files:
+        with open(p, "rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+    digest = f"sha256:{h.hexdigest()}"
+    cache[key] = digest
+    with contextlib.suppress(OSError):  # written whole, then renamed: servers may share the file
+        DIGEST_CACHE.parent.mkdir(parents=True, exist_ok=True)
+        tmp = DIGEST_CACHE.with_name(f"{DIGEST_CACHE.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache))
+        os.replace(tmp, DIGEST_CACHE)
+    return digest
+
+
+def estimate_size(source: str | None, file_bytes: int, options: dict[str, Any]) -> int:
+    """A model's memory before it was ever loaded: its weight files (twice a 16-bit checkpoint's,
+    which the CPU runs in float32) plus its KV cache (the budget, or `num_kv_blocks` blocks of the
+    size an HF config implies). Measured sizes replace it after the first load."""
+    config: dict[str, Any] = {}
+    if source is not None and (Path(source) / "config.json").is_file():
+        with contextlib.suppress(OSError, ValueError):
+            config = json.loads((Path(source) / "config.json").read_text())
+    weights = file_bytes
+    if config.get("torch_dtype") in ("bfloat16", "float16") and options.get("dtype", "auto") in (
+        "auto",
+        "float32",
+    ):
+        weights *= 2
+    blocks = options.get("num_kv_blocks")
+    if blocks is None:
+        return weights + int(options.get("kv_cache_memory") or DEFAULT_KV_CACHE_MEMORY)
+    text = config.get("text_config", config)
+    layers = text.get("num_hidden_layers") or text.get("n_layer") or 0
+    heads = text.get("num_attention_heads") or text.get("n_head") or 1
+    kv_heads = text.get("num_key_value_heads") or heads
+    head_dim = text.get("head_dim") or (text.get("hidden_size") or text.get("n_embd") or 0) // heads
+    width = {"float16": 2, "bfloat16": 2, "int8": 1.125}.get(options.get("kv_cache_dtype", "auto"), 4)
+    return weights + int(blocks * options.get("block_size", 16) * 2 * layers * kv_heads * head_dim * width)
+
+
+def _release_memory() -> None:
+    """Give freed memory back to the OS (glibc keeps freed heap otherwise)."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+class ModelSlot:
+    """One configured model and what is loaded for it."""
+
+    def __init__(self, spec: ModelSpec, options: dict[str, Any]) -> None:
+        self.spec = spec
+        self.options = options
+        """The native engine's options (the command line's, then the spec's own)."""
+        self.state = UNLOADED
+        self.ctx: ServingContext | None = None
+        self.remote: RemoteModel | None = None
+        self.error: BaseException | None = None
+        self.failed_at = 0.0
+        self.loading: asyncio.Future[None] | None = None
+        self.leases = 0
+        self.last_used = time.monotonic()
+        self.keep_alive: float | None = None
+        """The latest request's keep-alive (Ollama's), over the spec's and the server's."""
+        self.metrics: PrometheusStatLogger | None = None
+        self.files = weight_files(spec.source) if spec.engine == "native" else []
+        self.file_bytes = sum(p.stat().st_size for p in self.files)
+        self.size_bytes: int | None = None
+        """Measured at the last load: weights + KV cache."""
+        self.digest: str | None = None
+        self.loaded_at: float | None = None
+        self.load_seconds: float | None = None
+        self.num_loads = 0
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def is_remote(self) -> bool:
+        return self.spec.engine == "openai"
+
+    @property
+    def busy(self) -> bool:
+        if self.leases:
+            return True
+        if self.ctx is not None and self.ctx.engine.num_active:
+            return True
+        return self.remote is not None and self.remote.num_active > 0
+
+    @property
+    def estimate_bytes(self) -> int:
+        """Memory the model takes once loaded: measured at its last load, or else estimated (see
+        `estimate_size`)."""
+        if self.size_bytes is not None:
+            return self.size_bytes
+        return estimate_size(self.spec.source, self.file_bytes, self.options)
+
+    def keep_alive_seconds(self, default: float) -> float:
+        for value in (self.keep_alive, self.spec.keep_alive):
+            if value is not None:
+                return value
+        return default
+
+    def expires_at(self, default: float) -> float | None:
+        """Wall-clock time the model unloads if nothing uses it (None: loaded until evicted)."""
+        if self.state != LOADED or self.is_remote:
+            return None
+        keep = self.keep_alive_seconds(default)
+        if math.isinf(keep):
+            return None
+        idle_since = time.monotonic() if self.busy else self.last_used
+        return time.time() + (idle_since - time.monotonic()) + keep
+
+
+class ModelManager:
+    """The server's models: resolution by name, loading, eviction and keep-alive."""
+
+    def __init__(
+        self,
+        specs: list[ModelSpec],
+        config: ServerConfig,
+        engine_options: dict[str, Any] | None = None,
+        families: MetricFamilies | None = None,
+    ) -> None:
+        if not specs:
+            raise ValueError("a server needs at least one model")
+        check_specs(specs)
+        self.config = config
+        self.families = families
+        base = dict(engine_options or {})
+        base.pop("model", None)
+        self.slots = [
+            ModelSlot(
+                s, {**base, **native_options(s.options, f"model {s.name!r}")} if s.engine == "native" else {}
+            )
+            for s in specs
+        ]
+        self._by_name = {name: slot for slot in self.slots for name in slot.spec.names}
+        self.default = self.slots[0]
+        self._lock = asyncio.Lock()
+        self._tasks: list[asyncio.Task[Any]] = []
+        self.started_up = False
+        """True once every preloaded model has loaded (or failed)."""
+        self.on_preload_error: Callable[[ModelSlot, BaseException], None] | None = None
+        self.on_engine_dead: Callable[[ModelSlot, BaseException], None] | None = None
+        self.closed = False
+
+    # -- names ----------------------------------------------------------------------------------------
+
+    def resolve(self, name: str | None) -> ModelSlot:
+        """The slot a request's `model` names: a name or alias, `name:latest` for a name without a
+        tag, or a name without a tag for its default version. 404 otherwise."""
+        if name is None:
+            return self.default
+        slot = self._by_name.get(name)
+        if slot is not None:
+            return slot
+        base, tag = split_tag(name)
+        if tag == "latest" and base in self._by_name:
+            return self._by_name[base]
+        if tag is None:
+            versions = [s for s in self.slots if s.spec.base == name]
+            chosen = (
+                [s for s in versions if s.spec.default]
+                or [s for s in versions if s.spec.tag == "latest"]
+                or (versions if len(versions) == 1 else [])
+            )
+            if chosen:
+                return chosen[0]
+            if versions:
+                raise APIError(
+                    404, f"the model {name!r} has several versions and none is the default; name one of "
+                    f"{', '.join(repr(s.name) for s in versions)}", param="model", code="model_not_found",
+                )  # fmt: skip
+        served = ", ".join(repr(s.name) for s in self.slots)
+        raise APIError(
+            404, f"the model {name!r} was not found; this server serves {served}",
+            param="model", code="model_not_found",
+        )  # fmt: skip
+
+    # -- life cycle -------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Preload (in order), then watch keep-alives; call on the server's event loop."""
+        self._tasks.append(asyncio.create_task(self._preload()))
+        self._tasks.append(asyncio.create_task(self._reap()))
+        self._tasks.append(asyncio.create_task(self._digests()))
+
+    async def _preload(self) -> None:
+        for slot in self.slots:
+            if slot.spec.preload or slot.is_remote:
+                try:
+                    await self.ensure_loaded(slot, timeout=math.inf)
+                except Exception as e:
+                    logger.error("loading %r failed: %s", slot.name, slot.error or e)
+                    if self.on_preload_error is not None:
+                        self.on_preload_error(slot, slot.error or e)
+        self.started_up = True
+
+    async def close(self) -> None:
+        """Stop every engine (aborting what still runs)."""
+        self.closed = True
+        for task in self._tasks:
+            task.cancel()
+        for slot in self.slots:
+            if slot.loading is not None:
+                slot.loading.cancel()
+            if slot.ctx is not None:
+                slot.ctx.engine.shutdown()
+                slot.ctx = None
+            if slot.remote is not None:
+                await slot.remote.close()
+                slot.remote = None
+
+    def abort_all(self, reason: str) -> None:
+        for slot in self.slots:
+            if slot.ctx is not None:
+                slot.ctx.engine.abort_all(reason)
+
+    @property
+    def num_active(self) -> int:
+        return sum(s.ctx.engine.num_active for s in self.slots if s.ctx is not None)
+
+    # -- requests ---------------------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def lease(self, name: str | None, keep_alive: float | None = None) -> AsyncIterator[ModelSlot]:
+        """The loaded slot for `name`, counted as in use (not evicted) until the block ends; a
+        streamed response stays counted through its engine's active requests."""
+        slot = self.resolve(name)
+        if keep_alive is not None:
+            slot.keep_alive = keep_alive
+        await self.ensure_loaded(slot)
+        slot.leases += 1
+        try:
+            yield slot
+        finally:
+            slot.leases -= 1
+            slot.last_used = time.monotonic()
+
+    async def ensure_loaded(self, slot: ModelSlot, timeout: float | None = None) -> None:
+        """Return once `slot` is loaded; start its load if needed. 503 when it failed to load, or
+        when it is still loading after `timeout` (default: the server's model_load_timeout)."""
+        if slot.is_remote:
+            if slot.remote is None:
+                slot.remote = RemoteModel(slot.spec, self._metrics_for(slot, max_model_len=2**17))
+                slot.state, slot.loaded_at = LOADED, time.time()
+            return
+        wait = self.config.model_load_timeout if timeout is None else timeout
+        deadline = time.monotonic() + wait
+        while slot.state != LOADED:
+            if self.closed:
+                raise APIError(503, "the server is shutting down")
+            if (
+                slot.state == FAILED
+                and time.monotonic() - slot.failed_at < FAILED_RETRY_SECONDS
+                and slot.loading is None
+            ):
+                raise APIError(
+                    503, f"loading the model {slot.name!r} failed: {slot.error}", param="model",
+                    code="model_load_failed",
+                )  # fmt: skip
+            if slot.loading is None:
+                slot.loading = asyncio.ensure_future(self._load(slot))
+            left = None if math.isinf(deadline) else max(0.0, deadline - time.monotonic())
+            try:
+                await asyncio.wait_for(asyncio.shield(slot.loading), left)
+            except TimeoutError:
+                raise APIError(
+                    503, f"the model {slot.name!r} is still loading; retry shortly", param="model",
+                    code="model_loading", headers={"Retry-After": "5"},
+                ) from None  # fmt: skip
+            except APIError:
+                raise
+            except Exception:
+                continue  # the slot is FAILED now: the loop answers with the reason
+
+    async def load(self, name: str) -> ModelSlot:
+        """Load a model now (an operator's request): a failed one is tried again at once."""
+        slot = self.resolve(name)
+        if slot.state == FAILED:
+            slot.failed_at = 0.0
+        await self.ensure_loaded(slot, timeout=math.inf)
+        slot.last_used = time.monotonic()
+        return slot
+
+    async def unload(self, name: str, wait: float | None = None) -> ModelSlot:
+        """Unload a model now; requests still running get `wait` seconds (default: the server's
+        shutdown_timeout) to finish, then are aborted."""
+        slot = self.resolve(name)
+        if slot.is_remote:
+            raise APIError(400, f"the model {slot.name!r} is remote (engine openai); it has nothing to unload",
+                           param="model")  # fmt: skip
+        if slot.loading is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(slot.loading)
+        deadline = time.monotonic() + (self.config.shutdown_timeout if wait is None else wait)
+        while slot.busy and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        async with self._lock:
+            await self._unload(slot, "unloaded on request")
+        return slot
+
+    # -- loading and unloading --------------------------------------------------------------------------
+
+    def _metrics_for(self, slot: ModelSlot, max_model_len: int, cache_info: dict[str, str] | None = None):
+        if self.families is None:
+            return None
+        if slot.metrics is None or cache_info:
+            slot.metrics = PrometheusStatLogger(
+                slot.name, max_model_len, cache_info, families=self.families, engine=slot.spec.engine
+            )
+        return slot.metrics
+
+    async def _load(self, slot: ModelSlot) -> None:
+        slot.state = LOADING
+        try:
+            async with self._lock:
+                await self._make_room(slot)
+                logger.info("loading %r", slot.name)
+                start = time.monotonic()
+                options = dict(slot.options)
+                engine = await AsyncEngine.launch(
+                    lambda: build_engine(slot.spec.source, **options),
+                    max_queued_requests=self.config.max_queued_requests,
+                )
+                slot.load_seconds = time.monotonic() - start
+        except APIError:
+            slot.state = UNLOADED  # no room: not the model's fault
+            raise
+        except BaseException as e:
+            slot.state, slot.error, slot.failed_at = FAILED, e, time.monotonic()
+            if self.families is not None:
+                self.families.model_loads.labels(slot.name, slot.spec.engine, "failed").inc()
+            logger.error("loading %r failed: %s", slot.name, e)
+            raise
+        finally:
+            slot.loading = None
+        core = engine.engine
+        kv = core.kv_info
+        slot.size_bytes = int(core.loaded.weight_bytes) + kv.num_blocks * kv.block_size * kv.bytes_per_token
+        metrics = self._metrics_for(
+            slot, core.max_model_len,
+            {
+                "block_size": str(kv.block_size),
+                "cache_dtype": kv.dtype,
+                "num_kv_blocks": str(kv.num_blocks),
+                "kv_bytes_per_token": str(kv.bytes_per_token),
+                "enable_prefix_caching": str(core.cache_config.enable_prefix_caching),
+            },
+        )  # fmt: skip
+        if metrics is not None:
+            engine.add_stat_logger(metrics)
+            self.families.model_loads.labels(slot.name, slot.spec.engine, "loaded").inc()  # type: ignore[union-attr]
+            self.families.model_load_time.labels(slot.name, slot.spec.engine).observe(slot.load_seconds)  # type: ignore[union-attr]
+            self.families.model_loaded.labels(slot.name, slot.spec.engine).set(1)  # type: ignore[union-attr]
+        if self.config.stats_log_interval > 0:
+            engine.add_stat_logger(LoggingStatLogger(self.config.stats_log_interval))
+        engine.on_dead = lambda e: self._engine_died(slot, e)
+        slot.ctx = ServingContext(engine, self.config, slot.name)
+        slot.state, slot.error = LOADED, None
+        slot.loaded_at, slot.last_used = time.time(), time.monotonic()
+        slot.num_loads += 1
+        async with self._lock:
+            await self._fit_after_load(slot)
+        logger.info(
+            "ready: %r loaded in %.1f s (%.0f MiB with its KV cache)", slot.name, slot.load_seconds,
+            slot.size_bytes / 2**20,
+        )  # fmt: skip
+
+    async def _make_room(self, slot: ModelSlot) -> None:
+        """Unload idle models, least recently used first, until `slot` fits; wait while the ones
+        in the way are busy (bounded by model_load_timeout)."""
+        cfg = self.config
+        need = slot.estimate_bytes
+        if cfg.models_memory is not None and need > cfg.models_memory:
+            raise APIError(
+                503, f"the model {slot.name!r} needs about {need / 2**20:.0f} MiB (weights and KV cache); "
+                f"--models-memory is {cfg.models_memory / 2**20:.0f} MiB", param="model", code="model_too_large",
+            )  # fmt: skip
+        deadline = time.monotonic() + cfg.model_load_timeout
+        while True:
+            loaded = [s for s in self.slots if s is not slot and s.state == LOADED and not s.is_remote]
+            too_many = cfg.max_loaded_models is not None and len(loaded) + 1 > cfg.max_loaded_models
+            used = sum(s.estimate_bytes for s in loaded)
+            too_big = cfg.models_memory is not None and used + need > cfg.models_memory
+            if not (too_many or too_big):
+                return
+            idle = sorted((s for s in loaded if not s.busy), key=lambda s: s.last_used)
+            if idle:
+                why = "--max-loaded-models" if too_many else "--models-memory"
+                await self._unload(idle[0], f"evicted (least recently used) to load {slot.name!r} ({why})")
+                continue
+            if time.monotonic() > deadline:
+                raise APIError(
+                    503, f"cannot load {slot.name!r}: the loaded models ({', '.join(repr(s.name) for s in loaded)}) "
+                    "are all busy", param="model", code="models_busy", headers={"Retry-After": "5"},
+                )  # fmt: skip
+            await asyncio.sleep(0.05)
+
+    async def _fit_after_load(self, slot: ModelSlot) -> None:
+        """The measured size can exceed the estimate a load was admitted on: unload idle models,
+        least recently used first, until the budget holds again (or only busy ones are left). Hold
+        `_lock`."""
+        budget = self.config.models_memory
+        if budget is None:
+            return
+        while True:
+            loaded = [s for s in self.slots if s.state == LOADED and not s.is_remote]
+            if sum(s.estimate_bytes for s in loaded) <= budget:
+                return
+            idle = sorted((s for s in loaded if s is not slot and not s.busy), key=lambda s: s.last_used)
+            if not idle:
+                logger.warning("the loaded models take more than --models-memory; the others are busy")
+                return
+            await self._unload(
+                idle[0], f"evicted (least recently used): {slot.name!r} is larger than estimated"
+            )
+
+    async def _unload(self, slot: ModelSlot, why: str) -> None:
+        """Stop the slot's engine and free its memory (hold `_lock`)."""
+        ctx = slot.ctx
+        if ctx is None or slot.state != LOADED:
+            return
+        slot.state, slot.ctx, slot.keep_alive = UNLOADED, None, None
+        await asyncio.to_thread(ctx.engine.shutdown, f"the model {slot.name!r} was unloaded")
+        if slot.metrics is not None:
+            slot.metrics.set_idle()
+        if self.families is not None:
+            self.families.model_loaded.labels(slot.name, slot.spec.engine).set(0)
+        del ctx
+        await asyncio.to_thread(_release_memory)
+        logger.info("unloaded %r: %s", slot.name, why)
+
+    def _engine_died(self, slot: ModelSlot, e: BaseException) -> None:
+        """A loaded model's step loop failed: the slot is failed (its next request after the retry
+        delay loads it again); the server decides whether to go on (on_engine_dead)."""
+        ctx = slot.ctx
+        slot.state, slot.ctx, slot.error, slot.failed_at = FAILED, None, e, time.monotonic()
+        if ctx is not None:
+            ctx.engine.shutdown()
+        if self.families is not None:
+            self.families.model_loaded.labels(slot.name, slot.spec.engine).set(0)
+        if self.on_engine_dead is not None:
+            self.on_engine_dead(slot, e)
+
+    async def _reap(self) -> None:
+        """Unload models idle for longer than their keep-alive."""
+        default = self.config.keep_alive
+        while True:
+            await asyncio.sleep(REAP_INTERVAL)
+            now = time.monotonic()
+            for slot in self.slots:
+                if slot.state != LOADED or slot.is_remote:
+                    continue
+                if slot.busy:
+                    slot.last_used = now
+                    continue
+                keep = slot.keep_alive_seconds(default)
+                if now - slot.last_used >= keep:
+                    async with self._lock:
+                        if slot.state == LOADED and not slot.busy:
+                            await self._unload(slot, f"idle for {keep:.0f} s (keep-alive)")
+
+    async def _digests(self) -> None:
+        for slot in self.slots:
+            if slot.files:
+                try:
+                    slot.digest = await asyncio.to_thread(files_digest, slot.files)
+                except OSError as e:
+                    logger.warning("cannot hash the weights of %r: %s", slot.name, e)
+
+    # -- descriptions -----------------------------------------------------------------------------------
+
+    def card(self, slot: ModelSlot, created: float) -> dict[str, Any]:
+        """The model in /v1/models: OpenAI's fields, then llmserve's."""
+        card: dict[str, Any] = {
+            "id": slot.name,
+            "object": "model",
+            "created": int(created),
+            "owned_by": "llmserve",
+            "state": slot.state,
+            "engine": slot.spec.engine,
+            "aliases": list(slot.spec.aliases),
+            "size": slot.size_bytes if slot.size_bytes is not None else slot.file_bytes,
+            "digest": slot.digest,
+        }
+        if slot.ctx is not None:
+            card["max_model_len"] = slot.ctx.max_model_len
+        if slot.state == FAILED:
+            card["error"] = str(slot.error)
+        expires = slot.expires_at(self.config.keep_alive)
+        if expires is not None:
+            card["expires_at"] = int(expires)
+        return card
