@@ -325,7 +325,20 @@ def upstream(tiny_model_dir: Path) -> ServerProcess:
 
 
 @pytest.fixture(scope="module")
-def proxy(upstream: ServerProcess, tiny_model_dir: Path, tmp_path_factory) -> ServerProcess:
+def neox_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny GPT-NeoX: an architecture with no native implementation."""
+    folder = tmp_path_factory.mktemp("tiny-neox")
+    make_tiny_model("gpt_neox", folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def proxy(
+    upstream: ServerProcess, tiny_model_dir: Path, neox_model_dir: Path, tmp_path_factory
+) -> ServerProcess:
+    """A server of four engines: native, transformers (asked for, and as the fallback for an
+    architecture without a native implementation) and openai (one upstream that answers, one
+    that nobody listens on)."""
     folder = tmp_path_factory.mktemp("proxy")
     (folder / "models.yaml").write_text(
         f"""
@@ -340,6 +353,11 @@ models:
   - name: down
     engine: openai
     source: http://127.0.0.1:{free_port()}/v1
+  - name: hf
+    engine: transformers
+    source: {tiny_model_dir}
+  - name: neox
+    source: {neox_model_dir}
 """
     )
     proc = ServerProcess(
@@ -408,3 +426,30 @@ def test_remote_engine_disconnect_aborts_upstream(proxy: ServerProcess, upstream
         time.sleep(0.1)
     stats = httpx.get(f"{upstream.url}/stats").json()
     assert stats["num_active_requests"] == 0 and stats["kv_blocks_used"] == 0
+
+
+def test_transformers_engine_beside_the_native_one(proxy: ServerProcess, neox_model_dir: Path) -> None:
+    """The same weights on the transformers engine give the native engine's greedy text, streamed
+    through the same serving layer; an architecture with no native implementation loads on
+    transformers by itself; both count under engine="transformers"."""
+    messages = [{"role": "user", "content": "The quick brown fox"}]
+    native = proxy.client().chat.completions.create(
+        model="local", messages=messages, max_tokens=10, temperature=0
+    )
+    chunks = list(proxy.client().chat.completions.create(
+        model="hf", messages=messages, max_tokens=10, temperature=0, stream=True
+    ))  # fmt: skip
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        == native.choices[0].message.content
+    )
+    assert text_of(complete(proxy, "neox", PROMPTS[0]))
+    cards = {m["id"]: m for m in httpx.get(f"{proxy.url}/v1/models").json()["data"]}
+    assert (cards["hf"]["engine"], cards["neox"]["engine"], cards["local"]["engine"]) == (
+        "transformers",
+        "transformers",
+        "native",
+    )
+    for model in ("hf", "neox"):
+        assert metric(proxy, "llmserve:request_success_total", model_name=model, engine="transformers") >= 1
+    assert "several times slower than native" in proxy.log()

@@ -76,6 +76,27 @@ TINY_CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
 }
 
 
+def _gpt_neox() -> transformers.PretrainedConfig:
+    return transformers.GPTNeoXConfig(
+        vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        max_position_embeddings=256, rotary_pct=0.5, initializer_range=0.15, use_parallel_residual=True,
+    )  # fmt: skip
+
+
+def _phi() -> transformers.PretrainedConfig:
+    return transformers.PhiConfig(
+        vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        max_position_embeddings=256, partial_rotary_factor=0.5, initializer_range=0.15,
+    )  # fmt: skip
+
+
+FALLBACK_CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
+    "gpt_neox": _gpt_neox,
+    "phi": _phi,
+}
+"""Architectures with no native implementation: they run on transformers' modelling code."""
+
+
 def save_tiny_tokenizer(folder: Path, vocab_size: int = 512) -> None:
     """A byte-level BPE tokenizer trained on a few sentences and padded to exactly `vocab_size`
     ids (every id a sampler can pick decodes), with `<|endoftext|>` = 0 as EOS."""
@@ -103,7 +124,7 @@ def save_tiny_tokenizer(folder: Path, vocab_size: int = 512) -> None:
 def make_tiny_model(name: str, folder: Path, seed: int = 0) -> transformers.PreTrainedModel:
     """Build, save (safetensors + a tokenizer) and return the HF reference model for `name`."""
     torch.manual_seed(seed)
-    config = TINY_CONFIGS[name]()
+    config = {**TINY_CONFIGS, **FALLBACK_CONFIGS}[name]()
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.eval()
     model.save_pretrained(folder)

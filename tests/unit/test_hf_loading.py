@@ -155,7 +155,7 @@ def test_unsupported_architecture(tiny, tmp_path):
     config["architectures"] = ["MambaForCausalLM"]
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedArchitectureError, match="MambaForCausalLM") as e:
-        _load(out)
+        _load(out, model_impl="native")
     assert "LlamaForCausalLM" in str(e.value)  # lists what is supported
 
 

@@ -15,6 +15,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="model folder, .gguf file or bundled name (default: SmolLM2-135M-Instruct)",
     )
+    g.add_argument(
+        "--model-impl", default="auto", choices=["auto", "native", "transformers"],
+        help="whose modelling code runs the model: llmserve's (native) or transformers' (slower; no prefix "
+        "caching); auto: native when the architecture has one, else transformers",
+    )  # fmt: skip
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     g.add_argument(
@@ -89,4 +94,5 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "scheduling_policy": args.scheduling_policy,
         "admission_policy": args.admission_policy,
         "batching_mode": args.batching_mode,
+        "model_impl": args.model_impl,
     }

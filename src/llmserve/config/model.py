@@ -15,6 +15,8 @@ CpuGemmName = Literal["auto", "onednn", "blas"]
 _CPU_GEMMS: tuple[str, ...] = ("auto", "onednn", "blas")
 QuantizationName = Literal["auto", "none", "int8", "int4"]
 _QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "int4")
+ModelImplName = Literal["auto", "native", "transformers"]
+_MODEL_IMPLS: tuple[str, ...] = ("auto", "native", "transformers")
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +57,13 @@ class ModelConfig:
 
     show_progress: bool = True
     """Show a progress bar while loading weights."""
+    model_impl: ModelImplName = "auto"
+    """Whose modelling code runs the forward pass. `native`: llmserve's own (paged attention,
+    quantized kernels, prefix caching). `transformers`: transformers' modelling code for the
+    architecture, run by the same engine (scheduler, sampler, streaming) with a per-request KV
+    cache - for architectures without a native implementation, and several times slower (no
+    prefix caching, no quantized kernels, one sequence per forward call). `auto`: native when the
+    architecture has one, else transformers (HF folders only), with a warning."""
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -65,6 +74,8 @@ class ModelConfig:
             raise ValueError(
                 f"quantization must be one of {', '.join(_QUANTIZATIONS)}; got {self.quantization!r}"
             )
+        if self.model_impl not in _MODEL_IMPLS:
+            raise ValueError(f"model_impl must be one of {', '.join(_MODEL_IMPLS)}; got {self.model_impl!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1; got {self.max_model_len}")
         if self.device != "auto" and not self.device.startswith(("cpu", "cuda")):

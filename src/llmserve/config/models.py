@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ENGINES = ("native", "openai")
+ENGINES = ("native", "transformers", "openai")
 
 _SPEC_KEYS = {"name", "source", "engine", "aliases", "preload", "keep_alive", "default", "options"}
 _DURATION_RE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ms|h|m|s)")
@@ -37,15 +37,17 @@ def parse_duration(value: str | float | int | None) -> float | None:
     negative means forever (returned as `math.inf`), 0 means at once. None stays None."""
     if value is None:
         return None
-    if isinstance(value, bool):
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise ValueError(f"cannot read {value!r} as a duration (examples: 5m, 1h30m, 300, -1)")
     if isinstance(value, int | float):
         seconds = float(value)
     else:
         text = value.strip().lower()
         sign = -1.0 if text.startswith("-") else 1.0
-        body = text.lstrip("+-")
+        body = text[1:] if text[:1] in ("+", "-") else text  # one sign at most, as Go's
         try:
+            if body[:1] in ("+", "-"):
+                raise ValueError(body)
             seconds = sign * float(body)
         except ValueError:
             parts = _DURATION_RE.findall(body)
@@ -63,8 +65,12 @@ def split_tag(name: str) -> tuple[str, str | None]:
     """'smollm2:135m' -> ('smollm2', '135m'); a name without a tag -> (name, None).
 
     Only the last path component may carry the tag, so paths and URLs keep their colons
-    ("C:/models/x.gguf" and "hf.co/org/model" have no tag)."""
-    head, sep, last = name.rpartition("/")
+    ("C:/models/x.gguf", "C:\\models\\x.gguf", "hf.co/org/model" and "http://host:8000" have
+    no tag)."""
+    if "://" in name:
+        return name, None
+    cut = max(name.rfind("/"), name.rfind("\\"))
+    head, sep, last = (name[:cut], name[cut], name[cut + 1 :]) if cut >= 0 else ("", "", name)
     base, colon, tag = last.partition(":")
     if not colon or not base or not tag:
         return name, None
@@ -81,7 +87,9 @@ class ModelSpec:
     """native: a model folder, a .gguf file or a bundled name (None: the embedded default model);
     openai: the upstream's base URL, ending in /v1."""
     engine: str = "native"
-    """`native` (llmserve's own engine) or `openai` (a remote OpenAI-compatible server)."""
+    """`native` (llmserve's engine; an architecture it has no implementation of runs on
+    transformers' modelling code), `transformers` (that, always: slower) or `openai` (a remote
+    OpenAI-compatible server)."""
     aliases: tuple[str, ...] = ()
     """More names for the same model."""
     preload: bool = False
@@ -91,7 +99,7 @@ class ModelSpec:
     default: bool = False
     """The version a request gets when it names this model without a tag."""
     options: dict[str, Any] = field(default_factory=dict)
-    """native: engine options (those of `LLM(...)`: kv_cache_memory, max_num_seqs, ...), over the
+    """native and transformers: engine options (those of `LLM(...)`: kv_cache_memory, max_num_seqs, ...), over the
     command line's; openai: `model` (the upstream's name), `api_key` or `api_key_env`, `timeout`."""
 
     def __post_init__(self) -> None:
@@ -110,7 +118,7 @@ class ModelSpec:
             unknown = set(self.options) - {"model", "api_key", "api_key_env", "timeout"}
             if unknown:
                 raise ValueError(f"model {self.name!r}: unknown openai engine option(s) {sorted(unknown)}")
-        if self.keep_alive is not None and self.keep_alive < 0:
+        if self.keep_alive is not None and not self.keep_alive >= 0:  # nan too
             raise ValueError(
                 f"model {self.name!r}: keep_alive must be >= 0 seconds (inf: never); got {self.keep_alive}"
             )
@@ -131,17 +139,17 @@ class ModelSpec:
 def spec_from_dict(entry: Any, where: str) -> ModelSpec:
     if not isinstance(entry, dict):
         raise ValueError(f"{where}: each model must be a mapping with at least `name`; got {entry!r}")
-    unknown = sorted(set(entry) - _SPEC_KEYS)
+    unknown = sorted(str(k) for k in set(entry) - _SPEC_KEYS)
     if unknown:
         raise ValueError(f"{where}: unknown key(s) {unknown}; known: {sorted(_SPEC_KEYS)}")
-    if "name" not in entry:
+    if entry.get("name") is None or entry["name"] == "":
         raise ValueError(f"{where}: `name` is required")
     name = str(entry["name"])
     where = f"{where} ({name})"
     aliases = entry.get("aliases") or []
     if isinstance(aliases, str):
         aliases = [aliases]
-    if not isinstance(aliases, list):
+    if not isinstance(aliases, list) or any(a is None or a == "" for a in aliases):
         raise ValueError(f"{where}: aliases must be a list of names; got {aliases!r}")
     options = entry.get("options") or {}
     if not isinstance(options, dict):
@@ -170,13 +178,15 @@ def load_models_file(path: str | Path) -> list[ModelSpec]:
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text())
+    except UnicodeDecodeError as e:
+        raise ValueError(f"the models file {path} is not UTF-8 text: {e}") from None
     except OSError as e:
         raise ValueError(f"cannot read the models file {path}: {e}") from None
     except yaml.YAMLError as e:
         raise ValueError(f"the models file {path} is not valid YAML: {e}") from None
     if not isinstance(data, dict) or not isinstance(data.get("models"), list) or not data["models"]:
         raise ValueError(f"the models file {path} needs a non-empty top-level `models:` list")
-    unknown = sorted(set(data) - {"models"})
+    unknown = sorted(str(k) for k in set(data) - {"models"})
     if unknown:
         raise ValueError(f"the models file {path}: unknown top-level key(s) {unknown}")
     specs = [spec_from_dict(entry, f"{path}: models[{i}]") for i, entry in enumerate(data["models"])]

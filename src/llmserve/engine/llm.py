@@ -49,6 +49,7 @@ def build_engine(
     scheduling_policy: str = "fcfs",
     admission_policy: str = "optimistic",
     batching_mode: str = "continuous",
+    model_impl: str = "auto",
 ) -> LLMEngine:
     """An `LLMEngine` from flat options (the offline API's and the command line's)."""
     return LLMEngine(
@@ -60,6 +61,7 @@ def build_engine(
             quantization=quantization,
             max_model_len=max_model_len,
             show_progress=show_progress,
+            model_impl=model_impl,
         ),  # type: ignore[arg-type]
         CacheConfig(
             block_size=block_size,
@@ -116,7 +118,7 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
         """`engine_options`: the keyword arguments of `build_engine` (dtype, device, cpu_gemm, quantization, max_model_len,
         block_size, kv_cache_memory, num_kv_blocks, enable_prefix_caching, kv_cache_dtype, max_num_batched_tokens,
-        max_num_seqs, scheduling_policy, admission_policy, batching_mode, show_progress)."""
+        max_num_seqs, scheduling_policy, admission_policy, batching_mode, model_impl, show_progress)."""
         self.engine = build_engine(model, **engine_options)
         self._ids = itertools.count()
 

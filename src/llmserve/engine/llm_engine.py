@@ -87,6 +87,10 @@ class LLMEngine:
         self.cache_config = cache_config or CacheConfig()
         self.scheduler_config = scheduler_config or SchedulerConfig()
         self.loaded = loaded or load_model(model_config)
+        if self.loaded.linear_kernel == "transformers" and self.cache_config.enable_prefix_caching:
+            # transformers' caches live per request, not in the shared blocks a prefix hit reuses
+            logger.info("prefix caching is off: the transformers implementation keeps no shared KV blocks")
+            self.cache_config = dataclasses.replace(self.cache_config, enable_prefix_caching=False)
         self.tokenizer: Tokenizer = load_tokenizer(self.loaded.source)
         self.max_model_len = self.loaded.max_model_len
         self.vocab_size = int(self.loaded.hf_config.vocab_size)

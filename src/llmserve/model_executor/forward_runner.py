@@ -43,6 +43,8 @@ class SequenceBatchEntry:
     """Context length after this step (tokens already cached + new ones)."""
     block_ids: list[int]
     """Cache blocks holding this sequence, in order; enough for `seq_len` tokens."""
+    req_id: str = ""
+    """The request it belongs to (runners that keep per-request state use it)."""
 
 
 class ForwardRunner:
@@ -75,6 +77,9 @@ class ForwardRunner:
     @property
     def block_size(self) -> int:
         return self.spec.block_size
+
+    def release(self, req_ids: list[str]) -> None:
+        """Requests that finished or were preempted (the paged cache keeps nothing per request)."""
 
     def kv_bytes_per_token(self) -> int:
         """2 x layers x kv_heads x head_dim x dtype bytes."""

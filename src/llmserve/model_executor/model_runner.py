@@ -25,6 +25,7 @@ import torch
 
 from llmserve.core.sched_output import Logprobs, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from llmserve.model_executor.forward_runner import ForwardRunner, SequenceBatchEntry
+from llmserve.model_executor.transformers_runner import TransformersCausalLM, TransformersForwardRunner
 from llmserve.models import CausalLM
 from llmserve.sample import RequestSamplingState, Sampler, SamplingMetadata, compute_logprobs, make_generator
 from llmserve.structured_output import StructuredOutputManager, apply_bitmask, bitmask_words
@@ -69,7 +70,10 @@ class ModelRunner:
         structured_outputs: StructuredOutputManager | None = None,
     ) -> None:
         """`structured_outputs`: makes the grammar state of requests that constrain their output."""
-        self.runner = ForwardRunner(model, num_blocks, block_size, kv_cache_dtype)
+        if isinstance(model, TransformersCausalLM):  # the transformers fallback: its own caches
+            self.runner: ForwardRunner | TransformersForwardRunner = TransformersForwardRunner(model)
+        else:
+            self.runner = ForwardRunner(model, num_blocks, block_size, kv_cache_dtype)
         self.structured_outputs = structured_outputs
         self.device = self.runner.device
         self.vocab_size = vocab_size
@@ -117,6 +121,8 @@ class ModelRunner:
             state = self.requests.pop(req_id, None)
             if state is not None:
                 self._parked[req_id] = (state.sampling, state.num_prompt_logprobs)
+        if so.finished_req_ids or so.preempted_req_ids:
+            self.runner.release([*so.finished_req_ids, *so.preempted_req_ids])
         for new in so.scheduled_new_reqs:
             self._add(new)
         for cached in so.scheduled_cached_reqs:
@@ -138,7 +144,7 @@ class ModelRunner:
         for pos, req_id in enumerate(req_ids):
             state, n = self.requests[req_id], so.num_scheduled_tokens[req_id]
             start, end = state.num_computed_tokens, state.num_computed_tokens + n
-            batch.append(SequenceBatchEntry(state.token_slice(start, end), end, state.block_ids))
+            batch.append(SequenceBatchEntry(state.token_slice(start, end), end, state.block_ids, req_id))
             # Prompt logprobs for positions [first, end) of this chunk not returned before.
             first = max(start, state.num_prompt_logprobs)
             if state.sampling.params.prompt_logprobs is not None and first < min(

@@ -31,3 +31,8 @@ def resolve_model_class(architectures: list[str] | None, source: str) -> type[Ca
     raise UnsupportedArchitectureError(
         f"{source}: architecture {architectures} is not supported; supported: {', '.join(supported_architectures())}"
     )
+
+
+def is_supported(architectures: list[str] | None) -> bool:
+    """Whether one of `architectures` has a native implementation."""
+    return any(arch in _MODELS for arch in architectures or [])

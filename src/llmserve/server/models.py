@@ -158,7 +158,7 @@ class ModelSlot:
         self.keep_alive: float | None = None
         """The latest request's keep-alive (Ollama's), over the spec's and the server's."""
         self.metrics: PrometheusStatLogger | None = None
-        self.files = weight_files(spec.source) if spec.engine == "native" else []
+        self.files = weight_files(spec.source) if not self.is_remote else []
         self.file_bytes = sum(p.stat().st_size for p in self.files)
         self.size_bytes: int | None = None
         """Measured at the last load: weights + KV cache."""
@@ -174,6 +174,14 @@ class ModelSlot:
     @property
     def is_remote(self) -> bool:
         return self.spec.engine == "openai"
+
+    @property
+    def engine(self) -> str:
+        """What runs the model: the spec's engine, or `transformers` for a native model whose
+        architecture has no native implementation (known once loaded)."""
+        if self.ctx is not None and self.ctx.engine.engine.loaded.linear_kernel == "transformers":
+            return "transformers"
+        return self.spec.engine
 
     @property
     def busy(self) -> bool:
@@ -241,6 +249,16 @@ class ModelManager:
         self.on_engine_dead: Callable[[ModelSlot, BaseException], None] | None = None
         self.closed = False
 
+    @staticmethod
+    def _engine_options(spec: ModelSpec, base: dict[str, Any]) -> dict[str, Any]:
+        """The native engine's options for `spec`: the command line's, then the spec's own."""
+        if spec.engine == "openai":
+            return {}
+        options = {**base, **native_options(spec.options, f"model {spec.name!r}")}
+        if spec.engine == "transformers":
+            options["model_impl"] = "transformers"
+        return options
+
     # -- names ----------------------------------------------------------------------------------------
 
     def resolve(self, name: str | None) -> ModelSlot:
@@ -252,8 +270,10 @@ class ModelManager:
         if slot is not None:
             return slot
         base, tag = split_tag(name)
-        if tag == "latest" and base in self._by_name:
-            return self._by_name[base]
+        if tag == "latest":  # Ollama: `name` and `name:latest` are one name
+            name, tag = base, None
+            if base in self._by_name:
+                return self._by_name[base]
         if tag is None:
             versions = [s for s in self.slots if s.spec.base == name]
             chosen = (
@@ -404,7 +424,7 @@ class ModelManager:
             return None
         if slot.metrics is None or cache_info:
             slot.metrics = PrometheusStatLogger(
-                slot.name, max_model_len, cache_info, families=self.families, engine=slot.spec.engine
+                slot.name, max_model_len, cache_info, families=self.families, engine=slot.engine
             )
         return slot.metrics
 
@@ -427,13 +447,14 @@ class ModelManager:
         except BaseException as e:
             slot.state, slot.error, slot.failed_at = FAILED, e, time.monotonic()
             if self.families is not None:
-                self.families.model_loads.labels(slot.name, slot.spec.engine, "failed").inc()
+                self.families.model_loads.labels(slot.name, slot.engine, "failed").inc()
             logger.error("loading %r failed: %s", slot.name, e)
             raise
         finally:
             slot.loading = None
         core = engine.engine
         kv = core.kv_info
+        slot.ctx = ServingContext(engine, self.config, slot.name)  # before the metrics: slot.engine reads it
         slot.size_bytes = int(core.loaded.weight_bytes) + kv.num_blocks * kv.block_size * kv.bytes_per_token
         metrics = self._metrics_for(
             slot, core.max_model_len,
@@ -447,13 +468,12 @@ class ModelManager:
         )  # fmt: skip
         if metrics is not None:
             engine.add_stat_logger(metrics)
-            self.families.model_loads.labels(slot.name, slot.spec.engine, "loaded").inc()  # type: ignore[union-attr]
-            self.families.model_load_time.labels(slot.name, slot.spec.engine).observe(slot.load_seconds)  # type: ignore[union-attr]
-            self.families.model_loaded.labels(slot.name, slot.spec.engine).set(1)  # type: ignore[union-attr]
+            self.families.model_loads.labels(slot.name, slot.engine, "loaded").inc()  # type: ignore[union-attr]
+            self.families.model_load_time.labels(slot.name, slot.engine).observe(slot.load_seconds)  # type: ignore[union-attr]
+            self.families.model_loaded.labels(slot.name, slot.engine).set(1)  # type: ignore[union-attr]
         if self.config.stats_log_interval > 0:
             engine.add_stat_logger(LoggingStatLogger(self.config.stats_log_interval))
         engine.on_dead = lambda e: self._engine_died(slot, e)
-        slot.ctx = ServingContext(engine, self.config, slot.name)
         slot.state, slot.error = LOADED, None
         slot.loaded_at, slot.last_used = time.time(), time.monotonic()
         slot.num_loads += 1
@@ -523,7 +543,7 @@ class ModelManager:
         if slot.metrics is not None:
             slot.metrics.set_idle()
         if self.families is not None:
-            self.families.model_loaded.labels(slot.name, slot.spec.engine).set(0)
+            self.families.model_loaded.labels(slot.name, slot.engine).set(0)
         del ctx
         await asyncio.to_thread(_release_memory)
         logger.info("unloaded %r: %s", slot.name, why)
@@ -536,7 +556,7 @@ class ModelManager:
         if ctx is not None:
             ctx.engine.shutdown()
         if self.families is not None:
-            self.families.model_loaded.labels(slot.name, slot.spec.engine).set(0)
+            self.families.model_loaded.labels(slot.name, slot.engine).set(0)
         if self.on_engine_dead is not None:
             self.on_engine_dead(slot, e)
 
@@ -576,7 +596,7 @@ class ModelManager:
             "created": int(created),
             "owned_by": "llmserve",
             "state": slot.state,
-            "engine": slot.spec.engine,
+            "engine": slot.engine,
             "aliases": list(slot.spec.aliases),
             "size": slot.size_bytes if slot.size_bytes is not None else slot.file_bytes,
             "digest": slot.digest,

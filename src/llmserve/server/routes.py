@@ -57,7 +57,7 @@ def _native(slot: ModelSlot) -> ServingContext:
     """The slot's serving context; a 400 for a remote model on a route only native models have."""
     if slot.ctx is None:
         raise APIError(
-            400, f"the model {slot.name!r} is served by the {slot.spec.engine} engine; this route needs a "
+            400, f"the model {slot.name!r} is served by the {slot.engine} engine; this route needs a "
             "native model", param="model",
         )  # fmt: skip
     return slot.ctx

@@ -38,7 +38,7 @@ class ServerState:
         """A request refused before it was routed, counted under the default model."""
         if self.metrics is not None:
             default = self.models.default
-            self.metrics.rejected.labels(default.name, default.spec.engine, reason).inc()
+            self.metrics.rejected.labels(default.name, default.engine, reason).inc()
 
 
 def server_state(request: Request) -> ServerState:

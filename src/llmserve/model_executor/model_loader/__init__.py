@@ -32,6 +32,7 @@ from llmserve.model_executor.model_loader import hf_folder
 from llmserve.model_executor.model_loader.quant_plan import plan_quantization
 from llmserve.model_executor.model_loader.source import ModelSource, resolve_model
 from llmserve.models import CausalLM, resolve_model_class
+from llmserve.models.registry import is_supported
 
 logger = logging.getLogger("llmserve")
 
@@ -159,7 +160,15 @@ def load_model(config: ModelConfig, attention_backend: str = "auto") -> LoadedMo
         def weights(dtype: torch.dtype, keep_quantized: Any) -> Iterator[tuple[str, Any, str]]:
             return hf_folder.iter_weights(fmt, files, dtype)
 
-    model_cls = resolve_model_class(getattr(hf_config, "architectures", None), str(source.path))
+    archs = getattr(hf_config, "architectures", None)
+    if config.model_impl == "transformers" or (
+        config.model_impl == "auto" and source.kind == "hf" and not is_supported(archs)
+    ):
+        from llmserve.model_executor.transformers_runner import load_transformers_model
+
+        why = "asked for" if config.model_impl == "transformers" else f"no native implementation of {archs}"
+        return load_transformers_model(config, source, hf_config, why)
+    model_cls = resolve_model_class(archs, str(source.path))
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device, hf_config)
     max_model_len = _max_model_len(config, hf_config)

@@ -138,7 +138,7 @@ class OllamaServing:
         async with self.models.lease(req.model, _keep_alive(req)) as slot:
             if slot.ctx is None:
                 raise APIError(
-                    400, f"the model {slot.name!r} is served by the {slot.spec.engine} engine, which Ollama's API "
+                    400, f"the model {slot.name!r} is served by the {slot.engine} engine, which Ollama's API "
                     "does not reach; use /v1/chat/completions", param="model",
                 )  # fmt: skip
             yield slot.ctx
@@ -289,7 +289,7 @@ class OllamaServing:
         files = slot.files
         details: dict[str, Any] = {
             "parent_model": "",
-            "format": "gguf" if files and files[0].suffix == ".gguf" else "safetensors" if files else slot.spec.engine,
+            "format": "gguf" if files and files[0].suffix == ".gguf" else "safetensors" if files else slot.engine,
             "family": "",
             "families": [],
             "parameter_size": "",
