@@ -146,13 +146,15 @@ def main() -> None:
         body = {"prompt": "Hello there", "max_tokens": 1, "temperature": 0}
         warm, swap = [], []
         current = "a"
+        sum0 = metric_sum(url, "llmserve:model_load_seconds_sum")  # the preload's, left out
+        count0 = metric_sum(url, "llmserve:model_load_seconds_count")
         for _ in range(args.swaps):
             for _ in range(3):
                 warm.append(timed(client, url + "/v1/completions", {**body, "model": current}))
             current = "b" if current == "a" else "a"
             swap.append(timed(client, url + "/v1/completions", {**body, "model": current}))
-        loads = metric_sum(url, "llmserve:model_load_seconds_sum")
-        count = metric_sum(url, "llmserve:model_load_seconds_count")
+        loads = metric_sum(url, "llmserve:model_load_seconds_sum") - sum0
+        count = metric_sum(url, "llmserve:model_load_seconds_count") - count0
         med_warm, med_swap = statistics.median(warm), statistics.median(swap)
         report["swap"] = {
             "warm_request_s": med_warm,

@@ -121,6 +121,16 @@ def test_errors_are_ollama_shaped(client: ollama.Client, server: ServerProcess) 
         assert r.status_code == 400 and where in r.json()["error"], (body, r.text)
     r = httpx.post(f"{server.url}/api/chat", content=b"{not json", timeout=30)
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]
+    bad_tool = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"type": "nope"}],
+    }
+    r = httpx.post(f"{server.url}/api/chat", json=bad_tool, timeout=30)
+    assert r.status_code == 400 and "tools" in r.json()["error"], r.text
+    with pytest.raises(ollama.ResponseError) as e:  # model management has no counterpart here
+        client.pull(MODEL_NAME)
+    assert e.value.status_code == 400 and "/api/pull is not supported" in e.value.error
     # unknown runtime options are ignored, as Ollama does
     ok = client.generate(
         model=MODEL_NAME,

@@ -277,3 +277,45 @@ def test_tool_call_parser_flag_overrides_the_template(tmp_path) -> None:
         check_calls(r.choices[0].message.tool_calls)
     finally:
         server.stop()
+
+
+def test_ollama_chat_tools(fmt_server) -> None:
+    """Ollama's /api/chat with `tools`, through the `ollama` client: the model's call (here forced
+    into Llama's JSON form by `format`) comes back as Ollama's `tool_calls` with object arguments,
+    whole and streamed; a call and its result round-trip into the next prompt; the same reply
+    without `tools` stays text."""
+    import ollama
+
+    fmt, server = fmt_server
+    if fmt != "llama3_json":
+        pytest.skip("`format` (a JSON schema) can force a call only in a JSON call format")
+    client = ollama.Client(host=server.url)
+    call_schema = {"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
+                   "properties": {"name": {"const": "add"}, "parameters": ADD}}  # fmt: skip
+    options = {"temperature": 1.0, "seed": 1, "num_predict": 120}
+    r = client.chat(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, format=call_schema, options=options)
+    assert r.done and r.message.content == ""
+    ((call),) = r.message.tool_calls
+    assert call.function.name == "add"
+    jsonschema.validate(dict(call.function.arguments), ADD)
+    parts = list(client.chat(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, format=call_schema, options=options,
+                             stream=True))  # fmt: skip
+    streamed = [c for p in parts for c in p.message.tool_calls or []]
+    assert [(c.function.name, dict(c.function.arguments)) for c in streamed] == [
+        ("add", dict(call.function.arguments))
+    ]
+    assert "".join(p.message.content for p in parts) == "" and parts[-1].done
+    history = [
+        *MESSAGES,
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"function": {"name": "add", "arguments": {"a": 1, "b": 2}}}],
+        },
+        {"role": "tool", "content": "3", "tool_name": "add"},
+    ]
+    again = client.chat(model=MODEL_NAME, messages=history, tools=TOOLS, options={"num_predict": 4})
+    shorter = client.chat(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, options={"num_predict": 4})
+    assert again.prompt_eval_count > shorter.prompt_eval_count  # the call and its result were rendered
+    plain = client.chat(model=MODEL_NAME, messages=MESSAGES, format=call_schema, options=options)
+    assert not plain.message.tool_calls and json.loads(plain.message.content)["name"] == "add"

@@ -235,6 +235,20 @@ async def ollama_ps(models: Models) -> Any:
     return OllamaServing(models).ps()
 
 
+@ollama.post("/api/pull")
+@ollama.post("/api/push")
+@ollama.post("/api/create")
+@ollama.post("/api/copy")
+@ollama.delete("/api/delete")
+async def ollama_unsupported(raw: Request) -> Any:
+    """Ollama's model management has no counterpart: llmserve serves local files, named at start."""
+    op = raw.url.path.rsplit("/", 1)[-1]
+    return ollama_error(APIError(
+        400, f"/api/{op} is not supported: llmserve does not download or manage model files; name local models "
+        "when starting the server (llmserve serve NAME=PATH ..., or --config models.yaml)",
+    ))  # fmt: skip
+
+
 @ollama.get("/api/version")
 async def ollama_version() -> Any:
     return OllamaServing.version()

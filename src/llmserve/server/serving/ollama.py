@@ -2,7 +2,8 @@
 JS libraries, Open WebUI, editors' plugins):
 
     POST /api/generate   a prompt (raw, or through the chat template with `system`), NDJSON stream
-    POST /api/chat       messages through the chat template, NDJSON stream
+    POST /api/chat       messages through the chat template, NDJSON stream; `tools` as on
+                         /v1/chat/completions (tool_choice auto), calls back as `tool_calls`
     GET  /api/tags       the served models         GET /api/ps    the loaded ones, with expiry
     POST /api/show       a model's details         GET /api/version
 
@@ -25,6 +26,7 @@ the wrong type is a 400. Errors are Ollama's `{"error": "..."}` with the HTTP st
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator
@@ -44,6 +46,7 @@ from llmserve.server.serving.chat import render_chat
 from llmserve.server.serving.context import ServingContext
 from llmserve.server.serving.inputs import process_prompt, start_requests
 from llmserve.server.serving.streaming import merged, run_unless_disconnected
+from llmserve.server.serving.tools import ToolCall, ToolFormat, ToolStreamSplitter, plan_tools
 
 if TYPE_CHECKING:
     from llmserve.server.models import ModelManager, ModelSlot
@@ -87,10 +90,22 @@ class OllamaGenerateRequest(_OllamaRequest):
     images: list[Any] | None = None
 
 
+class OllamaFunctionCall(_Lenient):
+    name: StrictStr
+    arguments: dict[str, Any] = {}
+
+
+class OllamaToolCall(_Lenient):
+    function: OllamaFunctionCall
+
+
 class OllamaMessage(_Lenient):
     role: Literal["system", "user", "assistant", "tool"]
     content: StrictStr = ""
     images: list[Any] | None = None
+    tool_calls: list[OllamaToolCall] | None = None
+    tool_name: StrictStr | None = None
+    """A tool message: the tool whose result `content` is."""
 
 
 class OllamaChatRequest(_OllamaRequest):
@@ -119,6 +134,31 @@ def parse(model: type[BaseModel], body: Any) -> Any:
 
 def _timestamp(t: float | None = None) -> str:
     return datetime.fromtimestamp(time.time() if t is None else t, UTC).isoformat().replace("+00:00", "Z")
+
+
+def _chat_message(m: OllamaMessage) -> ChatMessage:
+    """An Ollama message as the chat template sees it (calls in OpenAI's shape, as templates expect)."""
+    calls = None
+    if m.tool_calls:
+        calls = [
+            {"type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
+            for c in m.tool_calls
+        ]
+    return ChatMessage(role=m.role, content=m.content, tool_calls=calls, name=m.tool_name)
+
+
+def _ollama_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:
+    """Calls in Ollama's shape: `{"function": {"name", "arguments": {...}}}`."""
+    out = []
+    for call in calls:
+        try:
+            arguments = json.loads(call.arguments)
+        except ValueError:
+            arguments = {}
+        out.append(
+            {"function": {"name": call.name, "arguments": arguments if isinstance(arguments, dict) else {}}}
+        )
+    return out
 
 
 def _keep_alive(req: _OllamaRequest) -> float | None:
@@ -201,20 +241,23 @@ class OllamaServing:
 
     async def chat(self, raw: Request) -> Any:
         req: OllamaChatRequest = parse(OllamaChatRequest, await raw.json())
-        if req.tools:
-            raise APIError(
-                400, "tools are not supported on /api/chat yet; use /v1/chat/completions", param="tools"
-            )
         if any(m.images for m in req.messages):
             raise APIError(400, "images are not supported (text only)", param="messages")
         params = self._params(req)
         if not req.messages:
             return await self._load_or_unload(req)
-        messages = [ChatMessage(role=m.role, content=m.content) for m in req.messages]
+        messages = [_chat_message(m) for m in req.messages]
         async with self._serving(req) as ctx:
-            prompt = render_chat(ctx, messages, add_generation_prompt=messages[-1].role != "assistant",
-                                 continue_final_message=messages[-1].role == "assistant")  # fmt: skip
-            return await self._run(ctx, req, prompt, params, raw, chat=True)
+            # tools as on /v1/chat/completions with tool_choice "auto": the model's own call format,
+            # read back into Ollama's `tool_calls` (arguments as objects)
+            plan = plan_tools(req.tools, None, None, ctx.tool_format) if req.tools else None
+            if plan is not None and plan.fmt.keeps_special_tokens:
+                params = dataclasses.replace(params, skip_special_tokens=False)
+            last = messages[-1].role
+            prompt = render_chat(ctx, messages, add_generation_prompt=last != "assistant",
+                                 continue_final_message=last == "assistant", tools=plan.tools if plan else None,
+                                 fmt=plan.fmt if plan else None)  # fmt: skip
+            return await self._run(ctx, req, prompt, params, raw, chat=True, tools=plan.fmt if plan else None)
 
     async def _empty(self, req: _OllamaRequest, reason: str) -> Any:
         body = {"model": req.model, "created_at": _timestamp(), "done": True, "done_reason": reason}
@@ -222,7 +265,8 @@ class OllamaServing:
         return JSONResponse(body)
 
     async def _run(self, ctx: ServingContext, req: _OllamaRequest, prompt: str | list[int], params: SamplingParams,
-                   raw: Request, chat: bool) -> Any:  # fmt: skip
+                   raw: Request, chat: bool, tools: ToolFormat | None = None) -> Any:  # fmt: skip
+        """Run one prompt; `tools`: the call format to read tool calls back in (chat with tools)."""
         processed = await process_prompt(ctx, prompt, params)
         streams = start_requests(ctx, [processed], 0, "ollama-chat" if chat else "ollama-gen")
         start = time.monotonic()
@@ -256,14 +300,24 @@ class OllamaServing:
 
             async def lines() -> AsyncIterator[str]:
                 tokens: list[int] = []
+                splitter = ToolStreamSplitter(tools) if tools is not None else None
                 try:
                     async for _, out in merged(ctx, streams):
                         c = out.outputs[0]
                         tokens.extend(c.token_ids)
+                        text = splitter.feed(c.text) if splitter is not None else c.text
+                        if out.finished and splitter is not None:
+                            held, calls = splitter.finish()
+                            text += held or ""
+                            if calls:  # as Ollama: the calls in a chunk of their own, then the end
+                                call_piece = piece(text)
+                                call_piece["message"]["tool_calls"] = _ollama_calls(calls)
+                                yield json.dumps(call_piece) + "\n"
+                                text = ""
                         if out.finished:
-                            yield json.dumps(final(c.text, tokens, c.finish_reason, out.metrics)) + "\n"
-                        elif c.text:
-                            yield json.dumps(piece(c.text)) + "\n"
+                            yield json.dumps(final(text, tokens, c.finish_reason, out.metrics)) + "\n"
+                        elif text:
+                            yield json.dumps(piece(text)) + "\n"
                 except APIError as e:
                     yield json.dumps({"error": e.message}) + "\n"
                 except Exception as e:  # the engine failed mid-stream: Ollama's error line
@@ -278,7 +332,14 @@ class OllamaServing:
                 text += c.text
                 tokens.extend(c.token_ids)
                 reason, metrics = c.finish_reason or reason, out.metrics
-            return JSONResponse(final(text, tokens, reason, metrics))
+            calls: list[ToolCall] = []
+            if tools is not None and text:
+                content, calls = tools.parse(text)
+                text = (content or "") if calls else text
+            body = final(text, tokens, reason, metrics)
+            if calls:
+                body["message"]["tool_calls"] = _ollama_calls(calls)
+            return JSONResponse(body)
 
         return await run_unless_disconnected(raw, whole, streams)
 
