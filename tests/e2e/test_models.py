@@ -384,6 +384,13 @@ def test_remote_engine_relays_answers_and_streams(proxy: ServerProcess, upstream
         == whole.choices[0].message.content
     )
     assert {c.model for c in chunks} == {"up"} and chunks[-1].usage.completion_tokens == 10
+    before = metric(proxy, "llmserve:generation_tokens_total", model_name="up", engine="openai")
+    plain = list(proxy.client().chat.completions.create(
+        model="up", messages=messages, max_tokens=10, temperature=0, stream=True
+    ))  # fmt: skip
+    assert all(c.usage is None and c.choices for c in plain)  # the usage the proxy asked for is not shown
+    after = metric(proxy, "llmserve:generation_tokens_total", model_name="up", engine="openai")
+    assert after - before == 10  # but counted
     states_now = {
         m["id"]: (m["state"], m["engine"]) for m in httpx.get(f"{proxy.url}/v1/models").json()["data"]
     }

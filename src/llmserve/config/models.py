@@ -100,7 +100,8 @@ class ModelSpec:
     """The version a request gets when it names this model without a tag."""
     options: dict[str, Any] = field(default_factory=dict)
     """native and transformers: engine options (those of `LLM(...)`: kv_cache_memory, max_num_seqs, ...), over the
-    command line's; openai: `model` (the upstream's name), `api_key` or `api_key_env`, `timeout`."""
+    command line's; openai: `model` (the upstream's name), `api_key` or `api_key_env`, `timeout`
+    (seconds), `stream_usage` (default true: ask streams for their usage, to count tokens)."""
 
     def __post_init__(self) -> None:
         if not self.name or self.name != self.name.strip():
@@ -115,7 +116,7 @@ class ModelSpec:
                     f"model {self.name!r}: the openai engine needs source: the upstream's URL "
                     f"(http://host:port/v1); got {self.source!r}"
                 )
-            unknown = set(self.options) - {"model", "api_key", "api_key_env", "timeout"}
+            unknown = set(self.options) - {"model", "api_key", "api_key_env", "timeout", "stream_usage"}
             if unknown:
                 raise ValueError(f"model {self.name!r}: unknown openai engine option(s) {sorted(unknown)}")
         if self.keep_alive is not None and not self.keep_alive >= 0:  # nan too

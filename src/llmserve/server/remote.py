@@ -10,8 +10,9 @@ be reached is a 502, one that does not answer in time a 504. A client that disco
 upstream connection, which aborts the request there.
 
 Each request is counted in the same metrics as a native model's (`engine="openai"`): TTFT (the
-first streamed content), end-to-end latency, finish reasons, and token counts from `usage` when the
-upstream reports it.
+first streamed content), end-to-end latency, finish reasons, and token counts from `usage` (a
+stream is asked for its usage chunk, which a client that did not ask for it does not see; the
+`stream_usage: false` option turns that off for an upstream that refuses `stream_options`).
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ class RemoteModel:
             key = os.environ.get(str(spec.options["api_key_env"]))
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         timeout = float(spec.options.get("timeout", DEFAULT_TIMEOUT))
+        self.stream_usage = bool(spec.options.get("stream_usage", True))
+        """Ask a stream for its usage chunk (OpenAI's stream_options.include_usage) to count tokens."""
         self.client = httpx.AsyncClient(
             base_url=self.base_url, headers=headers, timeout=httpx.Timeout(timeout, connect=10.0)
         )
@@ -81,6 +84,12 @@ class RemoteModel:
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
         body["model"] = self.upstream_model
+        hide_usage = False
+        if body.get("stream") is True and self.stream_usage:
+            # ask for the usage chunk, to count tokens; a client that did not ask does not see it
+            options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
+            hide_usage = not options.get("include_usage")
+            body["stream_options"] = {**options, "include_usage": True}
         started = time.monotonic()
         request = self.client.build_request("POST", path, json=body)
         try:
@@ -94,7 +103,9 @@ class RemoteModel:
         ):
             return await self._whole(raw, upstream, started, body)
         self.num_active += 1
-        return StreamingResponse(self._events(upstream, started, body), media_type="text/event-stream")
+        return StreamingResponse(
+            self._events(upstream, started, body, hide_usage), media_type="text/event-stream"
+        )
 
     async def _whole(
         self, raw: Request, upstream: httpx.Response, started: float, body: dict[str, Any]
@@ -135,9 +146,10 @@ class RemoteModel:
         return JSONResponse(payload, status_code=upstream.status_code, headers=headers)
 
     async def _events(
-        self, upstream: httpx.Response, started: float, body: dict[str, Any]
+        self, upstream: httpx.Response, started: float, body: dict[str, Any], hide_usage: bool
     ) -> AsyncIterator[str]:
-        """Relay SSE events, renaming the model; closing this generator closes the upstream."""
+        """Relay SSE events, renaming the model (and dropping the usage the proxy asked for on its
+        own); closing this generator closes the upstream."""
         first: float | None = None
         usage: dict[str, Any] | None = None
         reason: str | None = "abort"
@@ -166,6 +178,10 @@ class RemoteModel:
                         if choice.get("finish_reason"):
                             reason = choice["finish_reason"]
                     usage = event.get("usage") or usage
+                    if hide_usage:
+                        if event.get("usage") and not event.get("choices"):
+                            continue  # the usage-only chunk
+                        event.pop("usage", None)
                 yield f"data: {json.dumps(event)}\n\n"
         except httpx.HTTPError as e:
             yield f"data: {json.dumps(error_body(502, f'the upstream {self.base_url} failed mid-stream: {e!r}'))}\n\n"
