@@ -119,3 +119,20 @@ def test_native_architecture_same_tokens_on_both_implementations(tmp_path) -> No
 def test_gguf_with_the_transformers_implementation_is_refused() -> None:
     with pytest.raises(ValueError, match="HF model folders, not GGUF"):
         LLM(model_impl="transformers", show_progress=False)  # the embedded model is a GGUF file
+
+
+def test_speculative_decoding_rolls_back_transformers_caches(tmp_path) -> None:
+    """Rejected proposals leave K/V in a request's transformers cache; the next step crops it.
+    A prompt that repeats itself gets proposals (n-gram), and the tokens stay plain greedy's."""
+    make_tiny_model("llama", tmp_path)
+    prompts = [[5, 17, 99, 3, 5, 17, 99, 3, 5, 17], [42, 43, 44, 42, 43, 44, 42, 43]]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = make_llm(tmp_path, model_impl="transformers")
+    spec = make_llm(tmp_path, model_impl="transformers",
+                    speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                        "adaptive": False})  # fmt: skip
+    assert token_ids(spec.generate(prompts, params, use_tqdm=False)) == token_ids(
+        plain.generate(prompts, params, use_tqdm=False)
+    )
+    stats = spec.engine.scheduler.spec_stats
+    assert stats.num_draft_tokens > stats.num_accepted_tokens  # some were rejected and rolled back

@@ -20,6 +20,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="whose modelling code runs the model: llmserve's (native) or transformers' (slower; no prefix "
         "caching); auto: native when the architecture has one, else transformers",
     )  # fmt: skip
+    g.add_argument(
+        "--speculative-config", default=None, metavar="JSON",
+        help='speculative decoding, vLLM\'s shape: \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4}\' (greedy outputs unchanged, sampled ones follow the same distribution)',
+    )  # fmt: skip
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     g.add_argument(
@@ -95,4 +100,5 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "admission_policy": args.admission_policy,
         "batching_mode": args.batching_mode,
         "model_impl": args.model_impl,
+        "speculative_config": args.speculative_config,
     }

@@ -67,6 +67,14 @@ class Request:
     prompt_padding: bool = False
     """Static batching: the pad positions of a member whose prompt is shorter than its batch's
     longest. Prefilled like a prompt, never decodes, leaves once its prefill is done."""
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Speculative decoding: tokens proposed to follow this request's last one, verified next step."""
+    spec_accepted: float = 0.0
+    spec_rejected: float = 0.0
+    """Speculative decoding: accepted proposed tokens and rejections so far, decayed (recent
+    verifications weigh most); their ratio estimates the chance the next proposal is kept."""
+    spec_idle: int = 0
+    """Speculative decoding: steps since this request last verified a proposal."""
 
     @property
     def num_prompt_tokens(self) -> int:

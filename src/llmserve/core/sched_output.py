@@ -50,6 +50,9 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     """Requests preempted this step: the runner drops their blocks but keeps their sampling state
     (a seeded generator continues where it was, so outputs do not change because of preemption)."""
+    scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    """Speculative decoding: the proposed tokens each decoding request verifies this step; its
+    `num_scheduled_tokens` is 1 + their number (the last real token first)."""
 
     @property
     def is_empty(self) -> bool:
@@ -71,7 +74,8 @@ class ModelRunnerOutput:
     req_ids: list[str]
     """Requests of this step in order; only those that reached a sampling position have tokens."""
     sampled_token_ids: list[list[int]]
-    """One list per request: [token] after a decode or the last prefill chunk, [] mid-prefill."""
+    """One list per request: [token] after a decode or the last prefill chunk, [] mid-prefill; with
+    speculation, the accepted proposed tokens and then the model's own."""
     logprobs: dict[str, Logprobs] = field(default_factory=dict)
     """Per request that asked for logprobs and sampled this step."""
     prompt_logprobs: dict[str, Logprobs | None] = field(default_factory=dict)

@@ -37,7 +37,10 @@ from llmserve.core.sched_output import (
     NewRequestData,
     SchedulerOutput,
 )
-from llmserve.metrics.stats import SchedulerStats
+from llmserve.metrics.stats import SchedulerStats, SpecDecodingStats
+
+SPEC_DECAY = 0.8
+"""Weight of a request's earlier verifications against its latest one (speculative decoding)."""
 
 
 @dataclass(slots=True)
@@ -62,6 +65,7 @@ class _StepPlan:
     new_reqs: list[NewRequestData] = field(default_factory=list)
     cached_reqs: list[CachedRequestData] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -74,7 +78,10 @@ class Scheduler:
         cache_config: CacheConfig,
         num_kv_blocks: int,
         max_model_len: int,
+        num_speculative_tokens: int = 0,
     ) -> None:
+        """`num_speculative_tokens`: the most tokens a request may verify per step beyond its own
+        (speculative decoding; 0: off)."""
         if scheduler_config.is_static and type(self) is Scheduler:
             raise ValueError(
                 f"mode {scheduler_config.mode!r} is run by StaticBatchScheduler (make_scheduler)"
@@ -89,6 +96,12 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_steps = 0  # steps whose outputs came back (update_from_output calls)
+        self.max_spec_tokens = num_speculative_tokens
+        self.spec_stats = (
+            SpecDecodingStats(accepted_per_pos=(0,) * num_speculative_tokens)
+            if num_speculative_tokens
+            else None
+        )
         # Requests that left since the last step; the runner drops their state.
         self._finished_req_ids: set[str] = set()
 
@@ -189,6 +202,7 @@ class Scheduler:
             total_num_scheduled_tokens=sum(plan.num_tokens.values()),
             finished_req_ids=finished,
             preempted_req_ids={r.request_id for r in plan.preempted},
+            scheduled_spec_tokens=plan.spec_tokens,
         )
 
     def _schedule_running(self, plan: _StepPlan) -> None:
@@ -199,7 +213,11 @@ class Scheduler:
                 continue  # preempted or dropped to make room earlier in this loop
             num_new = min(request.num_tokens - request.num_computed_tokens, plan.budget)
             assert num_new > 0, f"running request {request.request_id} has nothing to compute"
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            drafts = self._drafts(request, num_new, plan.budget)
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new + len(drafts))
+            if new_blocks is None and drafts:  # no room to verify: decode plainly instead
+                drafts = []
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
             while new_blocks is None:
                 victim = self._make_room(request, plan)
                 if victim is request:
@@ -207,13 +225,29 @@ class Scheduler:
                 new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
             if new_blocks is None:
                 continue
+            if drafts:
+                plan.spec_tokens[request.request_id] = drafts
+                num_new += len(drafts)
             plan.cached_reqs.append(
                 CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens)
             )
             plan.num_tokens[request.request_id] = num_new
             plan.budget -= num_new
 
+    def _drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """The proposed tokens a decoding request verifies this step: within the step's budget,
+        the context length and its max_tokens (a token past them could never be kept)."""
+        if not request.spec_token_ids or num_new != 1:
+            return []
+        room = min(
+            budget - 1,
+            self.max_model_len - request.num_tokens,
+            request.max_tokens - request.num_output_tokens - 1,
+        )
+        return request.spec_token_ids[: max(0, room)]
+
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
+        request.spec_token_ids = []
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -302,6 +336,9 @@ class Scheduler:
                 continue  # aborted or preempted while the step ran
             if self._consume_extra(request, sampled):
                 continue
+            drafts = scheduler_output.scheduled_spec_tokens.get(req_id)
+            if drafts is not None:
+                self._verified(request, len(drafts), len(sampled) - 1)
             prompt_lp = runner_output.prompt_logprobs.get(req_id)
             if not sampled and prompt_lp is None:
                 continue
@@ -318,10 +355,33 @@ class Scheduler:
                     out.stop_reason = request.stop_reason
                     break
             if sampled:
-                out.logprobs = runner_output.logprobs.get(req_id)
+                lp = runner_output.logprobs.get(req_id)
+                kept = len(out.new_token_ids)
+                if lp is not None and len(lp.ranks) > kept:  # a stop among verified tokens: drop the rest
+                    lp = Logprobs(lp.token_ids[:kept], lp.logprobs[:kept], lp.ranks[:kept])
+                out.logprobs = lp
             outputs.append(out)
         self._after_step()
         return outputs
+
+    def _verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """A request verified `num_drafts` proposed tokens and kept `num_accepted`: the rejected
+        ones' KV slots are given back (overwritten by the next tokens), and the counts are
+        recorded, engine-wide and in the request's decayed acceptance (spec_decode/controller.py)."""
+        request.num_computed_tokens -= num_drafts - num_accepted
+        request.spec_token_ids = []
+        request.spec_accepted = SPEC_DECAY * request.spec_accepted + num_accepted
+        request.spec_rejected = SPEC_DECAY * request.spec_rejected + (num_accepted < num_drafts)
+        request.spec_idle = 0
+        stats = self.spec_stats
+        assert stats is not None
+        per_pos = list(stats.accepted_per_pos)
+        for i in range(num_accepted):
+            per_pos[i] += 1
+        self.spec_stats = SpecDecodingStats(
+            stats.num_drafts + 1, stats.num_draft_tokens + num_drafts, stats.num_accepted_tokens + num_accepted,
+            tuple(per_pos),
+        )  # fmt: skip
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
@@ -348,15 +408,21 @@ class Scheduler:
             prefix_cache_hits=pc.hits,
             num_steps=self.num_steps,
             step_tokens=step_tokens,
+            spec=self.spec_stats,
         )
 
 
 def make_scheduler(
-    scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_kv_blocks: int, max_model_len: int
+    scheduler_config: SchedulerConfig,
+    cache_config: CacheConfig,
+    num_kv_blocks: int,
+    max_model_len: int,
+    num_speculative_tokens: int = 0,
 ) -> Scheduler:
-    """The scheduler for `scheduler_config.mode`: continuous batching, or a static mode."""
+    """The scheduler for `scheduler_config.mode`: continuous batching (with speculative decoding
+    when `num_speculative_tokens` > 0), or a static mode (never speculative)."""
     if scheduler_config.is_static:
         from llmserve.core.static_scheduler import StaticBatchScheduler
 
         return StaticBatchScheduler(scheduler_config, cache_config, num_kv_blocks, max_model_len)
-    return Scheduler(scheduler_config, cache_config, num_kv_blocks, max_model_len)
+    return Scheduler(scheduler_config, cache_config, num_kv_blocks, max_model_len, num_speculative_tokens)

@@ -87,6 +87,11 @@ class IncrementalDetokenizer:
                 return stop
         return self._flush() if stop_terminated else None
 
+    @property
+    def num_tokens(self) -> int:
+        """Tokens taken so far (those after a stop string's are never taken)."""
+        return len(self._ids)
+
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
         """The text safe to stream now.
 

@@ -18,6 +18,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from llmserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from llmserve.config.speculative import SpeculativeConfig
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.errors import ParameterError
 from llmserve.outputs import RequestOutput
@@ -50,6 +51,7 @@ def build_engine(
     admission_policy: str = "optimistic",
     batching_mode: str = "continuous",
     model_impl: str = "auto",
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None,
 ) -> LLMEngine:
     """An `LLMEngine` from flat options (the offline API's and the command line's)."""
     return LLMEngine(
@@ -77,6 +79,7 @@ def build_engine(
             admission=admission_policy,  # type: ignore[arg-type]
             mode=batching_mode,  # type: ignore[arg-type]
         ),
+        speculative_config=SpeculativeConfig.parse(speculative_config),
     )
 
 
@@ -118,7 +121,9 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
         """`engine_options`: the keyword arguments of `build_engine` (dtype, device, cpu_gemm, quantization, max_model_len,
         block_size, kv_cache_memory, num_kv_blocks, enable_prefix_caching, kv_cache_dtype, max_num_batched_tokens,
-        max_num_seqs, scheduling_policy, admission_policy, batching_mode, model_impl, show_progress)."""
+        max_num_seqs, scheduling_policy, admission_policy, batching_mode, model_impl, speculative_config,
+        show_progress). `speculative_config`: vLLM's dict (or its JSON), e.g. {"method": "ngram",
+        "num_speculative_tokens": 4}."""
         self.engine = build_engine(model, **engine_options)
         self._ids = itertools.count()
 

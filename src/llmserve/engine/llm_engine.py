@@ -16,7 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from llmserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from llmserve.config.speculative import SpeculativeConfig
 from llmserve.core.request import Request, RequestStatus
+from llmserve.core.sched_output import SchedulerOutput
 from llmserve.core.scheduler import Scheduler, make_scheduler
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.errors import ParameterError
@@ -27,6 +29,8 @@ from llmserve.model_executor.model_loader import LoadedModel, load_model
 from llmserve.model_executor.model_runner import ModelRunner
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
+from llmserve.spec_decode.controller import SpecController
+from llmserve.spec_decode.ngram import NgramProposer
 from llmserve.structured_output import StructuredOutputManager
 from llmserve.tokenizer import Tokenizer, load_tokenizer
 
@@ -80,12 +84,24 @@ class LLMEngine:
         scheduler_config: SchedulerConfig | None = None,
         loaded: LoadedModel | None = None,
         log_stats: bool = False,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         """`log_stats`: keep each step's `IterationStats` until `take_stats()` collects them (a
-        server's metrics); otherwise they are dropped at the next step."""
+        server's metrics); otherwise they are dropped at the next step. `speculative_config`:
+        speculative decoding (config/speculative.py), off when None."""
         self.model_config = model_config
         self.cache_config = cache_config or CacheConfig()
         self.scheduler_config = scheduler_config or SchedulerConfig()
+        self.speculative_config = speculative_config
+        if speculative_config is not None:
+            if self.scheduler_config.is_static:
+                raise ValueError(
+                    f"speculative decoding needs continuous batching; batching mode is {self.scheduler_config.mode!r}"
+                )
+            if speculative_config.method != "ngram":
+                raise ValueError(
+                    f"speculative method {speculative_config.method!r} is not implemented yet; use ngram"
+                )
         self.loaded = loaded or load_model(model_config)
         if self.loaded.linear_kernel == "transformers" and self.cache_config.enable_prefix_caching:
             # transformers' caches live per request, not in the shared blocks a prefix hit reuses
@@ -116,8 +132,15 @@ class LLMEngine:
         )
         logger.info(self.kv_info.summary())
 
+        k = speculative_config.num_speculative_tokens if speculative_config is not None else 0
         self.scheduler: Scheduler = make_scheduler(
-            self.scheduler_config, self.cache_config, num_blocks, self.max_model_len
+            self.scheduler_config, self.cache_config, num_blocks, self.max_model_len, k
+        )
+        self.proposer = NgramProposer(speculative_config) if speculative_config is not None else None
+        self.controller = (
+            SpecController(k, self.loaded.device.type, speculative_config.adaptive)
+            if speculative_config is not None
+            else None
         )
         self.structured_outputs = StructuredOutputManager(
             self.tokenizer, self.vocab_size, self.tokenizer.eos_token_ids
@@ -248,7 +271,12 @@ class LLMEngine:
             self.output_processor.mark_scheduled(
                 [r.req_id for r in scheduler_output.scheduled_new_reqs], time.monotonic()
             )
+        started = time.perf_counter()
         runner_output = self.runner.execute_model(scheduler_output)
+        if self.controller is not None and self._decode_only(scheduler_output):
+            self.controller.observe_step(
+                scheduler_output.total_num_scheduled_tokens, time.perf_counter() - started
+            )
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         stats = self._stats
         stats.timestamp = time.monotonic()
@@ -256,7 +284,47 @@ class LLMEngine:
         if stopped:  # stop strings found by the detokenizer end those requests in the scheduler too
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self.last_stats = stats.scheduler = self.scheduler.stats(scheduler_output.total_num_scheduled_tokens)
+        if self.proposer is not None:
+            self._propose()
         return outputs
+
+    def _propose(self) -> None:
+        """Proposals for the decoding requests of the next step (speculative decoding), cut to
+        what pays for itself (spec_decode/controller.py). Requests with a grammar, and all of them
+        while the batch is at `disable_by_batch_size`, decode plainly."""
+        spec, proposer, controller = self.speculative_config, self.proposer, self.controller
+        assert spec is not None and proposer is not None and controller is not None
+        running = self.scheduler.running
+        proposer.retain(self.scheduler.requests)
+        if spec.disable_by_batch_size is not None and len(running) >= spec.disable_by_batch_size:
+            return
+        candidates, offers = [], {}
+        num_tokens = num_outputs = 0
+        for request in running:
+            remaining = request.num_tokens - request.num_computed_tokens
+            num_tokens += remaining
+            if remaining != 1:
+                continue  # still prefilling
+            num_outputs += 1
+            request.spec_idle += 1
+            if request.sampling_params.structured_outputs is not None:
+                continue  # a grammar's masks are made one token at a time
+            offer = proposer.propose(request, spec.num_speculative_tokens)
+            if offer:
+                candidates.append((request, len(offer)))
+                offers[request.request_id] = offer
+        if not candidates:
+            return
+        for request_id, k in controller.allocate(candidates, num_tokens, num_outputs).items():
+            self.scheduler.requests[request_id].spec_token_ids = offers[request_id][:k]
+
+    @staticmethod
+    def _decode_only(so: SchedulerOutput) -> bool:
+        """Whether every request of the step was decoding (its time then fits the cost model)."""
+        if so.scheduled_new_reqs:
+            return False
+        spec = so.scheduled_spec_tokens
+        return all(n == 1 + len(spec.get(rid, ())) for rid, n in so.num_scheduled_tokens.items())
 
     def take_stats(self) -> IterationStats | None:
         """The statistics gathered since the last call (steps and aborts); None when nothing

@@ -190,13 +190,14 @@ class OutputProcessor:
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
             if out.prompt_logprobs is not None and state.prompt_logprobs is not None:
                 state.prompt_logprobs.extend(_positions(out.prompt_logprobs))
+            stopped = self._update_child(child, out)  # may cut new_token_ids at a stop string
             if out.new_token_ids:
                 stats.observe_tokens(child.times, len(out.new_token_ids), now)
                 if state.metrics.first_token_time is None:
                     state.metrics.first_token_time = now
                 state.metrics.last_token_time = now
                 state.metrics.num_generation_tokens += len(out.new_token_ids)
-            if self._update_child(child, out):
+            if stopped:
                 to_abort.append(out.req_id)
             if child.completion.finished:
                 state.num_unfinished -= 1
@@ -214,8 +215,26 @@ class OutputProcessor:
         return results, to_abort
 
     def _update_child(self, child: _Child, out: EngineCoreOutput) -> bool:
-        """Apply one step to a child; True when a stop string finished it (the engine must abort it)."""
+        """Apply one step to a child; True when a stop string finished it (the engine must abort it).
+
+        A step may bring several tokens (speculative decoding): when a stop string ends at an
+        earlier one, the tokens after it are dropped, as if they had come one per step."""
         c = child.completion
+        stop_string = None
+        if child.detokenizer is not None and out.new_token_ids:
+            stop_terminated = out.finish_reason == "stop"
+            before = child.detokenizer.num_tokens
+            stop_string = child.detokenizer.update(out.new_token_ids, stop_terminated)
+            taken = child.detokenizer.num_tokens - before
+            # (a terminating EOS is never taken as text, and stays when nothing came after the stop)
+            if stop_string is not None and taken < len(out.new_token_ids) - stop_terminated:
+                del out.new_token_ids[taken:]
+                if out.logprobs is not None:
+                    out.logprobs = Logprobs(
+                        out.logprobs.token_ids[:taken],
+                        out.logprobs.logprobs[:taken],
+                        out.logprobs.ranks[:taken],
+                    )
         c.token_ids.extend(out.new_token_ids)
         if out.logprobs is not None and c.logprobs is not None:
             positions = _positions(out.logprobs)
@@ -223,10 +242,6 @@ class OutputProcessor:
             c.cumulative_logprob = (c.cumulative_logprob or 0.0) + sum(
                 p[t][0] for p, t in zip(positions, out.new_token_ids, strict=True)
             )
-        stop_string = None
-        if child.detokenizer is not None and out.new_token_ids:
-            stop_terminated = out.finish_reason == "stop"
-            stop_string = child.detokenizer.update(out.new_token_ids, stop_terminated)
         if stop_string is not None:  # a stop string wins over a length cap in the same step
             c.finish_reason, c.stop_reason = "stop", stop_string
             return out.finish_reason is None  # still running in the scheduler: abort it there

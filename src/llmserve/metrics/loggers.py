@@ -11,7 +11,7 @@ import logging
 import time
 from typing import Protocol
 
-from llmserve.metrics.stats import IterationStats
+from llmserve.metrics.stats import IterationStats, SpecDecodingStats
 
 logger = logging.getLogger("llmserve")
 
@@ -37,6 +37,8 @@ class LoggingStatLogger:
         self._pending_hits = 0
         self._active = False  # something happened since the last line
         self._idle = True  # the next record opens a new busy period
+        self._spec_last: SpecDecodingStats | None = None  # speculation's counts at the last line
+        self._spec_now: SpecDecodingStats | None = None
 
     def record(self, stats: IterationStats) -> None:
         now = self._clock()
@@ -49,6 +51,7 @@ class LoggingStatLogger:
         if sched is None:
             return
         self._pending_queries, self._pending_hits = sched.prefix_cache_queries, sched.prefix_cache_hits
+        self._spec_now = sched.spec
         idle = sched.num_running == 0 and sched.num_waiting == 0
         due = now - self._last_log >= self.interval
         if (due and (self._active or not idle)) or (idle and self._active):
@@ -56,6 +59,7 @@ class LoggingStatLogger:
             self._last_log = now
             self._prompt_tokens = self._generation_tokens = 0
             self._cache_queries, self._cache_hits = self._pending_queries, self._pending_hits
+            self._spec_last = self._spec_now
             self._active = False
         self._idle = idle
 
@@ -66,9 +70,20 @@ class LoggingStatLogger:
         queries = self._pending_queries - self._cache_queries
         hits = self._pending_hits - self._cache_hits
         hit_rate = f"{100 * hits / queries:.1f}%" if queries else "-"
-        return (
+        line = (
             f"engine: {sched.num_running} running, {sched.num_waiting} waiting, "
             f"KV cache {100 * sched.kv_usage:.1f}% used, prefix-cache hit rate {hit_rate}, "
             f"prompt {self._prompt_tokens / elapsed:.1f} tok/s, "
             f"generation {self._generation_tokens / elapsed:.1f} tok/s"
         )
+        spec, last = self._spec_now, self._spec_last
+        if spec is not None:
+            drafts = spec.num_drafts - (last.num_drafts if last else 0)
+            proposed = spec.num_draft_tokens - (last.num_draft_tokens if last else 0)
+            accepted = spec.num_accepted_tokens - (last.num_accepted_tokens if last else 0)
+            if proposed:
+                line += (
+                    f", speculation: {100 * accepted / proposed:.1f}% of {proposed} proposed tokens accepted, "
+                    f"{1 + accepted / drafts:.2f} tokens per verified draft"
+                )
+        return line

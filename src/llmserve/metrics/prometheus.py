@@ -25,7 +25,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from llmserve.metrics.stats import IterationStats
+from llmserve.metrics.stats import IterationStats, SpecDecodingStats
 
 PREFIX = "llmserve:"
 
@@ -161,6 +161,12 @@ class MetricFamilies:
             PREFIX + "cache_config_info", "Information of the LLMEngine CacheConfig.",
             [*_LABELS, *CACHE_INFO_KEYS], registry=r,
         )  # fmt: skip
+        self.spec_drafts = counter("spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        self.spec_accepted_per_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.", ("position",)
+        )
         self.model_loaded = gauge(
             "model_loaded", "1 while the model is loaded and serving, 0 otherwise (llmserve only)."
         )
@@ -216,12 +222,28 @@ class PrometheusStatLogger:
         if cache_info:
             f.cache_info.labels(*labels, *(cache_info.get(k, "") for k in CACHE_INFO_KEYS)).set(1)
         self._last_queries = self._last_hits = self._last_preemptions = 0
+        self._last_spec: SpecDecodingStats | None = None
+
+    def _record_spec(self, spec: SpecDecodingStats) -> None:
+        """Speculation's counters are cumulative in the engine: add what changed since the last step."""
+        last = self._last_spec or SpecDecodingStats(accepted_per_pos=(0,) * len(spec.accepted_per_pos))
+        f, labels = self.families, self.labels
+        if spec.num_drafts == last.num_drafts:
+            return
+        f.spec_drafts.labels(*labels).inc(spec.num_drafts - last.num_drafts)
+        f.spec_draft_tokens.labels(*labels).inc(spec.num_draft_tokens - last.num_draft_tokens)
+        f.spec_accepted_tokens.labels(*labels).inc(spec.num_accepted_tokens - last.num_accepted_tokens)
+        for pos, (now, before) in enumerate(zip(spec.accepted_per_pos, last.accepted_per_pos, strict=True)):
+            if now != before:
+                f.spec_accepted_per_pos.labels(*labels, str(pos)).inc(now - before)
+        self._last_spec = spec
 
     def set_idle(self) -> None:
         """The model was unloaded: its gauges read 0 (counters keep their totals)."""
         for g in (self.running, self.waiting, self.kv_usage):
             g.set(0)
         self._last_queries = self._last_hits = self._last_preemptions = 0
+        self._last_spec = None
 
     def record(self, stats: IterationStats) -> None:
         sched = stats.scheduler
@@ -237,6 +259,8 @@ class PrometheusStatLogger:
             self._last_preemptions = sched.num_preemptions
             if sched.step_tokens:
                 self.iteration_tokens.observe(sched.step_tokens)
+            if sched.spec is not None:
+                self._record_spec(sched.spec)
         if stats.num_prompt_tokens:
             self.prompt_tokens.inc(stats.num_prompt_tokens)
         if stats.num_generation_tokens:

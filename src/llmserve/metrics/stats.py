@@ -26,6 +26,26 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
+class SpecDecodingStats:
+    """Speculative decoding since the engine started, vLLM's counters: a draft is one request's
+    proposal in one step; position i counts the drafts whose (i+1)-th token was accepted."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: tuple[int, ...] = ()
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verified draft yields on average: the accepted ones plus the model's own."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulerStats:
     """The engine's state after a step (or after aborts that left it idle): the one record the
     stat loggers, the server's /stats and its queue check all read. Counters are cumulative."""
@@ -43,6 +63,8 @@ class SchedulerStats:
     """Engine steps run so far."""
     step_tokens: int = 0
     """Tokens the step computed (0 for a record taken outside a step)."""
+    spec: SpecDecodingStats | None = None
+    """Speculative decoding's cumulative counts (None when it is off)."""
 
     @property
     def kv_usage(self) -> float:

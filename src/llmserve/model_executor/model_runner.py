@@ -12,11 +12,15 @@ changed, and per step:
      that asked for prompt logprobs;
   5. masks the logits of requests with structured outputs to what their grammar allows next (the
      masks are computed on a worker thread while the forward pass runs, where a core is free for
-     it), samples all requests together, then appends the tokens to their states (and grammars).
+     it), samples all requests together, then appends the tokens to their states (and grammars);
+  6. with speculative decoding, a request that carries proposed tokens runs its last token and the
+     proposals in one go, and verification (spec_decode/rejection.py) keeps the proposals the
+     model agrees with and adds the model's next token.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -28,6 +32,7 @@ from llmserve.model_executor.forward_runner import ForwardRunner, SequenceBatchE
 from llmserve.model_executor.transformers_runner import TransformersCausalLM, TransformersForwardRunner
 from llmserve.models import CausalLM
 from llmserve.sample import RequestSamplingState, Sampler, SamplingMetadata, compute_logprobs, make_generator
+from llmserve.spec_decode.rejection import verify_proposals
 from llmserve.structured_output import StructuredOutputManager, apply_bitmask, bitmask_words
 
 
@@ -140,9 +145,20 @@ class ModelRunner:
         sample_rows: list[int] = []  # flat-batch row of each sampling request's last token
         samplers: list[tuple[int, CachedRequestState]] = []  # (position in req_ids, state)
         prompt_rows: list[tuple[str, int, int]] = []  # (req_id, first row, first prompt position)
+        verifiers: list[Verification] = []  # requests verifying proposed tokens
         row = 0
         for pos, req_id in enumerate(req_ids):
             state, n = self.requests[req_id], so.num_scheduled_tokens[req_id]
+            drafts = so.scheduled_spec_tokens.get(req_id)
+            if drafts:  # the last real token, then the proposals: every position is scored
+                start = state.num_computed_tokens
+                assert start + 1 == state.num_tokens and n == 1 + len(drafts), req_id
+                batch.append(SequenceBatchEntry([*state.token_slice(start, start + 1), *drafts], start + n,
+                                                state.block_ids, req_id))  # fmt: skip
+                verifiers.append(Verification(pos, state, row, drafts))
+                state.num_computed_tokens = start + 1  # and the accepted ones, once verified
+                row += n
+                continue
             start, end = state.num_computed_tokens, state.num_computed_tokens + n
             batch.append(SequenceBatchEntry(state.token_slice(start, end), end, state.block_ids, req_id))
             # Prompt logprobs for positions [first, end) of this chunk not returned before.
@@ -177,7 +193,34 @@ class ModelRunner:
             out.prompt_logprobs = self._prompt_logprobs(hidden, prompt_rows)
         if samplers:
             self._sample(hidden, sample_rows, samplers, out, constrained, mask)
+        if verifiers:
+            self._verify(hidden, verifiers, out)
         return out
+
+    def _verify(self, hidden: torch.Tensor, verifiers: list[Verification], out: ModelRunnerOutput) -> None:
+        """Score each request's proposed tokens against the model (spec_decode/rejection.py) and
+        keep the accepted ones plus the model's next token."""
+        for v in verifiers:
+            state = v.state
+            k = len(v.drafts)
+            logits = self.runner.model.compute_logits(hidden[v.first_row : v.first_row + k + 1])  # [k+1, V]
+            sampling = state.sampling
+            # Row j is sampled as if the proposals before it were already output (penalties, min_tokens).
+            rows = [
+                dataclasses.replace(sampling, output_token_ids=[*sampling.output_token_ids, *v.drafts[:j]])
+                for j in range(k + 1)
+            ]
+            metadata = SamplingMetadata.build(rows, self.vocab_size, self.device)
+            tokens = verify_proposals(logits, metadata, v.drafts, sampling.generator)
+            sampling.output_token_ids.extend(tokens)
+            state.num_computed_tokens += len(tokens) - 1
+            out.sampled_token_ids[v.pos] = tokens
+            n = sampling.params.logprobs
+            if n is not None:
+                ids = torch.tensor(tokens, device=logits.device)
+                out.logprobs[state.req_id] = compute_logprobs(logits[: len(tokens)], ids, n).rows_to_lists(
+                    0, len(tokens), n
+                )
 
     def _mask_worker(self) -> ThreadPoolExecutor:
         if self._masks is None:
@@ -247,6 +290,18 @@ class ModelRunner:
             k = state.sampling.params.prompt_logprobs or 0
             result[req_id] = compute_logprobs(logits.float(), targets, k).rows_to_lists(0, len(targets), k)
         return result
+
+
+@dataclass(slots=True)
+class Verification:
+    """A request verifying proposed tokens this step."""
+
+    pos: int
+    """Its place in the step's requests."""
+    state: CachedRequestState
+    first_row: int
+    """The flat-batch row of its last real token; the proposals' rows follow."""
+    drafts: list[int]
 
 
 def _usable_cores() -> int:

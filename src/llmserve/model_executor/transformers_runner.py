@@ -137,6 +137,8 @@ class TransformersForwardRunner:
                 if start:  # never happens: the engine runs this model without prefix caching
                     raise RuntimeError(f"{entry.req_id}: no cache for a sequence resumed at position {start}")
                 cache = DynamicCache(config=self.model.hf.config)
+            if cache.get_seq_length() > start:  # speculative tokens the last step rejected
+                cache.crop(start - cache.get_seq_length())  # negative: drop that many (both APIs)
             assert cache.get_seq_length() == start, (entry.req_id, cache.get_seq_length(), start)
             positions = torch.arange(start, entry.seq_len, device=self.device)
             out = self.model.hf(

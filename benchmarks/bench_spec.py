@@ -1,0 +1,109 @@
+"""Speculative decoding (n-gram) against plain decoding, side by side in one process, on the
+embedded model: batch-1 decode speed on input-grounded prompts (the answer reuses its input) and
+on open-ended ones, and throughput with 16 requests at once.
+
+    python benchmarks/bench_spec.py [--rounds 2] [--max-tokens 128] [--spec '{"method": "ngram", ...}']
+
+Prompts: benchmarks/data/spec_prompts.json. Batch 1: each prompt alone, greedy, plain and
+speculative interleaved prompt by prompt; decode speed is (tokens - 1) / (last token - first
+token) per request, summed per category; the ratio of the sums is the speed-up (and the median of
+per-prompt ratios is reported beside it). Greedy outputs are compared token for token. c=16: the
+category's prompts repeated to 16, all submitted at once; output tokens / wall time.
+Results: benchmarks/results/spec-<time>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from llmserve import LLM, SamplingParams
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_SPEC = (
+    '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
+)
+
+
+def decode_rate(out) -> tuple[int, float]:
+    """(decode tokens, decode seconds) of one finished request."""
+    m = out.metrics
+    n = len(out.outputs[0].token_ids)
+    return n - 1, max(1e-9, (m.last_token_time or 0.0) - (m.first_token_time or 0.0))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--spec", default=DEFAULT_SPEC)
+    p.add_argument("--model", default=None)
+    p.add_argument("--skip-c16", action="store_true", help="batch 1 only")
+    args = p.parse_args()
+    prompts = json.loads((HERE / "data" / "spec_prompts.json").read_text())
+    common = {"model": args.model, "kv_cache_memory": 512 * 2**20, "show_progress": False}
+    engines = {"plain": LLM(**common), "spec": LLM(**common, speculative_config=args.spec)}
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    report: dict = {"command": " ".join(sys.argv), "spec": json.loads(args.spec), "batch1": {}, "c16": {}}
+
+    for category in ("grounded", "open"):
+        sums = {name: [0, 0.0] for name in engines}
+        ratios, mismatches = [], 0
+        spec_before = engines["spec"].engine.scheduler.spec_stats
+        for _ in range(args.rounds):
+            for text in prompts[category]:
+                messages = [{"role": "user", "content": text}]
+                rates, tokens = {}, {}
+                for name, llm in engines.items():
+                    (out,) = llm.chat(messages, params, use_tqdm=False)
+                    n, seconds = decode_rate(out)
+                    sums[name][0] += n
+                    sums[name][1] += seconds
+                    rates[name] = n / seconds
+                    tokens[name] = out.outputs[0].token_ids
+                ratios.append(rates["spec"] / rates["plain"])
+                mismatches += tokens["spec"] != tokens["plain"]
+        stats = engines["spec"].engine.scheduler.spec_stats
+        proposed = stats.num_draft_tokens - spec_before.num_draft_tokens
+        accepted = stats.num_accepted_tokens - spec_before.num_accepted_tokens
+        rate = {name: s[0] / s[1] for name, s in sums.items()}
+        report["batch1"][category] = {
+            "decode_tok_s": rate,
+            "speedup": rate["spec"] / rate["plain"],
+            "median_prompt_speedup": statistics.median(ratios),
+            "greedy_mismatches": mismatches,
+            "acceptance": accepted / proposed if proposed else None,
+            "proposed_tokens": proposed,
+        }
+        print(
+            f"batch 1, {category}: plain {rate['plain']:.1f} tok/s, spec {rate['spec']:.1f} tok/s -> "
+            f"{rate['spec'] / rate['plain']:.2f}x (median per prompt {statistics.median(ratios):.2f}x); "
+            f"acceptance {accepted}/{proposed}; greedy mismatches {mismatches}"
+        )
+
+    for category in () if args.skip_c16 else ("grounded", "open"):
+        batch = [[{"role": "user", "content": t}] for t in (prompts[category] * 16)[:16]]
+        result = {}
+        for _ in range(args.rounds):
+            for name, llm in engines.items():
+                start = time.perf_counter()
+                outs = llm.chat(batch, params, use_tqdm=False)
+                wall = time.perf_counter() - start
+                result.setdefault(name, []).append(sum(len(o.outputs[0].token_ids) for o in outs) / wall)
+        tput = {name: statistics.median(v) for name, v in result.items()}
+        report["c16"][category] = {"tok_s": tput, "ratio": tput["spec"] / tput["plain"]}
+        print(f"c=16, {category}: plain {tput['plain']:.1f} tok/s, spec {tput['spec']:.1f} tok/s -> "
+              f"{tput['spec'] / tput['plain']:.2f}x")  # fmt: skip
+
+    out = HERE / "results" / f"spec-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""How many proposed tokens each request verifies in the next step: as many as pay for themselves.
+
+A step's time grows with the tokens it computes, t(n) = a + b n (weights streamed once, then
+compute per token), and a request whose proposals are each accepted with probability alpha yields
+1 + alpha + alpha^2 + ... + alpha^k tokens from k of them. Starting from no proposals, the
+controller adds one proposed token at a time to the request whose next one is likeliest to be
+kept (gain alpha^(k+1)), while tokens per second still rise:
+
+    (E + gain) / (T + b) > E / T        E: tokens the step yields, T: the step's time
+
+so a lone request with a predictable answer verifies several tokens, one with unpredictable text
+none, and a full batch (where T is large but so is E, and b is what one more token costs) only the
+near-certain ones. `a` and `b` are fitted online from decode steps' durations (a prior ratio until
+the steps vary enough to fit); alpha is each request's own acceptance so far (core/scheduler.py
+keeps its decayed counts). A request held at zero still verifies one token every
+`PROBE_INTERVAL` steps, so its estimate can recover.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+
+from llmserve.core.request import Request
+
+PROBE_INTERVAL = 16
+PRIOR_RATIO = {"cpu": 0.3, "cuda": 0.02}
+"""b / a before the fit: one more token's cost relative to a step's fixed cost."""
+
+
+class SpecController:
+    def __init__(self, max_k: int, device_type: str = "cpu", adaptive: bool = True) -> None:
+        self.max_k = max_k
+        self.adaptive = adaptive
+        self.prior_ratio = PRIOR_RATIO.get(device_type, 0.3)
+        self._steps: deque[tuple[int, float]] = deque(maxlen=256)
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """A decode step (no prefill) computed `num_tokens` tokens in `seconds`."""
+        self._steps.append((num_tokens, seconds))
+
+    def cost(self) -> tuple[float, float]:
+        """(a, b) of t(n) = a + b n, in seconds; least squares over recent decode steps, or the
+        prior ratio when their sizes barely vary."""
+        steps = self._steps
+        if not steps:
+            return 1.0, self.prior_ratio
+        n = len(steps)
+        mean_x = sum(x for x, _ in steps) / n
+        mean_t = sum(t for _, t in steps) / n
+        var_x = sum((x - mean_x) ** 2 for x, _ in steps) / n
+        if var_x >= 0.5:
+            b = sum((x - mean_x) * (t - mean_t) for x, t in steps) / n / var_x
+            a = mean_t - b * mean_x
+            if a > 0 and b > 0:
+                return a, b
+        a = mean_t / (1 + self.prior_ratio * mean_x)
+        return a, self.prior_ratio * a
+
+    def allocate(
+        self, candidates: list[tuple[Request, int]], num_tokens: int, num_outputs: int
+    ) -> dict[str, int]:
+        """Proposed tokens to verify per request: `candidates` are (request, tokens it has on
+        offer); the next step computes `num_tokens` without any and yields `num_outputs` tokens."""
+        if not self.adaptive:
+            return {r.request_id: min(avail, self.max_k) for r, avail in candidates if avail}
+        a, b = self.cost()
+        total_time = a + b * num_tokens
+        gain_total = float(max(1, num_outputs))
+        ks: dict[str, int] = {}
+        heap: list[tuple[float, int, str]] = []
+        alphas: dict[str, float] = {}
+        limits: dict[str, int] = {}
+        for i, (request, avail) in enumerate(candidates):
+            limit = min(avail, self.max_k)
+            if limit <= 0:
+                continue
+            alpha = (request.spec_accepted + 1.0) / (request.spec_accepted + request.spec_rejected + 2.0)
+            rid = request.request_id
+            alphas[rid], limits[rid], ks[rid] = alpha, limit, 0
+            if request.spec_idle >= PROBE_INTERVAL:  # a probe: one token, to refresh the estimate
+                ks[rid] = 1
+                gain_total += alpha
+                total_time += b
+            if ks[rid] < limit:
+                heapq.heappush(heap, (-(alpha ** (ks[rid] + 1)), i, rid))
+        while heap:
+            neg_gain, i, rid = heapq.heappop(heap)
+            gain = -neg_gain
+            if gain * total_time <= b * gain_total:
+                break  # the likeliest remaining token no longer pays; the others pay less
+            ks[rid] += 1
+            gain_total += gain
+            total_time += b
+            if ks[rid] < limits[rid]:
+                heapq.heappush(heap, (-(alphas[rid] ** (ks[rid] + 1)), i, rid))
+        return {rid: k for rid, k in ks.items() if k}

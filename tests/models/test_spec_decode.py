@@ -1,0 +1,117 @@
+"""Speculative decoding (n-gram) in the engine on the embedded model: greedy outputs are the very
+tokens plain decoding gives, on text it can predict (a copy, a summary) and text it cannot, with
+chunked prefill, prefix caching, preemption, n > 1, stop strings, logprobs and grammars; proposals
+are accepted where the text repeats its input; seeded sampling gives plain decoding's tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmserve import LLM, SamplingParams
+from llmserve.sampling_params import StructuredOutputsParams
+
+pytestmark = pytest.mark.slow
+
+TEXT = (
+    "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named "
+    "after the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889."
+)
+CONVERSATIONS = [
+    [{"role": "user", "content": f"Repeat this text exactly, word for word:\n\n{TEXT}"}],
+    [{"role": "user", "content": f"Summarize in one sentence:\n\n{TEXT}"}],
+    [{"role": "user", "content": "Write a short poem about the sea."}],
+]
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
+
+
+def make(**kw) -> LLM:
+    kw.setdefault("kv_cache_memory", 128 * 2**20)
+    return LLM(show_progress=False, **kw)
+
+
+@pytest.fixture(scope="module")
+def plain() -> LLM:
+    return make()
+
+
+@pytest.fixture(scope="module")
+def spec() -> LLM:
+    return make(speculative_config=SPEC)
+
+
+def outputs(llm: LLM, params: SamplingParams, conversations=CONVERSATIONS):
+    return [o.outputs for o in llm.chat(conversations, params, use_tqdm=False)]
+
+
+def test_greedy_outputs_are_plain_decodings(plain: LLM, spec: LLM) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=80, logprobs=1)
+    before = spec.engine.scheduler.spec_stats
+    for want, got in zip(outputs(plain, params), outputs(spec, params), strict=True):
+        assert got[0].token_ids == want[0].token_ids and got[0].text == want[0].text
+        assert got[0].finish_reason == want[0].finish_reason
+        for a, b, t in zip(want[0].logprobs, got[0].logprobs, want[0].token_ids, strict=True):
+            assert abs(a[t][0] - b[t][0]) < 2e-2  # the same position, scored in a batch of k+1
+    stats = spec.engine.scheduler.spec_stats
+    accepted = stats.num_accepted_tokens - before.num_accepted_tokens
+    proposed = stats.num_draft_tokens - before.num_draft_tokens
+    assert proposed > 20 and accepted / proposed > 0.5  # the copy repeats its input
+
+
+def test_copying_takes_fewer_steps(plain: LLM, spec: LLM) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=60)
+    steps = []
+    for llm in (plain, spec):
+        before = llm.engine.scheduler.num_steps
+        outputs(llm, params, CONVERSATIONS[:1])
+        steps.append(llm.engine.scheduler.num_steps - before)
+    assert steps[1] < 0.7 * steps[0], steps
+
+
+def test_with_chunked_prefill_prefix_caching_and_preemption(plain: LLM) -> None:
+    """A 24-token step budget chunks every prompt; the same prompt twice hits the prefix cache;
+    14 blocks of 16 tokens cannot hold two whole sequences at once, so some are preempted."""
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    conversations = [*CONVERSATIONS, CONVERSATIONS[0]]
+    want = [o[0].token_ids for o in outputs(plain, params, conversations)]
+    tight = make(speculative_config=SPEC, max_num_batched_tokens=24, num_kv_blocks=14, kv_cache_memory=None)
+    got = [o[0].token_ids for o in outputs(tight, params, conversations)]
+    assert got == want
+    stats = tight.engine.scheduler.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0 and stats.spec.num_accepted_tokens > 0
+
+
+def test_n_samples_stop_strings_and_grammars(plain: LLM, spec: LLM) -> None:
+    greedy_n = SamplingParams(temperature=0.0, max_tokens=40, n=2)
+    assert [[c.token_ids for c in o] for o in outputs(spec, greedy_n, CONVERSATIONS[:1])] == [
+        [c.token_ids for c in o] for o in outputs(plain, greedy_n, CONVERSATIONS[:1])
+    ]
+    # a stop string inside a step's accepted tokens ends the text, and the tokens, right there
+    stopped = SamplingParams(temperature=0.0, max_tokens=80, stop=["Gustave"])
+    (want,), (got,) = outputs(plain, stopped, CONVERSATIONS[:1]), outputs(spec, stopped, CONVERSATIONS[:1])
+    assert want[0].finish_reason == "stop" and want[0].stop_reason == "Gustave"
+    assert (got[0].text, got[0].token_ids, got[0].stop_reason) == (want[0].text, want[0].token_ids, "Gustave")
+    # a request with a grammar decodes plainly beside speculating ones
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    constrained = SamplingParams(
+        temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema)
+    )
+    conversations = [[{"role": "user", "content": f"Where is the tower? Answer in JSON.\n\n{TEXT}"}]]
+    assert (
+        outputs(spec, constrained, conversations)[0][0].text
+        == outputs(plain, constrained, conversations)[0][0].text
+    )
+
+
+def test_seeded_sampling_gives_plain_decodings_tokens(plain: LLM, spec: LLM) -> None:
+    """Row j of a verification draws what plain decoding's j-th next step would draw, so a seeded
+    request samples the very tokens it samples without speculation, however many proposals each
+    step verified (which depends on timing)."""
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=60, repetition_penalty=1.05)
+    want = [o[0].token_ids for o in outputs(plain, params)]
+    for _ in range(2):
+        assert [o[0].token_ids for o in outputs(spec, params)] == want
+
+
+def test_draft_model_is_refused_until_implemented() -> None:
+    with pytest.raises(ValueError, match="not implemented yet"):
+        make(speculative_config={"method": "draft_model", "model": "smollm2-135m-instruct"})
