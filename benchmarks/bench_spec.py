@@ -25,7 +25,7 @@ from llmserve import LLM, SamplingParams
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_SPEC = (
-    '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
+    '{"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 3, "prompt_lookup_max": 5}'
 )
 
 
@@ -53,6 +53,7 @@ def main() -> None:
     for category in ("grounded", "open"):
         sums = {name: [0, 0.0] for name in engines}
         ratios, mismatches = [], 0
+        per_prompt: dict[str, list[float]] = {}
         spec_before = engines["spec"].engine.scheduler.spec_stats
         for _ in range(args.rounds):
             for text in prompts[category]:
@@ -66,6 +67,7 @@ def main() -> None:
                     rates[name] = n / seconds
                     tokens[name] = out.outputs[0].token_ids
                 ratios.append(rates["spec"] / rates["plain"])
+                per_prompt.setdefault(text[:60], []).append(rates["spec"] / rates["plain"])
                 mismatches += tokens["spec"] != tokens["plain"]
         stats = engines["spec"].engine.scheduler.spec_stats
         proposed = stats.num_draft_tokens - spec_before.num_draft_tokens
@@ -78,6 +80,7 @@ def main() -> None:
             "greedy_mismatches": mismatches,
             "acceptance": accepted / proposed if proposed else None,
             "proposed_tokens": proposed,
+            "per_prompt_speedup": {t: statistics.median(v) for t, v in per_prompt.items()},
         }
         print(
             f"batch 1, {category}: plain {rate['plain']:.1f} tok/s, spec {rate['spec']:.1f} tok/s -> "

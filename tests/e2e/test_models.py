@@ -401,16 +401,32 @@ def test_remote_engine_relays_answers_and_streams(proxy: ServerProcess, upstream
 
 
 def test_remote_engine_errors(proxy: ServerProcess) -> None:
-    """The upstream's own 4xx comes back as it was; an upstream nobody listens on is a 502; the
-    server keeps serving; Ollama's API and the tokenizer routes say the remote model is not theirs."""
+    """The upstream's own 4xx comes back as it was; an upstream nobody listens on is a 502 (on
+    Ollama's API too, in its shape); the server keeps serving; the tokenizer routes say the remote
+    model is not theirs."""
     err = assert_error(complete(proxy, "up", "fox " * 400), 400)
     assert "256" in err["message"]  # the upstream's context check, not ours
     err = assert_error(complete(proxy, "down", PROMPTS[0]), 502)
     assert "cannot reach the upstream" in err["message"]
     assert_error(httpx.post(f"{proxy.url}/tokenize", json={"model": "up", "prompt": "x"}), 400)
-    r = httpx.post(f"{proxy.url}/api/generate", json={"model": "up", "prompt": "x", "stream": False})
-    assert r.status_code == 400 and "openai engine" in r.json()["error"]
+    r = httpx.post(f"{proxy.url}/api/generate", json={"model": "down", "prompt": "x", "stream": False})
+    assert r.status_code == 502 and "cannot reach the upstream" in r.json()["error"]  # Ollama's shape
     assert text_of(complete(proxy, "local", PROMPTS[0]))
+
+
+def test_ollama_api_reaches_a_remote_model(proxy: ServerProcess, upstream: ServerProcess) -> None:
+    """Ollama's requests for a remote model go upstream as the OpenAI requests they mean: the
+    same greedy text as the upstream's own Ollama API gives, whole and streamed, with counts."""
+    options = {"temperature": 0, "num_predict": 10, "repeat_penalty": 1.0, "top_k": 0, "top_p": 1.0}
+    via, direct = ollama.Client(host=proxy.url), ollama.Client(host=upstream.url)
+    want = direct.generate(model=MODEL_NAME, prompt=PROMPTS[0], raw=True, options=options)
+    got = via.generate(model="up", prompt=PROMPTS[0], raw=True, options=options)
+    assert got.response == want.response and got.eval_count == 10 and got.done_reason == "length"
+    messages = [{"role": "user", "content": "The quick brown fox"}]
+    want = direct.chat(model=MODEL_NAME, messages=messages, options=options)
+    parts = list(via.chat(model="up", messages=messages, options=options, stream=True))
+    assert "".join(p.message.content for p in parts) == want.message.content
+    assert parts[-1].done and parts[-1].prompt_eval_count == want.prompt_eval_count
 
 
 def test_remote_engine_disconnect_aborts_upstream(proxy: ServerProcess, upstream: ServerProcess) -> None:

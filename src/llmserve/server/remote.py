@@ -107,6 +107,44 @@ class RemoteModel:
             self._events(upstream, started, body, hide_usage), media_type="text/event-stream"
         )
 
+    async def events(self, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """POST `body` as a stream to the upstream's `path` and yield each event (a dict); the
+        upstream's error answer raises it as an `APIError` with its status (another API, such as
+        Ollama's, shapes the response). Counted in the metrics like a relayed request."""
+        body = {**body, "model": self.upstream_model, "stream": True}
+        if self.stream_usage:
+            body["stream_options"] = {"include_usage": True}
+        started, first, usage, reason = time.monotonic(), None, None, "abort"
+        try:
+            async with self.client.stream("POST", path, json=body) as r:
+                if r.status_code != 200:
+                    content = (await r.aread()).decode(errors="replace")
+                    try:
+                        message = json.loads(content)["error"]["message"]
+                    except (ValueError, KeyError, TypeError):
+                        message = content[:500]
+                    raise APIError(r.status_code, f"upstream error: {message}")
+                async for line in r.aiter_lines():
+                    data = line[5:].strip() if line.startswith("data:") else ""
+                    if not data or data == "[DONE]":
+                        continue
+                    event = json.loads(data)
+                    for choice in event.get("choices") or []:
+                        delta = choice.get("delta") or {}
+                        if first is None and (
+                            choice.get("text") or delta.get("content") or delta.get("tool_calls")
+                        ):
+                            first = time.monotonic()
+                        reason = choice.get("finish_reason") or reason
+                    usage = event.get("usage") or usage
+                    yield event
+        except httpx.TimeoutException as e:
+            raise APIError(504, f"the upstream {self.base_url} did not answer in time: {e!r}") from None
+        except httpx.HTTPError as e:
+            raise APIError(502, f"cannot reach the upstream {self.base_url}: {e!r}") from None
+        finally:
+            self._record(started, first, usage, reason, body)
+
     async def _whole(
         self, raw: Request, upstream: httpx.Response, started: float, body: dict[str, Any]
     ) -> Response:

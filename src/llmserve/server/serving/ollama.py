@@ -7,7 +7,8 @@ JS libraries, Open WebUI, editors' plugins):
     GET  /api/tags       the served models         GET /api/ps    the loaded ones, with expiry
     POST /api/show       a model's details         GET /api/version
 
-`keep_alive` works as in Ollama: a request's value is how long its model stays loaded once idle;
+A remote (openai engine) model is reached through the OpenAI request the Ollama one means, and
+its answer is turned back into Ollama's objects. `keep_alive` works as in Ollama: a request's value is how long its model stays loaded once idle;
 `/api/generate` or `/api/chat` without a prompt loads the model, and with `keep_alive: 0` unloads it.
 
 Streaming is Ollama's default (`"stream": true`): one JSON object per line, `done: false` with
@@ -50,6 +51,7 @@ from llmserve.server.serving.tools import ToolCall, ToolFormat, ToolStreamSplitt
 
 if TYPE_CHECKING:
     from llmserve.server.models import ModelManager, ModelSlot
+    from llmserve.server.remote import RemoteModel
 
 LOADED = "loaded"  # llmserve.server.models.LOADED (that module imports this package)
 
@@ -161,6 +163,32 @@ def _ollama_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:
     return out
 
 
+def _native(slot: ModelSlot) -> ServingContext:
+    assert slot.ctx is not None, "a slot without a remote has a serving context once leased"
+    return slot.ctx
+
+
+def _openai_sampling(params: SamplingParams, fmt: Any) -> dict[str, Any]:
+    """Ollama's options (as sampling parameters) in an OpenAI request (with vLLM's extra fields
+    top_k, min_p and repetition_penalty, which OpenAI-compatible servers commonly accept)."""
+    body: dict[str, Any] = {
+        "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k, "min_p": params.min_p,
+        "repetition_penalty": params.repetition_penalty, "presence_penalty": params.presence_penalty,
+        "frequency_penalty": params.frequency_penalty,
+    }  # fmt: skip
+    if params.seed is not None:
+        body["seed"] = params.seed
+    if params.max_tokens is not None:
+        body["max_tokens"] = params.max_tokens
+    if params.stop:
+        body["stop"] = list(params.stop)
+    if fmt == "json":
+        body["response_format"] = {"type": "json_object"}
+    elif isinstance(fmt, dict):
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
+    return body
+
+
 def _keep_alive(req: _OllamaRequest) -> float | None:
     try:
         return parse_duration(req.keep_alive)
@@ -173,15 +201,10 @@ class OllamaServing:
         self.models = models
 
     @contextlib.asynccontextmanager
-    async def _serving(self, req: _OllamaRequest) -> AsyncIterator[ServingContext]:
-        """The loaded native model `req` names, kept loaded for the request's keep_alive."""
+    async def _serving(self, req: _OllamaRequest) -> AsyncIterator[ModelSlot]:
+        """The loaded model `req` names, kept loaded for the request's keep_alive."""
         async with self.models.lease(req.model, _keep_alive(req)) as slot:
-            if slot.ctx is None:
-                raise APIError(
-                    400, f"the model {slot.name!r} is served by the {slot.engine} engine, which Ollama's API "
-                    "does not reach; use /v1/chat/completions", param="model",
-                )  # fmt: skip
-            yield slot.ctx
+            yield slot
 
     async def _load_or_unload(self, req: _OllamaRequest) -> Any:
         """Ollama's way of loading a model (no prompt) or unloading it (no prompt, keep_alive 0)."""
@@ -229,7 +252,16 @@ class OllamaServing:
         params = self._params(req)
         if not req.prompt:
             return await self._load_or_unload(req)
-        async with self._serving(req) as ctx:
+        async with self._serving(req) as slot:
+            if slot.remote is not None:
+                if req.raw:
+                    return await self._relay(slot.remote, req, params, "/completions", {"prompt": req.prompt})
+                messages = [{"role": "system", "content": req.system}] if req.system else []
+                messages.append({"role": "user", "content": req.prompt})
+                return await self._relay(
+                    slot.remote, req, params, "/chat/completions", {"messages": messages}
+                )
+            ctx = _native(slot)
             if req.raw:
                 prompt: str | list[int] = req.prompt
             else:
@@ -247,7 +279,13 @@ class OllamaServing:
         if not req.messages:
             return await self._load_or_unload(req)
         messages = [_chat_message(m) for m in req.messages]
-        async with self._serving(req) as ctx:
+        async with self._serving(req) as slot:
+            if slot.remote is not None:
+                body: dict[str, Any] = {"messages": [m.model_dump(exclude_none=True) for m in messages]}
+                if req.tools:
+                    body["tools"] = req.tools
+                return await self._relay(slot.remote, req, params, "/chat/completions", body)
+            ctx = _native(slot)
             # tools as on /v1/chat/completions with tool_choice "auto": the model's own call format,
             # read back into Ollama's `tool_calls` (arguments as objects)
             plan = plan_tools(req.tools, None, None, ctx.tool_format) if req.tools else None
@@ -258,6 +296,78 @@ class OllamaServing:
                                  continue_final_message=last == "assistant", tools=plan.tools if plan else None,
                                  fmt=plan.fmt if plan else None)  # fmt: skip
             return await self._run(ctx, req, prompt, params, raw, chat=True, tools=plan.fmt if plan else None)
+
+    async def _relay(self, remote: RemoteModel, req: _OllamaRequest, params: SamplingParams, path: str,
+                     body: dict[str, Any]) -> Any:  # fmt: skip
+        """An Ollama request for a remote (openai engine) model: sent upstream as the OpenAI
+        request it means, the answer turned back into Ollama's objects (NDJSON when streamed)."""
+        chat = isinstance(req, OllamaChatRequest)
+        body = {**body, **_openai_sampling(params, req.format)}
+        start = time.monotonic()
+
+        def piece(text: str) -> dict[str, Any]:
+            head = {"model": req.model, "created_at": _timestamp()}
+            return {**head, "message": {"role": "assistant", "content": text}, "done": False} if chat else {
+                **head, "response": text, "done": False}  # fmt: skip
+
+        async def objects() -> AsyncIterator[dict[str, Any]]:
+            calls: dict[int, dict[str, str]] = {}
+            usage: dict[str, Any] = {}
+            reason = None
+            async for event in remote.events(path, body):
+                usage = event.get("usage") or usage
+                for choice in event.get("choices") or []:
+                    delta = choice.get("delta") or {}
+                    text = delta.get("content") if chat else choice.get("text")
+                    for call in delta.get("tool_calls") or []:
+                        entry = calls.setdefault(call.get("index", 0), {"name": "", "arguments": ""})
+                        fn = call.get("function") or {}
+                        entry["name"] += fn.get("name") or ""
+                        entry["arguments"] += fn.get("arguments") or ""
+                    reason = choice.get("finish_reason") or reason
+                    if text:
+                        yield piece(text)
+            if calls:
+                call_piece = piece("")
+                call_piece["message"]["tool_calls"] = _ollama_calls(
+                    [ToolCall(c["name"], c["arguments"]) for c in calls.values()]
+                )
+                yield call_piece
+            final = piece("")
+            final.update(
+                done=True, done_reason="length" if reason == "length" else "stop",
+                total_duration=int(1e9 * (time.monotonic() - start)), load_duration=0,
+                prompt_eval_count=int(usage.get("prompt_tokens") or 0),
+                eval_count=int(usage.get("completion_tokens") or 0),
+            )  # fmt: skip
+            yield final
+
+        if req.stream:
+
+            async def lines() -> AsyncIterator[str]:
+                try:
+                    async for obj in objects():
+                        yield json.dumps(obj) + "\n"
+                except APIError as e:
+                    yield json.dumps({"error": e.message}) + "\n"
+
+            return StreamingResponse(lines(), media_type="application/x-ndjson")
+        text, tool_calls, whole = "", None, None
+        async for obj in objects():
+            if chat:
+                text += obj["message"]["content"]
+                tool_calls = obj["message"].get("tool_calls", tool_calls)
+            else:
+                text += obj["response"]
+            whole = obj
+        assert whole is not None
+        if chat:
+            whole["message"]["content"] = text
+            if tool_calls:
+                whole["message"]["tool_calls"] = tool_calls
+        else:
+            whole["response"] = text
+        return JSONResponse(whole)
 
     async def _empty(self, req: _OllamaRequest, reason: str) -> Any:
         body = {"model": req.model, "created_at": _timestamp(), "done": True, "done_reason": reason}
