@@ -36,6 +36,29 @@ def decode_rate(out) -> tuple[int, float]:
     return n - 1, max(1e-9, (m.last_token_time or 0.0) - (m.first_token_time or 0.0))
 
 
+def step_cost(llm: LLM, context: int = 300, repeats: int = 30) -> dict[int, float]:
+    """Median milliseconds of one forward pass (with the LM head) over n new tokens of one
+    sequence with `context` tokens cached: what verifying n - 1 proposed tokens costs."""
+    import torch
+
+    from llmserve.model_executor.forward_runner import SequenceBatchEntry
+
+    runner = llm.engine.runner.runner
+    blocks = list(range((context + 32) // llm.engine.kv_info.block_size + 1))
+    out = {}
+    with torch.inference_mode():
+        runner.forward([SequenceBatchEntry(list(range(100, 100 + context)), context, blocks)])
+        for n in (1, 2, 3, 5, 8):
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                hidden, _ = runner.forward([SequenceBatchEntry(list(range(7, 7 + n)), context + n, blocks)])
+                runner.model.compute_logits(hidden)
+                times.append(time.perf_counter() - start)
+            out[n] = 1e3 * statistics.median(times)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=2)
@@ -49,6 +72,8 @@ def main() -> None:
     engines = {"plain": LLM(**common), "spec": LLM(**common, speculative_config=args.spec)}
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     report: dict = {"command": " ".join(sys.argv), "spec": json.loads(args.spec), "batch1": {}, "c16": {}}
+    report["step_ms_by_tokens"] = cost = step_cost(engines["plain"])
+    print("one forward pass, ms by new tokens:", ", ".join(f"{n}: {ms:.2f}" for n, ms in cost.items()))
 
     for category in ("grounded", "open"):
         sums = {name: [0, 0.0] for name in engines}
@@ -102,6 +127,9 @@ def main() -> None:
         print(f"c=16, {category}: plain {tput['plain']:.1f} tok/s, spec {tput['spec']:.1f} tok/s -> "
               f"{tput['spec'] / tput['plain']:.2f}x")  # fmt: skip
 
+    a, b = engines["spec"].engine.controller.cost()
+    report["controller_cost_ms"] = {"a": 1e3 * a, "b": 1e3 * b}
+    print(f"the controller's step-cost fit: a = {1e3 * a:.2f} ms, b = {1e3 * b:.2f} ms per token")
     out = HERE / "results" / f"spec-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
