@@ -1,7 +1,8 @@
 """Speculative decoding (n-gram) in the engine on the embedded model: greedy outputs are the very
 tokens plain decoding gives, on text it can predict (a copy, a summary) and text it cannot, with
 chunked prefill, prefix caching, preemption, n > 1, stop strings, logprobs and grammars; proposals
-are accepted where the text repeats its input; seeded sampling gives plain decoding's tokens."""
+are accepted where the text repeats its input; seeded sampling gives plain decoding's tokens. The
+draft-model proposer on tiny models."""
 
 from __future__ import annotations
 
@@ -112,6 +113,46 @@ def test_seeded_sampling_gives_plain_decodings_tokens(plain: LLM, spec: LLM) -> 
         assert [o[0].token_ids for o in outputs(spec, params)] == want
 
 
-def test_draft_model_is_refused_until_implemented() -> None:
-    with pytest.raises(ValueError, match="not implemented yet"):
-        make(speculative_config={"method": "draft_model", "model": "smollm2-135m-instruct"})
+def test_draft_model_proposals(tmp_path) -> None:
+    """A draft model run by the same machinery (its own paged KV cache): the target itself as its
+    draft has every greedy proposal accepted; an unrelated draft has (nearly) none; the tokens are
+    plain decoding's either way, greedy and seeded."""
+    from tests.models.tiny import make_tiny_model
+
+    target, other = tmp_path / "target", tmp_path / "other"
+    make_tiny_model("llama", target)
+    make_tiny_model("llama", other, seed=1)
+    prompts = [[5, 17, 99, 3], list(range(100, 160)), [42, 43, 44, 42, 43, 44, 42, 43]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.9, seed=4, max_tokens=40, ignore_eos=True)
+
+    def run(llm: LLM, params: SamplingParams) -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    plain = LLM(str(target), num_kv_blocks=128, block_size=4, show_progress=False)
+    want_greedy, want_seeded = run(plain, greedy), run(plain, seeded)
+    for draft, accepts in ((target, True), (other, False)):
+        spec = LLM(str(target), num_kv_blocks=128, block_size=4, show_progress=False,
+                   speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 4,
+                                       "adaptive": False})  # fmt: skip
+        before = spec.engine.scheduler.spec_stats
+        assert run(spec, greedy) == want_greedy
+        stats = spec.engine.scheduler.spec_stats
+        proposed = stats.num_draft_tokens - before.num_draft_tokens
+        accepted = stats.num_accepted_tokens - before.num_accepted_tokens
+        assert proposed > 0 and (accepted == proposed if accepts else accepted < 0.1 * proposed)
+        assert run(spec, seeded) == want_seeded
+
+
+def test_draft_model_must_share_the_vocabulary(tmp_path) -> None:
+    import transformers
+
+    from tests.models.tiny import TINY_CONFIGS, make_tiny_model
+
+    make_tiny_model("llama", tmp_path / "t")
+    config = TINY_CONFIGS["llama"]()
+    config.vocab_size = 1024
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "d")
+    with pytest.raises(ValueError, match="vocabulary of 1024 tokens, larger than the target's 512"):
+        LLM(str(tmp_path / "t"), num_kv_blocks=32, show_progress=False,
+            speculative_config={"method": "draft_model", "model": str(tmp_path / "d")})  # fmt: skip

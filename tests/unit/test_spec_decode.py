@@ -287,3 +287,16 @@ def test_seeded_verification_draws_what_plain_sampling_draws() -> None:
         for _ in out:
             torch.empty(8).exponential_(generator=check)
         assert torch.equal(gen.get_state(), check.get_state())
+
+
+def test_engine_acceptance_is_the_prior_of_new_requests() -> None:
+    """A proposer that rarely helps lowers the prior of requests with no history (they are not
+    asked at all then) and makes probes rarer."""
+    c = fitted(3.0, 1.0)
+    fresh = candidate("fresh", 0.0, 0.0)
+    assert c.worth_proposing(fresh, 1, 1)
+    for _ in range(30):
+        c.observe_acceptance(0, 4)
+    assert c.prior_alpha < 0.05 and c.probe_interval == 4 * PROBE_INTERVAL
+    assert not c.worth_proposing(fresh, 1, 1)
+    assert c.worth_proposing(candidate("due", 0.0, 0.0, idle=4 * PROBE_INTERVAL), 1, 1)

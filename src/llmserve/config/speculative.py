@@ -31,6 +31,8 @@ class SpeculativeConfig:
     """ngram: the longest suffix tried first."""
     model: str | None = None
     """draft_model: the draft (a folder, .gguf file or bundled name) sharing the target's vocabulary."""
+    quantization: str = "auto"
+    """draft_model: the draft's weight format on the CPU (as the engine's `quantization`)."""
     adaptive: bool = True
     """Verify only the proposed tokens that pay for themselves, from each request's acceptance so
     far and a cost model of the step fitted online (spec_decode/controller.py), so unpredictable
@@ -52,6 +54,8 @@ class SpeculativeConfig:
             )
         if self.method == "draft_model" and not self.model:
             raise ValueError("the draft_model method needs `model`: the draft model to load")
+        if self.quantization not in ("auto", "none", "int8", "int4"):
+            raise ValueError(f"quantization must be auto, none, int8 or int4; got {self.quantization!r}")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ValueError(f"disable_by_batch_size must be >= 1; got {self.disable_by_batch_size}")
 

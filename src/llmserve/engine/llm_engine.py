@@ -30,6 +30,7 @@ from llmserve.model_executor.model_runner import ModelRunner
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
 from llmserve.spec_decode.controller import SpecController
+from llmserve.spec_decode.draft import DraftModelProposer
 from llmserve.spec_decode.ngram import NgramProposer
 from llmserve.structured_output import StructuredOutputManager
 from llmserve.tokenizer import Tokenizer, load_tokenizer
@@ -93,15 +94,10 @@ class LLMEngine:
         self.cache_config = cache_config or CacheConfig()
         self.scheduler_config = scheduler_config or SchedulerConfig()
         self.speculative_config = speculative_config
-        if speculative_config is not None:
-            if self.scheduler_config.is_static:
-                raise ValueError(
-                    f"speculative decoding needs continuous batching; batching mode is {self.scheduler_config.mode!r}"
-                )
-            if speculative_config.method != "ngram":
-                raise ValueError(
-                    f"speculative method {speculative_config.method!r} is not implemented yet; use ngram"
-                )
+        if speculative_config is not None and self.scheduler_config.is_static:
+            raise ValueError(
+                f"speculative decoding needs continuous batching; batching mode is {self.scheduler_config.mode!r}"
+            )
         self.loaded = loaded or load_model(model_config)
         if self.loaded.linear_kernel == "transformers" and self.cache_config.enable_prefix_caching:
             # transformers' caches live per request, not in the shared blocks a prefix hit reuses
@@ -136,7 +132,19 @@ class LLMEngine:
         self.scheduler: Scheduler = make_scheduler(
             self.scheduler_config, self.cache_config, num_blocks, self.max_model_len, k
         )
-        self.proposer = NgramProposer(speculative_config) if speculative_config is not None else None
+        self.proposer: NgramProposer | DraftModelProposer | None = None
+        if speculative_config is not None and speculative_config.method == "draft_model":
+            assert speculative_config.model is not None
+            self.proposer = DraftModelProposer(
+                speculative_config.model,
+                self.loaded,
+                speculative_config.quantization,
+                num_blocks,
+                self.cache_config.block_size,
+                kv_dtype,
+            )
+        elif speculative_config is not None:
+            self.proposer = NgramProposer(speculative_config)
         self.controller = (
             SpecController(k, self.loaded.device.type, speculative_config.adaptive)
             if speculative_config is not None
@@ -277,7 +285,15 @@ class LLMEngine:
             self.controller.observe_step(
                 scheduler_output.total_num_scheduled_tokens, time.perf_counter() - started
             )
+        spec_before = self.scheduler.spec_stats
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.controller is not None and spec_before is not None and scheduler_output.scheduled_spec_tokens:
+            spec_after = self.scheduler.spec_stats
+            assert spec_after is not None
+            self.controller.observe_acceptance(
+                spec_after.num_accepted_tokens - spec_before.num_accepted_tokens,
+                spec_after.num_draft_tokens - spec_before.num_draft_tokens,
+            )
         stats = self._stats
         stats.timestamp = time.monotonic()
         outputs, stopped = self.output_processor.process_outputs(core_outputs, stats)
@@ -298,24 +314,27 @@ class LLMEngine:
         proposer.retain(self.scheduler.requests)
         if spec.disable_by_batch_size is not None and len(running) >= spec.disable_by_batch_size:
             return
-        candidates, offers = [], {}
-        num_tokens = num_outputs = 0
+        decoding: list[Request] = []
+        num_tokens = 0
         for request in running:
             remaining = request.num_tokens - request.num_computed_tokens
             num_tokens += remaining
-            if remaining != 1:
-                continue  # still prefilling
-            num_outputs += 1
-            request.spec_idle += 1
-            if request.sampling_params.structured_outputs is not None:
-                continue  # a grammar's masks are made one token at a time
-            offer = proposer.propose(request, spec.num_speculative_tokens)
-            if offer:
-                candidates.append((request, len(offer)))
-                offers[request.request_id] = offer
+            if remaining == 1:  # decoding (not prefilling)
+                request.spec_idle += 1
+                decoding.append(request)
+        # grammars make their masks one token at a time; hopeless requests are not even asked
+        asked = [
+            r for r in decoding
+            if r.sampling_params.structured_outputs is None
+            and controller.worth_proposing(r, num_tokens, len(decoding))
+        ]  # fmt: skip
+        if not asked:
+            return
+        offers = proposer.propose_batch(asked, spec.num_speculative_tokens)
+        candidates = [(r, len(offers[r.request_id])) for r in asked if offers.get(r.request_id)]
         if not candidates:
             return
-        for request_id, k in controller.allocate(candidates, num_tokens, num_outputs).items():
+        for request_id, k in controller.allocate(candidates, num_tokens, len(decoding)).items():
             self.scheduler.requests[request_id].spec_token_ids = offers[request_id][:k]
 
     @staticmethod

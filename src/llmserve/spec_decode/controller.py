@@ -34,14 +34,42 @@ class SpecController:
         self.adaptive = adaptive
         self.prior_ratio = PRIOR_RATIO.get(device_type, 0.3)
         self._steps: deque[tuple[int, float]] = deque(maxlen=256)
+        self._cost: tuple[float, float] | None = None
+        self.prior_alpha = 0.5
+        """What a request that has verified nothing yet is assumed to get accepted: the engine's
+        recent acceptance (`observe_acceptance`), so a proposer that rarely helps is not asked for
+        every new request."""
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         """A decode step (no prefill) computed `num_tokens` tokens in `seconds`."""
         self._steps.append((num_tokens, seconds))
+        self._cost = None
+
+    def observe_acceptance(self, accepted: int, proposed: int) -> None:
+        """A step's verifications, engine-wide: they move the prior of requests with no history."""
+        if proposed:
+            self.prior_alpha = 0.9 * self.prior_alpha + 0.1 * accepted / proposed
+
+    def alpha(self, request: Request) -> float:
+        """The chance the request's next proposed token is kept: its own decayed counts, with two
+        observations' worth of the engine's prior."""
+        return (request.spec_accepted + 2.0 * self.prior_alpha) / (
+            request.spec_accepted + request.spec_rejected + 2.0
+        )
+
+    @property
+    def probe_interval(self) -> int:
+        """Steps between probes of a request held at zero: rarer while the engine's acceptance is low."""
+        return PROBE_INTERVAL if self.prior_alpha >= 0.2 else 4 * PROBE_INTERVAL
 
     def cost(self) -> tuple[float, float]:
         """(a, b) of t(n) = a + b n, in seconds; least squares over recent decode steps, or the
         prior ratio when their sizes barely vary."""
+        if self._cost is None:
+            self._cost = self._fit()
+        return self._cost
+
+    def _fit(self) -> tuple[float, float]:
         steps = self._steps
         if not steps:
             return 1.0, self.prior_ratio
@@ -56,6 +84,15 @@ class SpecController:
                 return a, b
         a = mean_t / (1 + self.prior_ratio * mean_x)
         return a, self.prior_ratio * a
+
+    def worth_proposing(self, request: Request, num_tokens: int, num_outputs: int) -> bool:
+        """Whether a request's first proposed token could pay in a step of `num_tokens` tokens
+        yielding `num_outputs` (or it is due for a probe): proposing costs too (a draft model runs
+        k forward passes), so requests whose proposals keep failing are not even asked."""
+        if not self.adaptive or request.spec_idle >= self.probe_interval:
+            return True
+        a, b = self.cost()
+        return self.alpha(request) * (a + b * num_tokens) > b * max(1, num_outputs)
 
     def allocate(
         self, candidates: list[tuple[Request, int]], num_tokens: int, num_outputs: int
@@ -75,10 +112,10 @@ class SpecController:
             limit = min(avail, self.max_k)
             if limit <= 0:
                 continue
-            alpha = (request.spec_accepted + 1.0) / (request.spec_accepted + request.spec_rejected + 2.0)
+            alpha = self.alpha(request)
             rid = request.request_id
             alphas[rid], limits[rid], ks[rid] = alpha, limit, 0
-            if request.spec_idle >= PROBE_INTERVAL:  # a probe: one token, to refresh the estimate
+            if request.spec_idle >= self.probe_interval:  # a probe: one token, to refresh the estimate
                 ks[rid] = 1
                 gain_total += alpha
                 total_time += b

@@ -75,6 +75,15 @@ class NgramProposer:
         start, count = _find(context.tokens, context.length, self.min_n, self.max_n, k)
         return context.tokens[start : start + count].tolist()
 
+    def propose_batch(self, requests: list[Request], k: int) -> dict[str, list[int]]:
+        """Up to `k` tokens for each of `requests` that has a match."""
+        out = {}
+        for request in requests:
+            proposal = self.propose(request, k)
+            if proposal:
+                out[request.request_id] = proposal
+        return out
+
     def retain(self, live: Mapping[str, object]) -> None:
         """Drop the buffers of requests no longer in `live` (finished or aborted)."""
         if len(self._contexts) > len(live):
