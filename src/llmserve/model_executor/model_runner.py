@@ -191,19 +191,26 @@ class ModelRunner:
         out = ModelRunnerOutput(req_ids, [[] for _ in req_ids])
         if prompt_rows:
             out.prompt_logprobs = self._prompt_logprobs(hidden, prompt_rows)
-        if samplers:
-            self._sample(hidden, sample_rows, samplers, out, constrained, mask)
-        if verifiers:
-            self._verify(hidden, verifiers, out)
+        # the sampled rows and the verified ones through the LM head together (one read of its weights)
+        verify_rows = [r for v in verifiers for r in range(v.first_row, v.first_row + len(v.drafts) + 1)]
+        if samplers or verifiers:
+            logits = self.runner.model.compute_logits(hidden[sample_rows + verify_rows])
+            if samplers:
+                self._sample(logits[: len(sample_rows)], samplers, out, constrained, mask)
+            if verifiers:
+                self._verify(logits[len(sample_rows) :], verifiers, out)
         return out
 
-    def _verify(self, hidden: torch.Tensor, verifiers: list[Verification], out: ModelRunnerOutput) -> None:
+    def _verify(self, all_logits: torch.Tensor, verifiers: list[Verification], out: ModelRunnerOutput) -> None:
         """Score each request's proposed tokens against the model (spec_decode/rejection.py) and
-        keep the accepted ones plus the model's next token."""
+        keep the accepted ones plus the model's next token. `all_logits`: every verifying
+        request's k + 1 rows, in order."""
+        offset = 0
         for v in verifiers:
             state = v.state
             k = len(v.drafts)
-            logits = self.runner.model.compute_logits(hidden[v.first_row : v.first_row + k + 1])  # [k+1, V]
+            logits = all_logits[offset : offset + k + 1]  # [k+1, V]
+            offset += k + 1
             sampling = state.sampling
             # Row j is sampled as if the proposals before it were already output (penalties, min_tokens).
             rows = [
@@ -237,14 +244,13 @@ class ModelRunner:
 
     def _sample(
         self,
-        hidden: torch.Tensor,
-        rows: list[int],
+        logits: torch.Tensor,
         states: list[tuple[int, CachedRequestState]],
         out: ModelRunnerOutput,
         constrained: list[int],
         mask: torch.Tensor | None,
     ) -> None:
-        logits = self.runner.model.compute_logits(hidden[rows])  # [num_sampling, vocab]
+        """`logits` [num_sampling, vocab]: the last position of each sampling request."""
         if mask is not None:
             self._mask_logits(logits, mask, constrained)
         metadata = SamplingMetadata.build([s.sampling for _, s in states], self.vocab_size, self.device)
