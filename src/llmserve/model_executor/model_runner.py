@@ -201,7 +201,9 @@ class ModelRunner:
                 self._verify(logits[len(sample_rows) :], verifiers, out)
         return out
 
-    def _verify(self, all_logits: torch.Tensor, verifiers: list[Verification], out: ModelRunnerOutput) -> None:
+    def _verify(
+        self, all_logits: torch.Tensor, verifiers: list[Verification], out: ModelRunnerOutput
+    ) -> None:
         """Score each request's proposed tokens against the model (spec_decode/rejection.py) and
         keep the accepted ones plus the model's next token. `all_logits`: every verifying
         request's k + 1 rows, in order."""
@@ -212,11 +214,21 @@ class ModelRunner:
             logits = all_logits[offset : offset + k + 1]  # [k+1, V]
             offset += k + 1
             sampling = state.sampling
-            # Row j is sampled as if the proposals before it were already output (penalties, min_tokens).
-            rows = [
-                dataclasses.replace(sampling, output_token_ids=[*sampling.output_token_ids, *v.drafts[:j]])
-                for j in range(k + 1)
-            ]
+            # Row j is sampled as if the proposals before it were already output (penalties,
+            # min_tokens); without either, every row is the request's state as it is.
+            params = sampling.params
+            if (
+                params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0
+                and len(sampling.output_token_ids) >= params.min_tokens
+            ):  # fmt: skip
+                rows = [sampling] * (k + 1)
+            else:
+                rows = [
+                    dataclasses.replace(
+                        sampling, output_token_ids=[*sampling.output_token_ids, *v.drafts[:j]]
+                    )
+                    for j in range(k + 1)
+                ]
             metadata = SamplingMetadata.build(rows, self.vocab_size, self.device)
             tokens = verify_proposals(logits, metadata, v.drafts, sampling.generator)
             sampling.output_token_ids.extend(tokens)
