@@ -1,6 +1,7 @@
 """Speculative decoding (n-gram) in the engine on the embedded model: greedy outputs are the very
 tokens plain decoding gives, on text it can predict (a copy, a summary) and text it cannot, with
-chunked prefill, prefix caching, preemption, n > 1, stop strings, logprobs and grammars; proposals
+chunked prefill, prefix caching, preemption, n > 1, stop strings, logprobs and grammars (which
+speculate too); proposals
 are accepted where the text repeats its input; seeded sampling gives plain decoding's tokens. The
 draft-model proposer on tiny models."""
 
@@ -91,16 +92,21 @@ def test_n_samples_stop_strings_and_grammars(plain: LLM, spec: LLM) -> None:
     (want,), (got,) = outputs(plain, stopped, CONVERSATIONS[:1]), outputs(spec, stopped, CONVERSATIONS[:1])
     assert want[0].finish_reason == "stop" and want[0].stop_reason == "Gustave"
     assert (got[0].text, got[0].token_ids, got[0].stop_reason) == (want[0].text, want[0].token_ids, "Gustave")
-    # a request with a grammar decodes plainly beside speculating ones
-    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    # a request with a grammar speculates too: only the proposals its grammar allows are verified,
+    # each row masked by the grammar state after the proposals before it
+    schema = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
     constrained = SamplingParams(
-        temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema)
+        temperature=0.0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=schema)
     )
-    conversations = [[{"role": "user", "content": f"Where is the tower? Answer in JSON.\n\n{TEXT}"}]]
-    assert (
-        outputs(spec, constrained, conversations)[0][0].text
-        == outputs(plain, constrained, conversations)[0][0].text
+    conversations = [
+        [{"role": "user", "content": f"Put this text in a JSON object, word for word:\n\n{TEXT}"}]
+    ]
+    before = spec.engine.scheduler.spec_stats
+    got = outputs(spec, constrained, conversations)[0][0]
+    assert got.text == outputs(plain, constrained, conversations)[0][0].text and got.text.startswith(
+        '{"text":'
     )
+    assert spec.engine.scheduler.spec_stats.num_accepted_tokens > before.num_accepted_tokens
 
 
 def test_seeded_sampling_gives_plain_decodings_tokens(plain: LLM, spec: LLM) -> None:

@@ -306,8 +306,9 @@ class LLMEngine:
 
     def _propose(self) -> None:
         """Proposals for the decoding requests of the next step (speculative decoding), cut to
-        what pays for itself (spec_decode/controller.py). Requests with a grammar, and all of them
-        while the batch is at `disable_by_batch_size`, decode plainly."""
+        what pays for itself (spec_decode/controller.py); all decode plainly while the batch is at
+        `disable_by_batch_size`. A grammar's requests speculate too: the runner verifies only the
+        proposals the grammar allows."""
         spec, proposer, controller = self.speculative_config, self.proposer, self.controller
         assert spec is not None and proposer is not None and controller is not None
         running = self.scheduler.running
@@ -322,12 +323,8 @@ class LLMEngine:
             if remaining == 1:  # decoding (not prefilling)
                 request.spec_idle += 1
                 decoding.append(request)
-        # grammars make their masks one token at a time; hopeless requests are not even asked
-        asked = [
-            r for r in decoding
-            if r.sampling_params.structured_outputs is None
-            and controller.worth_proposing(r, num_tokens, len(decoding))
-        ]  # fmt: skip
+        # requests whose proposals keep failing are not even asked
+        asked = [r for r in decoding if controller.worth_proposing(r, num_tokens, len(decoding))]
         if not asked:
             return
         offers = proposer.propose_batch(asked, spec.num_speculative_tokens)

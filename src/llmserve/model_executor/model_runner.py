@@ -15,7 +15,8 @@ changed, and per step:
      it), samples all requests together, then appends the tokens to their states (and grammars);
   6. with speculative decoding, a request that carries proposed tokens runs its last token and the
      proposals in one go, and verification (spec_decode/rejection.py) keeps the proposals the
-     model agrees with and adds the model's next token.
+     model agrees with and adds the model's next token (with a grammar: only the proposals it
+     allows are verified, each row masked by the grammar state after the ones before).
 """
 
 from __future__ import annotations
@@ -210,10 +211,15 @@ class ModelRunner:
         offset = 0
         for v in verifiers:
             state = v.state
-            k = len(v.drafts)
-            logits = all_logits[offset : offset + k + 1]  # [k+1, V]
-            offset += k + 1
+            logits = all_logits[offset : offset + len(v.drafts) + 1]  # [k+1, V]
+            offset += len(v.drafts) + 1
             sampling = state.sampling
+            drafts = v.drafts
+            if sampling.grammar is not None:  # only what the grammar allows is verified, masked
+                drafts, masks = self._grammar_masks(sampling.grammar, drafts)
+                logits = logits[: len(drafts) + 1]
+                self._mask_logits(logits, masks, list(range(len(drafts) + 1)))
+            k = len(drafts)
             # Row j is sampled as if the proposals before it were already output (penalties,
             # min_tokens); without either, every row is the request's state as it is.
             params = sampling.params
@@ -230,8 +236,10 @@ class ModelRunner:
                     for j in range(k + 1)
                 ]
             metadata = SamplingMetadata.build(rows, self.vocab_size, self.device)
-            tokens = verify_proposals(logits, metadata, v.drafts, sampling.generator)
+            tokens = verify_proposals(logits, metadata, drafts, sampling.generator)
             sampling.output_token_ids.extend(tokens)
+            if sampling.grammar is not None:
+                sampling.grammar.accept_all(tokens)
             state.num_computed_tokens += len(tokens) - 1
             out.sampled_token_ids[v.pos] = tokens
             n = sampling.params.logprobs
@@ -240,6 +248,22 @@ class ModelRunner:
                 out.logprobs[state.req_id] = compute_logprobs(logits[: len(tokens)], ids, n).rows_to_lists(
                     0, len(tokens), n
                 )
+
+    def _grammar_masks(self, grammar, drafts: list[int]) -> tuple[list[int], torch.Tensor]:
+        """The proposals the grammar accepts in a row, and the allowed-token mask of each of
+        their positions and the one after (row j: after the first j proposals); the grammar is
+        left where it was."""
+        masks = torch.zeros(len(drafts) + 1, bitmask_words(self.vocab_size), dtype=torch.int32)
+        matcher = grammar.matcher
+        valid = 0
+        for j in range(len(drafts) + 1):
+            grammar.fill_bitmask(masks[j])
+            if j == len(drafts) or matcher.try_consume_tokens([drafts[j]]) != 1:
+                break
+            valid += 1
+        if valid:
+            matcher.rollback(valid)
+        return drafts[:valid], masks[: valid + 1]
 
     def _mask_worker(self) -> ThreadPoolExecutor:
         if self._masks is None:
