@@ -10,31 +10,13 @@ import json
 import logging
 
 import pytest
-import torch
 
 from llmserve import LLM, SamplingParams
 from llmserve.sampling_params import StructuredOutputsParams
+from tests.models.test_engine import PROMPTS, hf_greedy, token_ids
 from tests.models.tiny import FALLBACK_CONFIGS, make_tiny_model
 
-PROMPTS = [
-    [5, 17, 99, 3],
-    [200, 1, 1, 45, 67, 300, 12, 9, 8, 7, 6, 5, 4, 3, 2, 11, 400, 401, 402, 25, 88, 89, 90],
-    [42],
-    list(range(100, 160)),
-]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-
-
-def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        for _ in range(n):
-            ids = torch.cat([ids, hf(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return ids[0, len(prompt) :].tolist()
-
-
-def token_ids(outputs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
 
 
 @pytest.fixture(scope="module", params=sorted(FALLBACK_CONFIGS))
