@@ -12,8 +12,10 @@ so a lone request with a predictable answer verifies several tokens, one with un
 none, and a full batch (where T is large but so is E, and b is what one more token costs) only the
 near-certain ones. `a` and `b` are fitted online from decode steps' durations (a prior ratio until
 the steps vary enough to fit); alpha is each request's own acceptance so far (core/scheduler.py
-keeps its decayed counts). A request held at zero still verifies one token every
-`PROBE_INTERVAL` steps, so its estimate can recover.
+keeps its decayed counts), starting from the engine's recent acceptance. A request whose first
+proposed token could not pay is not even asked for proposals (a draft model's passes cost too),
+and one held at zero still verifies one token every `PROBE_INTERVAL` steps (4x that while the
+engine's acceptance is below 20%), so its estimate can recover.
 """
 
 from __future__ import annotations
