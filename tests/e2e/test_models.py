@@ -214,7 +214,7 @@ def test_admin_load_unload_and_ollama_keep_alive(lru: ServerProcess) -> None:
 
 @pytest.fixture(scope="module")
 def budget(tiny_model_dir: Path, tmp_path_factory) -> tuple[ServerProcess, int]:
-    from llmserve.server.models import estimate_size
+    from llmserve.server.model_files import estimate_size
 
     size = estimate_size(
         str(tiny_model_dir), sum(p.stat().st_size for p in tiny_model_dir.glob("*.safetensors")),

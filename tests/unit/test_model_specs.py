@@ -26,7 +26,8 @@ from llmserve.config.models import (
 )
 from llmserve.model_executor.model_loader.source import DEFAULT_MODEL
 from llmserve.server.errors import APIError
-from llmserve.server.models import ModelManager, estimate_size, native_options
+from llmserve.server.model_files import estimate_size, native_options
+from llmserve.server.models import ModelManager
 
 MISSING = "/nonexistent-llmserve-test"
 """A folder that does not exist: sources under it resolve to no files, so nothing is read."""

@@ -97,11 +97,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_steps = 0  # steps whose outputs came back (update_from_output calls)
         self.max_spec_tokens = num_speculative_tokens
-        self.spec_stats = (
-            SpecDecodingStats(accepted_per_pos=(0,) * num_speculative_tokens)
-            if num_speculative_tokens
-            else None
-        )
+        # speculative decoding's cumulative counts (the record is built by `spec_stats`)
+        self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
+        self.spec_accepted_per_pos = [0] * num_speculative_tokens
         # Requests that left since the last step; the runner drops their state.
         self._finished_req_ids: set[str] = set()
 
@@ -373,14 +371,20 @@ class Scheduler:
         request.spec_accepted = SPEC_DECAY * request.spec_accepted + num_accepted
         request.spec_rejected = SPEC_DECAY * request.spec_rejected + (num_accepted < num_drafts)
         request.spec_idle = 0
-        stats = self.spec_stats
-        assert stats is not None
-        per_pos = list(stats.accepted_per_pos)
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += num_drafts
+        self.spec_num_accepted_tokens += num_accepted
         for i in range(num_accepted):
-            per_pos[i] += 1
-        self.spec_stats = SpecDecodingStats(
-            stats.num_drafts + 1, stats.num_draft_tokens + num_drafts, stats.num_accepted_tokens + num_accepted,
-            tuple(per_pos),
+            self.spec_accepted_per_pos[i] += 1
+
+    @property
+    def spec_stats(self) -> SpecDecodingStats | None:
+        """Speculative decoding's counts so far (None when it is off)."""
+        if not self.max_spec_tokens:
+            return None
+        return SpecDecodingStats(
+            self.spec_num_drafts, self.spec_num_draft_tokens, self.spec_num_accepted_tokens,
+            tuple(self.spec_accepted_per_pos),
         )  # fmt: skip
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:

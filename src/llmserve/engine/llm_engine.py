@@ -285,14 +285,12 @@ class LLMEngine:
             self.controller.observe_step(
                 scheduler_output.total_num_scheduled_tokens, time.perf_counter() - started
             )
-        spec_before = self.scheduler.spec_stats
-        core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        if self.controller is not None and spec_before is not None and scheduler_output.scheduled_spec_tokens:
-            spec_after = self.scheduler.spec_stats
-            assert spec_after is not None
+        sched = self.scheduler
+        accepted, proposed = sched.spec_num_accepted_tokens, sched.spec_num_draft_tokens
+        core_outputs = sched.update_from_output(scheduler_output, runner_output)
+        if self.controller is not None and scheduler_output.scheduled_spec_tokens:
             self.controller.observe_acceptance(
-                spec_after.num_accepted_tokens - spec_before.num_accepted_tokens,
-                spec_after.num_draft_tokens - spec_before.num_draft_tokens,
+                sched.spec_num_accepted_tokens - accepted, sched.spec_num_draft_tokens - proposed
             )
         stats = self._stats
         stats.timestamp = time.monotonic()
