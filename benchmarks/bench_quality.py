@@ -11,7 +11,9 @@ own llama-quantize. Both engines score positions 256..510 of each 512-token chun
     each quantized file (and on the F32 file with a q8_0 KV cache, `-ctk q8_0 -ctv q8_0 -fa on`);
   - llmserve: `llmserve.bench.quality.evaluate` (what `llmserve eval perplexity` runs) with the F32
     file at quantization 'none' as the reference, each model with the KV cache the server gives it
-    (`auto`: float16 under quantized weights, like llama.cpp's default cache; float32 otherwise).
+    (`auto`: float16 under quantized weights, like llama.cpp's default cache; float32 otherwise);
+    activations rounded to int16 per token, and for the embedded file also to int8 per block
+    (`--cpu-activations int8`, llama.cpp's own rounding; on AVX-512 VNNI CPUs).
 Rows pair each llama.cpp run with llmserve on the same file (or the same bit width quantized by
 llmserve itself from the F32 file). Needs the llama.cpp tools built by build_llama_server.sh.
 """
@@ -86,9 +88,9 @@ def main() -> None:
         llama["F32 + q8_0 KV"] = parse_llama(run.stdout + run.stderr)
 
     def ours(
-        path: Path, quantization: str, kv: torch.dtype | None = None, dtype: str = "auto"
+        path: Path, quantization: str, kv: torch.dtype | None = None, dtype: str = "auto", act: str = "int16"
     ) -> dict[str, float]:
-        config = ModelConfig(model=str(path), quantization=quantization, dtype=dtype, show_progress=False)  # type: ignore[arg-type]
+        config = ModelConfig(model=str(path), quantization=quantization, dtype=dtype, cpu_activations=act, show_progress=False)  # type: ignore[arg-type]  # fmt: skip
         model = load_model(config)
         # the KV cache the server would run (auto: float16 under quantized weights, as llama.cpp's)
         kv = kv or resolve_kv_cache_dtype("auto", model.dtype, model.quantization != "none", model.device)
@@ -99,6 +101,11 @@ def main() -> None:
         ("Q8_0 file (weights as stored)", "Q8_0", ours(files["Q8_0"], "auto")),
         ("8-bit from F32 (llama-quantize Q8_0 / llmserve int8)", "Q8_0", ours(f32, "int8")),
         ("Q4_1 file, the embedded one (weights as stored)", "Q4_1", ours(files["Q4_1"], "auto")),
+        (
+            "Q4_1 file, llmserve with --cpu-activations int8 (llama.cpp's rounding)",
+            "Q4_1",
+            ours(files["Q4_1"], "auto", act="int8"),
+        ),
         ("Q4_0 file (weights as stored)", "Q4_0", ours(files["Q4_0"], "auto")),
         (
             "4-bit from F32 (llama-quantize Q4_1 / llmserve int4, the same math)",

@@ -2,13 +2,18 @@
 embedded model: batch-1 decode speed on input-grounded prompts (the answer reuses its input) and
 on open-ended ones, and throughput with 16 requests at once.
 
-    python benchmarks/bench_spec.py [--rounds 2] [--max-tokens 128] [--spec '{"method": "ngram", ...}']
+    python benchmarks/bench_spec.py [--rounds 2] [--max-tokens 256] [--spec '{"method": "ngram", ...}']
+                                    [--cpu-activations int16|int8]
 
-Prompts: benchmarks/data/spec_prompts.json. Batch 1: each prompt alone, greedy, plain and
+Prompts: benchmarks/data/spec_prompts.json: `grounded` (code edits returning the whole file,
+corrections, rewrites, summaries, extraction, on 100-300 token inputs), `grounded_short` (the same
+kinds of task on 2-6 line inputs) and `open`. Both engines run with the same --cpu-activations, so
+their greedy outputs must be equal. Batch 1: each prompt alone, greedy, plain and
 speculative interleaved prompt by prompt; decode speed is (tokens - 1) / (last token - first
 token) per request, summed per category; the ratio of the sums is the speed-up (and the median of
 per-prompt ratios is reported beside it). Greedy outputs are compared token for token. c=16: the
-category's prompts repeated to 16, all submitted at once; output tokens / wall time.
+category's prompts repeated to 16, all submitted at once; output tokens / wall time (grounded and
+open).
 Results: benchmarks/results/spec-<time>.json.
 """
 
@@ -62,20 +67,23 @@ def step_cost(llm: LLM, context: int = 300, repeats: int = 30) -> dict[int, floa
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--cpu-activations", default="int16", choices=["int16", "int8"])
     p.add_argument("--spec", default=DEFAULT_SPEC)
     p.add_argument("--model", default=None)
     p.add_argument("--skip-c16", action="store_true", help="batch 1 only")
     args = p.parse_args()
     prompts = json.loads((HERE / "data" / "spec_prompts.json").read_text())
-    common = {"model": args.model, "kv_cache_memory": 512 * 2**20, "show_progress": False}
+    common = {"model": args.model, "kv_cache_memory": 512 * 2**20, "show_progress": False,
+              "cpu_activations": args.cpu_activations}  # fmt: skip
     engines = {"plain": LLM(**common), "spec": LLM(**common, speculative_config=args.spec)}
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    report: dict = {"command": " ".join(sys.argv), "spec": json.loads(args.spec), "batch1": {}, "c16": {}}
+    report: dict = {"command": " ".join(sys.argv), "spec": json.loads(args.spec), "batch1": {}, "c16": {},
+                    "cpu_activations": args.cpu_activations}  # fmt: skip
     report["step_ms_by_tokens"] = cost = step_cost(engines["plain"])
     print("one forward pass, ms by new tokens:", ", ".join(f"{n}: {ms:.2f}" for n, ms in cost.items()))
 
-    for category in ("grounded", "open"):
+    for category in ("grounded", "grounded_short", "open"):
         sums = {name: [0, 0.0] for name in engines}
         ratios, mismatches = [], 0
         per_prompt: dict[str, list[float]] = {}

@@ -5,6 +5,7 @@ path, GGUF files served quantized against the same files dequantized, and start-
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -188,6 +189,46 @@ def test_fused_decode_matches_layer_by_layer(tmp_path, name, kv_cache_dtype):
     # them back from the 16-bit cache: plus that rounding (2^-11 for float16, 2^-8 for bfloat16).
     tol = {torch.float32: TOL, torch.float16: 2 * TOL, torch.bfloat16: 10 * TOL}[kv_cache_dtype]
     torch.testing.assert_close(logits[True], logits[False], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("cpu_activations", ["int16", "int8"])
+@pytest.mark.parametrize("name", ["llama", "mistral-sliding", "qwen3"])
+def test_fused_rows_do_not_depend_on_the_batch(tmp_path, name, cpu_activations):
+    """A token's logits are the same to the bit whether it is decoded alone or among other tokens
+    of its sequence and of another (a speculative step, a batch), over a context spanning several
+    of the attention's 128-position chunks (and a sliding window): what makes speculative
+    decoding's greedy output plain decoding's."""
+    make_tiny_model(name, tmp_path)
+    hf_config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**hf_config, "max_position_embeddings": 1024}))
+    config = ModelConfig(model=str(tmp_path), quantization="int4", cpu_activations=cpu_activations, show_progress=False)  # type: ignore[arg-type]  # fmt: skip
+    loaded = load_model(config)
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, 500, (400,), generator=g).tolist()
+    other = torch.randint(0, 500, (150,), generator=g).tolist()
+    new = torch.randint(0, 500, (6,), generator=g).tolist()
+    table, other_table = list(range(110)), list(range(110, 150))
+
+    def runner() -> ForwardRunner:
+        r = ForwardRunner(loaded.model, num_blocks=150, block_size=4)
+        r.execute(
+            [
+                SequenceBatchEntry(prompt, len(prompt), table),
+                SequenceBatchEntry(other, len(other), other_table),
+            ]
+        )
+        return r
+
+    alone = runner()
+    one_by_one = torch.cat(
+        [alone.execute([SequenceBatchEntry([t], len(prompt) + i + 1, table)]) for i, t in enumerate(new)]
+    )
+    together = runner().execute(
+        [SequenceBatchEntry(new, len(prompt) + len(new), table), SequenceBatchEntry([7], len(other) + 1, other_table)],
+        all_logits=True,
+    )  # fmt: skip
+    assert loaded.model.model._fused is not None
+    assert torch.equal(together[: len(new)], one_by_one)
 
 
 def test_float_models_do_not_take_the_fused_step(tmp_path):

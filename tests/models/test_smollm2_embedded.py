@@ -1,7 +1,7 @@
 """The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF) against llama.cpp's greedy
 continuations computed with the same weights dequantized to float32: on the float path, on the
 default quantized path (the file's Q4_1 blocks kept, activations rounded to int16 per token in
-each matmul), and in int8."""
+each matmul), and in int8; and with int8 activations against llama.cpp computing on the file."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from llmserve.config import ModelConfig
+from llmserve.layers.quantization import cpu_kernels
 from llmserve.model_executor.forward_runner import ForwardRunner, resolve_kv_cache_dtype
 from llmserve.model_executor.greedy import generate_greedy
 from llmserve.model_executor.model_loader import load_model
@@ -95,6 +96,21 @@ def test_int8_greedy_follows_the_float_path(llamacpp_reference):
     for case, out in zip(cases, outputs, strict=True):
         n = min(16, len(case["greedy_ids"]))
         assert out[:n] == case["greedy_ids"][:n], f"prompt {case['prompt']!r}"
+
+
+@pytest.mark.skipif(cpu_kernels.best_kernels() != "avx512_vnni", reason="int8 activations need AVX-512 VNNI")
+def test_int8_activations_follow_llamacpp_on_the_file(llamacpp_reference):
+    """`cpu_activations="int8"` rounds activations as llama.cpp does for Q4_1 (int8 per block of
+    32): at least the first 12 tokens of each of llama.cpp's own continuations on the file (the
+    `q4_1` cases), including the two where its tokens leave the float path's at once or after 5
+    tokens, which the int16 path (the float path's tokens) does not follow."""
+    loaded = load_model(ModelConfig(cpu_activations="int8", show_progress=False))
+    cases = [g for g in llamacpp_reference["greedy"] if g["weights"] == "q4_1"]
+    runner = ForwardRunner(loaded.model, num_blocks=64, block_size=16, kv_cache_dtype=torch.float16)
+    eos = frozenset({llamacpp_reference_eos(loaded)})
+    outputs = generate_greedy(runner, [c["prompt_ids"] for c in cases], 32, stop_token_ids=eos)
+    for case, out in zip(cases, outputs, strict=True):
+        assert out[:12] == case["greedy_ids"][:12], f"prompt {case['prompt']!r}"
 
 
 def test_quantized_weights_take_the_files_size(smollm2_quantized):

@@ -73,25 +73,58 @@ def test_quantize_error_within_half_a_step(fmt):
 # -- kernels ----------------------------------------------------------------------------------------
 
 
-def _bound(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """Largest |kernel - float| per output: activations rounded to int16 per token (an error of at
-    most max|x| / 65534 each, through |W|), plus float32 accumulation."""
-    dx = x.abs().amax(-1, keepdim=True) / 65534
-    return dx * w.abs().sum(-1) + 1e-5 * (x.abs() @ w.abs().T) + 1e-6
+def _int8_blocks(kernels: str, fmt: str, act_bits: int) -> bool:
+    """Whether the kernel rounds activations to int8 per block of 32 (asked for, and on AVX-512
+    VNNI's q4: llama.cpp's arithmetic for 4-bit weights) rather than to int16 per token."""
+    return act_bits == 8 and kernels == "avx512_vnni" and fmt == "q4"
 
 
+def _bound(w: torch.Tensor, x: torch.Tensor, int8_blocks: bool = False) -> torch.Tensor:
+    """Largest |kernel - float| per output: each activation rounded to int16 per token (an error of
+    at most max|x| / 65534) or to int8 per block of 32 (at most the block's max|x| / 254), through
+    |W|; plus float32 accumulation."""
+    if int8_blocks:
+        pad = -x.shape[-1] % 32
+        xb = F.pad(x.abs(), (0, pad)).view(x.shape[0], -1, 32).amax(-1) / 254  # [m, blocks]
+        wb = F.pad(w.abs(), (0, pad)).view(w.shape[0], -1, 32).sum(-1)  # [n, blocks]
+        rounding = xb @ wb.T
+    else:
+        rounding = x.abs().amax(-1, keepdim=True) / 65534 * w.abs().sum(-1)
+    return rounding + 1e-5 * (x.abs() @ w.abs().T) + 1e-6
+
+
+@pytest.mark.parametrize("act_bits", [16, 8])
 @pytest.mark.parametrize("fmt,with_min", [("q8", False), ("q8", True), ("q4", True)])
 @pytest.mark.parametrize("n,k", [(16, 32), (37, 70), (200, 576)])
 @pytest.mark.parametrize("m", [1, 2, 5, 8, 9, 40])
-def test_linear_matches_dequantized_reference(kernels, fmt, with_min, n, k, m):
+def test_linear_matches_dequantized_reference(kernels, fmt, with_min, n, k, m, act_bits):
     rows = _random_rows(fmt, n, k, with_min, seed=n + k)
     w = rows.dequantize()
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * torch.linspace(0.01, 4, k)
     bias = torch.randn(n)
-    got = cpu_kernels.linear(x, pack(rows), bias)
+    got = cpu_kernels.linear(x, pack(rows), bias, act_bits)
     want = F.linear(x, w, bias)
     assert got.shape == (m, n) and got.dtype == torch.float32
-    assert ((got - want).abs() <= _bound(w, x)).all(), (got - want).abs().max()
+    bound = _bound(w, x, _int8_blocks(kernels, fmt, act_bits))
+    assert ((got - want).abs() <= bound).all(), (got - want).abs().max()
+    if _int8_blocks(kernels, fmt, act_bits):  # not int16's result: the int8 rounding is really used
+        assert not ((got - want).abs() <= _bound(w, x)).all()
+
+
+@pytest.mark.parametrize("act_bits", [16, 8])
+@pytest.mark.parametrize("fmt,with_min", [("q8", False), ("q8", True), ("q4", True)])
+def test_a_tokens_row_is_the_same_in_any_batch(kernels, fmt, with_min, act_bits):
+    """With the C++ kernels a token's output does not depend on the other tokens computed with it,
+    to the bit: a speculative step's rows then equal what plain decoding computes one token at a
+    time. (The torch fallback's float matmul makes no such promise.)"""
+    if kernels == "torch":
+        pytest.skip("torch's matmul may sum in another order for another batch size")
+    rows = pack(_random_rows(fmt, 200, 576, with_min))
+    x = torch.randn(19, 576, generator=torch.Generator().manual_seed(3)) * torch.linspace(0.01, 4, 576)
+    together = cpu_kernels.linear(x, rows, act_bits=act_bits)
+    for start, stop in [(0, 1), (5, 6), (18, 19), (2, 5), (3, 11), (8, 17)]:
+        alone = cpu_kernels.linear(x[start:stop], rows, act_bits=act_bits)
+        assert torch.equal(alone, together[start:stop]), (start, stop)
 
 
 def test_linear_keeps_leading_dims_and_dtype(kernels):

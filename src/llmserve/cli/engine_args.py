@@ -41,6 +41,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "quantized GGUF keeps its own quantization (Q4_x as int4, others int8), float checkpoints stay float",
     )
     g.add_argument(
+        "--cpu-activations",
+        default="int16",
+        choices=["int16", "int8"],
+        help="how the CPU kernels round activations for int4 weights: int16 per token (the float "
+        "model's results within rounding) or int8 per block of 32 (llama.cpp's arithmetic; on AVX-512 "
+        "VNNI, faster prefill, batches and speculative verification, less exact)",
+    )
+    g.add_argument(
         "--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)"
     )
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
@@ -88,6 +96,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "device": args.device,
         "cpu_gemm": args.cpu_gemm,
         "quantization": args.quantization,
+        "cpu_activations": args.cpu_activations,
         "max_model_len": args.max_model_len,
         "block_size": args.block_size,
         "kv_cache_memory": args.kv_cache_memory,

@@ -28,6 +28,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 
 namespace llmserve {
@@ -269,74 +270,88 @@ inline void dots8(const float* q, const float* K, int64_t D, int64_t n, float* s
   }
 }
 
-// Attention of one work item: the G query heads that share KV head `kh` of token m, over the
-// visible positions [p0, p1) of its sequence (a chunk of them when a long context is split):
+// Attention of one work item: for each of its R tokens u (query q + u * q_stride) and the G query
+// heads that share KV head `kh`, over the token's visible positions within the grid chunk,
+// [lo[u], hi[u]) (empty: the token has nothing there):
 //
 //   s[g, t] = q_g . K[t];  mx_g = max_t s[g, t];  l_g = sum_t e^{scale (s[g, t] - mx_g)}
 //   o_g = sum_t e^{scale (s[g, t] - mx_g)} V[t]                       (not yet divided by l_g)
 //
-// Each block of K and V rows is read from memory once for all G heads (then from L1).
-// k_head, v_head: this KV head's [num_blocks, bs, D] in the cache's type; `table` maps block i
-// of the sequence to a cache block. `s` holds G * (p1 - p0) floats, `buf` one block of floats.
-void attend_chunk(const Decoder& dec, const float* q, int64_t G, const char* k_head, const char* v_head,
-                  const int64_t* table, int64_t p0, int64_t p1, float* o, float* mx, float* l, float* s,
-                  float* buf) {
-  const int64_t D = dec.D, bs = dec.block_size, rb = row_bytes(dec.cache_type, D), n = p1 - p0;
+// Each block of K and V rows is read (and converted) once for all R tokens and G heads. Every
+// (u, g) runs the same operations in the same order as it would alone: its result does not depend
+// on the other tokens. k_head, v_head: this KV head's [num_blocks, bs, D] in the cache's type;
+// `table` maps block i of the sequence to a cache block. `s` holds R * G * kChunk floats, `buf` one
+// block of floats; o [R, G, D], mx and l [R, G].
+void attend_chunk(const Decoder& dec, const float* q, int64_t q_stride, int64_t R, const int64_t* lo,
+                  const int64_t* hi, int64_t G, const char* k_head, const char* v_head, const int64_t* table,
+                  int64_t p0, float* o, float* mx, float* l, float* s, float* buf) {
+  const int64_t D = dec.D, bs = dec.block_size, rb = row_bytes(dec.cache_type, D);
   const bool simd = D % 8 == 0;
-  // 1. scores, s[g * n + j] for position p0 + j
-  for (int64_t i = p0 / bs; i * bs < p1; ++i) {
-    const int64_t t0 = std::max<int64_t>(p0 - i * bs, 0), t1 = std::min<int64_t>(p1 - i * bs, bs);
+  int64_t first = INT64_MAX, last = 0;  // the positions any token sees
+  for (int64_t u = 0; u < R; ++u)
+    if (hi[u] > lo[u]) first = std::min(first, lo[u]), last = std::max(last, hi[u]);
+  // 1. scores, s[(u G + g) kChunk + p - p0] for position p
+  for (int64_t i = first / bs; i * bs < last; ++i) {
     const float* K = load_rows(dec.cache_type, k_head + table[i] * bs * rb, bs, D, buf);
-    for (int64_t g = 0; g < G; ++g) {
-      const float* qg = q + g * D;
-      float* sg = s + g * n + i * bs - p0;
-      for (int64_t t = t0; t < t1; t += 8) {
-        if (simd) {
-          dots8(qg, K + t * D, D, std::min<int64_t>(8, t1 - t), sg + t);
-          continue;
-        }
-        for (int64_t u = t; u < std::min<int64_t>(t + 8, t1); ++u) {
-          float a = 0.f;
-          for (int64_t d = 0; d < D; ++d) a += qg[d] * K[u * D + d];
-          sg[u] = a;
+    for (int64_t u = 0; u < R; ++u) {
+      const int64_t t0 = std::max<int64_t>(lo[u] - i * bs, 0), t1 = std::min<int64_t>(hi[u] - i * bs, bs);
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = q + u * q_stride + g * D;
+        float* sg = s + (u * G + g) * kChunk + i * bs - p0;
+        for (int64_t t = t0; t < t1; t += 8) {
+          if (simd) {
+            dots8(qg, K + t * D, D, std::min<int64_t>(8, t1 - t), sg + t);
+            continue;
+          }
+          for (int64_t v = t; v < std::min<int64_t>(t + 8, t1); ++v) {
+            float a = 0.f;
+            for (int64_t d = 0; d < D; ++d) a += qg[d] * K[v * D + d];
+            sg[v] = a;
+          }
         }
       }
     }
   }
   // 2. unnormalized probabilities
-  for (int64_t g = 0; g < G; ++g) {
-    float* sg = s + g * n;
-    const float m = max_of(sg, n);
-    mx[g] = m;
-    l[g] = exp_shifted(sg, n, dec.scale, m);
+  for (int64_t u = 0; u < R; ++u) {
+    if (hi[u] <= lo[u]) continue;
+    for (int64_t g = 0; g < G; ++g) {
+      float* sg = s + (u * G + g) * kChunk + lo[u] - p0;
+      const float m = max_of(sg, hi[u] - lo[u]);
+      mx[u * G + g] = m;
+      l[u * G + g] = exp_shifted(sg, hi[u] - lo[u], dec.scale, m);
+    }
   }
   // 3. weighted sums of V rows, one query head at a time (its D accumulators in registers)
-  std::fill(o, o + G * D, 0.f);
-  for (int64_t i = p0 / bs; i * bs < p1; ++i) {
-    const int64_t t0 = std::max<int64_t>(p0 - i * bs, 0), t1 = std::min<int64_t>(p1 - i * bs, bs);
+  std::fill(o, o + R * G * D, 0.f);
+  for (int64_t i = first / bs; i * bs < last; ++i) {
     const float* V = load_rows(dec.cache_type, v_head + table[i] * bs * rb, bs, D, buf);
-    for (int64_t g = 0; g < G; ++g) {
-      const float* pg = s + g * n + i * bs - p0;
-      float* og = o + g * D;
-      int64_t d = 0;
-      for (; simd && d + 32 <= D; d += 32) {  // 4 registers of the output at a time
-        __m256 a0 = _mm256_loadu_ps(og + d), a1 = _mm256_loadu_ps(og + d + 8);
-        __m256 a2 = _mm256_loadu_ps(og + d + 16), a3 = _mm256_loadu_ps(og + d + 24);
-        for (int64_t t = t0; t < t1; ++t) {
-          const __m256 p = _mm256_set1_ps(pg[t]);
-          const float* v = V + t * D + d;
-          a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v), a0);
-          a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8), a1);
-          a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 16), a2);
-          a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 24), a3);
+    for (int64_t u = 0; u < R; ++u) {
+      const int64_t t0 = std::max<int64_t>(lo[u] - i * bs, 0), t1 = std::min<int64_t>(hi[u] - i * bs, bs);
+      if (t1 <= t0) continue;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* pg = s + (u * G + g) * kChunk + i * bs - p0;
+        float* og = o + (u * G + g) * D;
+        int64_t d = 0;
+        for (; simd && d + 32 <= D; d += 32) {  // 4 registers of the output at a time
+          __m256 a0 = _mm256_loadu_ps(og + d), a1 = _mm256_loadu_ps(og + d + 8);
+          __m256 a2 = _mm256_loadu_ps(og + d + 16), a3 = _mm256_loadu_ps(og + d + 24);
+          for (int64_t t = t0; t < t1; ++t) {
+            const __m256 p = _mm256_set1_ps(pg[t]);
+            const float* v = V + t * D + d;
+            a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v), a0);
+            a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8), a1);
+            a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 16), a2);
+            a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 24), a3);
+          }
+          _mm256_storeu_ps(og + d, a0);
+          _mm256_storeu_ps(og + d + 8, a1);
+          _mm256_storeu_ps(og + d + 16, a2);
+          _mm256_storeu_ps(og + d + 24, a3);
         }
-        _mm256_storeu_ps(og + d, a0);
-        _mm256_storeu_ps(og + d + 8, a1);
-        _mm256_storeu_ps(og + d + 16, a2);
-        _mm256_storeu_ps(og + d + 24, a3);
+        for (; d < D; ++d)
+          for (int64_t t = t0; t < t1; ++t) og[d] += pg[t] * V[t * D + d];
       }
-      for (; d < D; ++d)
-        for (int64_t t = t0; t < t1; ++t) og[d] += pg[t] * V[t * D + d];
     }
   }
 }
@@ -358,38 +373,45 @@ void linear(const QuantLinear& w, const float* x, int64_t M, float* out) {
   a.bias = w.bias;
   a.out = out;
   a.ldo = w.N;
+  a.act_bits = w.act_bits;
   gemm(w.bits, a);
 }
 
 }  // namespace
 
-// Work items for this layer's attention: every (token, KV head), the token's visible context
-// (causal: up to its own position; within the sliding window) cut into chunks of at least
-// kMinChunk positions, as many as it takes to give each thread about two items, so that one
-// sequence decoding alone is spread over every core.
-void Decoder::plan_attention(int64_t T, const int64_t* positions, int64_t window) {
-  constexpr int64_t kMinChunk = 128;
+// Work items for this layer's attention: runs of up to kRun consecutive tokens of one sequence,
+// for each KV head, over each grid chunk that any of them sees (causal: up to its own position;
+// within the sliding window). One token decoding alone has a chunk per 128 positions per KV head,
+// which spreads a long context over every core.
+void Decoder::plan_attention(int64_t T, const int64_t* positions, const int64_t* token_seqs, int64_t window) {
   items.clear();
-  item_groups.clear();
-  const int64_t threads = omp_get_max_threads();
-  const int64_t per_token = std::max<int64_t>(1, (2 * threads + T * Hkv - 1) / (T * Hkv));
-  max_chunk = 0;
+  lo.resize(T);
+  hi.resize(T);
+  group_items.resize(2 * T * Hkv);
   for (int64_t m = 0; m < T; ++m) {
-    const int64_t end = positions[m] + 1;
-    const int64_t start = window > 0 ? std::max<int64_t>(0, end - window) : 0;
-    const int64_t n = end - start;
-    const int64_t chunks = std::max<int64_t>(1, std::min(per_token, n / kMinChunk));
-    const int64_t size = (n + chunks - 1) / chunks;
-    max_chunk = std::max(max_chunk, size);
-    for (int64_t kh = 0; kh < Hkv; ++kh) {
-      item_groups.push_back(static_cast<int64_t>(items.size()));
-      for (int64_t p = start; p < end; p += size) items.push_back({m, kh, p, std::min(end, p + size)});
-    }
+    hi[m] = positions[m] + 1;
+    lo[m] = window > 0 ? std::max<int64_t>(0, hi[m] - window) : 0;
   }
-  item_groups.push_back(static_cast<int64_t>(items.size()));
-  const size_t G = static_cast<size_t>(Hq / Hkv);
-  if (part_o.size() < items.size() * G * D) part_o.resize(items.size() * G * D);
-  if (part_mx.size() < items.size() * G) part_mx.resize(items.size() * G), part_l.resize(items.size() * G);
+  int64_t slots = 0;
+  for (int64_t m0 = 0; m0 < T;) {
+    int64_t m1 = m0 + 1;
+    while (m1 < T && m1 - m0 < kRun && token_seqs[m1] == token_seqs[m0]) ++m1;
+    int64_t first = lo[m0], last = hi[m0];
+    for (int64_t m = m0; m < m1; ++m) first = std::min(first, lo[m]), last = std::max(last, hi[m]);
+    for (int64_t kh = 0; kh < Hkv; ++kh) {
+      const int64_t begin = static_cast<int64_t>(items.size());
+      for (int64_t p0 = first / kChunk * kChunk; p0 < last; p0 += kChunk, slots += m1 - m0)
+        items.push_back({m0, m1, kh, p0, p0 + kChunk, slots});
+      for (int64_t m = m0; m < m1; ++m) {
+        group_items[2 * (m * Hkv + kh)] = begin;
+        group_items[2 * (m * Hkv + kh) + 1] = static_cast<int64_t>(items.size());
+      }
+    }
+    m0 = m1;
+  }
+  const size_t G = static_cast<size_t>(Hq / Hkv), n = static_cast<size_t>(slots);
+  if (part_o.size() < n * G * D) part_o.resize(n * G * D);
+  if (part_mx.size() < n * G) part_mx.resize(n * G), part_l.resize(n * G);
 }
 
 void Decoder::fit(int64_t M) {
@@ -448,37 +470,44 @@ void Decoder::forward(const float* x, int64_t M, const int64_t* positions, const
         store_row(cache_type, v, D, kv + (Hkv + kh) * head_bytes + row * rb);
       }
     }
-    // 4. attention, split into work items of (token, KV head, chunk of its visible context),
+    // 4. attention, split into work items of (run of a sequence's tokens, KV head, grid chunk),
     //    then each query head's chunks merged: out = sum_c e^{mx_c - M} o_c / sum_c e^{mx_c - M} l_c
-    plan_attention(M, positions, L.window);
+    plan_attention(M, positions, token_seqs, L.window);
     const int64_t num_items = static_cast<int64_t>(items.size());
     float *po = part_o.data(), *pm = part_mx.data(), *pl = part_l.data();
 #pragma omp parallel
     {
-      std::vector<float> s(G * max_chunk), buf(block_size * D);
+      std::vector<float> s(kRun * G * kChunk), buf(block_size * D);
+      int64_t clo[kRun], chi[kRun];
 #pragma omp for schedule(dynamic, 1)
       for (int64_t it = 0; it < num_items; ++it) {
         const AttentionItem& w = items[it];
-        attend_chunk(*this, qkv_ + w.m * qkv_n + w.kh * G * D, G, kv + w.kh * head_bytes,
-                     kv + (Hkv + w.kh) * head_bytes, block_tables + token_seqs[w.m] * max_blocks, w.p0, w.p1,
-                     po + it * G * D, pm + it * G, pl + it * G, s.data(), buf.data());
+        const int64_t R = w.m1 - w.m0;
+        for (int64_t u = 0; u < R; ++u)
+          clo[u] = std::max(lo[w.m0 + u], w.p0), chi[u] = std::min(hi[w.m0 + u], w.p1);
+        attend_chunk(*this, qkv_ + w.m0 * qkv_n + w.kh * G * D, qkv_n, R, clo, chi, G, kv + w.kh * head_bytes,
+                     kv + (Hkv + w.kh) * head_bytes, block_tables + token_seqs[w.m0] * max_blocks, w.p0,
+                     po + w.slot * G * D, pm + w.slot * G, pl + w.slot * G, s.data(), buf.data());
       }
     }
-    const int64_t num_groups = static_cast<int64_t>(item_groups.size()) - 1;
+    const int64_t num_groups = M * Hkv;
 #pragma omp parallel for schedule(static) if (num_groups >= kParallelTokens)
-    for (int64_t k = 0; k < num_groups; ++k) {  // the chunks of one (token, KV head) are adjacent
-      const int64_t it = item_groups[k], last = item_groups[k + 1];
-      const AttentionItem& w = items[it];
+    for (int64_t k = 0; k < num_groups; ++k) {  // (token m, KV head kh); its chunks in order
+      const int64_t m = k / Hkv, kh = k % Hkv;
+      auto seen = [&](const AttentionItem& w) { return std::min(hi[m], w.p1) > std::max(lo[m], w.p0); };
       for (int64_t g = 0; g < G; ++g) {
         float top = -3.0e38f;
-        for (int64_t c = it; c < last; ++c) top = std::max(top, pm[c * G + g]);
-        float* out = attn_ + w.m * Hq * D + (w.kh * G + g) * D;
+        for (int64_t c = group_items[2 * k]; c < group_items[2 * k + 1]; ++c)
+          if (seen(items[c])) top = std::max(top, pm[(items[c].slot + m - items[c].m0) * G + g]);
+        float* out = attn_ + m * Hq * D + (kh * G + g) * D;
         std::fill(out, out + D, 0.f);
         float total = 0.f;
-        for (int64_t c = it; c < last; ++c) {
-          const float f = fast_exp(scale * (pm[c * G + g] - top));
-          total += f * pl[c * G + g];
-          const float* oc = po + (c * G + g) * D;
+        for (int64_t c = group_items[2 * k]; c < group_items[2 * k + 1]; ++c) {
+          if (!seen(items[c])) continue;
+          const int64_t slot = items[c].slot + m - items[c].m0;
+          const float f = fast_exp(scale * (pm[slot * G + g] - top));
+          total += f * pl[slot * G + g];
+          const float* oc = po + (slot * G + g) * D;
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) out[d] += f * oc[d];
         }

@@ -20,6 +20,7 @@ struct QuantLinear {
   const uint16_t* m = nullptr;
   const float* bias = nullptr;
   int64_t N = 0, K = 0;
+  int act_bits = 16;  // GemmArgs::act_bits
 };
 
 struct Layer {
@@ -35,8 +36,16 @@ struct Layer {
   int64_t window = 0;        // sliding window, 0 = full attention
 };
 
+// Attention is computed on a fixed grid of positions, chunks [c * kChunk, (c + 1) * kChunk), the same
+// whatever else is in the batch: a token's result is then the same to the bit whether it is decoded
+// alone or with others (speculative verification, batches), as the matmuls' already is.
+constexpr int64_t kChunk = 128;
+// Up to kRun consecutive tokens of one sequence share a work item, reading each K and V row once.
+constexpr int64_t kRun = 8;
+
 struct AttentionItem {
-  int64_t m, kh, p0, p1;  // token, KV head, visible positions [p0, p1)
+  int64_t m0, m1, kh, p0, p1;  // tokens [m0, m1) of one sequence, KV head, grid chunk [p0, p1)
+  int64_t slot;                // partial results of token m0 + u at slot + u
 };
 
 struct Decoder {
@@ -57,13 +66,13 @@ struct Decoder {
 
  private:
   void fit(int64_t M);
-  void plan_attention(int64_t T, const int64_t* positions, int64_t window);
+  void plan_attention(int64_t T, const int64_t* positions, const int64_t* token_seqs, int64_t window);
   int64_t capacity = 0;
   std::vector<float> res, h, qkv, attn, gate_up, act;
   std::vector<AttentionItem> items;  // this layer's attention work
-  std::vector<int64_t> item_groups;  // where each (token, KV head)'s chunks start in `items`, + end
-  int64_t max_chunk = 0;             // longest chunk of `items`
-  std::vector<float> part_o, part_mx, part_l;  // per item and query head: o [D], mx, l
+  std::vector<int64_t> lo, hi;       // each token's visible positions [lo, hi)
+  std::vector<int64_t> group_items;  // per (token, KV head): its items are [first, last), 2 entries
+  std::vector<float> part_o, part_mx, part_l;  // per slot and query head: o [D], mx, l
 };
 
 // Dispatch to the kernel set in use (module.cpp).

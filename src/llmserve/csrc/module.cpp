@@ -97,22 +97,28 @@ bool item_float(PyObject* seq, Py_ssize_t i, float* out) {
   return !PyErr_Occurred();
 }
 
-// (bits, w, d, m, bias, N, K)
+// (bits, w, d, m, bias, N, K, act_bits)
 bool parse_linear(PyObject* t, QuantLinear* q) {
-  if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 7) {
-    PyErr_SetString(PyExc_TypeError, "a linear layer is (bits, w, d, m, bias, N, K)");
+  if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 8) {
+    PyErr_SetString(PyExc_TypeError, "a linear layer is (bits, w, d, m, bias, N, K, act_bits)");
     return false;
   }
-  int64_t bits;
+  int64_t bits, act_bits;
   if (!item_ll(t, 0, &bits) || !item_ptr(t, 1, const_cast<void**>(&q->w)) ||
       !item_ptr(t, 2, const_cast<uint16_t**>(&q->d)) || !item_ptr(t, 3, const_cast<uint16_t**>(&q->m)) ||
-      !item_ptr(t, 4, const_cast<float**>(&q->bias)) || !item_ll(t, 5, &q->N) || !item_ll(t, 6, &q->K))
+      !item_ptr(t, 4, const_cast<float**>(&q->bias)) || !item_ll(t, 5, &q->N) || !item_ll(t, 6, &q->K) ||
+      !item_ll(t, 7, &act_bits))
     return false;
   if (bits != 8 && bits != 4) {
     PyErr_Format(PyExc_ValueError, "bits must be 8 or 4, got %lld", static_cast<long long>(bits));
     return false;
   }
+  if (act_bits != 16 && act_bits != 8) {
+    PyErr_Format(PyExc_ValueError, "act_bits must be 16 or 8, got %lld", static_cast<long long>(act_bits));
+    return false;
+  }
   q->bits = static_cast<int>(bits);
+  q->act_bits = static_cast<int>(act_bits);
   return true;
 }
 
@@ -196,9 +202,9 @@ PyObject* py_decoder_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs)
   Py_RETURN_NONE;
 }
 
-// gemm(bits, x, ldx, M, K, N, w, d, m, bias, out, ldo) -> None
+// gemm(bits, x, ldx, M, K, N, w, d, m, bias, out, ldo, act_bits) -> None
 PyObject* py_gemm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (!check_args(nargs, 12, "gemm")) return nullptr;
+  if (!check_args(nargs, 13, "gemm")) return nullptr;
   const long bits = PyLong_AsLong(args[0]);
   GemmArgs a;
   a.x = ptr<const float>(args[1]);
@@ -212,9 +218,14 @@ PyObject* py_gemm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   a.bias = ptr<const float>(args[9]);
   a.out = ptr<float>(args[10]);
   a.ldo = PyLong_AsLongLong(args[11]);
+  a.act_bits = static_cast<int>(PyLong_AsLong(args[12]));
   if (PyErr_Occurred()) return nullptr;
   if (bits != 8 && bits != 4) {
     PyErr_Format(PyExc_ValueError, "gemm: bits must be 8 or 4, got %ld", bits);
+    return nullptr;
+  }
+  if (a.act_bits != 16 && a.act_bits != 8) {
+    PyErr_Format(PyExc_ValueError, "gemm: act_bits must be 16 or 8, got %d", a.act_bits);
     return nullptr;
   }
   if (g_isa == Isa::none) {
@@ -272,7 +283,7 @@ PyObject* py_set_isa(PyObject*, PyObject* arg) {
 
 PyMethodDef kMethods[] = {
     {"gemm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_gemm)), METH_FASTCALL,
-     "gemm(bits, x, ldx, M, K, N, w, d, m, bias, out, ldo): out = x @ W.T (+ bias), W block-quantized"},
+     "gemm(bits, x, ldx, M, K, N, w, d, m, bias, out, ldo, act_bits): out = x @ W.T (+ bias), W block-quantized"},
     {"dequant_rows", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_dequant_rows)), METH_FASTCALL,
      "dequant_rows(bits, w, d, m, K, ids, n, out): rows `ids` of a block-quantized weight as float32"},
     {"decoder_new", py_decoder_new, METH_VARARGS,

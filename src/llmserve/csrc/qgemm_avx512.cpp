@@ -1,6 +1,11 @@
 // q8 / q4 matmul for CPUs with AVX-512 VNNI (Zen 4, Ice Lake and later): 16 output rows live in one
-// zmm register of int32 lanes; each step multiplies a pair of int16 activations (broadcast to all
-// lanes) by the 16 rows' matching pair of weights and adds both products (vpdpwssd).
+// zmm register of int32 lanes.
+//   q8: each step multiplies a pair of int16 activations (broadcast to all lanes) by the 16 rows'
+//       matching pair of weights and adds both products (vpdpwssd).
+//   q4: activations are int8 with one scale per block of 32 (GGUF's Q8_1 arithmetic, as llama.cpp
+//       computes Q4 weights); each step multiplies four unsigned 4-bit weights of each row by four
+//       int8 activations and adds the four products (vpdpbusd): 64 products an instruction,
+//       twice vpdpwssd's, which is what several tokens at once (verification, prefill) are bound by.
 // See qgemm.h for the layout and the math.
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c,avx2")
 
@@ -21,6 +26,71 @@ namespace avx512 {
 namespace {
 
 constexpr int MAX_MT = 8;  // tokens per register tile: 8 int32 + 8 float accumulators
+
+// Per-block int8 quantization of float activations for the q4 kernel (GGUF's Q8_1):
+//   xq[t, k] = round(x[t, k] / dx[t, b]),  dx[t, b] = max over block b of |x[t, k]| / 127
+//   xsum[t, b] = dx[t, b] * sum over block b of xq[t, k]                         (k >= K: 0)
+// The minimums' term takes the rounded activations' sum, not the exact one, so that the result is
+// exactly the dequantized weights (d q + m) times the rounded activations: the rounding errors then
+// meet the weights themselves, not d q, which is up to twice as large where m offsets it.
+void quantize_blocks_i8(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* xq, float* dx, float* xsum) {
+  const int64_t nb = num_blocks(K), Kp = nb * KB;
+#pragma omp parallel for schedule(static) if (M * K >= (1 << 16))
+  for (int64_t t = 0; t < M; ++t) {
+    const float* xt = x + t * ldx;
+    for (int64_t b = 0; b < nb; ++b) {
+      float v[KB] = {};
+      const int64_t k0 = b * KB, n = std::min<int64_t>(KB, K - k0);
+      std::memcpy(v, xt + k0, n * sizeof(float));
+      float amax = 0.f;
+      for (int k = 0; k < KB; ++k) amax = std::max(amax, std::fabs(v[k]));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f, scale = amax / 127.f;
+      int8_t* q = xq + t * Kp + k0;
+      int32_t sum = 0;
+      for (int k = 0; k < KB; ++k) sum += (q[k] = static_cast<int8_t>(std::nearbyint(v[k] * inv)));
+      dx[t * nb + b] = scale;
+      xsum[t * nb + b] = scale * static_cast<float>(sum);
+    }
+  }
+}
+
+// The q4 kernel's order of activation bytes: per block, per group g of 8 columns, the quads
+// (8g, 8g+4, 8g+1, 8g+5) and (8g+2, 8g+6, 8g+3, 8g+7), matching the bytes its masks make of the
+// weights' 16-bit lanes (qgemm.h). Within a group of G tokens the quads of all tokens sit side by
+// side, quad-major (as interleave_groups does for pairs), and the block scales and sums too.
+void interleave_quads(const int8_t* xq, const float* dx, const float* xsum, int64_t M, int64_t K, int64_t G,
+                      int32_t* xi, float* xd, float* xs) {
+  static constexpr int kOrder[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+  const int64_t nb = num_blocks(K), quads = nb * KB / 4;
+  for (int64_t t0 = 0; t0 < M; t0 += G) {
+    const int64_t g = std::min(G, M - t0);
+    int32_t* dst = xi + t0 * quads;
+    for (int64_t t = 0; t < g; ++t) {
+      const int8_t* src = xq + (t0 + t) * quads * 4;
+      for (int64_t j = 0; j < quads; ++j) {
+        int8_t quad[4];  // group j / 2 of 8 columns, its low (j even) or high nibbles' columns
+        for (int i = 0; i < 4; ++i) quad[i] = src[(j / 2) * 8 + kOrder[(j % 2) * 4 + i]];
+        std::memcpy(dst + j * g + t, quad, 4);
+      }
+      for (int64_t b = 0; b < nb; ++b) {
+        xd[t0 * nb + b * g + t] = dx[(t0 + t) * nb + b];
+        xs[t0 * nb + b * g + t] = xsum[(t0 + t) * nb + b];
+      }
+    }
+  }
+}
+
+struct ActScratch8 {
+  std::vector<int8_t> xq;
+  std::vector<int32_t> xi;
+  std::vector<float> dx, xsum, xd, xs;
+  void fit(int64_t M, int64_t K) {
+    const int64_t nb = num_blocks(K);
+    if ((int64_t)xq.size() < M * nb * KB) xq.resize(M * nb * KB), xi.resize(M * nb * KB / 4);
+    if ((int64_t)dx.size() < M * nb) dx.resize(M * nb), xsum.resize(M * nb), xd.resize(M * nb), xs.resize(M * nb);
+  }
+};
+thread_local ActScratch8 scratch8;
 
 inline __m512 half16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -116,6 +186,71 @@ void tile_q4(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t nb,
   store_tile<MT>(acc, dx, bias, nvalid, out, ldo);
 }
 
+// The same for 4-bit weights against int8 activations with a scale per block (act_quant.inc's
+// quantize_blocks_i8): per block, two masks give each 32-bit lane's four low and four high
+// nibbles as unsigned bytes, the columns 8g + {0, 4, 1, 5} and 8g + {2, 6, 3, 7}, which the
+// activations' quads are interleaved to match.
+//   out[t, n] = sum_b (d[n, b] dx[t, b] <q[n, b], xq[t, b]> + m[n, b] xsum[t, b]) + bias[n]
+template <int MT>
+void tile_q4_i8(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t nb, const int32_t* xi,
+                const float* xd, const float* xs, const float* bias, int nvalid, float* out, int64_t ldo) {
+  constexpr int A = chains<MT>();
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 acc[MT];
+  for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i ia[MT][A];
+    for (int t = 0; t < MT; ++t)
+      for (int c = 0; c < A; ++c) ia[t][c] = _mm512_setzero_si512();
+    const uint8_t* wb = w + b * (KB * NT / 2);
+    const int32_t* xb = xi + b * (KB / 4) * MT;
+#pragma GCC unroll 4
+    for (int g = 0; g < KB / 8; ++g) {
+      const __m512i v = _mm512_loadu_si512(wb + g * 64);
+      const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      for (int t = 0; t < MT; ++t)
+        ia[t][(2 * g) % A] = _mm512_dpbusd_epi32(ia[t][(2 * g) % A], lo, _mm512_set1_epi32(xb[2 * g * MT + t]));
+      for (int t = 0; t < MT; ++t)
+        ia[t][(2 * g + 1) % A] =
+            _mm512_dpbusd_epi32(ia[t][(2 * g + 1) % A], hi, _mm512_set1_epi32(xb[(2 * g + 1) * MT + t]));
+    }
+    const __m512 sc = half16(d + b * NT), mn = half16(m + b * NT);
+    for (int t = 0; t < MT; ++t) {
+      __m512i s = ia[t][0];
+      for (int c = 1; c < A; ++c) s = _mm512_add_epi32(s, ia[t][c]);
+      const __m512 scale = _mm512_mul_ps(sc, _mm512_set1_ps(xd[b * MT + t]));
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[t]);
+      acc[t] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[b * MT + t]), acc[t]);
+    }
+  }
+  const __mmask16 mask = nvalid >= NT ? __mmask16(0xFFFF) : __mmask16((1u << nvalid) - 1);
+  const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+  for (int t = 0; t < MT; ++t) _mm512_mask_storeu_ps(out + t * ldo, mask, _mm512_add_ps(acc[t], bv));
+}
+
+// q4 against int8 activations: tokens [t0, t1) of one tile, a group of up to MAX_MT at a time.
+void tile_tokens_q4_i8(const GemmArgs& a, int64_t tile, int64_t t0, int64_t t1, const int32_t* xi,
+                       const float* xd, const float* xs) {
+  const int64_t nb = num_blocks(a.K), quads = nb * KB / 4;
+  const int nvalid = static_cast<int>(std::min<int64_t>(NT, a.N - tile * NT));
+  const uint8_t* w = static_cast<const uint8_t*>(a.w) + tile * nb * (KB * NT / 2);
+  const uint16_t* d = a.d + tile * nb * NT;
+  const uint16_t* m = a.m + tile * nb * NT;
+  const float* bias = a.bias ? a.bias + tile * NT : nullptr;
+  for (int64_t t = t0; t < t1; t += MAX_MT) {
+    const int mt = static_cast<int>(std::min<int64_t>(MAX_MT, t1 - t));
+    const int32_t* x = xi + t * quads;
+    float* out = a.out + t * a.ldo + tile * NT;
+    switch (mt) {
+#define LLMSERVE_Q4(MT) \
+  case MT: tile_q4_i8<MT>(w, d, m, nb, x, xd + t * nb, xs + t * nb, bias, nvalid, out, a.ldo); break;
+      LLMSERVE_Q4(1) LLMSERVE_Q4(2) LLMSERVE_Q4(3) LLMSERVE_Q4(4)
+      LLMSERVE_Q4(5) LLMSERVE_Q4(6) LLMSERVE_Q4(7) LLMSERVE_Q4(8)
+#undef LLMSERVE_Q4
+    }
+  }
+}
+
 // Tokens [t0, t1) of one tile (t0, t1 on group boundaries), a group of up to MAX_MT at a time.
 template <bool Q4>
 void tile_tokens(const GemmArgs& a, int64_t tile, int64_t t0, int64_t t1, const int32_t* xi, const float* xs,
@@ -171,10 +306,28 @@ void gemm(const GemmArgs& a) {
   }
 }
 
+// q4 against int8 activations, chunked over tokens and split over tiles as `gemm` is.
+void gemm_q4_i8(const GemmArgs& a) {
+  const int64_t nb = num_blocks(a.K), tiles = num_tiles(a.N);
+  scratch8.fit(a.M, a.K);
+  quantize_blocks_i8(a.x, a.ldx, a.M, a.K, scratch8.xq.data(), scratch8.dx.data(), scratch8.xsum.data());
+  interleave_quads(scratch8.xq.data(), scratch8.dx.data(), scratch8.xsum.data(), a.M, a.K, MAX_MT,
+                   scratch8.xi.data(), scratch8.xd.data(), scratch8.xs.data());
+  const int32_t* xi = scratch8.xi.data();
+  const float *xd = scratch8.xd.data(), *xs = scratch8.xs.data();
+  const int64_t chunk = std::max<int64_t>(MAX_MT, ((256 * 1024) / (nb * KB)) / MAX_MT * MAX_MT);
+#pragma omp parallel
+  for (int64_t t0 = 0; t0 < a.M; t0 += chunk) {
+    const int64_t t1 = std::min(a.M, t0 + chunk);
+#pragma omp for schedule(static)
+    for (int64_t tile = 0; tile < tiles; ++tile) tile_tokens_q4_i8(a, tile, t0, t1, xi, xd, xs);
+  }
+}
+
 }  // namespace
 
 void gemm_q8(const GemmArgs& a) { gemm<false>(a); }
-void gemm_q4(const GemmArgs& a) { gemm<true>(a); }
+void gemm_q4(const GemmArgs& a) { a.act_bits == 8 ? gemm_q4_i8(a) : gemm<true>(a); }
 
 }  // namespace avx512
 }  // namespace llmserve

@@ -38,6 +38,7 @@ def build_engine(
     device: str = "auto",
     cpu_gemm: str = "auto",
     quantization: str = "auto",
+    cpu_activations: str = "int16",
     max_model_len: int | None = None,
     show_progress: bool = True,
     block_size: int = 16,
@@ -61,6 +62,7 @@ def build_engine(
             device=device,
             cpu_gemm=cpu_gemm,
             quantization=quantization,
+            cpu_activations=cpu_activations,
             max_model_len=max_model_len,
             show_progress=show_progress,
             model_impl=model_impl,
@@ -119,7 +121,7 @@ def to_prompt(x: object, index: int) -> Prompt:
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
-        """`engine_options`: the keyword arguments of `build_engine` (dtype, device, cpu_gemm, quantization, max_model_len,
+        """`engine_options`: the keyword arguments of `build_engine` (dtype, device, cpu_gemm, quantization, cpu_activations, max_model_len,
         block_size, kv_cache_memory, num_kv_blocks, enable_prefix_caching, kv_cache_dtype, max_num_batched_tokens,
         max_num_seqs, scheduling_policy, admission_policy, batching_mode, model_impl, speculative_config,
         show_progress). `speculative_config`: vLLM's dict (or its JSON), e.g. {"method": "ngram",

@@ -73,8 +73,11 @@ def _addr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ W.T (+ bias) in float32 (returned in x's dtype)."""
+def linear(
+    x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, act_bits: int = 16
+) -> torch.Tensor:
+    """x [..., K] @ W.T (+ bias) in float32 (returned in x's dtype). `act_bits` 8: q4 weights take
+    int8 activations per block of 32 where the kernel set has them (avx512_vnni; else int16)."""
     K, N = w.in_features, w.out_features
     if _kernels == "torch":
         out = F.linear(x.float(), unpack(w).dequantize(), bias)
@@ -85,7 +88,7 @@ def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -
     M = x2.shape[0]
     out = torch.empty(M, N, dtype=torch.float32)
     _ext.gemm(w.bits, x2.data_ptr(), K, M, K, N, w.data.data_ptr(), w.d.data_ptr(), _addr(w.m), _addr(bias),
-              out.data_ptr(), N)  # fmt: skip
+              out.data_ptr(), N, act_bits)  # fmt: skip
     out = out.view(*x.shape[:-1], N)
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 

@@ -83,11 +83,12 @@ def unsupported_reason(spec: DecoderSpec, kv_caches: list[torch.Tensor]) -> str 
     return None
 
 
-def _linear(m: QuantizedLinear) -> tuple[int, int, int, int, int, int, int]:
+def _linear(m: QuantizedLinear) -> tuple[int, ...]:
     w = m.qweight
     assert w is not None
     addr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-    return (w.bits, w.data.data_ptr(), w.d.data_ptr(), addr(w.m), addr(m.bias), w.out_features, w.in_features)
+    return (w.bits, w.data.data_ptr(), w.d.data_ptr(), addr(w.m), addr(m.bias), w.out_features, w.in_features,
+            m.act_bits)  # fmt: skip
 
 
 class FusedDecoder:

@@ -71,6 +71,7 @@ class QuantizedLinear(Linear):
             else None
         )
         self.qweight: PackedWeight | None = None
+        self.act_bits = 16  # 8: int8 activations for q4 weights (ModelConfig.cpu_activations)
         self._staged: list[QuantizedRows | None] = [None] * len(self.output_sizes)
 
     @classmethod
@@ -80,7 +81,7 @@ class QuantizedLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assert self.qweight is not None, "weights not loaded"
-        return cpu_kernels.linear(x, self.qweight, self.bias)
+        return cpu_kernels.linear(x, self.qweight, self.bias, self.act_bits)
 
     def load_shard(
         self, name: str, loaded: torch.Tensor | QuantizedRows, shard: int = 0, is_bias: bool = False
@@ -151,6 +152,7 @@ class QuantizedLMHead(LMHead):
         self.weight_t = None
         self.weight = None
         self.qweight: PackedWeight | None = None
+        self.act_bits = 16  # QuantizedLinear.act_bits
 
     @property
     def packed_weight(self) -> PackedWeight:
@@ -159,7 +161,7 @@ class QuantizedLMHead(LMHead):
         return w
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
-        return cpu_kernels.linear(hidden, self.packed_weight)
+        return cpu_kernels.linear(hidden, self.packed_weight, act_bits=self.act_bits)
 
     def use_onednn(self, tied_to: VocabEmbedding | None) -> None:
         """The quantized kernels have their own layout."""

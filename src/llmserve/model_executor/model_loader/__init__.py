@@ -193,6 +193,9 @@ def load_model(config: ModelConfig, attention_backend: str = "auto") -> LoadedMo
     with bar:
         model.load_weights(_tracked(weights(dtype, keep_quantized), bar))
     model.eval()
+    for m in model.modules():
+        if hasattr(m, "act_bits"):  # the quantized linear layers and LM head
+            m.act_bits = 8 if config.cpu_activations == "int8" else 16
     if linear_kernel == "onednn":
         model.use_onednn()  # same bytes, reordered; packed tensors stay parameters
     if plan is not None:
