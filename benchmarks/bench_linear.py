@@ -24,6 +24,7 @@ for float32 x (or the kernel's activation type, converted outside the timed regi
                    weight scales applied with torch ops
   llmserve's kernels (csrc/qgemm_*.cpp; int16 activations per token, blocks of 32)
     q8, q4         on the best kernel set of this CPU;  q8-avx2, q4-avx2: forced to AVX2
+    q4-i8          q4 with int8 activations per block of 32 (--cpu-activations int8; AVX-512 VNNI)
 
 A plain sum over the fp32 bytes gives the machine's streaming ceiling. Medians of --repeats, the
 columns interleaved so noise hits them alike. Writes benchmarks/results/bench_linear.json.
@@ -181,6 +182,7 @@ CANDIDATES: dict[
     "int_mm": (prep_int_mm, run_int_mm, None),
     "q8": (prep_ours("q8"), lambda p, x: cpu_kernels.linear(x, p), None),
     "q4": (prep_ours("q4"), lambda p, x: cpu_kernels.linear(x, p), None),
+    "q4-i8": (prep_ours("q4"), lambda p, x: cpu_kernels.linear(x, p, act_bits=8), None),
 }
 
 

@@ -15,6 +15,7 @@ import torch
 
 from llmserve.bench.quality import evaluate
 from llmserve.config import ModelConfig
+from llmserve.layers.quantization import cpu_kernels
 from llmserve.model_executor.model_loader import load_model
 from tests.models.tiny import make_tiny_model
 
@@ -78,6 +79,18 @@ def test_quantized_divergence_is_small_and_ordered_by_bits(tiny):
     assert int8.kld_p99 >= int8.kld
 
 
+@pytest.mark.skipif(cpu_kernels.best_kernels() != "avx512_vnni", reason="int8 activations need AVX-512 VNNI")
+def test_int8_activations_cost_divergence(tiny):
+    """`cpu_activations="int8"` (llama.cpp's rounding) moves the int4 model further from the float
+    one than the default int16 does; `eval perplexity` takes the flag."""
+    reference = _load(tiny[0], quantization="none")
+    int16 = evaluate(_load(tiny[0], quantization="int4"), TEXT_IDS, N_CTX, reference=reference)
+    int8 = evaluate(
+        _load(tiny[0], quantization="int4", cpu_activations="int8"), TEXT_IDS, N_CTX, reference=reference
+    )
+    assert 0 < int16.kld < int8.kld < 0.5
+
+
 def test_int8_kv_cache_is_measured_too(tiny):
     model = _load(tiny[0], quantization="none")
     result = evaluate(model, TEXT_IDS, N_CTX, reference=model, kv_cache_dtype=torch.int8)
@@ -99,7 +112,7 @@ def test_cli_writes_its_report(tiny, tmp_path):
     text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
     report = tmp_path / "out.json"
     cmd = [sys.executable, "-m", "llmserve.cli.main", "eval", "perplexity", "--model", str(tiny[0]),
-           "--quantization", "int8", "--kv-cache-dtype", "int8", "--text", str(text), "--ctx", "64",
+           "--quantization", "int8", "--kv-cache-dtype", "int8", "--cpu-activations", "int8", "--text", str(text), "--ctx", "64",
            "--json", str(report)]  # fmt: skip
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr

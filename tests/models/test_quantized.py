@@ -231,6 +231,26 @@ def test_fused_rows_do_not_depend_on_the_batch(tmp_path, name, cpu_activations):
     assert torch.equal(together[: len(new)], one_by_one)
 
 
+@pytest.mark.skipif(not cpu_kernels.has_native_kernels(), reason="needs llmserve's C++ kernels")
+def test_int8_activations_are_named_or_refused_with_a_warning(tmp_path, caplog):
+    """The load report says when q4 takes int8 activations; where the kernel set has no int8 path
+    (AVX2) the request is answered with a warning and int16."""
+    make_tiny_model("llama", tmp_path)
+    config = ModelConfig(
+        model=str(tmp_path), quantization="int4", cpu_activations="int8", show_progress=False
+    )
+    if cpu_kernels.best_kernels() == "avx512_vnni":
+        assert "q4 with int8 activations" in load_model(config).linear_kernel
+    cpu_kernels.set_kernels("avx2")
+    try:
+        with caplog.at_level("WARNING", logger="llmserve"):
+            loaded = load_model(config)
+    finally:
+        cpu_kernels.set_kernels("auto")
+    assert "int8 activations" not in loaded.linear_kernel
+    assert "cpu_activations int8 needs the avx512_vnni kernels (this process runs avx2)" in caplog.text
+
+
 def test_float_models_do_not_take_the_fused_step(tmp_path):
     make_tiny_model("llama", tmp_path)
     loaded = load_model(ModelConfig(model=str(tmp_path), show_progress=False))

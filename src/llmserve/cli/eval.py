@@ -61,7 +61,7 @@ def run_perplexity(args: argparse.Namespace) -> int:
     def load(model: str | None, quantization: str, dtype: str) -> object:
         config = ModelConfig(
             model=model, dtype=dtype, device=args.device, cpu_gemm=args.cpu_gemm, quantization=quantization,
-            show_progress=False,
+            cpu_activations=args.cpu_activations, show_progress=False,
         )  # fmt: skip
         return load_model(config)
 

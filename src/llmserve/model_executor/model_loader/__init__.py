@@ -204,6 +204,15 @@ def load_model(config: ModelConfig, attention_backend: str = "auto") -> LoadedMo
             if any(isinstance(m, Linear) and not isinstance(m, QuantizedLinear) for m in model.modules())
             else ""
         )
+        if config.cpu_activations == "int8" and "q4" in plan.formats.values():
+            if cpu_kernels.kernels() == "avx512_vnni":
+                linear_kernel += ", q4 with int8 activations"
+            else:
+                logger.warning(
+                    "cpu_activations int8 needs the avx512_vnni kernels (this process runs %s): "
+                    "activations stay int16",
+                    cpu_kernels.kernels(),
+                )
 
     groups = tuple(weight_groups(model))
     loaded = LoadedModel(
