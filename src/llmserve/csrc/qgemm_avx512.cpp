@@ -186,8 +186,8 @@ void tile_q4(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t nb,
   store_tile<MT>(acc, dx, bias, nvalid, out, ldo);
 }
 
-// The same for 4-bit weights against int8 activations with a scale per block (act_quant.inc's
-// quantize_blocks_i8): per block, two masks give each 32-bit lane's four low and four high
+// The same for 4-bit weights against int8 activations with a scale per block (quantize_blocks_i8
+// above): per block, two masks give each 32-bit lane's four low and four high
 // nibbles as unsigned bytes, the columns 8g + {0, 4, 1, 5} and 8g + {2, 6, 3, 7}, which the
 // activations' quads are interleaved to match.
 //   out[t, n] = sum_b (d[n, b] dx[t, b] <q[n, b], xq[t, b]> + m[n, b] xsum[t, b]) + bias[n]
