@@ -472,7 +472,8 @@ void Decoder::forward(const float* x, int64_t M, const int64_t* positions, const
     }
     // 4. attention, split into work items of (run of a sequence's tokens, KV head, grid chunk),
     //    then each query head's chunks merged: out = sum_c e^{mx_c - M} o_c / sum_c e^{mx_c - M} l_c
-    plan_attention(M, positions, token_seqs, L.window);
+    if (l == 0 || L.window != layers[l - 1].window)  // the plan depends on nothing else
+      plan_attention(M, positions, token_seqs, L.window);
     const int64_t num_items = static_cast<int64_t>(items.size());
     float *po = part_o.data(), *pm = part_mx.data(), *pl = part_l.data();
 #pragma omp parallel
