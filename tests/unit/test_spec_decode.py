@@ -17,7 +17,7 @@ from llmserve.core.scheduler import Scheduler
 from llmserve.sample import SamplingMetadata
 from llmserve.sample.state import RequestSamplingState
 from llmserve.sampling_params import SamplingParams
-from llmserve.spec_decode.controller import PROBE_INTERVAL, SpecController
+from llmserve.spec_decode.controller import MAX_STEPS, PROBE_INTERVAL, SpecController
 from llmserve.spec_decode.ngram import NgramProposer
 from llmserve.spec_decode.rejection import verify_proposals
 
@@ -221,6 +221,19 @@ def test_cost_model_fits_decode_steps() -> None:
         c.observe_step(1, 5.2)  # all steps alike: the prior ratio splits the time
     a, b = c.cost()
     assert abs(a + b - 5.2) < 1e-9 and abs(b / a - 0.3) < 1e-9
+
+
+def test_cost_model_forgets_old_steps() -> None:
+    """The fit covers the last MAX_STEPS decode steps only: after the machine's cost changes, a
+    window of new steps gives the new cost exactly (the running sums drop what leaves)."""
+    c = fitted(4.0, 1.0)
+    sizes = (1, 2, 3, 5, 1, 4, 2, 6)
+    for i in range(3 * MAX_STEPS):
+        c.observe_step(sizes[i % len(sizes)], 4.0 + 1.0 * sizes[i % len(sizes)])
+    for i in range(MAX_STEPS):
+        c.observe_step(sizes[i % len(sizes)], 0.002 + 0.003 * sizes[i % len(sizes)])
+    a, b = c.cost()
+    assert abs(a - 0.002) < 1e-9 and abs(b - 0.003) < 1e-9
 
 
 def test_allocation_verifies_what_pays() -> None:

@@ -26,6 +26,8 @@ from collections import deque
 from llmserve.core.request import Request
 
 PROBE_INTERVAL = 16
+MAX_STEPS = 256
+"""Decode steps the cost fit remembers (running sums, so a step costs O(1) to add)."""
 PRIOR_RATIO = {"cpu": 0.3, "cuda": 0.02}
 """b / a before the fit: one more token's cost relative to a step's fixed cost."""
 
@@ -35,7 +37,8 @@ class SpecController:
         self.max_k = max_k
         self.adaptive = adaptive
         self.prior_ratio = PRIOR_RATIO.get(device_type, 0.3)
-        self._steps: deque[tuple[int, float]] = deque(maxlen=256)
+        self._steps: deque[tuple[int, float]] = deque()
+        self._sums = [0.0, 0.0, 0.0, 0.0]  # of x, t, x^2, x t over `_steps` (x tokens, t seconds)
         self._cost: tuple[float, float] | None = None
         self.prior_alpha = 0.5
         """What a request that has verified nothing yet is assumed to get accepted: the engine's
@@ -44,8 +47,18 @@ class SpecController:
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         """A decode step (no prefill) computed `num_tokens` tokens in `seconds`."""
+        self._add(num_tokens, seconds, 1.0)
         self._steps.append((num_tokens, seconds))
+        if len(self._steps) > MAX_STEPS:
+            self._add(*self._steps.popleft(), -1.0)
         self._cost = None
+
+    def _add(self, x: float, t: float, sign: float) -> None:
+        sums = self._sums
+        sums[0] += sign * x
+        sums[1] += sign * t
+        sums[2] += sign * x * x
+        sums[3] += sign * x * t
 
     def observe_acceptance(self, accepted: int, proposed: int) -> None:
         """A step's verifications, engine-wide: they move the prior of requests with no history."""
@@ -72,15 +85,14 @@ class SpecController:
         return self._cost
 
     def _fit(self) -> tuple[float, float]:
-        steps = self._steps
-        if not steps:
+        n = len(self._steps)
+        if not n:
             return 1.0, self.prior_ratio
-        n = len(steps)
-        mean_x = sum(x for x, _ in steps) / n
-        mean_t = sum(t for _, t in steps) / n
-        var_x = sum((x - mean_x) ** 2 for x, _ in steps) / n
+        sx, st, sxx, sxt = self._sums
+        mean_x, mean_t = sx / n, st / n
+        var_x = sxx / n - mean_x * mean_x
         if var_x >= 0.5:
-            b = sum((x - mean_x) * (t - mean_t) for x, t in steps) / n / var_x
+            b = (sxt / n - mean_x * mean_t) / var_x
             a = mean_t - b * mean_x
             if a > 0 and b > 0:
                 return a, b
