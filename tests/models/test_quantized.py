@@ -191,13 +191,15 @@ def test_fused_decode_matches_layer_by_layer(tmp_path, name, kv_cache_dtype):
     torch.testing.assert_close(logits[True], logits[False], rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("cpu_activations", ["int16", "int8"])
 @pytest.mark.parametrize("name", ["llama", "mistral-sliding", "qwen3"])
-def test_fused_rows_do_not_depend_on_the_batch(tmp_path, name, cpu_activations):
+def test_fused_rows_do_not_depend_on_the_batch(tmp_path, name, cpu_activations, kv_cache_dtype):
     """A token's logits are the same to the bit whether it is decoded alone or among other tokens
     of its sequence and of another (a speculative step, a batch), over a context spanning several
     of the attention's 128-position chunks (and a sliding window): what makes speculative
-    decoding's greedy output plain decoding's."""
+    decoding's greedy output plain decoding's. (A float16 cache is read converting in registers
+    by a token alone and through a converted block by several: the same values either way.)"""
     make_tiny_model(name, tmp_path)
     hf_config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**hf_config, "max_position_embeddings": 1024}))
@@ -210,7 +212,7 @@ def test_fused_rows_do_not_depend_on_the_batch(tmp_path, name, cpu_activations):
     table, other_table = list(range(110)), list(range(110, 150))
 
     def runner() -> ForwardRunner:
-        r = ForwardRunner(loaded.model, num_blocks=150, block_size=4)
+        r = ForwardRunner(loaded.model, num_blocks=150, block_size=4, kv_cache_dtype=kv_cache_dtype)
         r.execute(
             [
                 SequenceBatchEntry(prompt, len(prompt), table),

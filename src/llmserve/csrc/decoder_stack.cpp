@@ -229,44 +229,110 @@ const float* load_rows(int cache_type, const void* src, int64_t rows, int64_t D,
   return dst;
 }
 
-// Eight dot products at once: lane j of the result is the sum of the 8 lanes of a[j].
-inline __m256 hsum8x8(const __m256 (&a)[8]) {
-  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
-  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
-  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
-  // lanes: [0 1 2 3 | 0 1 2 3] halves of rows 0-3 and rows 4-7: add the 128-bit halves
-  const __m256 lo = _mm256_permute2f128_ps(s0123, s4567, 0x20), hi = _mm256_permute2f128_ps(s0123, s4567, 0x31);
-  return _mm256_add_ps(lo, hi);
+// Dot products of up to 4 vectors at once: lane j of the result is the sum of the 8 lanes of a[j],
+// always by the same tree ((0+1)+(2+3))+((4+5)+(6+7)), whatever is reduced beside it.
+inline __m128 hsum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 
-// s[j] = q . K[t0 + j] for j < n (n <= 8) rows of D floats, D a multiple of 8.
-template <int N>
-inline void dots(const float* q, const float* K, int64_t D, float* s) {
-  __m256 acc[8];
-  for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+// The query rows of one work item that see positions in the current chunk: row r is (token u,
+// query head g) = (r / G, r % G). Rows are taken NR at a time, so that each K and V row loaded
+// serves all of them.
+constexpr int kRowTile = 3;
+
+// Eight cache values as floats: float32 rows as they are, float16 rows converted on the way.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline float load1(float v) { return v; }
+inline float load1(uint16_t v) { return _cvtsh_ss(v); }
+
+// s[r][t0 + j] = q[r] . K[t0 + j] for the NR rows and NP <= 4 positions j, D a multiple of 8.
+// Per dot product: 8 lanes of fused multiply-adds along d in order, then hsum4x8: the same
+// operations whatever the other rows and positions are, so a row's scores do not depend on them.
+template <int NR, int NP, typename T>
+inline void score_tile(const float* const* q, const T* K, int64_t D, int64_t t0, float* const* s) {
+  __m256 acc[NR][4];
+  for (int r = 0; r < NR; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
+  const T* k = K + t0 * D;
   for (int64_t d = 0; d < D; d += 8) {
-    const __m256 qv = _mm256_loadu_ps(q + d);
-    for (int j = 0; j < N; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(K + j * D + d), acc[j]);
+    __m256 qv[NR];
+    for (int r = 0; r < NR; ++r) qv[r] = _mm256_loadu_ps(q[r] + d);
+    for (int j = 0; j < NP; ++j) {
+      const __m256 kv = load8(k + j * D + d);
+      for (int r = 0; r < NR; ++r) acc[r][j] = _mm256_fmadd_ps(qv[r], kv, acc[r][j]);
+    }
   }
-  if (N == 8) {
-    _mm256_storeu_ps(s, hsum8x8(acc));
-    return;
+  for (int r = 0; r < NR; ++r) {
+    const __m128 v = hsum4x8(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+    if (NP == 4) {
+      _mm_storeu_ps(s[r] + t0, v);
+    } else {
+      alignas(16) float out[4];
+      _mm_store_ps(out, v);
+      for (int j = 0; j < NP; ++j) s[r][t0 + j] = out[j];
+    }
   }
-  alignas(32) float out[8];
-  _mm256_store_ps(out, hsum8x8(acc));
-  for (int j = 0; j < N; ++j) s[j] = out[j];
 }
 
-inline void dots8(const float* q, const float* K, int64_t D, int64_t n, float* s) {
-  switch (n) {
-    case 8: return dots<8>(q, K, D, s);
-    case 7: return dots<7>(q, K, D, s);
-    case 6: return dots<6>(q, K, D, s);
-    case 5: return dots<5>(q, K, D, s);
-    case 4: return dots<4>(q, K, D, s);
-    case 3: return dots<3>(q, K, D, s);
-    case 2: return dots<2>(q, K, D, s);
-    default: return dots<1>(q, K, D, s);
+template <int NR, typename T>
+inline void score_rows(const float* const* q, const T* K, int64_t D, int64_t t0, int64_t t1, float* const* s) {
+  int64_t t = t0;
+  for (; t + 4 <= t1; t += 4) score_tile<NR, 4>(q, K, D, t, s);
+  switch (t1 - t) {
+    case 3: return score_tile<NR, 3>(q, K, D, t, s);
+    case 2: return score_tile<NR, 2>(q, K, D, t, s);
+    case 1: return score_tile<NR, 1>(q, K, D, t, s);
+    default: return;
+  }
+}
+
+// o[r][d] += sum_t p[r][t] V[t][d] over t in [t0, t1) for the NR rows, one fused multiply-add per
+// (t, d) in order of t (a row's p is 0 outside its own positions, which leaves its o as it is).
+template <int NR, typename T>
+inline void value_rows(const float* const* p, const T* V, int64_t D, int64_t t0, int64_t t1, float* const* o) {
+  int64_t d = 0;
+  for (; d + 32 <= D; d += 32) {
+    __m256 acc[NR][4];
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_loadu_ps(o[r] + d + 8 * c);
+    for (int64_t t = t0; t < t1; ++t) {
+      const T* v = V + t * D + d;
+      const __m256 v0 = load8(v), v1 = load8(v + 8), v2 = load8(v + 16), v3 = load8(v + 24);
+      for (int r = 0; r < NR; ++r) {
+        const __m256 pr = _mm256_broadcast_ss(p[r] + t);
+        acc[r][0] = _mm256_fmadd_ps(pr, v0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(pr, v1, acc[r][1]);
+        acc[r][2] = _mm256_fmadd_ps(pr, v2, acc[r][2]);
+        acc[r][3] = _mm256_fmadd_ps(pr, v3, acc[r][3]);
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < 4; ++c) _mm256_storeu_ps(o[r] + d + 8 * c, acc[r][c]);
+  }
+  for (; d < D; ++d)
+    for (int r = 0; r < NR; ++r)
+      for (int64_t t = t0; t < t1; ++t) o[r][d] += p[r][t] * load1(V[t * D + d]);
+}
+
+template <typename T>
+inline void score_group(int64_t nr, const float* const* q, const T* K, int64_t D, int64_t t0, int64_t t1,
+                        float* const* s) {
+  switch (nr) {
+    case 3: return score_rows<3>(q, K, D, t0, t1, s);
+    case 2: return score_rows<2>(q, K, D, t0, t1, s);
+    default: return score_rows<1>(q, K, D, t0, t1, s);
+  }
+}
+
+template <typename T>
+inline void value_group(int64_t nr, const float* const* p, const T* V, int64_t D, int64_t t0, int64_t t1,
+                        float* const* o) {
+  switch (nr) {
+    case 3: return value_rows<3>(p, V, D, t0, t1, o);
+    case 2: return value_rows<2>(p, V, D, t0, t1, o);
+    default: return value_rows<1>(p, V, D, t0, t1, o);
   }
 }
 
@@ -277,81 +343,94 @@ inline void dots8(const float* q, const float* K, int64_t D, int64_t n, float* s
 //   s[g, t] = q_g . K[t];  mx_g = max_t s[g, t];  l_g = sum_t e^{scale (s[g, t] - mx_g)}
 //   o_g = sum_t e^{scale (s[g, t] - mx_g)} V[t]                       (not yet divided by l_g)
 //
-// Each block of K and V rows is read (and converted) once for all R tokens and G heads. Every
-// (u, g) runs the same operations in the same order as it would alone: its result does not depend
-// on the other tokens. k_head, v_head: this KV head's [num_blocks, bs, D] in the cache's type;
-// `table` maps block i of the sequence to a cache block. `s` holds R * G * kChunk floats, `buf` one
-// block of floats; o [R, G, D], mx and l [R, G].
+// Each block of K and V rows is read (and converted) once for all R tokens and G heads, and each
+// row of it loaded once for up to kRowTile query rows. Every (u, g) runs the same operations in the
+// same order as it would alone: its result does not depend on the other tokens. k_head, v_head:
+// this KV head's [num_blocks, bs, D] in the cache's type; `table` maps block i of the sequence to a
+// cache block. `s` holds R * G * kChunk floats, `buf` one block of floats; o [R, G, D], mx and l [R, G].
 void attend_chunk(const Decoder& dec, const float* q, int64_t q_stride, int64_t R, const int64_t* lo,
                   const int64_t* hi, int64_t G, const char* k_head, const char* v_head, const int64_t* table,
                   int64_t p0, float* o, float* mx, float* l, float* s, float* buf) {
   const int64_t D = dec.D, bs = dec.block_size, rb = row_bytes(dec.cache_type, D);
   const bool simd = D % 8 == 0;
-  int64_t first = INT64_MAX, last = 0;  // the positions any token sees
-  for (int64_t u = 0; u < R; ++u)
-    if (hi[u] > lo[u]) first = std::min(first, lo[u]), last = std::max(last, hi[u]);
-  // 1. scores, s[(u G + g) kChunk + p - p0] for position p
-  for (int64_t i = first / bs; i * bs < last; ++i) {
-    const float* K = load_rows(dec.cache_type, k_head + table[i] * bs * rb, bs, D, buf);
-    for (int64_t u = 0; u < R; ++u) {
-      const int64_t t0 = std::max<int64_t>(lo[u] - i * bs, 0), t1 = std::min<int64_t>(hi[u] - i * bs, bs);
-      for (int64_t g = 0; g < G; ++g) {
-        const float* qg = q + u * q_stride + g * D;
-        float* sg = s + (u * G + g) * kChunk + i * bs - p0;
-        for (int64_t t = t0; t < t1; t += 8) {
-          if (simd) {
-            dots8(qg, K + t * D, D, std::min<int64_t>(8, t1 - t), sg + t);
-            continue;
-          }
-          for (int64_t v = t; v < std::min<int64_t>(t + 8, t1); ++v) {
-            float a = 0.f;
-            for (int64_t d = 0; d < D; ++d) a += qg[d] * K[v * D + d];
-            sg[v] = a;
-          }
-        }
-      }
-    }
-  }
-  // 2. unnormalized probabilities
+  // the tokens with positions here (their rows j: row (us[j / G], j % G) = us[j / G] * G + j % G),
+  // and the span [first, last) any of them sees
+  int64_t us[kRun], nu = 0, first = INT64_MAX, last = 0;
   for (int64_t u = 0; u < R; ++u) {
     if (hi[u] <= lo[u]) continue;
-    for (int64_t g = 0; g < G; ++g) {
-      float* sg = s + (u * G + g) * kChunk + lo[u] - p0;
-      const float m = max_of(sg, hi[u] - lo[u]);
-      mx[u * G + g] = m;
-      l[u * G + g] = exp_shifted(sg, hi[u] - lo[u], dec.scale, m);
+    first = std::min(first, lo[u]), last = std::max(last, hi[u]);
+    us[nu++] = u;
+  }
+  const int64_t n = nu * G;
+  auto row = [&](int64_t j) { return us[j / G] * G + j % G; };
+  // float16 rows that only one group of rows reads are converted in registers as they are loaded;
+  // otherwise each block is converted once into `buf` for all the groups
+  const bool direct = dec.cache_type == kCacheF16 && simd && n <= kRowTile;
+  auto row_lo = [&](int64_t r) { return lo[r / G]; };
+  auto row_hi = [&](int64_t r) { return hi[r / G]; };
+  // 1. scores, s[r kChunk + p - p0] for row r and position p
+  for (int64_t i = first / bs; i * bs < last; ++i) {
+    const char* k_block = k_head + table[i] * bs * rb;
+    const float* K = direct ? nullptr : load_rows(dec.cache_type, k_block, bs, D, buf);
+    for (int64_t r0 = 0; r0 < n; r0 += kRowTile) {
+      const int64_t nr = std::min<int64_t>(kRowTile, n - r0);
+      int64_t t0 = INT64_MAX, t1 = 0;  // the positions of this block that any of the rows sees
+      const float* qr[kRowTile];
+      float* sr[kRowTile];
+      for (int64_t j = 0; j < nr; ++j) {
+        const int64_t r = row(r0 + j);
+        t0 = std::min(t0, std::max<int64_t>(row_lo(r) - i * bs, 0));  // within the block
+        t1 = std::max(t1, std::min<int64_t>(row_hi(r) - i * bs, bs));
+        qr[j] = q + (r / G) * q_stride + (r % G) * D;
+        sr[j] = s + r * kChunk + i * bs - p0;
+      }
+      if (t1 <= t0) continue;
+      if (direct) {
+        score_group(nr, qr, reinterpret_cast<const uint16_t*>(k_block), D, t0, t1, sr);
+      } else if (simd) {
+        score_group(nr, qr, K, D, t0, t1, sr);
+      } else {
+        for (int64_t j = 0; j < nr; ++j)
+          for (int64_t t = t0; t < t1; ++t) {
+            float a = 0.f;
+            for (int64_t d = 0; d < D; ++d) a += qr[j][d] * K[t * D + d];
+            sr[j][t] = a;
+          }
+      }
     }
   }
-  // 3. weighted sums of V rows, one query head at a time (its D accumulators in registers)
-  std::fill(o, o + R * G * D, 0.f);
+  // 2. unnormalized probabilities; 0 at the positions of [first, last) a row does not see
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t r = row(j), a = row_lo(r), b = row_hi(r);
+    float* sg = s + r * kChunk - p0;  // by position
+    const float m = max_of(sg + a, b - a);
+    mx[r] = m;
+    l[r] = exp_shifted(sg + a, b - a, dec.scale, m);
+    std::fill(sg + first, sg + a, 0.f);
+    std::fill(sg + b, sg + last, 0.f);
+  }
+  // 3. weighted sums of V rows
+  for (int64_t j = 0; j < n; ++j) std::fill(o + row(j) * D, o + (row(j) + 1) * D, 0.f);
   for (int64_t i = first / bs; i * bs < last; ++i) {
-    const float* V = load_rows(dec.cache_type, v_head + table[i] * bs * rb, bs, D, buf);
-    for (int64_t u = 0; u < R; ++u) {
-      const int64_t t0 = std::max<int64_t>(lo[u] - i * bs, 0), t1 = std::min<int64_t>(hi[u] - i * bs, bs);
-      if (t1 <= t0) continue;
-      for (int64_t g = 0; g < G; ++g) {
-        const float* pg = s + (u * G + g) * kChunk + i * bs - p0;
-        float* og = o + (u * G + g) * D;
-        int64_t d = 0;
-        for (; simd && d + 32 <= D; d += 32) {  // 4 registers of the output at a time
-          __m256 a0 = _mm256_loadu_ps(og + d), a1 = _mm256_loadu_ps(og + d + 8);
-          __m256 a2 = _mm256_loadu_ps(og + d + 16), a3 = _mm256_loadu_ps(og + d + 24);
-          for (int64_t t = t0; t < t1; ++t) {
-            const __m256 p = _mm256_set1_ps(pg[t]);
-            const float* v = V + t * D + d;
-            a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v), a0);
-            a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8), a1);
-            a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 16), a2);
-            a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 24), a3);
-          }
-          _mm256_storeu_ps(og + d, a0);
-          _mm256_storeu_ps(og + d + 8, a1);
-          _mm256_storeu_ps(og + d + 16, a2);
-          _mm256_storeu_ps(og + d + 24, a3);
-        }
-        for (; d < D; ++d)
-          for (int64_t t = t0; t < t1; ++t) og[d] += pg[t] * V[t * D + d];
+    const char* v_block = v_head + table[i] * bs * rb;
+    const float* V = direct ? nullptr : load_rows(dec.cache_type, v_block, bs, D, buf);
+    for (int64_t r0 = 0; r0 < n; r0 += kRowTile) {
+      const int64_t nr = std::min<int64_t>(kRowTile, n - r0);
+      int64_t t0 = INT64_MAX, t1 = 0;
+      const float* pr[kRowTile];
+      float* orow[kRowTile];
+      for (int64_t j = 0; j < nr; ++j) {
+        const int64_t r = row(r0 + j);
+        t0 = std::min(t0, std::max<int64_t>(row_lo(r) - i * bs, 0));
+        t1 = std::max(t1, std::min<int64_t>(row_hi(r) - i * bs, bs));
+        pr[j] = s + r * kChunk + i * bs - p0;
+        orow[j] = o + r * D;
       }
+      if (t1 <= t0) continue;
+      if (direct)
+        value_group(nr, pr, reinterpret_cast<const uint16_t*>(v_block), D, t0, t1, orow);
+      else
+        value_group(nr, pr, V, D, t0, t1, orow);
     }
   }
 }

@@ -33,61 +33,49 @@ constexpr int MAX_MT = 8;  // tokens per register tile: 8 int32 + 8 float accumu
 // The minimums' term takes the rounded activations' sum, not the exact one, so that the result is
 // exactly the dequantized weights (d q + m) times the rounded activations: the rounding errors then
 // meet the weights themselves, not d q, which is up to twice as large where m offsets it.
-void quantize_blocks_i8(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* xq, float* dx, float* xsum) {
-  const int64_t nb = num_blocks(K), Kp = nb * KB;
-#pragma omp parallel for schedule(static) if (M * K >= (1 << 16))
-  for (int64_t t = 0; t < M; ++t) {
-    const float* xt = x + t * ldx;
-    for (int64_t b = 0; b < nb; ++b) {
-      float v[KB] = {};
-      const int64_t k0 = b * KB, n = std::min<int64_t>(KB, K - k0);
-      std::memcpy(v, xt + k0, n * sizeof(float));
-      float amax = 0.f;
-      for (int k = 0; k < KB; ++k) amax = std::max(amax, std::fabs(v[k]));
-      const float inv = amax > 0.f ? 127.f / amax : 0.f, scale = amax / 127.f;
-      int8_t* q = xq + t * Kp + k0;
-      int32_t sum = 0;
-      for (int k = 0; k < KB; ++k) sum += (q[k] = static_cast<int8_t>(std::nearbyint(v[k] * inv)));
-      dx[t * nb + b] = scale;
-      xsum[t * nb + b] = scale * static_cast<float>(sum);
-    }
-  }
-}
-
-// The q4 kernel's order of activation bytes: per block, per group g of 8 columns, the quads
+//
+// Written straight in the kernel's order: per block, per group g of 8 columns, the quads
 // (8g, 8g+4, 8g+1, 8g+5) and (8g+2, 8g+6, 8g+3, 8g+7), matching the bytes its masks make of the
 // weights' 16-bit lanes (qgemm.h). Within a group of G tokens the quads of all tokens sit side by
-// side, quad-major (as interleave_groups does for pairs), and the block scales and sums too.
-void interleave_quads(const int8_t* xq, const float* dx, const float* xsum, int64_t M, int64_t K, int64_t G,
-                      int32_t* xi, float* xd, float* xs) {
-  static constexpr int kOrder[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+// side, quad-major (as interleave_groups does for pairs), and the block scales dx and sums xsum too:
+//   xi: [quad j][token] at xi + t0 * quads + j * g + t;  xd, xs: [block b][token] at t0 * nb + b * g + t
+void quantize_quads_i8(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t G, int32_t* xi, float* xd,
+                       float* xs) {
   const int64_t nb = num_blocks(K), quads = nb * KB / 4;
-  for (int64_t t0 = 0; t0 < M; t0 += G) {
-    const int64_t g = std::min(G, M - t0);
-    int32_t* dst = xi + t0 * quads;
-    for (int64_t t = 0; t < g; ++t) {
-      const int8_t* src = xq + (t0 + t) * quads * 4;
-      for (int64_t j = 0; j < quads; ++j) {
-        int8_t quad[4];  // group j / 2 of 8 columns, its low (j even) or high nibbles' columns
-        for (int i = 0; i < 4; ++i) quad[i] = src[(j / 2) * 8 + kOrder[(j % 2) * 4 + i]];
-        std::memcpy(dst + j * g + t, quad, 4);
-      }
-      for (int64_t b = 0; b < nb; ++b) {
-        xd[t0 * nb + b * g + t] = dx[(t0 + t) * nb + b];
-        xs[t0 * nb + b * g + t] = xsum[(t0 + t) * nb + b];
-      }
+  const __m256i order = _mm256_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15,  //
+                                         0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+#pragma omp parallel for schedule(static) if (M * K >= (1 << 16))
+  for (int64_t t = 0; t < M; ++t) {
+    const int64_t t0 = t / G * G, g = std::min(G, M - t0), u = t - t0;
+    const float* xt = x + t * ldx;
+    int32_t* dst = xi + t0 * quads + u;
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t n = std::min<int64_t>(KB, K - b * KB);  // columns past K count as 0
+      const __mmask16 m0 = n >= 16 ? 0xFFFF : (1u << n) - 1, m1 = n >= 32 ? 0xFFFF : n > 16 ? (1u << (n - 16)) - 1 : 0;
+      const __m512 v0 = _mm512_maskz_loadu_ps(m0, xt + b * KB), v1 = _mm512_maskz_loadu_ps(m1, xt + b * KB + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f, scale = amax / 127.f;
+      // round to nearest even (the default rounding mode), as std::nearbyint
+      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv)));
+      const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
+      const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+      const __m256i bytes = _mm256_set_m128i(_mm512_cvtepi32_epi8(q1), _mm512_cvtepi32_epi8(q0));
+      alignas(32) int32_t quad[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(quad), _mm256_shuffle_epi8(bytes, order));
+      for (int j = 0; j < 8; ++j) dst[(b * 8 + j) * g] = quad[j];
+      xd[t0 * nb + b * g + u] = scale;
+      xs[t0 * nb + b * g + u] = scale * static_cast<float>(sum);
     }
   }
 }
 
 struct ActScratch8 {
-  std::vector<int8_t> xq;
   std::vector<int32_t> xi;
-  std::vector<float> dx, xsum, xd, xs;
+  std::vector<float> xd, xs;
   void fit(int64_t M, int64_t K) {
     const int64_t nb = num_blocks(K);
-    if ((int64_t)xq.size() < M * nb * KB) xq.resize(M * nb * KB), xi.resize(M * nb * KB / 4);
-    if ((int64_t)dx.size() < M * nb) dx.resize(M * nb), xsum.resize(M * nb), xd.resize(M * nb), xs.resize(M * nb);
+    if ((int64_t)xi.size() < M * nb * KB / 4) xi.resize(M * nb * KB / 4);
+    if ((int64_t)xd.size() < M * nb) xd.resize(M * nb), xs.resize(M * nb);
   }
 };
 thread_local ActScratch8 scratch8;
@@ -186,7 +174,7 @@ void tile_q4(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t nb,
   store_tile<MT>(acc, dx, bias, nvalid, out, ldo);
 }
 
-// The same for 4-bit weights against int8 activations with a scale per block (quantize_blocks_i8
+// The same for 4-bit weights against int8 activations with a scale per block (quantize_quads_i8
 // above): per block, two masks give each 32-bit lane's four low and four high
 // nibbles as unsigned bytes, the columns 8g + {0, 4, 1, 5} and 8g + {2, 6, 3, 7}, which the
 // activations' quads are interleaved to match.
@@ -310,9 +298,7 @@ void gemm(const GemmArgs& a) {
 void gemm_q4_i8(const GemmArgs& a) {
   const int64_t nb = num_blocks(a.K), tiles = num_tiles(a.N);
   scratch8.fit(a.M, a.K);
-  quantize_blocks_i8(a.x, a.ldx, a.M, a.K, scratch8.xq.data(), scratch8.dx.data(), scratch8.xsum.data());
-  interleave_quads(scratch8.xq.data(), scratch8.dx.data(), scratch8.xsum.data(), a.M, a.K, MAX_MT,
-                   scratch8.xi.data(), scratch8.xd.data(), scratch8.xs.data());
+  quantize_quads_i8(a.x, a.ldx, a.M, a.K, MAX_MT, scratch8.xi.data(), scratch8.xd.data(), scratch8.xs.data());
   const int32_t* xi = scratch8.xi.data();
   const float *xd = scratch8.xd.data(), *xs = scratch8.xs.data();
   const int64_t chunk = std::max<int64_t>(MAX_MT, ((256 * 1024) / (nb * KB)) / MAX_MT * MAX_MT);
