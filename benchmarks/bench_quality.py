@@ -12,8 +12,8 @@ own llama-quantize. Both engines score positions 256..510 of each 512-token chun
   - llmserve: `llmserve.bench.quality.evaluate` (what `llmserve eval perplexity` runs) with the F32
     file at quantization 'none' as the reference, each model with the KV cache the server gives it
     (`auto`: float16 under quantized weights, like llama.cpp's default cache; float32 otherwise);
-    activations rounded to int16 per token, and for the embedded file also to int8 per block
-    (`--cpu-activations int8`, llama.cpp's own rounding; on AVX-512 VNNI CPUs).
+    activations rounded to int16 per token, and for the Q4_1 and Q4_0 files also to int8 per block
+    (`--cpu-activations int8`, llama.cpp's own rounding and the default on AVX-512 VNNI CPUs).
 Rows pair each llama.cpp run with llmserve on the same file (or the same bit width quantized by
 llmserve itself from the F32 file). Needs the llama.cpp tools built by build_llama_server.sh.
 """
@@ -107,6 +107,7 @@ def main() -> None:
             ours(files["Q4_1"], "auto", act="int8"),
         ),
         ("Q4_0 file (weights as stored)", "Q4_0", ours(files["Q4_0"], "auto")),
+        ("Q4_0 file, llmserve with --cpu-activations int8", "Q4_0", ours(files["Q4_0"], "auto", act="int8")),
         (
             "4-bit from F32 (llama-quantize Q4_1 / llmserve int4, the same math)",
             "Q4_1 from F32",

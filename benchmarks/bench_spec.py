@@ -3,7 +3,7 @@ embedded model: batch-1 decode speed on input-grounded prompts (the answer reuse
 on open-ended ones, and throughput with 16 requests at once.
 
     python benchmarks/bench_spec.py [--rounds 2] [--max-tokens 256] [--spec '{"method": "ngram", ...}']
-                                    [--cpu-activations int16|int8]
+                                    [--cpu-activations auto|int16|int8]
 
 Prompts: benchmarks/data/spec_prompts.json: `grounded` (code edits returning the whole file,
 corrections, rewrites, summaries, extraction, on 100-300 token inputs), `grounded_short` (the same
@@ -68,7 +68,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--cpu-activations", default="int16", choices=["int16", "int8"])
+    p.add_argument("--cpu-activations", default="auto", choices=["auto", "int16", "int8"])
     p.add_argument("--spec", default=DEFAULT_SPEC)
     p.add_argument("--model", default=None)
     p.add_argument("--skip-c16", action="store_true", help="batch 1 only")
@@ -78,8 +78,10 @@ def main() -> None:
               "cpu_activations": args.cpu_activations}  # fmt: skip
     engines = {"plain": LLM(**common), "spec": LLM(**common, speculative_config=args.spec)}
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    kernels = engines["plain"].engine.loaded.linear_kernel  # names int8 activations where they run
     report: dict = {"command": " ".join(sys.argv), "spec": json.loads(args.spec), "batch1": {}, "c16": {},
-                    "cpu_activations": args.cpu_activations}  # fmt: skip
+                    "cpu_activations": args.cpu_activations, "kernels": kernels}  # fmt: skip
+    print(f"matmuls: {kernels}")
     report["step_ms_by_tokens"] = cost = step_cost(engines["plain"])
     print("one forward pass, ms by new tokens:", ", ".join(f"{n}: {ms:.2f}" for n, ms in cost.items()))
 

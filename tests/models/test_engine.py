@@ -255,7 +255,8 @@ def test_unknown_kv_cache_dtype_is_refused(tiny, bad):
 
 
 def test_embedded_model_batch_matches_llamacpp(llamacpp_reference):
-    llm = LLM(show_progress=False)
+    """int16 activations: the file's float model token for token, on any CPU."""
+    llm = LLM(show_progress=False, cpu_activations="int16")
     cases = [g for g in llamacpp_reference["greedy"] if g["weights"] == "f32"]
     outs = llm.generate(
         [c["prompt_ids"] for c in cases], SamplingParams(temperature=0, max_tokens=32), use_tqdm=False
@@ -267,7 +268,7 @@ def test_embedded_model_batch_matches_llamacpp(llamacpp_reference):
 
 
 def test_chat_and_stop_strings_on_the_embedded_model(llamacpp_reference):
-    llm = LLM(show_progress=False)
+    llm = LLM(show_progress=False, cpu_activations="int16")
     case = next(g for g in llamacpp_reference["greedy"] if g["weights"] == "f32" and g["kind"] == "chat")
     (out,) = llm.chat(
         [{"role": "user", "content": case["prompt"]}], SamplingParams(temperature=0, max_tokens=32)

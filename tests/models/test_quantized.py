@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -61,7 +62,11 @@ def pair(request, arch, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"{arch}-{request.param}")
     hf = make_tiny_model(arch, folder)
     hf.load_state_dict(fake_quantize(hf.state_dict(), request.param))
-    ours = load_model(ModelConfig(model=str(folder), quantization=request.param, show_progress=False))
+    ours = load_model(
+        ModelConfig(
+            model=str(folder), quantization=request.param, cpu_activations="int16", show_progress=False
+        )
+    )
     assert ours.quantization == request.param
     assert all(type(m).__name__ != "Linear" for m in ours.model.modules())  # every linear layer quantized
     return hf, ours
@@ -159,7 +164,9 @@ def test_fused_decode_matches_layer_by_layer(tmp_path, name, kv_cache_dtype):
     """Three sequences of different lengths decode 12 steps (past the sliding window of the
     Mistral config, across blocks placed out of order) with the fused step and without."""
     make_tiny_model(name, tmp_path)
-    loaded = load_model(ModelConfig(model=str(tmp_path), quantization="int4", show_progress=False))
+    loaded = load_model(
+        ModelConfig(model=str(tmp_path), quantization="int4", cpu_activations="int16", show_progress=False)
+    )
     model = loaded.model.model
     logits = {}
     for fused in (True, False):
@@ -253,6 +260,34 @@ def test_int8_activations_are_named_or_refused_with_a_warning(tmp_path, caplog):
     assert "cpu_activations int8 needs the avx512_vnni kernels (this process runs avx2)" in caplog.text
 
 
+@pytest.mark.skipif(not cpu_kernels.has_native_kernels(), reason="needs llmserve's C++ kernels")
+def test_auto_activations_follow_the_kernel_set(tmp_path, caplog):
+    """The default, `auto`: int8 activations for q4 weights on the AVX-512 VNNI kernels, int16 on
+    AVX2 (which has no int8 path) without a warning; int16 asked for is int16 everywhere; q8
+    weights always take int16."""
+
+    def act_bits(loaded) -> set[int]:
+        return {m.act_bits for m in loaded.model.modules() if hasattr(m, "act_bits")}
+
+    make_tiny_model("llama", tmp_path)
+    assert ModelConfig().cpu_activations == "auto"
+    int4 = ModelConfig(model=str(tmp_path), quantization="int4", show_progress=False)
+    if cpu_kernels.best_kernels() == "avx512_vnni":
+        loaded = load_model(int4)
+        assert act_bits(loaded) == {8} and "q4 with int8 activations" in loaded.linear_kernel
+    assert act_bits(load_model(replace(int4, cpu_activations="int16"))) == {16}
+    cpu_kernels.set_kernels("avx2")
+    try:
+        with caplog.at_level("WARNING", logger="llmserve"):
+            loaded = load_model(int4)
+    finally:
+        cpu_kernels.set_kernels("auto")
+    assert act_bits(loaded) == {16} and "int8 activations" not in loaded.linear_kernel
+    assert "cpu_activations" not in caplog.text
+    int8_weights = load_model(replace(int4, quantization="int8"))
+    assert "int8 activations" not in int8_weights.linear_kernel
+
+
 def test_float_models_do_not_take_the_fused_step(tmp_path):
     make_tiny_model("llama", tmp_path)
     loaded = load_model(ModelConfig(model=str(tmp_path), show_progress=False))
@@ -299,7 +334,7 @@ def test_gguf_served_quantized_matches_dequantized(quantized_gguf):
     """auto keeps each tensor's blocks (Q4_x as q4; Q5_x, Q8_0 as q8): logits match the same
     file dequantized to float within the activation rounding (and the K types' half-float
     sub-block scales)."""
-    quant = load_model(ModelConfig(model=str(quantized_gguf), show_progress=False))
+    quant = load_model(ModelConfig(model=str(quantized_gguf), cpu_activations="int16", show_progress=False))
     plain = load_model(ModelConfig(model=str(quantized_gguf), quantization="none", show_progress=False))
     assert quant.quantization == "auto" and plain.quantization == "none"
     layer = quant.model.model.layers[0]

@@ -210,7 +210,7 @@ def test_bad_model_config_values():
         ModelConfig(device="tpu")
     with pytest.raises(ValueError, match="cpu_gemm must be one of auto, onednn, blas; got 'mkl'"):
         ModelConfig(cpu_gemm="mkl")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="cpu_activations must be one of int16, int8; got 'int4'"):
+    with pytest.raises(ValueError, match="cpu_activations must be one of auto, int16, int8; got 'int4'"):
         ModelConfig(cpu_activations="int4")  # type: ignore[arg-type]
 
 

@@ -42,11 +42,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--cpu-activations",
-        default="int16",
-        choices=["int16", "int8"],
-        help="how the CPU kernels round activations for int4 weights: int16 per token (the float "
-        "model's results within rounding) or int8 per block of 32 (llama.cpp's arithmetic; on AVX-512 "
-        "VNNI, faster prefill, batches and speculative verification, less exact)",
+        default="auto",
+        choices=["auto", "int16", "int8"],
+        help="how the CPU kernels round activations for int4 weights: int8 per block of 32 (llama.cpp's "
+        "arithmetic; AVX-512 VNNI only; faster prefill, batches and speculative verification) or int16 "
+        "per token (the float model's results within rounding); auto: int8 where the CPU has AVX-512 "
+        "VNNI, else int16",
     )
     g.add_argument(
         "--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)"

@@ -289,7 +289,8 @@ inline void score_rows(const float* const* q, const T* K, int64_t D, int64_t t0,
 }
 
 // o[r][d] += sum_t p[r][t] V[t][d] over t in [t0, t1) for the NR rows, one fused multiply-add per
-// (t, d) in order of t (a row's p is 0 outside its own positions, which leaves its o as it is).
+// (t, d) in order of t. A row's p is 0 at the positions of the span it does not see, which leaves
+// its o exactly as it is: those V rows are its own sequence's, written and finite.
 template <int NR, typename T>
 inline void value_rows(const float* const* p, const T* V, int64_t D, int64_t t0, int64_t t1, float* const* o) {
   int64_t d = 0;

@@ -38,7 +38,7 @@ def build_engine(
     device: str = "auto",
     cpu_gemm: str = "auto",
     quantization: str = "auto",
-    cpu_activations: str = "int16",
+    cpu_activations: str = "auto",
     max_model_len: int | None = None,
     show_progress: bool = True,
     block_size: int = 16,

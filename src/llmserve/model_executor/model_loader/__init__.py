@@ -193,9 +193,12 @@ def load_model(config: ModelConfig, attention_backend: str = "auto") -> LoadedMo
     with bar:
         model.load_weights(_tracked(weights(dtype, keep_quantized), bar))
     model.eval()
+    int8_activations = config.cpu_activations == "int8" or (
+        config.cpu_activations == "auto" and cpu_kernels.kernels() == "avx512_vnni"
+    )
     for m in model.modules():
         if hasattr(m, "act_bits"):  # the quantized linear layers and LM head
-            m.act_bits = 8 if config.cpu_activations == "int8" else 16
+            m.act_bits = 8 if int8_activations else 16
     if linear_kernel == "onednn":
         model.use_onednn()  # same bytes, reordered; packed tensors stay parameters
     if plan is not None:
@@ -204,7 +207,7 @@ def load_model(config: ModelConfig, attention_backend: str = "auto") -> LoadedMo
             if any(isinstance(m, Linear) and not isinstance(m, QuantizedLinear) for m in model.modules())
             else ""
         )
-        if config.cpu_activations == "int8" and "q4" in plan.formats.values():
+        if int8_activations and "q4" in plan.formats.values():
             if cpu_kernels.kernels() == "avx512_vnni":
                 linear_kernel += ", q4 with int8 activations"
             else:
