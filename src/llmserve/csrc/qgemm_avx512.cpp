@@ -39,33 +39,34 @@ constexpr int MAX_MT = 8;  // tokens per register tile: 8 int32 + 8 float accumu
 // weights' 16-bit lanes (qgemm.h). Within a group of G tokens the quads of all tokens sit side by
 // side, quad-major (as interleave_groups does for pairs), and the block scales dx and sums xsum too:
 //   xi: [quad j][token] at xi + t0 * quads + j * g + t;  xd, xs: [block b][token] at t0 * nb + b * g + t
+// Called inside the matmul's parallel region: its threads share the blocks (an orphaned `omp for`,
+// whose barrier ends it).
 void quantize_quads_i8(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t G, int32_t* xi, float* xd,
                        float* xs) {
   const int64_t nb = num_blocks(K), quads = nb * KB / 4;
   const __m256i order = _mm256_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15,  //
                                          0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
-#pragma omp parallel for schedule(static) if (M * K >= (1 << 16))
-  for (int64_t t = 0; t < M; ++t) {
+#pragma omp for schedule(static)
+  for (int64_t i = 0; i < nb * M; ++i) {  // block-major: a thread's blocks are its own stretch of xi
+    const int64_t b = i / M, t = i % M;
     const int64_t t0 = t / G * G, g = std::min(G, M - t0), u = t - t0;
     const float* xt = x + t * ldx;
     int32_t* dst = xi + t0 * quads + u;
-    for (int64_t b = 0; b < nb; ++b) {
-      const int64_t n = std::min<int64_t>(KB, K - b * KB);  // columns past K count as 0
-      const __mmask16 m0 = n >= 16 ? 0xFFFF : (1u << n) - 1, m1 = n >= 32 ? 0xFFFF : n > 16 ? (1u << (n - 16)) - 1 : 0;
-      const __m512 v0 = _mm512_maskz_loadu_ps(m0, xt + b * KB), v1 = _mm512_maskz_loadu_ps(m1, xt + b * KB + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-      const float inv = amax > 0.f ? 127.f / amax : 0.f, scale = amax / 127.f;
-      // round to nearest even (the default rounding mode), as std::nearbyint
-      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv)));
-      const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
-      const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-      const __m256i bytes = _mm256_set_m128i(_mm512_cvtepi32_epi8(q1), _mm512_cvtepi32_epi8(q0));
-      alignas(32) int32_t quad[8];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(quad), _mm256_shuffle_epi8(bytes, order));
-      for (int j = 0; j < 8; ++j) dst[(b * 8 + j) * g] = quad[j];
-      xd[t0 * nb + b * g + u] = scale;
-      xs[t0 * nb + b * g + u] = scale * static_cast<float>(sum);
-    }
+    const int64_t n = std::min<int64_t>(KB, K - b * KB);  // columns past K count as 0
+    const __mmask16 m0 = n >= 16 ? 0xFFFF : (1u << n) - 1, m1 = n >= 32 ? 0xFFFF : n > 16 ? (1u << (n - 16)) - 1 : 0;
+    const __m512 v0 = _mm512_maskz_loadu_ps(m0, xt + b * KB), v1 = _mm512_maskz_loadu_ps(m1, xt + b * KB + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f, scale = amax / 127.f;
+    // round to nearest even (the default rounding mode), as std::nearbyint
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv)));
+    const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
+    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    const __m256i bytes = _mm256_set_m128i(_mm512_cvtepi32_epi8(q1), _mm512_cvtepi32_epi8(q0));
+    alignas(32) int32_t quad[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(quad), _mm256_shuffle_epi8(bytes, order));
+    for (int j = 0; j < 8; ++j) dst[(b * 8 + j) * g] = quad[j];
+    xd[t0 * nb + b * g + u] = scale;
+    xs[t0 * nb + b * g + u] = scale * static_cast<float>(sum);
   }
 }
 
@@ -298,15 +299,17 @@ void gemm(const GemmArgs& a) {
 void gemm_q4_i8(const GemmArgs& a) {
   const int64_t nb = num_blocks(a.K), tiles = num_tiles(a.N);
   scratch8.fit(a.M, a.K);
-  quantize_quads_i8(a.x, a.ldx, a.M, a.K, MAX_MT, scratch8.xi.data(), scratch8.xd.data(), scratch8.xs.data());
-  const int32_t* xi = scratch8.xi.data();
-  const float *xd = scratch8.xd.data(), *xs = scratch8.xs.data();
+  int32_t* xi = scratch8.xi.data();
+  float *xd = scratch8.xd.data(), *xs = scratch8.xs.data();
   const int64_t chunk = std::max<int64_t>(MAX_MT, ((256 * 1024) / (nb * KB)) / MAX_MT * MAX_MT);
 #pragma omp parallel
-  for (int64_t t0 = 0; t0 < a.M; t0 += chunk) {
-    const int64_t t1 = std::min(a.M, t0 + chunk);
+  {
+    quantize_quads_i8(a.x, a.ldx, a.M, a.K, MAX_MT, xi, xd, xs);
+    for (int64_t t0 = 0; t0 < a.M; t0 += chunk) {
+      const int64_t t1 = std::min(a.M, t0 + chunk);
 #pragma omp for schedule(static)
-    for (int64_t tile = 0; tile < tiles; ++tile) tile_tokens_q4_i8(a, tile, t0, t1, xi, xd, xs);
+      for (int64_t tile = 0; tile < tiles; ++tile) tile_tokens_q4_i8(a, tile, t0, t1, xi, xd, xs);
+    }
   }
 }
 
