@@ -272,6 +272,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the outputs of requests that progressed (finished or not)."""
+        step_started = time.perf_counter()
         if not self.log_stats:  # nobody collects them: keep only this step's
             self._stats = IterationStats(0.0)
         scheduler_output = self.scheduler.schedule()
@@ -279,12 +280,7 @@ class LLMEngine:
             self.output_processor.mark_scheduled(
                 [r.req_id for r in scheduler_output.scheduled_new_reqs], time.monotonic()
             )
-        started = time.perf_counter()
         runner_output = self.runner.execute_model(scheduler_output)
-        if self.controller is not None and self._decode_only(scheduler_output):
-            self.controller.observe_step(
-                scheduler_output.total_num_scheduled_tokens, time.perf_counter() - started
-            )
         sched = self.scheduler
         accepted, proposed = sched.spec_num_accepted_tokens, sched.spec_num_draft_tokens
         core_outputs = sched.update_from_output(scheduler_output, runner_output)
@@ -300,6 +296,12 @@ class LLMEngine:
         self.last_stats = stats.scheduler = self.scheduler.stats(scheduler_output.total_num_scheduled_tokens)
         if self.proposer is not None:
             self._propose()
+        if self.controller is not None and self._decode_only(scheduler_output):
+            # the whole step, scheduling and output handling included: tokens per second is what
+            # the controller weighs, and that per-step time is part of every step's cost
+            self.controller.observe_step(
+                scheduler_output.total_num_scheduled_tokens, time.perf_counter() - step_started
+            )
         return outputs
 
     def _propose(self) -> None:
