@@ -240,6 +240,16 @@ def test_fused_rows_do_not_depend_on_the_batch(tmp_path, name, cpu_activations, 
     assert torch.equal(together[: len(new)], one_by_one)
 
 
+def _load_on_avx2(config: ModelConfig, caplog):
+    """The model loaded on the AVX2 kernel set (as on a Zen 3 CPU), warnings captured."""
+    cpu_kernels.set_kernels("avx2")
+    try:
+        with caplog.at_level("WARNING", logger="llmserve"):
+            return load_model(config)
+    finally:
+        cpu_kernels.set_kernels("auto")
+
+
 @pytest.mark.skipif(not cpu_kernels.has_native_kernels(), reason="needs llmserve's C++ kernels")
 def test_int8_activations_are_named_or_refused_with_a_warning(tmp_path, caplog):
     """The load report says when q4 takes int8 activations; where the kernel set has no int8 path
@@ -250,12 +260,7 @@ def test_int8_activations_are_named_or_refused_with_a_warning(tmp_path, caplog):
     )
     if cpu_kernels.best_kernels() == "avx512_vnni":
         assert "q4 with int8 activations" in load_model(config).linear_kernel
-    cpu_kernels.set_kernels("avx2")
-    try:
-        with caplog.at_level("WARNING", logger="llmserve"):
-            loaded = load_model(config)
-    finally:
-        cpu_kernels.set_kernels("auto")
+    loaded = _load_on_avx2(config, caplog)
     assert "int8 activations" not in loaded.linear_kernel
     assert "cpu_activations int8 needs the avx512_vnni kernels (this process runs avx2)" in caplog.text
 
@@ -276,12 +281,7 @@ def test_auto_activations_follow_the_kernel_set(tmp_path, caplog):
         loaded = load_model(int4)
         assert act_bits(loaded) == {8} and "q4 with int8 activations" in loaded.linear_kernel
     assert act_bits(load_model(replace(int4, cpu_activations="int16"))) == {16}
-    cpu_kernels.set_kernels("avx2")
-    try:
-        with caplog.at_level("WARNING", logger="llmserve"):
-            loaded = load_model(int4)
-    finally:
-        cpu_kernels.set_kernels("auto")
+    loaded = _load_on_avx2(int4, caplog)
     assert act_bits(loaded) == {16} and "int8 activations" not in loaded.linear_kernel
     assert "cpu_activations" not in caplog.text
     int8_weights = load_model(replace(int4, quantization="int8"))

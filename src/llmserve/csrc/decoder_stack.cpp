@@ -30,6 +30,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace llmserve {
 namespace {
@@ -317,23 +318,14 @@ inline void value_rows(const float* const* p, const T* V, int64_t D, int64_t t0,
       for (int64_t t = t0; t < t1; ++t) o[r][d] += p[r][t] * load1(V[t * D + d]);
 }
 
-template <typename T>
-inline void score_group(int64_t nr, const float* const* q, const T* K, int64_t D, int64_t t0, int64_t t1,
-                        float* const* s) {
+// f(std::integral_constant<int, NR>{}) for a group of nr rows, 1 <= nr <= kRowTile: the tiles'
+// row count is a compile-time constant.
+template <typename F>
+inline void with_rows(int64_t nr, F&& f) {
   switch (nr) {
-    case 3: return score_rows<3>(q, K, D, t0, t1, s);
-    case 2: return score_rows<2>(q, K, D, t0, t1, s);
-    default: return score_rows<1>(q, K, D, t0, t1, s);
-  }
-}
-
-template <typename T>
-inline void value_group(int64_t nr, const float* const* p, const T* V, int64_t D, int64_t t0, int64_t t1,
-                        float* const* o) {
-  switch (nr) {
-    case 3: return value_rows<3>(p, V, D, t0, t1, o);
-    case 2: return value_rows<2>(p, V, D, t0, t1, o);
-    default: return value_rows<1>(p, V, D, t0, t1, o);
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    default: return f(std::integral_constant<int, 1>{});
   }
 }
 
@@ -387,9 +379,10 @@ void attend_chunk(const Decoder& dec, const float* q, int64_t q_stride, int64_t 
       }
       if (t1 <= t0) continue;
       if (direct) {
-        score_group(nr, qr, reinterpret_cast<const uint16_t*>(k_block), D, t0, t1, sr);
+        const uint16_t* Kh = reinterpret_cast<const uint16_t*>(k_block);
+        with_rows(nr, [&](auto NR) { score_rows<NR>(qr, Kh, D, t0, t1, sr); });
       } else if (simd) {
-        score_group(nr, qr, K, D, t0, t1, sr);
+        with_rows(nr, [&](auto NR) { score_rows<NR>(qr, K, D, t0, t1, sr); });
       } else {
         for (int64_t j = 0; j < nr; ++j)
           for (int64_t t = t0; t < t1; ++t) {
@@ -428,10 +421,13 @@ void attend_chunk(const Decoder& dec, const float* q, int64_t q_stride, int64_t 
         orow[j] = o + r * D;
       }
       if (t1 <= t0) continue;
-      if (direct)
-        value_group(nr, pr, reinterpret_cast<const uint16_t*>(v_block), D, t0, t1, orow);
-      else
-        value_group(nr, pr, V, D, t0, t1, orow);
+      const uint16_t* Vh = reinterpret_cast<const uint16_t*>(v_block);
+      with_rows(nr, [&](auto NR) {
+        if (direct)
+          value_rows<NR>(pr, Vh, D, t0, t1, orow);
+        else
+          value_rows<NR>(pr, V, D, t0, t1, orow);
+      });
     }
   }
 }
