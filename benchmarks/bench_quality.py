@@ -31,7 +31,6 @@ import torch
 
 from llmserve.bench.quality import evaluate
 from llmserve.config import ModelConfig
-from llmserve.model_executor.forward_runner import resolve_kv_cache_dtype
 from llmserve.model_executor.model_loader import load_model
 from llmserve.model_executor.model_loader.source import DEFAULT_MODEL, resolve_model
 from llmserve.tokenizer import load_tokenizer
@@ -93,7 +92,7 @@ def main() -> None:
         config = ModelConfig(model=str(path), quantization=quantization, dtype=dtype, cpu_activations=act, show_progress=False)  # type: ignore[arg-type]  # fmt: skip
         model = load_model(config)
         # the KV cache the server would run (auto: float16 under quantized weights, as llama.cpp's)
-        kv = kv or resolve_kv_cache_dtype("auto", model.dtype, model.quantization != "none", model.device)
+        kv = kv or model.kv_cache_dtype("auto")
         r = evaluate(model, ids, args.ctx, reference, kv_cache_dtype=kv)
         return {"ppl": r.ppl, "kld": r.kld, "top1": r.top1, "ref_ppl": r.ref_ppl}
 

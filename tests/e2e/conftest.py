@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -49,12 +50,15 @@ class ServerProcess:
     def __init__(
         self, model: Path | str | list[str], *args: str, env: dict[str, str] | None = None,
         log_dir: Path | None = None, module: str = "llmserve.cli.main", served_name: str | None = MODEL_NAME,
+        tls: ssl.SSLContext | None = None,
     ) -> None:  # fmt: skip
         """`model`: a model folder or file (the log goes beside it) or a name such as the embedded
         model's (give `log_dir` then), or several MODEL arguments (give `log_dir`). `module`: what
-        `python -m` runs (the CLI, or a test wrapper). `served_name`: --served-model-name."""
+        `python -m` runs (the CLI, or a test wrapper). `served_name`: --served-model-name. `tls`:
+        the server speaks https (give its --ssl-* flags), reached with this client context."""
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
+        self.tls = tls
         models = [str(m) for m in model] if isinstance(model, list) else [str(model)]
         self.log_path = (log_dir or Path(models[0]).parent) / f"server-{self.port}.log"
         cmd = [
@@ -73,7 +77,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                if httpx.get(f"{self.url}/health", timeout=2, verify=self.tls or True).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass

@@ -151,13 +151,14 @@ def test_models_and_version(server: ServerProcess, client: openai.OpenAI, tiny_m
     assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
     listing = httpx.get(f"{server.url}/v1/models").json()
     assert listing["object"] == "list"
-    extras = ("max_model_len", "state", "engine", "aliases", "size", "digest")
+    extras = ("max_model_len", "state", "engine", "aliases", "size", "memory_bytes", "digest")
     card = strict(Model, listing["data"][0], allowed=extras)
     raw = listing["data"][0]
     assert card.id == MODEL_NAME and raw["max_model_len"] == 256
     assert raw["state"] == "loaded" and raw["engine"] == "native" and raw["aliases"] == []
     weights = sum(p.stat().st_size for p in tiny_model_dir.glob("*.safetensors"))
-    assert raw["size"] > weights  # the loaded weights (float32) and the KV cache
+    assert raw["size"] == weights  # on disk, as Ollama's clients read a model's size
+    assert raw["memory_bytes"] > weights  # the loaded weights (float32) and the KV cache
     assert raw["digest"] in (
         None,
         "sha256:" + hashlib.sha256((tiny_model_dir / "model.safetensors").read_bytes()).hexdigest(),

@@ -23,7 +23,9 @@ from tests.models.tiny import make_tiny_model
 pytestmark = pytest.mark.e2e
 
 PROMPTS = ["The quick brown fox", "0123456789", "naïve café over the"]
-CARD_EXTRAS = ("max_model_len", "state", "engine", "aliases", "size", "digest", "error", "expires_at")
+CARD_EXTRAS = (
+    "max_model_len", "state", "engine", "aliases", "size", "memory_bytes", "digest", "error", "expires_at",
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -214,11 +216,12 @@ def test_admin_load_unload_and_ollama_keep_alive(lru: ServerProcess) -> None:
 
 @pytest.fixture(scope="module")
 def budget(tiny_model_dir: Path, tmp_path_factory) -> tuple[ServerProcess, int]:
+    from llmserve.config.engine_args import EngineArgs
     from llmserve.server.model_files import estimate_size
 
     size = estimate_size(
         str(tiny_model_dir), sum(p.stat().st_size for p in tiny_model_dir.glob("*.safetensors")),
-        {"num_kv_blocks": 256, "block_size": 16},
+        EngineArgs(num_kv_blocks=256, block_size=16),
     )  # fmt: skip
     folder = tmp_path_factory.mktemp("budget")
     (folder / "models.yaml").write_text(
@@ -251,7 +254,9 @@ def test_memory_budget_evicts_and_refuses(budget: tuple[ServerProcess, int]) -> 
     server, size = budget
     (a,) = [m for m in httpx.get(f"{server.url}/v1/models").json()["data"] if m["id"] == "tiny:a"]
     assert a["state"] == "loaded" and a["aliases"] == ["first"]
-    assert abs(a["size"] - size) / size < 0.1, (a["size"], size)
+    assert abs(a["memory_bytes"] - size) / size < 0.1, (a["memory_bytes"], size)
+    (huge,) = [m for m in httpx.get(f"{server.url}/v1/models").json()["data"] if m["id"] == "huge"]
+    assert huge["memory_bytes"] > 100 * size and huge["size"] == a["size"]  # estimated; the same files
     expected = text_of(complete(server, "first", PROMPTS[0]))  # the alias
     assert text_of(complete(server, "tiny", PROMPTS[0])) == expected  # no tag: the default, tiny:b
     assert states(server) == {"tiny:a": "unloaded", "tiny:b": "loaded", "huge": "unloaded"}
@@ -267,7 +272,9 @@ def test_memory_budget_evicts_and_refuses(budget: tuple[ServerProcess, int]) -> 
 @pytest.fixture(scope="module")
 def with_broken(tiny_model_dir: Path, broken_model_dir: Path, tmp_path_factory) -> ServerProcess:
     proc = ServerProcess(
-        [f"good={tiny_model_dir}", f"broken={broken_model_dir}", f"lazy={tiny_model_dir}"],
+        # lazy: the embedded model, whose load (a second or so) outlasts the 0.01 s wait; the
+        # tiny one loads in a few ms, too fast to be caught loading
+        [f"good={tiny_model_dir}", f"broken={broken_model_dir}", "lazy=smollm2-135m-instruct"],
         "--preload", "first", "--model-load-timeout", "0.01",
         served_name=None, log_dir=tmp_path_factory.mktemp("broken-server"),
     ).start()  # fmt: skip
@@ -302,12 +309,14 @@ def test_broken_model_beside_good_ones(with_broken: ServerProcess) -> None:
 def test_a_bounded_wait_answers_503_then_the_load_completes(with_broken: ServerProcess) -> None:
     """--model-load-timeout 0.01: the first request for an unloaded model gets 503 (model_loading,
     Retry-After) while the load goes on; a retry is served."""
-    first = complete(with_broken, "lazy", PROMPTS[0])
+    first = complete(with_broken, "lazy", "The capital of France is")
     assert_error(first, 503, "model_loading")
     assert first.headers["retry-after"] == "5"
-    assert text_of(poll(with_broken, "lazy", "model_loading")) == text_of(
-        complete(with_broken, "good", PROMPTS[0])
-    )
+    deadline = time.monotonic() + 120
+    while (r := complete(with_broken, "lazy", "The capital of France is")).status_code == 503:
+        assert r.json()["error"]["code"] == "model_loading" and time.monotonic() < deadline, r.text
+        time.sleep(0.2)
+    assert "Paris" in text_of(r)
 
 
 # -- the openai engine: another llmserve as the upstream ---------------------------------------------

@@ -6,10 +6,12 @@ and errors in Ollama's `{"error": ...}` shape."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import httpx
 import ollama
 import pytest
+import torch
 
 from tests.e2e.conftest import MODEL_NAME, ServerProcess
 
@@ -96,11 +98,19 @@ def test_format_json(so_server: ServerProcess) -> None:
     assert r.message.content.startswith("{"), r.message.content
 
 
-def test_list_ps_show_version(client: ollama.Client) -> None:
+def test_list_ps_show_version(client: ollama.Client, server: ServerProcess, tiny_model_dir: Path) -> None:
+    """/api/tags' `size` is the weight files' bytes, as Ollama's clients read it (the size on
+    disk), as is /v1/models'; /api/ps' `size` is what the loaded model takes (weights + KV cache,
+    /v1/models' `memory_bytes`), `size_vram` the part of it on a GPU (none on the CPU)."""
+    on_disk = sum(p.stat().st_size for p in tiny_model_dir.glob("*.safetensors"))
     listed = client.list().models
-    assert [m.model for m in listed] == [MODEL_NAME] and listed[0].size > 0
+    assert [m.model for m in listed] == [MODEL_NAME] and listed[0].size == on_disk
     assert listed[0].details.family == "llama"
-    assert [m.model for m in client.ps().models] == [MODEL_NAME]
+    (card,) = httpx.get(f"{server.url}/v1/models").json()["data"]
+    assert card["size"] == on_disk and card["memory_bytes"] > on_disk  # float32 weights + the KV cache
+    (loaded,) = client.ps().models
+    assert loaded.model == MODEL_NAME and loaded.size == card["memory_bytes"]
+    assert loaded.size_vram == (loaded.size if torch.cuda.is_available() else 0)
     shown = client.show(MODEL_NAME)
     assert shown.details.family == "llama" and "im_start" in (shown.template or "")
     assert shown.modelinfo["llama.context_length"] == 256
@@ -116,6 +126,9 @@ def test_errors_are_ollama_shaped(client: ollama.Client, server: ServerProcess) 
         ({"model": MODEL_NAME, "prompt": "x", "options": {"num_predict": 0}}, "num_predict"),
         ({"model": MODEL_NAME, "prompt": 5}, "prompt"),
         ({"prompt": "x"}, "model"),
+        ({"model": MODEL_NAME, "prompt": "x", "think": "max"}, "think"),
+        # a template without <think>: Ollama's answer to `think` for a model that does not think
+        ({"model": MODEL_NAME, "prompt": "x", "think": True}, f'"{MODEL_NAME}" does not support thinking'),
     ]:
         r = httpx.post(f"{server.url}/api/generate", json=body, timeout=30)
         assert r.status_code == 400 and where in r.json()["error"], (body, r.text)

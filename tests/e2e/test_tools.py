@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 
 import httpx
 import jsonschema
 import openai
 import pytest
+from openai.types.chat import ChatCompletionChunk
 
 from llmserve.server.serving.tools import FORMATS, ToolStreamSplitter
 from tests.e2e.conftest import CHAT_TEMPLATE, MODEL_NAME, ServerProcess
@@ -43,6 +45,21 @@ def check_calls(calls, only: str | None = None) -> None:
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
+def streamed_reply(chunks: Iterable[ChatCompletionChunk]) -> tuple[str, list[dict[str, str]], str | None]:
+    """A streamed reply's first choice put together: (content, calls as {name, arguments} in
+    their order, finish_reason)."""
+    content, calls, finish = "", {}, None
+    for chunk in chunks:
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            for delta in c.delta.tool_calls or []:
+                entry = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+                entry["name"] += delta.function.name or ""
+                entry["arguments"] += delta.function.arguments or ""
+            finish = c.finish_reason or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])
 def test_forced_calls_validate(so_server: ServerProcess, choice) -> None:
     client = so_server.client()
@@ -64,16 +81,9 @@ def test_forced_calls_stream(so_server: ServerProcess) -> None:
         model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
         seed=7, temperature=1.0, max_tokens=120, stream=True,
     )  # fmt: skip
-    calls, finish = {}, None
-    for chunk in stream:
-        for choice in chunk.choices:
-            for delta in choice.delta.tool_calls or []:
-                entry = calls.setdefault(delta.index, {"name": "", "arguments": "", "id": delta.id})
-                entry["name"] += delta.function.name or ""
-                entry["arguments"] += delta.function.arguments or ""
-            finish = choice.finish_reason or finish
+    _, calls, finish = streamed_reply(stream)
     assert finish == "tool_calls" and len(calls) == 1
-    for call in calls.values():
+    for call in calls:
         jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
 
 
@@ -203,16 +213,8 @@ def test_llama3_and_mistral_formats_read_off_the_template(fmt_server) -> None:
         model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}},
         parallel_tool_calls=False, seed=3, temperature=1.0, max_tokens=160, stream=True,
     )  # fmt: skip
-    calls, content, finish = {}, "", None
-    for chunk in stream:
-        for c in chunk.choices:
-            content += c.delta.content or ""
-            for delta in c.delta.tool_calls or []:
-                entry = calls.setdefault(delta.index, {"name": "", "arguments": ""})
-                entry["name"] += delta.function.name or ""
-                entry["arguments"] += delta.function.arguments or ""
-            finish = c.finish_reason or finish
-    assert finish == "tool_calls" and content == "" and [c["name"] for c in calls.values()] == ["add"]
+    content, calls, finish = streamed_reply(stream)
+    assert finish == "tool_calls" and content == "" and [c["name"] for c in calls] == ["add"]
     jsonschema.validate(json.loads(calls[0]["arguments"]), ADD)
 
 

@@ -167,11 +167,11 @@ def test_fused_decode_matches_layer_by_layer(tmp_path, name, kv_cache_dtype):
     loaded = load_model(
         ModelConfig(model=str(tmp_path), quantization="int4", cpu_activations="int16", show_progress=False)
     )
-    model = loaded.model.model
     logits = {}
     for fused in (True, False):
-        model.fused_forward = fused
         runner = ForwardRunner(loaded.model, num_blocks=48, block_size=4, kv_cache_dtype=kv_cache_dtype)
+        assert runner.fused is not None  # the runner picks the fused step for quantized Llama stacks
+        runner.use_fused(fused)
         tables = [
             [47, 3, 20, 8, 30, 1, 12, 40],
             [5, 9, 33, 2, 41, 17, 25, 44],
@@ -189,7 +189,6 @@ def test_fused_decode_matches_layer_by_layer(tmp_path, name, kv_cache_dtype):
                 )
             )
         logits[fused] = torch.stack(steps)
-    assert model._fused is not None  # the fused step ran
     # Both paths round activations to int16 per token; summation orders differ, so an activation
     # can land on the other side of a rounding boundary: the same TOL as against transformers. A
     # prompt chunk's attention in the layer path uses its own K/V unrounded, the fused path reads
@@ -220,6 +219,7 @@ def test_fused_rows_do_not_depend_on_the_batch(tmp_path, name, cpu_activations, 
 
     def runner() -> ForwardRunner:
         r = ForwardRunner(loaded.model, num_blocks=150, block_size=4, kv_cache_dtype=kv_cache_dtype)
+        assert r.fused is not None
         r.execute(
             [
                 SequenceBatchEntry(prompt, len(prompt), table),
@@ -236,7 +236,6 @@ def test_fused_rows_do_not_depend_on_the_batch(tmp_path, name, cpu_activations, 
         [SequenceBatchEntry(new, len(prompt) + len(new), table), SequenceBatchEntry([7], len(other) + 1, other_table)],
         all_logits=True,
     )  # fmt: skip
-    assert loaded.model.model._fused is not None
     assert torch.equal(together[: len(new)], one_by_one)
 
 
@@ -266,10 +265,10 @@ def test_int8_activations_are_named_or_refused_with_a_warning(tmp_path, caplog):
 
 
 @pytest.mark.skipif(not cpu_kernels.has_native_kernels(), reason="needs llmserve's C++ kernels")
-def test_auto_activations_follow_the_kernel_set(tmp_path, caplog):
-    """The default, `auto`: int8 activations for q4 weights on the AVX-512 VNNI kernels, int16 on
-    AVX2 (which has no int8 path) without a warning; int16 asked for is int16 everywhere; q8
-    weights always take int16."""
+def test_auto_activations_are_int16_on_every_kernel_set(tmp_path, caplog):
+    """The default, `auto`, keeps the float model's answers: int16 activations for q4 weights on
+    the AVX-512 VNNI kernels as on AVX2 (no warning); int8 only when asked for; q8 weights always
+    take int16."""
 
     def act_bits(loaded) -> set[int]:
         return {m.act_bits for m in loaded.model.modules() if hasattr(m, "act_bits")}
@@ -277,10 +276,11 @@ def test_auto_activations_follow_the_kernel_set(tmp_path, caplog):
     make_tiny_model("llama", tmp_path)
     assert ModelConfig().cpu_activations == "auto"
     int4 = ModelConfig(model=str(tmp_path), quantization="int4", show_progress=False)
-    if cpu_kernels.best_kernels() == "avx512_vnni":
-        loaded = load_model(int4)
-        assert act_bits(loaded) == {8} and "q4 with int8 activations" in loaded.linear_kernel
+    loaded = load_model(int4)
+    assert act_bits(loaded) == {16} and "int8 activations" not in loaded.linear_kernel
     assert act_bits(load_model(replace(int4, cpu_activations="int16"))) == {16}
+    if cpu_kernels.best_kernels() == "avx512_vnni":
+        assert act_bits(load_model(replace(int4, cpu_activations="int8"))) == {8}
     loaded = _load_on_avx2(int4, caplog)
     assert act_bits(loaded) == {16} and "int8 activations" not in loaded.linear_kernel
     assert "cpu_activations" not in caplog.text
@@ -295,7 +295,7 @@ def test_float_models_do_not_take_the_fused_step(tmp_path):
     runner = ForwardRunner(loaded.model, num_blocks=8, block_size=4)
     runner.execute([SequenceBatchEntry([1, 2, 3], 3, [0])])
     runner.execute([SequenceBatchEntry([4], 4, [0])])
-    assert loaded.model.model._fused is None and "float linear" in loaded.model.model._fused_unsupported[1]
+    assert runner.fused is None and "float linear" in runner.fused_unsupported
 
 
 # -- GGUF files served quantized ----------------------------------------------------------------------
@@ -390,7 +390,7 @@ def test_quantization_without_native_kernels_is_refused_unless_forced(tmp_path, 
         assert "on torch" in forced.linear_kernel
         runner = ForwardRunner(forced.model, num_blocks=64, block_size=4)
         got = generate_greedy(runner, PROMPTS, 16)
-        assert forced.model.model._fused is None  # the fused step needs the native kernels
+        assert runner.fused is None  # the fused step needs the native kernels
     finally:
         cpu_kernels.set_kernels("auto")
     assert got == generate_greedy(ForwardRunner(reference.model, num_blocks=64, block_size=4), PROMPTS, 16)
@@ -427,8 +427,9 @@ def test_fused_decode_splits_long_contexts(tmp_path, window):
     tables = [list(range(0, 50)), list(range(50, 70))]
     logits = {}
     for fused in (True, False):
-        loaded.model.model.fused_forward = fused
         runner = ForwardRunner(loaded.model, num_blocks=80, block_size=16)
+        runner.use_fused(fused)
+        assert (runner.fused is not None) == fused
         runner.execute([SequenceBatchEntry(p, len(p), t) for p, t in zip(prompts, tables, strict=True)])
         logits[fused] = torch.stack(
             [

@@ -10,7 +10,7 @@ import torch
 
 from llmserve.config import ModelConfig
 from llmserve.layers.quantization import cpu_kernels
-from llmserve.model_executor.forward_runner import ForwardRunner, resolve_kv_cache_dtype
+from llmserve.model_executor.forward_runner import ForwardRunner
 from llmserve.model_executor.greedy import generate_greedy
 from llmserve.model_executor.model_loader import load_model
 
@@ -65,21 +65,17 @@ def test_quantized_greedy_matches_llamacpp_f32(smollm2_quantized, llamacpp_refer
     activations to 8 bits, and two of its five differ: the `q4_1` cases). `auto` is what the
     server runs: quantized weights on the CPU keep K/V in float16, as llama.cpp does."""
     cases = _f32_cases(llamacpp_reference)
-    model = smollm2_quantized.model.model
     eos = frozenset({llamacpp_reference_eos(smollm2_quantized)})
-    kv_dtype = resolve_kv_cache_dtype(kv, smollm2_quantized.dtype, smollm2_quantized.quantization != "none")
+    kv_dtype = smollm2_quantized.kv_cache_dtype(kv)
     assert kv_dtype == (torch.float16 if kv == "auto" else torch.float32)
     runner = ForwardRunner(smollm2_quantized.model, num_blocks=64, block_size=16, kv_cache_dtype=kv_dtype)
+    runner.use_fused(fused)
+    assert (runner.fused is not None) == fused  # the fused step is built and used when asked
     prompts = [c["prompt_ids"] for c in cases]
-    model.fused_forward = fused
-    try:
-        if batched:
-            outputs = generate_greedy(runner, prompts, 32, stop_token_ids=eos)
-        else:
-            outputs = [generate_greedy(runner, [p], 32, stop_token_ids=eos)[0] for p in prompts]
-    finally:
-        model.fused_forward = True
-    assert not fused or model._fused is not None  # the fused step was built and used
+    if batched:
+        outputs = generate_greedy(runner, prompts, 32, stop_token_ids=eos)
+    else:
+        outputs = [generate_greedy(runner, [p], 32, stop_token_ids=eos)[0] for p in prompts]
     for case, out in zip(cases, outputs, strict=True):
         assert out == case["greedy_ids"], f"prompt {case['prompt']!r}"
 
@@ -131,7 +127,9 @@ def llamacpp_reference_eos(loaded) -> int:
 
 
 def test_kv_cache_size_per_token(smollm2):
-    """2 (K and V) x 30 layers x 3 KV heads x 64 dims x 4 bytes."""
+    """2 (K and V) x 30 layers x 3 KV heads x 64 dims x 4 bytes; the cache holds the blocks
+    asked for plus the pad block (where padding rows write)."""
     runner = ForwardRunner(smollm2.model, num_blocks=2, block_size=16)
     assert runner.kv_bytes_per_token() == 2 * 30 * 3 * 64 * 4
-    assert runner.kv_caches[0].shape == (2, 3, 2, 16, 64) and len(runner.kv_caches) == 30
+    assert runner.kv_caches[0].shape == (2, 3, 2 + 1, 16, 64) and len(runner.kv_caches) == 30
+    assert runner.pad_block == 2

@@ -16,6 +16,7 @@ from llmserve.cli.main import build_parser
 from llmserve.cli.serve import model_specs
 from llmserve.config import ServerConfig
 from llmserve.config.cache import DEFAULT_KV_CACHE_MEMORY
+from llmserve.config.engine_args import EngineArgs
 from llmserve.config.models import (
     ModelSpec,
     check_specs,
@@ -26,7 +27,7 @@ from llmserve.config.models import (
 )
 from llmserve.model_executor.model_loader.source import DEFAULT_MODEL
 from llmserve.server.errors import APIError
-from llmserve.server.model_files import estimate_size, native_options
+from llmserve.server.model_files import engine_args, estimate_size
 from llmserve.server.models import ModelManager
 
 MISSING = "/nonexistent-llmserve-test"
@@ -285,17 +286,45 @@ def test_check_specs_allows_defaults_of_different_names():
 # -- native_options and estimate_size ---------------------------------------------------------------
 
 
-def test_native_options_rejects_unknown_options():
-    with raises("model 'm': unknown engine option(s) ['bogus', 'model']"):
-        native_options({"bogus": 1, "model": "/x", "max_num_seqs": 4}, "model 'm'")
+def test_engine_args_reject_unknown_options():
+    spec = ModelSpec("m", options={"bogus": 1, "max_num_seqs": 4})
+    with raises("model 'm': unknown engine option(s) ['bogus']"):
+        engine_args(spec, {})
 
 
-def test_native_options_reads_sizes_as_text():
-    options = {"kv_cache_memory": "256MiB", "max_num_seqs": 16}
-    assert native_options(options, "m") == {"kv_cache_memory": 268435456, "max_num_seqs": 16}
+def test_engine_args_read_sizes_and_numbers_as_text():
+    options = {"kv_cache_memory": "256MiB", "max_num_seqs": "16"}
+    args = engine_args(ModelSpec("m", options=options), {"max_num_seqs": 4, "block_size": 32})
+    assert (args.kv_cache_memory, args.max_num_seqs, args.block_size) == (268435456, 16, 32)
     assert options["kv_cache_memory"] == "256MiB"  # the spec's own options stay as written
-    assert native_options({"kv_cache_memory": 1000}, "m") == {"kv_cache_memory": 1000}
-    assert native_options({}, "m") == {}
+    assert engine_args(ModelSpec("m", options={"kv_cache_memory": 1000}), {}).kv_cache_memory == 1000
+
+
+def test_engine_args_of_a_transformers_model_ask_for_its_implementation():
+    """`engine: transformers` in a models file must reach the engine (it once ran natively with
+    its options dropped)."""
+    spec = ModelSpec("t", engine="transformers", options={"max_num_seqs": 3})
+    args = engine_args(spec, {"max_num_seqs": 8})
+    assert (args.model_impl, args.max_num_seqs) == ("transformers", 3)
+    assert engine_args(ModelSpec("r", source="http://h:1/v1", engine="openai"), {}) is None
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"kv_cache_memory": "lots"}, "model 'm': kv_cache_memory: cannot read 'lots' as a size"),
+        ({"max_num_seqs": "many"}, "model 'm': max_num_seqs: expected an integer; got 'many'"),
+        ({"max_num_seqs": True}, "model 'm': max_num_seqs: expected an integer; got True"),
+        ({"enable_prefix_caching": "maybe"}, "model 'm': enable_prefix_caching: expected true or false"),
+        ({"dtype": 16}, "model 'm': dtype must be a str; got 16"),
+        ({"dtype": "float8"}, "dtype must be one of auto, float32, float16, bfloat16; got 'float8'"),
+        ({"max_num_seqs": 0}, "max_num_seqs must be >= 1; got 0"),
+        ({"speculative_config": {"method": "magic"}}, "model 'm': speculative_config: speculative method"),
+    ],
+)
+def test_engine_args_name_a_bad_value(options, message):
+    with raises(message):
+        engine_args(ModelSpec("m", options=options), {})
 
 
 def model_dir(tmp_path: Path, **config) -> str:
@@ -311,32 +340,54 @@ BLOCKS = {"num_kv_blocks": 10, "block_size": 16}
 
 
 def test_estimate_size_from_blocks(tmp_path):
-    assert estimate_size(model_dir(tmp_path), FILE_BYTES, BLOCKS) == FILE_BYTES + KV_BYTES
+    assert (
+        estimate_size(model_dir(tmp_path), FILE_BYTES, EngineArgs.from_options(BLOCKS))
+        == FILE_BYTES + KV_BYTES
+    )
 
 
 def test_estimate_size_default_block_size_is_16(tmp_path):
-    assert estimate_size(model_dir(tmp_path), FILE_BYTES, {"num_kv_blocks": 10}) == FILE_BYTES + KV_BYTES
+    assert (
+        estimate_size(model_dir(tmp_path), FILE_BYTES, EngineArgs.from_options({"num_kv_blocks": 10}))
+        == FILE_BYTES + KV_BYTES
+    )
 
 
 def test_estimate_size_counts_a_16_bit_checkpoint_twice(tmp_path):
     source = model_dir(tmp_path, torch_dtype="bfloat16")
-    assert estimate_size(source, FILE_BYTES, BLOCKS) == 2 * FILE_BYTES + KV_BYTES
-    assert estimate_size(source, FILE_BYTES, {**BLOCKS, "dtype": "float32"}) == 2 * FILE_BYTES + KV_BYTES
+    assert estimate_size(source, FILE_BYTES, EngineArgs.from_options(BLOCKS)) == 2 * FILE_BYTES + KV_BYTES
+    assert (
+        estimate_size(source, FILE_BYTES, EngineArgs.from_options({**BLOCKS, "dtype": "float32"}))
+        == 2 * FILE_BYTES + KV_BYTES
+    )
     # run in its own 16 bits: the files are the weights
-    assert estimate_size(source, FILE_BYTES, {**BLOCKS, "dtype": "bfloat16"}) == FILE_BYTES + KV_BYTES
+    assert (
+        estimate_size(source, FILE_BYTES, EngineArgs.from_options({**BLOCKS, "dtype": "bfloat16"}))
+        == FILE_BYTES + KV_BYTES
+    )
 
 
 def test_estimate_size_from_the_kv_budget(tmp_path):
     source = model_dir(tmp_path)
-    assert estimate_size(source, FILE_BYTES, {"kv_cache_memory": 268435456}) == FILE_BYTES + 268435456
-    assert estimate_size(source, FILE_BYTES, {}) == FILE_BYTES + DEFAULT_KV_CACHE_MEMORY
-    assert estimate_size(None, FILE_BYTES, {}) == FILE_BYTES + DEFAULT_KV_CACHE_MEMORY
+    assert (
+        estimate_size(source, FILE_BYTES, EngineArgs.from_options({"kv_cache_memory": 268435456}))
+        == FILE_BYTES + 268435456
+    )
+    assert (
+        estimate_size(source, FILE_BYTES, EngineArgs.from_options({})) == FILE_BYTES + DEFAULT_KV_CACHE_MEMORY
+    )
+    assert (
+        estimate_size(None, FILE_BYTES, EngineArgs.from_options({})) == FILE_BYTES + DEFAULT_KV_CACHE_MEMORY
+    )
 
 
 @pytest.mark.parametrize(("kv_dtype", "kv_bytes"), [("float16", KV_BYTES // 2), ("bfloat16", KV_BYTES // 2)])
 def test_estimate_size_with_a_16_bit_kv_cache(tmp_path, kv_dtype, kv_bytes):
     options = {**BLOCKS, "kv_cache_dtype": kv_dtype}
-    assert estimate_size(model_dir(tmp_path), FILE_BYTES, options) == FILE_BYTES + kv_bytes
+    assert (
+        estimate_size(model_dir(tmp_path), FILE_BYTES, EngineArgs.from_options(options))
+        == FILE_BYTES + kv_bytes
+    )
 
 
 def test_estimate_size_reads_head_dim_and_text_config(tmp_path):
@@ -345,7 +396,7 @@ def test_estimate_size_reads_head_dim_and_text_config(tmp_path):
     text = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
     config = {"num_hidden_layers": 99, "text_config": {**text, "hidden_size": 4096}}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    assert estimate_size(str(tmp_path), FILE_BYTES, BLOCKS) == FILE_BYTES + KV_BYTES
+    assert estimate_size(str(tmp_path), FILE_BYTES, EngineArgs.from_options(BLOCKS)) == FILE_BYTES + KV_BYTES
 
 
 # -- ModelManager.resolve ---------------------------------------------------------------------------
@@ -374,7 +425,7 @@ def test_manager_construction_loads_nothing():
     models = manager(spec("a", options={"max_num_seqs": 4}), spec("b"))
     assert [slot.state for slot in models.slots] == ["unloaded", "unloaded"]
     assert [slot.file_bytes for slot in models.slots] == [0, 0]
-    assert models.slots[0].options == {"max_num_seqs": 4}
+    assert models.slots[0].args.max_num_seqs == 4
 
 
 def test_manager_merges_engine_options_under_the_specs():
@@ -383,8 +434,9 @@ def test_manager_merges_engine_options_under_the_specs():
         ServerConfig(),
         engine_options={"model": "/cli/model", "max_num_seqs": 64, "dtype": "float32"},
     )
-    assert models.slots[0].options == {"max_num_seqs": 4, "dtype": "float32", "kv_cache_memory": 2**20}
-    assert models.slots[1].options == {"max_num_seqs": 64, "dtype": "float32"}
+    a, b = (slot.args for slot in models.slots)
+    assert (a.max_num_seqs, a.dtype, a.kv_cache_memory, a.model) == (4, "float32", 2**20, f"{MISSING}/a")
+    assert (b.max_num_seqs, b.dtype, b.kv_cache_memory, b.model) == (64, "float32", None, f"{MISSING}/b")
 
 
 def test_manager_refuses_bad_configurations():

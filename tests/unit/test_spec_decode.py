@@ -15,11 +15,11 @@ from llmserve.core.request import Request
 from llmserve.core.sched_output import ModelRunnerOutput
 from llmserve.core.scheduler import Scheduler
 from llmserve.sample import SamplingMetadata
+from llmserve.sample.rejection import verify_proposals
 from llmserve.sample.state import RequestSamplingState
 from llmserve.sampling_params import SamplingParams
 from llmserve.spec_decode.controller import MAX_STEPS, PROBE_INTERVAL, SpecController
 from llmserve.spec_decode.ngram import NgramProposer
-from llmserve.spec_decode.rejection import verify_proposals
 
 
 def request(tokens: list[int], rid: str = "r", max_tokens: int = 100, **params) -> Request:

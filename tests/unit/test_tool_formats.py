@@ -11,7 +11,13 @@ import llguidance
 import pytest
 
 from llmserve.config import ServerConfig
-from llmserve.server.serving.tools import FORMATS, ToolStreamSplitter, detect_tool_format, tool_format
+from llmserve.server.serving.tools import (
+    FORMATS,
+    ToolStreamSplitter,
+    detect_tool_format,
+    finish_reason_with_calls,
+    tool_format,
+)
 
 ADD = {
     "type": "object",
@@ -86,6 +92,78 @@ def test_a_reply_held_back_but_not_a_call_comes_back_as_content() -> None:
     splitter = ToolStreamSplitter(FORMATS["llama3_json"])
     assert splitter.feed('{"answer": ') == "" and splitter.feed("3}") == ""
     assert splitter.finish() == ('{"answer": 3}', [])
+
+
+# Replies cut short by max_tokens (`cut`): the calls written in full come back, the call cut short
+# (or the start of its marker) never does, as a call or as content.
+WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+ADD_LLAMA = '{"name": "add", "parameters": {"a": 1, "b": 2}}'
+ADD_MISTRAL = '{"name": "add", "arguments": {"a": 1, "b": 2}}'
+OSLO = ("get_weather", {"city": "Oslo"})
+SUM = ("add", {"a": 1, "b": 2})
+CUT_REPLIES = [
+    # the issue's case: a whole call, then one cut inside its name
+    ("hermes", WEATHER + '\n<tool_call>\n{"name": "get_weather", "', None, [OSLO]),
+    ("hermes", WEATHER + "\n<tool_call>\n", None, [OSLO]),
+    ("hermes", WEATHER + "\n<tool_", None, [OSLO]),  # inside the second marker
+    (
+        "hermes",
+        WEATHER + WEATHER.removesuffix("</tool_call>") + "</tool",
+        None,
+        [OSLO, OSLO],
+    ),  # only </tool_call> cut
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Na', None, []),
+    ("hermes", "Let me check.\n<tool_call>\n{", "Let me check.\n", []),
+    ("hermes", "Let me check. <tool", "Let me check. ", []),
+    ("hermes", "A plain answer, cut", "A plain answer, cut", []),
+    ("llama3_json", f'{ADD_LLAMA}; {{"name": "ad', None, [SUM]),
+    ("llama3_json", '{ "name": "add", "parameters": {"a"', None, []),
+    ("llama3_json", f'<|python_tag|>{ADD_LLAMA}; {{"x', None, [SUM]),  # after the tag all is calls
+    ("llama3_json", "<|python_ta", None, []),
+    ("llama3_json", '{"answer": 3', '{"answer": 3', []),  # JSON that is no call stays content
+    ("llama3_json", f"{ADD_LLAMA} and then", f"{ADD_LLAMA} and then", []),
+    ("mistral", f'Adding.[TOOL_CALLS][{ADD_MISTRAL}, {{"name": "now", "argu', "Adding.", [SUM]),
+    ("mistral", f"[TOOL_CALLS][{ADD_MISTRAL}", None, [SUM]),  # only the "]" cut
+    ("mistral", '[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}[TOOL_CALLS]now[AR', None, [SUM]),
+    ("mistral", "Adding.[TOOL_CA", "Adding.", []),
+    ("mistral", '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1', None, []),
+]
+
+
+@pytest.mark.parametrize(("fmt", "text", "content", "calls"), CUT_REPLIES)
+def test_a_reply_cut_by_max_tokens_keeps_whole_calls_only(fmt, text, content, calls) -> None:
+    found, parsed = FORMATS[fmt].parse(text, cut=True)
+    assert (found, [(c.name, json.loads(c.arguments)) for c in parsed]) == (content, calls)
+    # streamed in pieces of 3 characters, the content sent plus what `finish` returns is the same
+    splitter, streamed = ToolStreamSplitter(FORMATS[fmt]), ""
+    for at in range(0, len(text), 3):
+        streamed += splitter.feed(text[at : at + 3])
+    rest, stream_calls = splitter.finish(cut=True)
+    assert [(c.name, json.loads(c.arguments)) for c in stream_calls] == calls
+    if calls:  # content around calls comes back stripped
+        assert ((streamed + (rest or "")).strip() or None) == content
+    else:
+        assert ((streamed + (rest or "")) or None) == content
+
+
+@pytest.mark.parametrize(
+    ("fmt", "text"), [(fmt, text) for fmt, text, _, calls in CUT_REPLIES if fmt != "hermes" or not calls]
+)
+def test_uncut_replies_keep_the_unfinished_text(fmt, text) -> None:
+    """The same text ended on its own (EOS, a stop string) is not cut: a call that does not parse
+    stays content, as the model wrote it."""
+    assert FORMATS[fmt].parse(text) == (text, [])
+    content, calls = FORMATS["hermes"].parse(WEATHER + "\n<tool_call>\n{")
+    assert content == "<tool_call>\n{" and [c.name for c in calls] == ["get_weather"]
+
+
+def test_finish_reason_with_calls() -> None:
+    call = FORMATS["hermes"].parse(WEATHER)[1]
+    assert finish_reason_with_calls("stop", call) == "tool_calls"
+    assert finish_reason_with_calls("length", call) == "tool_calls"  # the calls that came back are whole
+    assert finish_reason_with_calls("length", []) == "length"  # no call finished inside max_tokens
+    assert finish_reason_with_calls("abort", call) == "abort"
+    assert finish_reason_with_calls("stop", []) == "stop"
 
 
 # Fragments in the style of each family's published template (the markers they use).

@@ -28,6 +28,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     g.add_argument(
+        "--attention-backend", default="auto", choices=["auto", "torch", "cpu", "triton"],
+        help="attention kernels: auto (cpu's numba kernel on the CPU, triton on CUDA), torch (the reference)",
+    )  # fmt: skip
+    g.add_argument(
+        "--enforce-eager", action="store_true",
+        help="CUDA: run decode steps eagerly instead of replaying CUDA graphs (slower; no capture at start-up)",
+    )  # fmt: skip
+    g.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.9,
+        help="GPU: fraction of the GPU's memory the engine may use; the KV cache takes what weights and a "
+        "profiled step leave of it (default 0.9)",
+    )  # fmt: skip
+    g.add_argument(
         "--cpu-gemm",
         default="auto",
         choices=["auto", "onednn", "blas"],
@@ -36,26 +49,34 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--quantization",
         default="auto",
-        choices=["auto", "none", "int8", "int4"],
-        help="CPU weight format: int8 / int4 blocks of 32 (GGUF Q8_0 / Q4_1 math), none = float; auto: a "
-        "quantized GGUF keeps its own quantization (Q4_x as int4, others int8), float checkpoints stay float",
+        choices=["auto", "none", "int8", "int4", "fp8"],
+        help="weight format: int8 / int4 (CPU) blocks of 32 (GGUF Q8_0 / Q4_1 math), none = float; auto: a "
+        "quantized GGUF keeps its own quantization (Q4_x as int4, others int8), float checkpoints stay float; "
+        "fp8 (GPU): e4m3 linear weights per channel, activations per token, torch._scaled_mm on compute "
+        "capability >= 8.9 (a slow float32 reference path elsewhere)",
     )
+    g.add_argument(
+        "--cpu-offload-gb", type=float, default=0.0, metavar="GiB",
+        help="CUDA: keep this many GiB of weights (whole decoder layers) in pinned host memory, copied to "
+        "the GPU ahead of use every forward pass (frees GPU memory for the KV cache; costs PCIe time)",
+    )  # fmt: skip
     g.add_argument(
         "--cpu-activations",
         default="auto",
         choices=["auto", "int16", "int8"],
-        help="how the CPU kernels round activations for int4 weights: int8 per block of 32 (llama.cpp's "
-        "arithmetic; AVX-512 VNNI only; faster prefill, batches and speculative verification) or int16 "
-        "per token (the float model's results within rounding); auto: int8 where the CPU has AVX-512 "
-        "VNNI, else int16",
+        help="how the CPU kernels round activations for int4 weights: int16 per token (the float model's "
+        "answers within rounding; auto, the default, means int16) or int8 per block of 32 (llama.cpp's "
+        "arithmetic, AVX-512 VNNI only: faster prefill, batches and speculative verification, but it "
+        "changes the model's answers)",
     )
     g.add_argument(
         "--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)"
     )
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     g.add_argument(
-        "--kv-cache-memory", type=parse_bytes, default=None, help="KV-cache budget, e.g. 2GiB (default 2GiB)"
-    )
+        "--kv-cache-memory", type=parse_bytes, default=None,
+        help="KV-cache budget, e.g. 2GiB (default: 2GiB on the CPU; on a GPU, what --gpu-memory-utilization leaves)",
+    )  # fmt: skip
     g.add_argument(
         "--num-kv-blocks",
         type=int,
@@ -101,6 +122,10 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_model_len": args.max_model_len,
         "block_size": args.block_size,
         "kv_cache_memory": args.kv_cache_memory,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "attention_backend": args.attention_backend,
+        "enforce_eager": args.enforce_eager,
+        "cpu_offload_gb": args.cpu_offload_gb,
         "num_kv_blocks": args.num_kv_blocks,
         "enable_prefix_caching": not args.no_prefix_caching,
         "kv_cache_dtype": args.kv_cache_dtype,

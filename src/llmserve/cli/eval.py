@@ -4,6 +4,7 @@ next-token distributions from a float reference (by default the same file with q
 
     llmserve eval perplexity                                   # embedded model, its Q4_1 kept, vs float
     llmserve eval perplexity --model m.gguf --quantization int8 --reference m-f32.gguf --json out.json
+    llmserve eval perplexity --model DIR --device cuda --dtype bfloat16 --quantization fp8 --reference-dtype bfloat16
 
 Default text: chapters I-II of Alice's Adventures in Wonderland (public domain, ~6k tokens), shipped
 with llmserve (llmserve/bench/data).
@@ -39,6 +40,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="the model the KL divergence is measured from: 'same' (this model with quantization none, "
         "float32), 'none' (no KLD), or a model path",
     )
+    pp.add_argument(
+        "--reference-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+        help="the reference model's dtype (default float32; bfloat16 measures fp8 against bf16 on a GPU)",
+    )  # fmt: skip
     pp.add_argument("--json", type=Path, default=None, help="write the figures here")
     pp.set_defaults(func=run_perplexity)
 
@@ -68,9 +73,9 @@ def run_perplexity(args: argparse.Namespace) -> int:
     loaded = load(args.model, args.quantization, args.dtype)
     reference = None
     if args.reference == "same":
-        reference = load(args.model, "none", "float32")
+        reference = load(args.model, "none", args.reference_dtype)
     elif args.reference != "none":
-        reference = load(args.reference, "none", "float32")
+        reference = load(args.reference, "none", args.reference_dtype)
     tokenizer = load_tokenizer(loaded.source)
     ids = tokenizer.encode(read_text(args.text))  # a BOS only where the model's tokenizer adds one
     print(f"model: {loaded.summary()}", file=sys.stderr)
@@ -82,10 +87,9 @@ def run_perplexity(args: argparse.Namespace) -> int:
         bar.update(done - bar.n)
 
     from llmserve.config import CacheConfig
-    from llmserve.model_executor.forward_runner import resolve_kv_cache_dtype
 
     kv_name = CacheConfig(kv_cache_dtype=args.kv_cache_dtype).kv_cache_dtype  # validated
-    kv_dtype = resolve_kv_cache_dtype(kv_name, loaded.dtype, loaded.quantization != "none", loaded.device)
+    kv_dtype = loaded.kv_cache_dtype(kv_name)
     with bar:
         result = evaluate(loaded, ids, args.ctx, reference, progress, kv_cache_dtype=kv_dtype)
     print(result.summary())
@@ -95,6 +99,7 @@ def run_perplexity(args: argparse.Namespace) -> int:
             "quantization": loaded.quantization,
             "kv_cache_dtype": str(kv_dtype).removeprefix("torch."),
             "reference": None if reference is None else str(reference.source.path),
+            "reference_dtype": None if reference is None else str(reference.dtype).removeprefix("torch."),
             "n_ctx": args.ctx,
             "text_tokens": len(ids),
             **result.to_dict(),

@@ -100,6 +100,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--enable-response-timings", action="store_true",
         help="add llama.cpp-style `timings` to every response (else only with return_timings: true)",
     )  # fmt: skip
+    s.add_argument("--ssl-keyfile", default=None, help="TLS: the server's private key (PEM); serve https")
+    s.add_argument("--ssl-certfile", default=None, help="TLS: the server's certificate chain (PEM)")
+    s.add_argument(
+        "--ssl-ca-certs",
+        default=None,
+        help="TLS: CA certificates that client certificates are verified against",
+    )
+    s.add_argument(
+        "--ssl-cert-reqs", type=int, choices=[0, 1, 2], default=defaults.ssl_cert_reqs,
+        help="TLS: client certificates 0: not asked for, 1: optional, 2: required (Python's ssl.CERT_*)",
+    )  # fmt: skip
     s.add_argument(
         "--reasoning-parser", choices=["auto", "none", "think"], default="auto",
         help="split <think>...</think> into reasoning_content (auto: when the chat template uses <think>)",
@@ -134,7 +145,18 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         models_memory=args.models_memory,
         keep_alive=parse_duration(args.keep_alive),  # type: ignore[arg-type]
         model_load_timeout=args.model_load_timeout,
+        ssl_keyfile=_readable(args.ssl_keyfile, "--ssl-keyfile"),
+        ssl_certfile=_readable(args.ssl_certfile, "--ssl-certfile"),
+        ssl_ca_certs=_readable(args.ssl_ca_certs, "--ssl-ca-certs"),
+        ssl_cert_reqs=args.ssl_cert_reqs,
     )
+
+
+def _readable(path: str | None, flag: str) -> str | None:
+    """A TLS file checked at start-up: uvicorn would fail later, with a traceback and no flag name."""
+    if path is not None and not os.access(path, os.R_OK):
+        raise ValueError(f"{flag}: cannot read {path!r}")
+    return path
 
 
 def model_specs(args: argparse.Namespace) -> list[ModelSpec]:
@@ -222,6 +244,10 @@ def run(args: argparse.Namespace) -> int:
             log_level=logging.getLevelName(logging.getLogger().level).lower(),
             timeout_graceful_shutdown=config.shutdown_timeout + SHUTDOWN_GRACE,
             access_log=False,
+            ssl_keyfile=config.ssl_keyfile,
+            ssl_certfile=config.ssl_certfile,
+            ssl_ca_certs=config.ssl_ca_certs,
+            ssl_cert_reqs=config.ssl_cert_reqs,
         )
     )
     failed: list[BaseException] = []
@@ -242,7 +268,10 @@ def run(args: argparse.Namespace) -> int:
 
     state.on_load_error = on_load_error
     state.on_engine_dead = on_engine_dead
-    logger.info("llmserve listening on http://%s:%d (model %r loading)", config.host, config.port, model_name)
+    scheme = "https" if config.ssl_certfile else "http"
+    logger.info(
+        "llmserve listening on %s://%s:%d (model %r loading)", scheme, config.host, config.port, model_name
+    )
     server.run()
     if failed:
         raise ValueError(f"cannot serve {model_name!r}: {failed[0]}")

@@ -16,8 +16,8 @@ class CacheConfig:
     """Tokens per KV-cache block."""
 
     kv_cache_memory: int | None = None
-    """Bytes of memory for the KV cache (all layers, K and V). Default: 2 GiB unless
-    `num_kv_blocks` is given."""
+    """Bytes of memory for the KV cache (all layers, K and V). Default: on the CPU 2 GiB; on a
+    GPU what `gpu_memory_utilization` leaves; unless `num_kv_blocks` is given."""
 
     num_kv_blocks: int | None = None
     """Number of KV-cache blocks; overrides `kv_cache_memory`."""
@@ -33,7 +33,14 @@ class CacheConfig:
     with a float16 scale per 32 values (llama.cpp's q8_0 blocks), 3.6x the tokens of float32 for
     64-dim heads. K/V are rounded once, when written (llama.cpp's default cache is float16)."""
 
+    gpu_memory_utilization: float = 0.9
+    """GPU only, vLLM's meaning: the fraction of the GPU's memory this engine may use (weights,
+    activations, KV cache). The KV cache gets what a profiling forward pass of the largest step
+    leaves of it. Ignored when `kv_cache_memory` or `num_kv_blocks` is given, and on the CPU."""
+
     def __post_init__(self) -> None:
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
         if self.block_size < 1 or self.block_size > 1024:
             raise ValueError(f"block_size must be in [1, 1024]; got {self.block_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
@@ -45,11 +52,19 @@ class CacheConfig:
                 f"kv_cache_dtype must be 'auto' or one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}"
             )
 
-    def num_blocks(self, kv_bytes_per_token: int) -> int:
-        """Blocks that fit the budget, given the model's KV bytes per token (all layers)."""
+    @property
+    def sized_by_user(self) -> bool:
+        """The budget is given (bytes or blocks), not measured on the device."""
+        return self.kv_cache_memory is not None or self.num_kv_blocks is not None
+
+    def num_blocks(self, kv_bytes_per_token: int, measured: int | None = None) -> int:
+        """Blocks that fit the budget, given the model's KV bytes per token (all layers);
+        `measured`: the bytes a GPU has left (used when the user gave no budget)."""
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
-        budget = self.kv_cache_memory if self.kv_cache_memory is not None else DEFAULT_KV_CACHE_MEMORY
+        budget = self.kv_cache_memory if self.kv_cache_memory is not None else measured
+        if budget is None:
+            budget = DEFAULT_KV_CACHE_MEMORY
         n = budget // (kv_bytes_per_token * self.block_size)
         if n < 1:
             raise ValueError(

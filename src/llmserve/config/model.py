@@ -13,8 +13,8 @@ DTypeName = Literal["auto", "float32", "float16", "bfloat16"]
 _DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
 CpuGemmName = Literal["auto", "onednn", "blas"]
 _CPU_GEMMS: tuple[str, ...] = ("auto", "onednn", "blas")
-QuantizationName = Literal["auto", "none", "int8", "int4"]
-_QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "int4")
+QuantizationName = Literal["auto", "none", "int8", "int4", "fp8"]
+_QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "int4", "fp8")
 CpuActivationsName = Literal["auto", "int16", "int8"]
 _CPU_ACTIVATIONS: tuple[str, ...] = ("auto", "int16", "int8")
 ModelImplName = Literal["auto", "native", "transformers"]
@@ -55,19 +55,39 @@ class ModelConfig:
     float weights in `dtype`. `auto`: a quantized GGUF file keeps its quantization family per layer
     (Q4_0/Q4_1/Q4_K as int4, read without a float round trip; Q8_0, Q5, Q6_K as int8); float
     checkpoints stay float. Activations stay float32 between layers; each quantized matmul
-    quantizes them as `cpu_activations` says (llmserve's C++ kernels, AVX-512 VNNI or AVX2)."""
+    quantizes them as `cpu_activations` says (llmserve's C++ kernels, AVX-512 VNNI or AVX2).
+    `fp8` (for GPUs): linear layers in float8 e4m3 with a scale per output channel, activations
+    rounded to e4m3 per token, `torch._scaled_mm` on CUDA compute capability >= 8.9 (Ada, Hopper);
+    embeddings and LM head stay in `dtype`. Half the bytes of bf16 weights; the answers change a
+    little (KL divergence in docs/benchmarks.md). Elsewhere (the CPU, older GPUs) it runs a float32
+    reference path with the same numbers, slower than float: for testing."""
 
     cpu_activations: CpuActivationsName = "auto"
-    """How the quantized CPU kernels round activations for int4 weights. `int8`: per block of 32
-    with a scale each, llama.cpp's arithmetic for 4-bit weights (Q8_1), on AVX-512 VNNI CPUs:
-    twice the multiply-adds an instruction, so prefill, batches and speculative verification run
-    ~1.5x faster than int16. `int16`: per token, one scale; the result is the float model's on the
-    dequantized weights within float rounding. What int8 costs is small beside 4-bit weights' own
-    rounding: on a Q4_0 file the KL divergence from the float model goes from 0.2596 (int16) to
-    0.2614 (llama.cpp: 0.2623); on the embedded Q4_1 file, whose weights are its float model's,
-    from ~1e-6 to ~2e-3. `auto`: int8 where the CPU has AVX-512 VNNI, else int16 (AVX2 CPUs
-    have no int8 kernel; int8 asked there warns and keeps int16). int8 weights always take int16
-    activations."""
+    """How the quantized CPU kernels round activations for int4 weights. `int16` (and `auto`, the
+    default): per token, one scale; the result is the float model's on the dequantized weights
+    within float rounding, so a GGUF file answers as its float model does. `int8` (opt-in, AVX-512
+    VNNI CPUs): per block of 32 with a scale each, llama.cpp's arithmetic for 4-bit weights (Q8_1):
+    twice the multiply-adds an instruction, so prefill, large batches and speculative verification
+    run faster (matmuls at 0.63-0.68 of int16's time from batch 8 up, docs/benchmarks.md), but the
+    answers change: on the embedded Q4_1 file, whose weights are its float model's, the KL
+    divergence from the float model goes from ~1e-6 to ~2e-3 and "What is the capital of France?"
+    is answered with nonsense, as llama-server answers it; on a Q4_0 file, from 0.2596 to 0.2614
+    (llama.cpp: 0.2623). AVX2 CPUs have no int8 kernel: int8 asked there warns and keeps int16.
+    int8 weights always take int16 activations."""
+
+    attention_backend: str = "auto"
+    """The attention backend: `auto` (the fastest for the device: `cpu`, the numba paged kernel,
+    on the CPU; `triton` on CUDA), `torch` (the reference, any device), `cpu` or `triton`."""
+
+    enforce_eager: bool = False
+    """CUDA: run every step eagerly instead of replaying CUDA graphs for decode steps (slower;
+    saves the graphs' memory and start-up capture time). Ignored on the CPU."""
+
+    cpu_offload_gb: float = 0
+    """CUDA: GiB of weights kept in pinned host memory instead of on the GPU (vLLM's flag): whole
+    decoder layers, evenly spaced, up to this size, each copied to the GPU ahead of use on a side
+    stream (model_executor/offload.py). Frees that much GPU memory (less two layers' staging
+    buffers) for the KV cache, at the cost of reading those bytes over PCIe every forward pass."""
 
     show_progress: bool = True
     """Show a progress bar while loading weights."""
@@ -98,3 +118,9 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be >= 1; got {self.max_model_len}")
         if self.device != "auto" and not self.device.startswith(("cpu", "cuda")):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]'; got {self.device!r}")
+        if not self.cpu_offload_gb >= 0:
+            raise ValueError(f"cpu_offload_gb must be >= 0; got {self.cpu_offload_gb}")
+        if self.cpu_offload_gb > 0 and self.device.startswith("cpu"):
+            raise ValueError(
+                "cpu_offload_gb needs a CUDA device: on the CPU the weights are in host memory already"
+            )

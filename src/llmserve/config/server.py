@@ -58,6 +58,15 @@ class ServerConfig:
     keep_alive and Ollama's per-request `keep_alive` override it."""
     model_load_timeout: float = 300.0
     """Seconds a request waits for its model to load before a 503 (the load goes on)."""
+    ssl_keyfile: str | None = None
+    """TLS: the server's private key (PEM); with `ssl_certfile`, the server speaks https only."""
+    ssl_certfile: str | None = None
+    """TLS: the server's certificate chain (PEM)."""
+    ssl_ca_certs: str | None = None
+    """TLS: the CA certificates that client certificates are verified against."""
+    ssl_cert_reqs: int = 0
+    """TLS: whether clients must show a certificate, as Python's `ssl` numbers it (and uvicorn and
+    vLLM take it): 0 no, 1 optional, 2 required."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -84,5 +93,19 @@ class ServerConfig:
             raise ValueError(f"keep_alive must be >= 0 seconds (inf: forever); got {self.keep_alive}")
         if self.model_load_timeout <= 0:
             raise ValueError(f"model_load_timeout must be > 0 seconds; got {self.model_load_timeout}")
+        if self.ssl_keyfile is not None and self.ssl_certfile is None:
+            raise ValueError("ssl_keyfile needs ssl_certfile (the certificate the key belongs to)")
+        if self.ssl_certfile is None and (self.ssl_ca_certs is not None or self.ssl_cert_reqs):
+            raise ValueError(
+                "ssl_ca_certs and ssl_cert_reqs need ssl_certfile (client certificates need TLS)"
+            )
+        if self.ssl_cert_reqs not in (0, 1, 2):
+            raise ValueError(
+                f"ssl_cert_reqs must be 0 (none), 1 (optional) or 2 (required); got {self.ssl_cert_reqs}"
+            )
+        if self.ssl_cert_reqs and self.ssl_ca_certs is None:
+            raise ValueError(
+                "ssl_cert_reqs needs ssl_ca_certs (the CAs that client certificates are checked against)"
+            )
         if self.api_key == "":
             raise ValueError("api_key must not be empty (leave it unset to disable authentication)")

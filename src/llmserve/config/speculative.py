@@ -5,7 +5,7 @@
 
 A proposer guesses the next k tokens of a decoding request; one forward pass scores all of them
 (with the last real token), and verification keeps the longest prefix the model agrees with, plus
-one token of its own (spec_decode/rejection.py). Outputs are plain decoding's: greedy ones and
+one token of its own (sample/rejection.py). Outputs are plain decoding's: greedy ones and
 seeded sampled ones token for token, unseeded ones in distribution; only the time per token changes.
 """
 

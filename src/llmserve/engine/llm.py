@@ -17,8 +17,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from llmserve.config import CacheConfig, ModelConfig, SchedulerConfig
-from llmserve.config.speculative import SpeculativeConfig
+from llmserve.config.engine_args import EngineArgs
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.errors import ParameterError
 from llmserve.outputs import RequestOutput
@@ -31,58 +30,16 @@ _PROMPT_KEYS = ("prompt", "prompt_token_ids")
 Message = dict[str, Any]
 
 
-def build_engine(
-    model: str | None = None,
-    *,
-    dtype: str = "auto",
-    device: str = "auto",
-    cpu_gemm: str = "auto",
-    quantization: str = "auto",
-    cpu_activations: str = "auto",
-    max_model_len: int | None = None,
-    show_progress: bool = True,
-    block_size: int = 16,
-    kv_cache_memory: int | None = None,
-    num_kv_blocks: int | None = None,
-    enable_prefix_caching: bool = True,
-    kv_cache_dtype: str = "auto",
-    max_num_batched_tokens: int = 1024,
-    max_num_seqs: int = 64,
-    scheduling_policy: str = "fcfs",
-    admission_policy: str = "optimistic",
-    batching_mode: str = "continuous",
-    model_impl: str = "auto",
-    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None,
-) -> LLMEngine:
-    """An `LLMEngine` from flat options (the offline API's and the command line's)."""
-    return LLMEngine(
-        ModelConfig(
-            model=model,
-            dtype=dtype,
-            device=device,
-            cpu_gemm=cpu_gemm,
-            quantization=quantization,
-            cpu_activations=cpu_activations,
-            max_model_len=max_model_len,
-            show_progress=show_progress,
-            model_impl=model_impl,
-        ),  # type: ignore[arg-type]
-        CacheConfig(
-            block_size=block_size,
-            kv_cache_memory=kv_cache_memory,
-            num_kv_blocks=num_kv_blocks,
-            enable_prefix_caching=enable_prefix_caching,
-            kv_cache_dtype=kv_cache_dtype,
-        ),
-        SchedulerConfig(
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            policy=scheduling_policy,  # type: ignore[arg-type]
-            admission=admission_policy,  # type: ignore[arg-type]
-            mode=batching_mode,  # type: ignore[arg-type]
-        ),
-        speculative_config=SpeculativeConfig.parse(speculative_config),
-    )
+def build_engine(model: str | None = None, **options: Any) -> LLMEngine:
+    """An `LLMEngine` from flat options: the names of `EngineArgs` (dtype, device, quantization,
+    kv_cache_memory, max_num_seqs, ...), with the values the command line takes (sizes as "4GiB",
+    numbers as text); a bad one is a `ValueError` naming it."""
+    return engine_from_args(EngineArgs.from_options({"model": model, **options}, "LLM"))
+
+
+def engine_from_args(args: EngineArgs) -> LLMEngine:
+    model, cache, scheduler, speculative = args.configs()
+    return LLMEngine(model, cache, scheduler, speculative_config=speculative)
 
 
 def _is_token_ids(x: object) -> bool:
@@ -121,11 +78,13 @@ def to_prompt(x: object, index: int) -> Prompt:
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
-        """`engine_options`: the keyword arguments of `build_engine` (dtype, device, cpu_gemm, quantization, cpu_activations, max_model_len,
-        block_size, kv_cache_memory, num_kv_blocks, enable_prefix_caching, kv_cache_dtype, max_num_batched_tokens,
-        max_num_seqs, scheduling_policy, admission_policy, batching_mode, model_impl, speculative_config,
-        show_progress). `speculative_config`: vLLM's dict (or its JSON), e.g. {"method": "ngram",
-        "num_speculative_tokens": 4}."""
+        """`engine_options`: the fields of `EngineArgs` (dtype, device, cpu_gemm, quantization,
+        cpu_activations, max_model_len, block_size, kv_cache_memory, num_kv_blocks,
+        enable_prefix_caching, kv_cache_dtype, max_num_batched_tokens, max_num_seqs,
+        scheduling_policy, admission_policy, batching_mode, model_impl, speculative_config,
+        show_progress), with the command line's values: `kv_cache_memory="4GiB"` as
+        `--kv-cache-memory 4GiB`. `speculative_config`: vLLM's dict (or its JSON), e.g.
+        {"method": "ngram", "num_speculative_tokens": 4}."""
         self.engine = build_engine(model, **engine_options)
         self._ids = itertools.count()
 

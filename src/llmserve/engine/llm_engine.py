@@ -24,7 +24,6 @@ from llmserve.engine.output_processor import OutputProcessor
 from llmserve.errors import ParameterError
 from llmserve.layers.attention import KVCacheSpec
 from llmserve.metrics.stats import IterationStats, SchedulerStats
-from llmserve.model_executor.forward_runner import resolve_kv_cache_dtype
 from llmserve.model_executor.model_loader import LoadedModel, load_model
 from llmserve.model_executor.model_runner import ModelRunner
 from llmserve.outputs import RequestOutput
@@ -99,7 +98,7 @@ class LLMEngine:
                 f"speculative decoding needs continuous batching; batching mode is {self.scheduler_config.mode!r}"
             )
         self.loaded = loaded or load_model(model_config)
-        if self.loaded.linear_kernel == "transformers" and self.cache_config.enable_prefix_caching:
+        if self.loaded.model_impl == "transformers" and self.cache_config.enable_prefix_caching:
             # transformers' caches live per request, not in the shared blocks a prefix hit reuses
             logger.info("prefix caching is off: the transformers implementation keeps no shared KV blocks")
             self.cache_config = dataclasses.replace(self.cache_config, enable_prefix_caching=False)
@@ -108,17 +107,23 @@ class LLMEngine:
         self.vocab_size = int(self.loaded.hf_config.vocab_size)
 
         shape = self.loaded.model.kv_cache_shape()
-        kv_dtype = resolve_kv_cache_dtype(
-            self.cache_config.kv_cache_dtype,
-            self.loaded.dtype,
-            self.loaded.quantization != "none",
-            self.loaded.device,
-        )
+        kv_dtype = self.loaded.kv_cache_dtype(self.cache_config.kv_cache_dtype)
         bytes_per_token = (
             shape.num_layers
             * KVCacheSpec(1, 1, shape.num_kv_heads, shape.head_dim, kv_dtype).bytes_per_token()
         )
-        num_blocks = self.cache_config.num_blocks(bytes_per_token)
+        k = speculative_config.num_speculative_tokens if speculative_config is not None else 0
+        sched = self.scheduler_config
+        max_num_tokens = sched.max_num_batched_tokens + k * sched.max_num_seqs
+        measured = None
+        if not self.loaded.profile.is_cpu and not self.cache_config.sized_by_user:
+            from llmserve.model_executor.gpu_memory import measure_kv_budget
+
+            measured = measure_kv_budget(
+                self.loaded.model, kv_dtype, self.cache_config.block_size, max_num_tokens,
+                sched.max_num_seqs, self.cache_config.gpu_memory_utilization,
+            )  # fmt: skip
+        num_blocks = self.cache_config.num_blocks(bytes_per_token, measured)
         self.kv_info = KVCacheInfo(
             bytes_per_token,
             num_blocks,
@@ -128,7 +133,6 @@ class LLMEngine:
         )
         logger.info(self.kv_info.summary())
 
-        k = speculative_config.num_speculative_tokens if speculative_config is not None else 0
         self.scheduler: Scheduler = make_scheduler(
             self.scheduler_config, self.cache_config, num_blocks, self.max_model_len, k
         )
@@ -146,7 +150,7 @@ class LLMEngine:
         elif speculative_config is not None:
             self.proposer = NgramProposer(speculative_config)
         self.controller = (
-            SpecController(k, self.loaded.device.type, speculative_config.adaptive)
+            SpecController(k, self.loaded.profile.kind, speculative_config.adaptive)
             if speculative_config is not None
             else None
         )
@@ -160,7 +164,15 @@ class LLMEngine:
             self.vocab_size,
             kv_dtype,
             self.structured_outputs,
+            self.loaded.profile,
+            max_num_tokens=max_num_tokens,
+            max_num_seqs=sched.max_num_seqs,
+            max_model_len=self.max_model_len,
         )
+        if self.loaded.profile.cuda_graphs:
+            self.runner.capture_cuda_graphs(
+                sched.max_num_seqs, self.max_model_len, model_config.show_progress
+            )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.last_stats: SchedulerStats | None = None
         self.log_stats = log_stats

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -28,3 +30,25 @@ def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if name not in _ACTIVATIONS:
         raise ValueError(f"unsupported activation {name!r}; supported: {', '.join(sorted(_ACTIVATIONS))}")
     return _ACTIVATIONS[name]
+
+
+_GATED_KERNELS = {"silu": "silu_and_mul", "swish": "silu_and_mul", "gelu_pytorch_tanh": "gelu_tanh_and_mul",
+                  "gelu_new": "gelu_tanh_and_mul", "gelu_fast": "gelu_tanh_and_mul"}  # fmt: skip
+
+
+@functools.cache
+def gpu_kernels() -> ModuleType | None:
+    """The fused Triton kernels (layers/triton_ops.py) for tensors on CUDA, or None without triton."""
+    try:
+        from llmserve.layers import triton_ops
+    except ImportError:
+        return None
+    return triton_ops
+
+
+def gated_kernel(name: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """act(gate) * up over [..., 2I] = [gate | up] in one CUDA kernel, for activation `name`
+    (None: no fused kernel for it, or no triton)."""
+    kernels = gpu_kernels()
+    fn = _GATED_KERNELS.get(name)
+    return None if kernels is None or fn is None else getattr(kernels, fn)

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmserve.layers.activation import gpu_kernels
+
 try:
     from llmserve.layers import cpu_fused
 except ImportError:  # numba missing or broken: torch ops only
@@ -28,7 +30,12 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x); with `residual`, (norm(x + residual), x + residual). The fused CPU path writes
-        the sum into `residual`'s memory, so pass a residual tensor the caller owns."""
+        the sum into `residual`'s memory, so pass a residual tensor the caller owns. On CUDA the
+        add and the norm are one Triton kernel (the same rounding as the torch ops below)."""
+        if x.is_cuda and (kernels := gpu_kernels()) is not None:
+            if residual is None:
+                return kernels.rms_norm(x, self.weight, self.eps, self.weight_offset)
+            return kernels.add_rms_norm(x, residual, self.weight, self.eps, self.weight_offset)
         fused = cpu_fused is not None and cpu_fused.applies(x, self.weight)
         if residual is None:
             if fused:

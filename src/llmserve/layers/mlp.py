@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmserve.layers.activation import get_activation
+from llmserve.layers.activation import gated_kernel, get_activation
 from llmserve.layers.linear import Linear, num_weight_chunks
 from llmserve.load_errors import WeightShapeError
 
@@ -128,8 +128,14 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = GateUpLinear(hidden_size, intermediate_size, C, bias)
         self.down_proj = DownLinear(intermediate_size, hidden_size, C, bias)
         self.act = get_activation(act)
+        self.act_name = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, H] -> [M, H]
+        if x.is_cuda and (fused := gated_kernel(self.act_name)) is not None:
+            if self.gate_up_proj.packed:  # fp8 layers: the plain [M, gate | up] layout
+                return self.down_proj(fused(self.gate_up_proj(x)))
+            # One chunk on a GPU: [1, M, gate | up], act(gate) * up in one kernel
+            return self.down_proj.forward_chunks(fused(self.gate_up_proj.forward_chunks(x)))
         if self.gate_up_proj.packed:
             gate_up = self.gate_up_proj(x)  # [M, gate | up]
             inner = gate_up.shape[-1] // 2

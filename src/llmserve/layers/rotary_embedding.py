@@ -2,13 +2,17 @@
 half of each head's rotary dims pairs with the second half.
 
 Frequencies follow the HF `rope_parameters` (transformers >= 5) or `rope_theta` + `rope_scaling`
-(earlier versions): `default`, `linear`, `llama3`. The cos/sin table is computed once per device
-and indexed by position at each forward.
+(earlier versions): `default`, `linear`, `llama3`. The cos/sin table is a buffer built with the
+module, on the device the model is built on (so nothing is created on another device at the first
+forward), and indexed by position at each forward: by `cos_sin` once per forward for backends
+that take rotated q and k, or inside the cache-write kernel of a backend that rotates q and k as it
+writes K/V (`RotaryInputs` carries either to the attention layer).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,7 +40,8 @@ def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any
 
 def _inv_freq(rotary_dim: int, params: dict[str, Any]) -> torch.Tensor:
     base = float(params["rope_theta"])
-    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    steps = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu")  # the table is built on the CPU
+    inv_freq = 1.0 / (base ** (steps.float() / rotary_dim))
     rope_type = params.get("rope_type") or "default"
     if rope_type == "default":
         return inv_freq
@@ -63,16 +68,20 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim
         self.max_position = max_position
-        self.inv_freq = _inv_freq(rotary_dim, params)  # validated here, at construction
-        self._cos_sin: torch.Tensor | None = None  # [max_position, rotary_dim] as [cos | sin]
+        inv_freq = _inv_freq(rotary_dim, params)  # validated here, at construction
+        # Computed on the CPU in float32 (the same table on every device), then placed on the
+        # device the model is being built on (torch's default device: the loader's, or meta).
+        t = torch.arange(max_position, dtype=torch.float32, device="cpu")
+        freqs = torch.outer(t, inv_freq)  # [P, rotary_dim / 2]
+        table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        # [max_position, rotary_dim] as [cos of each frequency | sin of each frequency]
+        self.register_buffer("cos_sin_cache", table.to(torch.get_default_device()), persistent=False)
 
     def cos_sin_table(self, device: torch.device) -> torch.Tensor:
-        """[max_position, rotary_dim]: cos of each frequency, then sin (built once per device)."""
-        if self._cos_sin is None or self._cos_sin.device != device:
-            t = torch.arange(self.max_position, dtype=torch.float32)
-            freqs = torch.outer(t, self.inv_freq)  # [P, rotary_dim / 2]
-            self._cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
-        return self._cos_sin
+        """[max_position, rotary_dim]: cos of each frequency, then sin, on `device` (the buffer
+        itself when the model lives there, as it does for every forward)."""
+        table = self.cos_sin_cache
+        return table if table.device == device else table.to(device)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin for `positions`, each [T, 1, rotary_dim], computed once per forward.
@@ -80,7 +89,7 @@ class RotaryEmbedding(nn.Module):
         With c, s the per-frequency halves: cos = [c | c] and sin = [-s | s], so that
         rotate_half(x) * [s | s] == roll(x, half) * [-s | s] and `forward` needs no negation.
         """
-        cs = self.cos_sin_table(positions.device).index_select(0, positions)
+        cs = self.cos_sin_cache.index_select(0, positions)
         half = self.rotary_dim // 2
         cos = cs[:, :half].repeat(1, 2).unsqueeze(1).to(dtype)
         sin = cs[:, half:]
@@ -100,3 +109,31 @@ class RotaryEmbedding(nn.Module):
         x_rot = x[..., :rd]
         out = x_rot * cos + x_rot.roll(rd // 2, dims=-1) * sin
         return torch.cat((out, x[..., rd:]), dim=-1)
+
+
+@dataclass(frozen=True, slots=True)
+class RotaryInputs:
+    """One forward's RoPE for the layers that share `rope`, made once per forward by the model.
+
+    `cos`/`sin` are set when the attention backend takes q and k already rotated; they are None
+    when the backend rotates them itself as it writes K/V (`fuses_rope`), reading `rope`'s table
+    at `positions` inside its kernel.
+    """
+
+    rope: RotaryEmbedding
+    positions: torch.Tensor  # [T]
+    cos: torch.Tensor | None = None  # [T, 1, rotary_dim]
+    sin: torch.Tensor | None = None
+
+    @classmethod
+    def make(
+        cls, rope: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype, in_backend: bool
+    ) -> RotaryInputs:
+        if in_backend:
+            return cls(rope, positions)
+        cos, sin = rope.cos_sin(positions, dtype)
+        return cls(rope, positions, cos, sin)
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:  # [T, n_heads, head_dim]
+        assert self.cos is not None and self.sin is not None, "the backend rotates: nothing to apply"
+        return self.rope(x, self.cos, self.sin)

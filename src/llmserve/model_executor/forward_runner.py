@@ -1,50 +1,36 @@
 """`ForwardRunner`: owns the model's KV cache and runs one forward pass over a flat batch.
 
 The caller says, per sequence, which new tokens to run, how long the context becomes and which
-cache blocks hold it; the runner flattens that into (input_ids, positions, AttentionMetadata),
-runs the model, and returns logits for the last new token of each sequence (or for every new
-token when asked, for prompt logprobs and parity tests).
+cache blocks hold it; the runner writes that into its persistent input buffers (`InputBuffers`:
+token ids, positions, slot mapping, block tables), lets the attention backend build its per-step
+metadata, and runs the stack the way this device runs it:
+
+    fused CPU decoder   quantized Llama-family stacks on the CPU: the whole forward in one C++
+                        call (layers/quantization/fused_decoder.py), chosen here, not by the model
+    CUDA graph          decode steps on CUDA, replayed from graphs captured at start-up
+                        (cuda_graph.py wraps this runner)
+    eager               the model's layer-by-layer forward, anything else
+
+It returns logits for the last new token of each sequence (or for every new token when asked,
+for prompt logprobs and parity tests).
+
+The KV cache holds one block more than the scheduler hands out: the pad block, where padding
+rows (a CUDA graph's batch rounded up) write their K/V without touching a sequence's blocks.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from llmserve.layers.attention import Attention, AttentionMetadata, KVCacheSpec
+from llmserve.layers.quantization.fused_decoder import FusedDecoder, unsupported_reason
 from llmserve.model_executor.cpu_memory import keep_freed_memory
+from llmserve.model_executor.cuda_graph import GraphRunner
+from llmserve.model_executor.device import DeviceProfile, build_profile
+from llmserve.model_executor.input_buffers import InputBuffers, SequenceBatchEntry, StepInputs
 from llmserve.models import CausalLM
 
-
-def resolve_kv_cache_dtype(
-    name: str, model_dtype: torch.dtype, quantized: bool = False, device: torch.device | str = "cpu"
-) -> torch.dtype:
-    """`CacheConfig.kv_cache_dtype` as a torch dtype. `auto` is the model's dtype, except for a
-    float32 model on the CPU whose linear layers run quantized (`quantized`: a GGUF quant file, or
-    `--quantization int8|int4`): its K/V are kept in float16, llama.cpp's default cache type. Its
-    weights are already rounded to 8 or 4 bits, and decode attention at a batch of 16 reads K/V for
-    about a third of a step: half the bytes make the step 1.2x faster and the cache hold twice the
-    tokens (docs/benchmarks.md)."""
-    if name != "auto":
-        return getattr(torch, name)
-    if quantized and model_dtype == torch.float32 and torch.device(device).type == "cpu":
-        return torch.float16
-    return model_dtype
-
-
-@dataclass(frozen=True, slots=True)
-class SequenceBatchEntry:
-    """One sequence's part of a forward pass."""
-
-    new_token_ids: list[int]
-    """Tokens to run now: the last `len(new_token_ids)` tokens of the context."""
-    seq_len: int
-    """Context length after this step (tokens already cached + new ones)."""
-    block_ids: list[int]
-    """Cache blocks holding this sequence, in order; enough for `seq_len` tokens."""
-    req_id: str = ""
-    """The request it belongs to (runners that keep per-request state use it)."""
+__all__ = ["ForwardRunner", "SequenceBatchEntry"]
 
 
 class ForwardRunner:
@@ -54,25 +40,64 @@ class ForwardRunner:
         num_blocks: int,
         block_size: int = 16,
         kv_cache_dtype: torch.dtype | None = None,
+        profile: DeviceProfile | None = None,
+        max_num_tokens: int = 256,
+        max_num_seqs: int = 16,
+        max_model_len: int | None = None,
     ) -> None:
-        """`kv_cache_dtype`: what the cache stores K/V in (default: the model's dtype)."""
+        """`kv_cache_dtype`: what the cache stores K/V in (default: the model's dtype). `profile`:
+        the device's decisions (default: built for the model's device). The sizes are the input
+        buffers' first allocation (they grow when a batch needs more)."""
         shape = model.kv_cache_shape()
         param = next(model.parameters())
         self.model = model
         self.device, self.dtype = param.device, param.dtype
-        if self.device.type == "cpu":
+        self.profile = profile or build_profile(self.device)
+        if self.profile.keep_freed_memory:
             keep_freed_memory()  # activations are reused every step: no page faults on them
         kv_dtype = kv_cache_dtype or self.dtype
-        self.spec = KVCacheSpec(num_blocks, block_size, shape.num_kv_heads, shape.head_dim, kv_dtype)
-        # One [2, num_kv_heads, num_blocks, block_size, head_dim] tensor per layer.
+        self.num_blocks = num_blocks
+        self.pad_block = num_blocks  # the extra block past the scheduler's
+        self.spec = KVCacheSpec(num_blocks + 1, block_size, shape.num_kv_heads, shape.head_dim, kv_dtype)
+        # One [2, num_kv_heads, num_blocks + 1, block_size, head_dim] tensor per layer.
         self.kv_caches = [
             torch.zeros(self.spec.shape(), dtype=kv_dtype, device=self.device)
             for _ in range(shape.num_layers)
         ]
-        for backend in {
-            id(m.backend): m.backend for m in model.modules() if isinstance(m, Attention)
-        }.values():
+        attention = [m for m in model.modules() if isinstance(m, Attention)]
+        self.backends = list({id(m.backend): m.backend for m in attention}.values())
+        self.layer_params = list({m.params: None for m in attention})  # distinct, in layer order
+        for backend in self.backends:
             backend.prepare(kv_dtype)
+        max_blocks = -(-(max_model_len or 2048) // block_size)
+        self.buffers = InputBuffers(
+            self.device, block_size, self.pad_block, max_num_tokens, max_num_seqs, max_blocks,
+            pin_memory=self.profile.pin_memory,
+        )  # fmt: skip
+        self.fused: FusedDecoder | None = None
+        self.fused_unsupported: str | None = "not a CPU profile"
+        if self.profile.fused_cpu_decoder:
+            self.use_fused(True)
+        self.graphs: GraphRunner | None = None
+        """Decode steps padded to fixed sizes (replayed from CUDA graphs where captured)."""
+
+    def use_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool) -> GraphRunner:
+        """Run decode batches padded to the capture sizes from now on; `capture`: record CUDA
+        graphs for them (call `graphs.capture()` next), else run the padded steps eagerly."""
+        self.graphs = GraphRunner(self, max_num_seqs, max_model_len, capture)
+        return self.graphs
+
+    def use_fused(self, on: bool) -> None:
+        """Run forwards through the fused CPU decoder (when it can take this model and cache) or
+        through the model's layers; `fused_unsupported` says why not when it cannot."""
+        self.fused, self.fused_unsupported = None, "turned off"
+        if not on:
+            return
+        spec = self.model.decoder_spec()
+        reason = "no decoder spec" if spec is None else unsupported_reason(spec, self.kv_caches)
+        if reason is None:
+            self.fused = FusedDecoder(spec, self.kv_caches, self.block_size)
+        self.fused_unsupported = reason
 
     @property
     def block_size(self) -> int:
@@ -85,23 +110,29 @@ class ForwardRunner:
         """2 x layers x kv_heads x head_dim x dtype bytes."""
         return self.spec.bytes_per_token() * len(self.kv_caches)
 
+    def prepare(self, batch: list[SequenceBatchEntry], width: int | None = None) -> StepInputs:
+        """The step's inputs in the persistent buffers, with every backend's metadata built (none
+        for the fused decoder, which attends in C++)."""
+        inputs = self.buffers.fill(batch, width)
+        if self.fused is None:
+            for backend in self.backends:
+                backend.build_metadata(inputs.metadata, self.layer_params, self.spec)
+        return inputs
+
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """The stack over prepared inputs: hidden states [num_new_tokens, hidden]."""
+        md = inputs.metadata
+        if self.fused is not None:
+            return self.fused(self.model.embed(inputs.input_ids), inputs.positions, md)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, md)
+
     def forward(self, batch: list[SequenceBatchEntry]) -> tuple[torch.Tensor, AttentionMetadata]:
-        """Run the model over the flat batch: hidden states [num_new_tokens, hidden] and the metadata."""
-        ids: list[int] = []
-        positions: list[int] = []
-        for entry in batch:
-            ids.extend(entry.new_token_ids)
-            positions.extend(range(entry.seq_len - len(entry.new_token_ids), entry.seq_len))
-        md = AttentionMetadata.build(
-            query_lens=[len(e.new_token_ids) for e in batch],
-            seq_lens=[e.seq_len for e in batch],
-            block_tables=[e.block_ids for e in batch],
-            block_size=self.block_size,
-            device=self.device,
-        )
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        return self.model(input_ids, pos, self.kv_caches, md), md
+        """Run the model over the flat batch: hidden states [num_new_tokens, hidden] and the
+        metadata (of the padded step, for a batch the graph runner takes)."""
+        if self.graphs is not None and self.graphs.applies(batch):
+            return self.graphs.forward(batch)
+        inputs = self.prepare(batch)
+        return self.run(inputs), inputs.metadata
 
     @torch.inference_mode()
     def execute(self, batch: list[SequenceBatchEntry], all_logits: bool = False) -> torch.Tensor:
@@ -109,6 +140,6 @@ class ForwardRunner:
         over the whole batch when `all_logits`)."""
         hidden, md = self.forward(batch)
         if not all_logits:
-            last = torch.tensor(md.query_start_loc[1:], device=self.device) - 1
+            last = md.query_start_loc_tensor[1 : len(batch) + 1].to(torch.long) - 1
             hidden = hidden.index_select(0, last)  # only the rows that are sampled
         return self.model.compute_logits(hidden)

@@ -14,7 +14,7 @@ changed, and per step:
      masks are computed on a worker thread while the forward pass runs, where a core is free for
      it), samples all requests together, then appends the tokens to their states (and grammars);
   6. with speculative decoding, a request that carries proposed tokens runs its last token and the
-     proposals in one go, and verification (spec_decode/rejection.py) keeps the proposals the
+     proposals in one go, and verification (sample/rejection.py) keeps the proposals the
      model agrees with and adds the model's next token (with a grammar: only the proposals it
      allows are verified, each row masked by the grammar state after the ones before).
 """
@@ -22,18 +22,18 @@ changed, and per step:
 from __future__ import annotations
 
 import dataclasses
-import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from llmserve.core.sched_output import Logprobs, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from llmserve.model_executor.device import DeviceProfile, build_profile
 from llmserve.model_executor.forward_runner import ForwardRunner, SequenceBatchEntry
 from llmserve.model_executor.transformers_runner import TransformersCausalLM, TransformersForwardRunner
 from llmserve.models import CausalLM
 from llmserve.sample import RequestSamplingState, Sampler, SamplingMetadata, compute_logprobs, make_generator
-from llmserve.spec_decode.rejection import verify_proposals
+from llmserve.sample.rejection import verify_proposals
 from llmserve.structured_output import StructuredOutputManager, apply_bitmask, bitmask_words
 
 
@@ -74,24 +74,44 @@ class ModelRunner:
         vocab_size: int,
         kv_cache_dtype: torch.dtype | None = None,
         structured_outputs: StructuredOutputManager | None = None,
+        profile: DeviceProfile | None = None,
+        max_num_tokens: int = 256,
+        max_num_seqs: int = 16,
+        max_model_len: int | None = None,
     ) -> None:
-        """`structured_outputs`: makes the grammar state of requests that constrain their output."""
+        """`structured_outputs`: makes the grammar state of requests that constrain their output.
+        `profile`: the device's decisions (default: built for the model's device); the sizes are
+        the scheduler's limits, which size the runner's input buffers."""
         if isinstance(model, TransformersCausalLM):  # the transformers fallback: its own caches
             self.runner: ForwardRunner | TransformersForwardRunner = TransformersForwardRunner(model)
         else:
-            self.runner = ForwardRunner(model, num_blocks, block_size, kv_cache_dtype)
+            self.runner = ForwardRunner(
+                model,
+                num_blocks,
+                block_size,
+                kv_cache_dtype,
+                profile,
+                max_num_tokens,
+                max_num_seqs,
+                max_model_len,
+            )
         self.structured_outputs = structured_outputs
         self.device = self.runner.device
         self.vocab_size = vocab_size
         self._masks: ThreadPoolExecutor | None = None  # grammar masks, made beside the forward pass
-        # Beside the forward pass only with a core to spare: on the CPU, a mask thread sharing the
-        # cores of the matmuls' OpenMP threads stalls them at every barrier (2 cores, 2 threads:
-        # a JSON schema's TPOT overhead at batch 16 went from 3-4% to 5-13%, docs/benchmarks.md).
-        self.overlap_masks = self.device.type != "cpu" or _usable_cores() > torch.get_num_threads()
+        profile = profile or build_profile(self.device)
+        # Beside the forward pass only with a core to spare (DeviceProfile.overlap_masks says why).
+        self.overlap_masks = profile.overlap_masks
+        self.sampling_policy = profile.sampling
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         # Sampling states of preempted requests, waiting for them to be rescheduled.
         self._parked: dict[str, tuple[RequestSamplingState, int]] = {}
+
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int, show_progress: bool) -> None:
+        """Decode steps of up to `max_num_seqs` requests replay CUDA graphs from now on."""
+        assert isinstance(self.runner, ForwardRunner), "the transformers implementation runs eagerly"
+        self.runner.use_graphs(max_num_seqs, max_model_len, capture=True).capture(show_progress)
 
     def _add(self, new: NewRequestData) -> None:
         sampling, num_prompt_logprobs = self._parked.pop(new.req_id, (None, 0))
@@ -205,7 +225,7 @@ class ModelRunner:
     def _verify(
         self, all_logits: torch.Tensor, verifiers: list[Verification], out: ModelRunnerOutput
     ) -> None:
-        """Score each request's proposed tokens against the model (spec_decode/rejection.py) and
+        """Score each request's proposed tokens against the model (sample/rejection.py) and
         keep the accepted ones plus the model's next token. `all_logits`: every verifying
         request's k + 1 rows, in order."""
         offset = 0
@@ -235,8 +255,15 @@ class ModelRunner:
                     )
                     for j in range(k + 1)
                 ]
-            metadata = SamplingMetadata.build(rows, self.vocab_size, self.device)
-            tokens = verify_proposals(logits, metadata, drafts, sampling.generator)
+            # Row j samples output position base + j: a seeded row's draw in the counter mode.
+            base = len(sampling.output_token_ids)
+            positions = range(base, base + k + 1)
+            metadata = SamplingMetadata.build(
+                rows, self.vocab_size, self.device, positions, self.sampling_policy
+            )
+            # Only a generator is rewound to the emitted tokens; counter draws have nothing to rewind.
+            generator = sampling.generator if metadata.generators else None
+            tokens = verify_proposals(logits, metadata, drafts, generator)
             sampling.output_token_ids.extend(tokens)
             if sampling.grammar is not None:
                 sampling.grammar.accept_all(tokens)
@@ -289,17 +316,19 @@ class ModelRunner:
         """`logits` [num_sampling, vocab]: the last position of each sampling request."""
         if mask is not None:
             self._mask_logits(logits, mask, constrained)
-        metadata = SamplingMetadata.build([s.sampling for _, s in states], self.vocab_size, self.device)
-        result = self.sampler(logits, metadata)
-        tokens = result.sampled_token_ids.tolist()  # the step's one device->host sync
+        metadata = SamplingMetadata.build(
+            [s.sampling for _, s in states], self.vocab_size, self.device, policy=self.sampling_policy
+        )
+        # the step's one device->host sync: the sampled ids and their logprobs in one copy
+        tokens, logprobs = self.sampler(logits, metadata).to_host()
         for i, ((pos, state), token) in enumerate(zip(states, tokens, strict=True)):
             state.output_token_ids.append(token)
             if state.sampling.grammar is not None:
                 state.sampling.grammar.accept(token)
             out.sampled_token_ids[pos] = [token]
             k = state.sampling.params.logprobs
-            if k is not None and result.logprobs is not None:
-                out.logprobs[state.req_id] = result.logprobs.to_lists(i, k)
+            if k is not None and logprobs is not None:
+                out.logprobs[state.req_id] = logprobs.to_lists(i, k)
 
     @staticmethod
     def _mask_logits(logits: torch.Tensor, mask: torch.Tensor, rows: list[int]) -> None:
@@ -344,9 +373,3 @@ class Verification:
     first_row: int
     """The flat-batch row of its last real token; the proposals' rows follow."""
     drafts: list[int]
-
-
-def _usable_cores() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1

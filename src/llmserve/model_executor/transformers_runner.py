@@ -24,8 +24,9 @@ import torch
 from torch import nn
 
 from llmserve.config import ModelConfig
+from llmserve.model_executor.device import build_profile, resolve_device
 from llmserve.model_executor.forward_runner import SequenceBatchEntry
-from llmserve.model_executor.model_loader import LoadedModel, ModelSource, resolve_device, resolve_dtype
+from llmserve.model_executor.model_loader import LoadedModel, ModelSource
 from llmserve.models.base import KVCacheShape
 
 logger = logging.getLogger("llmserve")
@@ -68,7 +69,9 @@ def load_transformers_model(
             f"{source.path}: the transformers implementation loads HF model folders, not GGUF files"
         )
     device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device, hf_config)
+    # transformers runs its own attention and no graphs: the profile's dtypes and host choices
+    profile = build_profile(device, "torch", enforce_eager=True)
+    dtype = profile.model_dtype(config.dtype, hf_config)
     logger.warning(
         "%s: running on transformers' modelling code (%s): several times slower than native", source.name, why
     )
@@ -102,6 +105,8 @@ def load_transformers_model(
         load_seconds=time.perf_counter() - start,
         max_model_len=config.max_model_len or limit,
         linear_kernel="transformers",
+        model_impl="transformers",
+        profile=profile,
     )
     logger.info(loaded.summary())
     return loaded

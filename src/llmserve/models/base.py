@@ -19,6 +19,7 @@ from torch import nn
 
 from llmserve.layers.attention import AttentionMetadata
 from llmserve.layers.linear import Linear
+from llmserve.layers.quantization.fused_decoder import DecoderSpec
 from llmserve.layers.vocab_embedding import LMHead, VocabEmbedding
 from llmserve.load_errors import (
     MissingWeightsError,
@@ -73,6 +74,15 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
         return self.lm_head(hidden)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        """The token embeddings the decoder stack starts from."""
+        return getattr(self, self.backbone_name).embed_tokens(input_ids)
+
+    def decoder_spec(self) -> DecoderSpec | None:
+        """The stack as the fused CPU decoder takes it (`layers/quantization/fused_decoder.py`),
+        or None for an architecture it cannot run. Whether it runs is the forward runner's call."""
+        return None
 
     def kv_cache_shape(self) -> KVCacheShape:
         raise NotImplementedError

@@ -24,13 +24,12 @@ from llmserve.layers.attention import Attention, AttentionBackend, AttentionMeta
 from llmserve.layers.layernorm import RMSNorm
 from llmserve.layers.linear import Linear
 from llmserve.layers.mlp import GatedMLP
-from llmserve.layers.rotary_embedding import RotaryEmbedding, rope_parameters
+from llmserve.layers.rotary_embedding import RotaryEmbedding, RotaryInputs, rope_parameters
 from llmserve.layers.vocab_embedding import LMHead, VocabEmbedding
 from llmserve.models.base import QKV_GATE_UP_STACKING, CausalLM, KVCacheShape
 from llmserve.models.llama import head_dim_of
 
 SLIDING, FULL = "sliding_attention", "full_attention"
-CosSin = tuple[torch.Tensor, torch.Tensor]
 
 
 def layer_types_of(config: Any) -> list[str]:
@@ -88,8 +87,7 @@ class Gemma3Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, H]
-        cos_sin: CosSin,
-        rope: RotaryEmbedding,
+        rotary: RotaryInputs,
         kv_cache: torch.Tensor,
         md: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H]
@@ -98,9 +96,8 @@ class Gemma3Attention(nn.Module):
         q = qkv[:, : self.q_size].view(T, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(T, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :]
-        q = rope(self.q_norm(q), *cos_sin)  # norm per head, then rotate
-        k = rope(self.k_norm(k), *cos_sin)
-        out = self.attn(q.reshape(T, self.q_size), k.reshape(T, self.kv_size), v, kv_cache, md)
+        # norm per head, then the attention layer rotates (or its backend does, writing K/V)
+        out = self.attn(self.q_norm(q), self.k_norm(k), v, kv_cache, md, rotary)
         return self.o_proj(out)
 
 
@@ -118,15 +115,10 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(H, eps, weight_offset=1.0)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        cos_sin: CosSin,
-        rope: RotaryEmbedding,
-        kv_cache: torch.Tensor,
-        md: AttentionMetadata,
+        self, x: torch.Tensor, rotary: RotaryInputs, kv_cache: torch.Tensor, md: AttentionMetadata
     ) -> torch.Tensor:
         # Gemma normalises both the input and the output of each sublayer ("sandwich" norms).
-        h = self.self_attn(self.input_layernorm(x), cos_sin, rope, kv_cache, md)
+        h = self.self_attn(self.input_layernorm(x), rotary, kv_cache, md)
         x = x + self.post_attention_layernorm(h)
         h = self.mlp(self.pre_feedforward_layernorm(x))
         return x + self.post_feedforward_layernorm(h)
@@ -165,10 +157,12 @@ class Gemma3Model(nn.Module):
         x = self.embed_tokens(input_ids)
         x = x * self.embed_scale.to(x.dtype)
         # One cos/sin per layer type, shared by every layer of that type.
-        cos_sin = {t: rope.cos_sin(positions, x.dtype) for t, rope in self.rotary_emb.items()}
+        in_backend = self.layers[0].self_attn.attn.rope_in_backend
+        rotary = {
+            t: RotaryInputs.make(rope, positions, x.dtype, in_backend) for t, rope in self.rotary_emb.items()
+        }
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            t = layer.layer_type
-            x = layer(x, cos_sin[t], self.rotary_emb[t], kv_cache, md)
+            x = layer(x, rotary[layer.layer_type], kv_cache, md)
         return self.norm(x)
 
 

@@ -9,8 +9,9 @@ logits = lm_head(rms_norm(x))
 Each residual add is fused into the norm that follows it (`RMSNorm(x, residual)`), so a layer
 returns its MLP output and the residual stream separately.
 
-With quantized weights on the CPU, a forward runs the whole stack in one C++ call (`FusedDecoder`,
-same math); `fused_forward = False` keeps every forward on the layers below.
+`decoder_spec()` describes the stack for the fused CPU decoder (`FusedDecoder`, the same math in
+one C++ call), which the forward runner uses for quantized weights on the CPU; the model itself
+only knows the layer-by-layer forward.
 """
 
 from __future__ import annotations
@@ -25,13 +26,8 @@ from llmserve.layers.attention import Attention, AttentionBackend, AttentionMeta
 from llmserve.layers.layernorm import RMSNorm
 from llmserve.layers.linear import Linear
 from llmserve.layers.mlp import GatedMLP
-from llmserve.layers.quantization.fused_decoder import (
-    DecoderLayerSpec,
-    DecoderSpec,
-    FusedDecoder,
-    unsupported_reason,
-)
-from llmserve.layers.rotary_embedding import RotaryEmbedding, rope_parameters
+from llmserve.layers.quantization.fused_decoder import DecoderLayerSpec, DecoderSpec
+from llmserve.layers.rotary_embedding import RotaryEmbedding, RotaryInputs, rope_parameters
 from llmserve.layers.vocab_embedding import LMHead, VocabEmbedding
 from llmserve.models.base import QKV_GATE_UP_STACKING, CausalLM, KVCacheShape
 
@@ -87,24 +83,24 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, H]
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
-        rope: RotaryEmbedding,
+        rotary: RotaryInputs,
         kv_cache: torch.Tensor,
         md: AttentionMetadata,
     ) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
         qk_size = self.q_size + self.kv_size
-        if self.q_norm is None:
-            # q and k are adjacent columns: rotate all their heads in one call.
-            qk = rope(qkv[:, :qk_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim), *cos_sin)
-        else:
-            q = self.q_norm(qkv[:, : self.q_size].view(T, self.num_heads, self.head_dim))
-            k = self.k_norm(qkv[:, self.q_size : qk_size].view(T, self.num_kv_heads, self.head_dim))
-            qk = rope(torch.cat([q, k], dim=1), *cos_sin)
-        qk = qk.view(T, qk_size)
-        out = self.attn(qk[:, : self.q_size], qk[:, self.q_size :], qkv[:, qk_size:], kv_cache, md)
-        return self.o_proj(out)
+        q, k, v = qkv[:, : self.q_size], qkv[:, self.q_size : qk_size], qkv[:, qk_size:]
+        if self.q_norm is not None:  # Qwen3: per head, before RoPE
+            q = self.q_norm(q.view(T, self.num_heads, self.head_dim))
+            k = self.k_norm(k.view(T, self.num_kv_heads, self.head_dim))
+        elif rotary.cos is not None:
+            # q and k are adjacent columns: rotate all their heads in one call (half the
+            # elementwise launches of rotating them apart; the attention layer gets them rotated).
+            qk = rotary.rotate(qkv[:, :qk_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim))
+            qk = qk.view(T, qk_size)
+            return self.o_proj(self.attn(qk[:, : self.q_size], qk[:, self.q_size :], v, kv_cache, md))
+        return self.o_proj(self.attn(q, k, v, kv_cache, md, rotary))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -120,27 +116,22 @@ class LlamaDecoderLayer(nn.Module):
             bias=getattr(config, "mlp_bias", False),
         )
 
-    def forward(self, x, residual, cos_sin, rope, kv_cache, md) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x, residual, rotary, kv_cache, md) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it); the caller adds the two (the
         next layer's input norm does, fused)."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, cos_sin, rope, kv_cache, md)
+        h = self.self_attn(h, rotary, kv_cache, md)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
-    fused_forward = True
-    """Run forwards through `FusedDecoder` when it can take this model."""
-
     def __init__(self, config: Any, backend: AttentionBackend, arch: ArchFlags):
         super().__init__()
         self.config = config
-        self._fused: FusedDecoder | None = None
-        self._fused_unsupported: tuple[int, str] | None = None  # (KV cache address, why not)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, backend, arch) for i in range(config.num_hidden_layers)
@@ -153,15 +144,12 @@ class LlamaModel(nn.Module):
         )
 
     def forward(self, input_ids, positions, kv_caches, md) -> torch.Tensor:
-        if self.fused_forward:
-            fused = self._fused_decoder(kv_caches, md.block_size)
-            if fused is not None:
-                return fused(self.embed_tokens(input_ids), positions, md)
         x = self.embed_tokens(input_ids)
-        cos_sin = self.rotary_emb.cos_sin(positions, x.dtype)  # shared by every layer
+        in_backend = self.layers[0].self_attn.attn.rope_in_backend
+        rotary = RotaryInputs.make(self.rotary_emb, positions, x.dtype, in_backend)  # shared by every layer
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, cos_sin, self.rotary_emb, kv_cache, md)
+            x, residual = layer(x, residual, rotary, kv_cache, md)
         return self.norm(x, residual)[0]
 
     def decoder_spec(self) -> DecoderSpec:
@@ -195,21 +183,6 @@ class LlamaModel(nn.Module):
             activation=getattr(c, "hidden_act", "silu"),
         )
 
-    def _fused_decoder(self, kv_caches: list[torch.Tensor], block_size: int) -> FusedDecoder | None:
-        """The fused decoder for these KV caches, built on first use (None where it cannot run)."""
-        key = kv_caches[0].data_ptr()
-        if self._fused is not None and self._fused.cache_ptr == key:
-            return self._fused
-        if self._fused_unsupported is not None and self._fused_unsupported[0] == key:
-            return None
-        spec = self.decoder_spec()
-        reason = unsupported_reason(spec, kv_caches)
-        if reason is not None:
-            self._fused_unsupported = (key, reason)
-            return None
-        self._fused = FusedDecoder(spec, kv_caches, block_size)
-        return self._fused
-
 
 class LlamaForCausalLM(CausalLM):
     stacked_params = QKV_GATE_UP_STACKING
@@ -230,3 +203,6 @@ class LlamaForCausalLM(CausalLM):
     def kv_cache_shape(self) -> KVCacheShape:
         c = self.config
         return KVCacheShape(c.num_hidden_layers, c.num_key_value_heads, head_dim_of(c))
+
+    def decoder_spec(self) -> DecoderSpec:
+        return self.model.decoder_spec()

@@ -3,7 +3,9 @@
 Built once per step from the `RequestSamplingState`s of the rows being sampled (row i of the logits is
 `states[i]`). Every optional part is None when no row uses it, so the sampler can skip that work
 entirely; in particular a batch where every row is greedy with no penalties, bias or min_tokens ban
-needs nothing but an argmax. This module turns Python lists into tensors; it does not touch logits.
+needs nothing but an argmax, and builds no tensor at all. Otherwise one pass over the rows gathers
+every number on the host and one copy sends them to the device (packing.py): the cost of a step's
+metadata on a GPU is one transfer, whatever the batch. This module does not touch logits.
 """
 
 from __future__ import annotations
@@ -11,11 +13,37 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
+from typing import Literal
 
 import torch
 
+from llmserve.sample.packing import DevicePack, HostPack
 from llmserve.sample.state import RequestSamplingState
 from llmserve.sampling_params import SamplingParams, SamplingType
+
+SeededDrawMode = Literal["generator", "counter"]
+"""How seeded rows draw their exponentials (random_sampling.py): from each request's own
+`torch.Generator`, one call per row; or from the counter-based stream keyed by (seed, output
+position) (philox.py), one launch for every seeded row."""
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingDevicePolicy:
+    """The sampler's device decisions, made in one place."""
+
+    seeded_draws: SeededDrawMode
+    """CPU: "generator", the torch streams seeded outputs have always come from. Elsewhere
+    "counter": no launch per row, and nothing but the seed and the position decides a draw."""
+    host_checks: bool
+    """The sampler may read a device value on the host (free on the CPU, a sync on a GPU): min-p
+    uses it to reproduce the sort-based reference bit for bit (filters.py)."""
+    pin_memory: bool
+    """The metadata's host buffer is pinned and copied asynchronously (CUDA)."""
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> SamplingDevicePolicy:
+        cpu = device.type == "cpu"
+        return cls("generator" if cpu else "counter", host_checks=cpu, pin_memory=device.type == "cuda")
 
 
 @dataclass(slots=True)
@@ -31,6 +59,15 @@ class PenaltyTensors:
 
 
 @dataclass(slots=True)
+class SeededDraws:
+    """The seeded random rows, for the counter-based draw (the "counter" mode)."""
+
+    rows: torch.Tensor  # [S] int64: row indices into the batch
+    seeds: torch.Tensor  # [S] int64: each request's seed
+    positions: torch.Tensor  # [S] int64: the output position each row samples (0 = the first token)
+
+
+@dataclass(slots=True)
 class SamplingMetadata:
     """Sampling parameters of the B rows of one step; optional parts are None when unused."""
 
@@ -41,7 +78,11 @@ class SamplingMetadata:
     top_k: torch.Tensor | None  # [B] int64 in [1, V]; V where off
     top_p: torch.Tensor | None  # [B] fp32; 1.0 where off
     min_p: torch.Tensor | None  # [B] fp32; 0.0 where off
-    generators: dict[int, torch.Generator]  # row -> generator, for seeded random rows only
+    filter_width: int  # the largest k of a top-k row or of a top-p row under a top-k; 0: none
+    sort_rows: torch.Tensor | None  # [R] int64: the rows whose top-p has no top-k (they sort the vocabulary)
+    host_checks: bool  # SamplingDevicePolicy.host_checks
+    generators: dict[int, torch.Generator]  # row -> generator, for seeded random rows ("generator" mode)
+    seeded: SeededDraws | None  # the seeded random rows in the "counter" mode
     has_unseeded_random: bool  # some random row draws from the global RNG
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows [N], token ids [N]) forced to -inf (min_tokens)
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, biases), each [N]
@@ -55,89 +96,188 @@ class SamplingMetadata:
 
     @classmethod
     def build(
-        cls, states: Sequence[RequestSamplingState], vocab_size: int, device: torch.device
+        cls,
+        states: Sequence[RequestSamplingState],
+        vocab_size: int,
+        device: torch.device,
+        positions: Sequence[int] | None = None,
+        policy: SamplingDevicePolicy | None = None,
     ) -> SamplingMetadata:
-        """One pass over the rows' states, then one tensor per field that some row uses."""
-        num_rows = len(states)
-        temperature = [1.0] * num_rows
-        top_k = [vocab_size] * num_rows
-        top_p = [1.0] * num_rows
-        min_p = [0.0] * num_rows
-        is_greedy = [False] * num_rows
-        use_top_k = use_top_p = use_min_p = has_unseeded = False
-        generators: dict[int, torch.Generator] = {}
-        banned_rows: list[int] = []
-        banned_ids: list[int] = []
-        bias_rows: list[int] = []
-        bias_ids: list[int] = []
-        bias_values: list[float] = []
-        penalty_rows: list[int] = []
-        max_num_logprobs: int | None = None
+        """One pass over the rows' states on the host, then one copy to `device`. `positions`: the
+        output position each row samples, which keys a seeded row's draw in the "counter" mode
+        (default: the number of tokens it has output; speculative verification passes its own)."""
+        policy = policy or SamplingDevicePolicy.for_device(device)
+        rows = _RowScan(states, vocab_size, positions, policy.seeded_draws)
+        pack, random_rows = HostPack(), not rows.all_greedy
+        # 1. every number into the host pack (a slice of it each)
+        temperature = pack.floats(rows.temperature) if random_rows else None
+        greedy = pack.ints(rows.is_greedy) if random_rows and not rows.all_random else None
+        top_k = pack.ints(rows.top_k) if random_rows and rows.use_top_k else None
+        top_p = pack.floats(rows.top_p) if random_rows and rows.use_top_p else None
+        min_p = pack.floats(rows.min_p) if random_rows and rows.use_min_p else None
+        banned = pack.ints(rows.banned_rows + rows.banned_ids) if rows.banned_rows else None
+        bias = pack.ints(rows.bias_rows + rows.bias_ids) if rows.bias_rows else None
+        biases = pack.floats(rows.bias_values) if rows.bias_rows else None
+        sort_rows = pack.ints(rows.sort_rows) if random_rows and rows.sort_rows else None
+        seeded = pack.ints(rows.seeded_rows + rows.seeds + rows.seed_positions) if rows.seeds else None
+        penalties = _PenaltyPack(states, rows.penalty_rows, pack) if rows.penalty_rows else None
+        # 2. one copy; 3. the fields are views of it
+        dev = pack.send(device, policy.pin_memory) if pack else DevicePack.empty(device)
+        return cls(
+            temperature=dev.float_field(temperature),
+            all_greedy=rows.all_greedy,
+            all_random=rows.all_random,
+            greedy_mask=None if greedy is None else dev.ints[greedy] != 0,
+            top_k=dev.int_field(top_k),
+            top_p=dev.float_field(top_p),
+            min_p=dev.float_field(min_p),
+            filter_width=rows.filter_width if random_rows else 0,
+            sort_rows=dev.int_field(sort_rows),
+            host_checks=policy.host_checks,
+            generators=rows.generators,
+            seeded=None if seeded is None else SeededDraws(*dev.ints[seeded].view(3, -1)),
+            has_unseeded_random=rows.has_unseeded,
+            banned=None if banned is None else tuple(dev.ints[banned].view(2, -1)),
+            logit_bias=None if bias is None else (*dev.ints[bias].view(2, -1), dev.floats[biases]),
+            penalties=None if penalties is None else penalties.tensors(dev, vocab_size),
+            max_num_logprobs=rows.max_num_logprobs,
+        )
 
+
+class _RowScan:
+    """The host pass over a step's rows: every per-row number as Python lists."""
+
+    def __init__(
+        self,
+        states: Sequence[RequestSamplingState],
+        vocab_size: int,
+        positions: Sequence[int] | None,
+        seeded_draws: SeededDrawMode,
+    ) -> None:
+        num_rows = len(states)
+        self.temperature = [1.0] * num_rows
+        self.top_k = [vocab_size] * num_rows
+        self.top_p = [1.0] * num_rows
+        self.min_p = [0.0] * num_rows
+        self.is_greedy = [0] * num_rows
+        self.use_top_k = self.use_top_p = self.use_min_p = self.has_unseeded = False
+        self.filter_width = 0
+        self.sort_rows: list[int] = []
+        self.generators: dict[int, torch.Generator] = {}
+        self.seeded_rows: list[int] = []
+        self.seeds: list[int] = []
+        self.seed_positions: list[int] = []
+        self.banned_rows: list[int] = []
+        self.banned_ids: list[int] = []
+        self.bias_rows: list[int] = []
+        self.bias_ids: list[int] = []
+        self.bias_values: list[float] = []
+        self.penalty_rows: list[int] = []
+        self.max_num_logprobs: int | None = None
         for i, state in enumerate(states):
             params = state.params
             if params.sampling_type is SamplingType.GREEDY:
-                is_greedy[i] = True
+                self.is_greedy[i] = 1
             else:
-                temperature[i] = params.temperature
-                if params.top_k > 0:
-                    top_k[i] = min(params.top_k, vocab_size)
-                    use_top_k = True
-                if params.top_p < 1.0:
-                    top_p[i] = params.top_p
-                    use_top_p = True
-                if params.min_p > 0.0:
-                    min_p[i] = params.min_p
-                    use_min_p = True
-                if state.generator is not None:
-                    generators[i] = state.generator
-                else:
-                    has_unseeded = True
+                position = len(state.output_token_ids) if positions is None else positions[i]
+                self._random_row(i, state, vocab_size, position, seeded_draws)
             if params.logprobs is not None:
-                max_num_logprobs = max(max_num_logprobs or 0, params.logprobs)
+                self.max_num_logprobs = max(self.max_num_logprobs or 0, params.logprobs)
             if len(state.output_token_ids) < params.min_tokens:
                 ids = _min_tokens_banned_ids(params, state.eos_token_ids, vocab_size)
-                banned_rows.extend([i] * len(ids))
-                banned_ids.extend(ids)
+                self.banned_rows.extend([i] * len(ids))
+                self.banned_ids.extend(ids)
             if params.logit_bias:
-                bias_rows.extend([i] * len(params.logit_bias))
-                bias_ids.extend(params.logit_bias.keys())
-                bias_values.extend(params.logit_bias.values())
+                self.bias_rows.extend([i] * len(params.logit_bias))
+                self.bias_ids.extend(params.logit_bias.keys())
+                self.bias_values.extend(params.logit_bias.values())
             if _uses_penalties(params):
-                penalty_rows.append(i)
+                self.penalty_rows.append(i)
+        self.all_greedy = all(self.is_greedy)
+        self.all_random = not any(self.is_greedy)
 
-        all_greedy = all(is_greedy)
-        all_random = not any(is_greedy)
+    def _random_row(
+        self, i: int, state: RequestSamplingState, vocab_size: int, position: int, mode: SeededDrawMode
+    ) -> None:
+        params = state.params
+        self.temperature[i] = params.temperature
+        if params.top_k > 0:
+            self.top_k[i] = min(params.top_k, vocab_size)
+            self.use_top_k = True
+            if self.top_k[i] < vocab_size:
+                self.filter_width = max(self.filter_width, self.top_k[i])
+        if params.top_p < 1.0:
+            self.top_p[i] = params.top_p
+            self.use_top_p = True
+            if self.top_k[i] < vocab_size:
+                self.filter_width = max(self.filter_width, self.top_k[i])
+            else:  # the smallest set reaching top_p may be any size: this row sorts
+                self.sort_rows.append(i)
+        if params.min_p > 0.0:
+            self.min_p[i] = params.min_p
+            self.use_min_p = True
+        if mode == "counter" and params.seed is not None:
+            self.seeded_rows.append(i)
+            self.seeds.append(params.seed)
+            self.seed_positions.append(position)
+        elif mode == "generator" and state.generator is not None:
+            self.generators[i] = state.generator
+        else:
+            self.has_unseeded = True
 
-        def rows_tensor(values: list, dtype: torch.dtype, used: bool) -> torch.Tensor | None:
-            return torch.tensor(values, dtype=dtype, device=device) if used and not all_greedy else None
 
-        def index_tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
+class _PenaltyPack:
+    """The penalized rows' values and token lists, appended to the step's `HostPack`.
 
-        return cls(
-            temperature=rows_tensor(temperature, torch.float32, True),
-            all_greedy=all_greedy,
-            all_random=all_random,
-            greedy_mask=rows_tensor(is_greedy, torch.bool, not all_random),
-            top_k=rows_tensor(top_k, torch.int64, use_top_k),
-            top_p=rows_tensor(top_p, torch.float32, use_top_p),
-            min_p=rows_tensor(min_p, torch.float32, use_min_p),
-            generators=generators,
-            has_unseeded_random=has_unseeded,
-            banned=(index_tensor(banned_rows), index_tensor(banned_ids)) if banned_rows else None,
-            logit_bias=(
-                (
-                    index_tensor(bias_rows),
-                    index_tensor(bias_ids),
-                    torch.tensor(bias_values, dtype=torch.float32, device=device),
-                )
-                if bias_rows
-                else None
-            ),
-            penalties=_build_penalties(states, penalty_rows, vocab_size, device) if penalty_rows else None,
-            max_num_logprobs=max_num_logprobs,
+    Each token list is flattened with the row it belongs to; on the device one `index_fill_` and
+    one `index_add_` over flat [P * V] indices build the prompt mask and the output counts."""
+
+    def __init__(self, states: Sequence[RequestSamplingState], rows: list[int], pack: HostPack) -> None:
+        params = [states[i].params for i in rows]
+        # The prompt only matters to the repetition penalty; skip it for rows that do not use one.
+        prompts = [
+            states[i].prompt_token_ids if p.repetition_penalty != 1.0 else []
+            for i, p in zip(rows, params, strict=True)
+        ]
+        outputs = [states[i].output_token_ids for i in rows]
+        self.num_rows = len(rows)
+        self.rows = pack.ints(rows)
+        self.values = pack.floats(
+            [p.repetition_penalty for p in params]
+            + [p.frequency_penalty for p in params]
+            + [p.presence_penalty for p in params]
         )
+        self.prompt = pack.ints(_flatten(prompts))
+        self.output = pack.ints(_flatten(outputs))
+
+    def tensors(self, dev: DevicePack, vocab_size: int) -> PenaltyTensors:
+        def flat_index(at: slice) -> torch.Tensor:
+            owner, token_ids = dev.ints[at].view(2, -1)  # [T] each
+            return owner * vocab_size + token_ids  # [T] into the [P * V] view
+
+        device = dev.ints.device
+        prompt_mask = torch.zeros(self.num_rows * vocab_size, dtype=torch.bool, device=device)
+        prompt_mask.index_fill_(0, flat_index(self.prompt), True)
+        out_index = flat_index(self.output)
+        output_counts = torch.zeros(self.num_rows * vocab_size, dtype=torch.float32, device=device)
+        output_counts.index_add_(0, out_index, torch.ones_like(out_index, dtype=torch.float32))
+        repetition, frequency, presence = dev.floats[self.values].view(3, -1)
+        return PenaltyTensors(
+            rows=dev.ints[self.rows],
+            repetition=repetition,
+            frequency=frequency,
+            presence=presence,
+            prompt_mask=prompt_mask.view(self.num_rows, vocab_size),
+            output_counts=output_counts.view(self.num_rows, vocab_size),
+        )
+
+
+def _flatten(token_lists: list[list[int]]) -> list[int]:
+    """[owners..., token ids...]: the penalized row (0..P-1) of each token, then the tokens."""
+    owners: list[int] = []
+    for p, tokens in enumerate(token_lists):
+        owners += [p] * len(tokens)
+    return owners + list(chain.from_iterable(token_lists))
 
 
 def _min_tokens_banned_ids(
@@ -153,45 +293,4 @@ def _min_tokens_banned_ids(
 def _uses_penalties(params: SamplingParams) -> bool:
     return (
         params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
-    )
-
-
-def _build_penalties(
-    states: Sequence[RequestSamplingState], rows: list[int], vocab_size: int, device: torch.device
-) -> PenaltyTensors:
-    """Penalty values plus the prompt-presence mask and output counts of the penalized rows.
-
-    Each row's token list is flattened into one index tensor and scattered in a single call:
-    `row_of[j]` says which of the P rows flat token j belongs to.
-    """
-    params = [states[i].params for i in rows]
-    # The prompt only matters to the repetition penalty; skip it for rows that do not use one.
-    prompts = [states[i].prompt_token_ids if states[i].params.repetition_penalty != 1.0 else [] for i in rows]
-    outputs = [states[i].output_token_ids for i in rows]
-
-    def scatter_index(token_lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        lengths = torch.tensor([len(t) for t in token_lists], dtype=torch.int64, device=device)
-        row_of = torch.repeat_interleave(torch.arange(len(token_lists), device=device), lengths)  # [T]
-        token_ids = torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.int64, device=device)
-        return row_of, token_ids  # [T], [T]
-
-    num_rows = len(rows)
-    prompt_mask = torch.zeros(num_rows, vocab_size, dtype=torch.bool, device=device)  # [P, V]
-    prompt_mask[scatter_index(prompts)] = True
-    output_counts = torch.zeros(num_rows, vocab_size, dtype=torch.float32, device=device)  # [P, V]
-    out_rows, out_ids = scatter_index(outputs)
-    output_counts.index_put_(
-        (out_rows, out_ids), torch.ones_like(out_ids, dtype=torch.float32), accumulate=True
-    )
-
-    def values(name: str) -> torch.Tensor:
-        return torch.tensor([getattr(p, name) for p in params], dtype=torch.float32, device=device)
-
-    return PenaltyTensors(
-        rows=torch.tensor(rows, dtype=torch.int64, device=device),
-        repetition=values("repetition_penalty"),
-        frequency=values("frequency_penalty"),
-        presence=values("presence_penalty"),
-        prompt_mask=prompt_mask,
-        output_counts=output_counts,
     )

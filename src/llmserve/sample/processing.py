@@ -23,7 +23,8 @@ from llmserve.sample.metadata import PenaltyTensors, SamplingMetadata
 def apply_logits_processing(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
     """Steps 2-4 of the sampler, in place on `logits` [B, V] fp32."""
     if metadata.banned is not None:
-        logits.index_put_(metadata.banned, torch.tensor(float("-inf"), device=logits.device))
+        # a 0-dim fill on the device: torch.tensor(-inf, device=...) would be a synchronous copy
+        logits.index_put_(metadata.banned, logits.new_full((), float("-inf")))
     if metadata.logit_bias is not None:
         rows, token_ids, biases = metadata.logit_bias
         logits.index_put_((rows, token_ids), biases, accumulate=True)

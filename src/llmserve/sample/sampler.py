@@ -38,6 +38,25 @@ class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [B] int64
     logprobs: LogprobsTensors | None  # [B, k+1] with k = max_num_logprobs, when any row asked for logprobs
 
+    def to_host(self) -> tuple[list[int], LogprobsTensors | None]:
+        """The sampled ids as a list, and the logprobs as host tensors: one device->host copy.
+
+        int32 [ ids B | ranks B | alternatives B(k+1) | logprobs B(k+1), float32 bits ]
+        """
+        ids = self.sampled_token_ids
+        if self.logprobs is None:
+            return ids.tolist(), None
+        lp = self.logprobs
+        shape = lp.token_ids.shape  # [B, k+1]
+        parts = (ids, lp.ranks, lp.token_ids.flatten(), lp.logprobs.flatten().view(torch.int32))
+        host = torch.cat([p.to(torch.int32) for p in parts]).cpu()  # the copy
+        ids_h, ranks, token_ids, logprobs = host.split([len(ids), len(ids), shape.numel(), shape.numel()])
+        return ids_h.tolist(), LogprobsTensors(
+            token_ids=token_ids.view(shape).to(torch.int64),
+            logprobs=logprobs.view(torch.float32).view(shape),
+            ranks=ranks.to(torch.int64),
+        )
+
 
 class Sampler(nn.Module):
     """Stateless: everything per request arrives in `SamplingMetadata` (generators included)."""

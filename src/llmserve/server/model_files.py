@@ -8,28 +8,28 @@ import contextlib
 import ctypes
 import gc
 import hashlib
-import inspect
 import json
 import os
 from pathlib import Path
 from typing import Any
 
-from llmserve.config.cache import DEFAULT_KV_CACHE_MEMORY, parse_bytes
-from llmserve.engine.llm import build_engine
+from llmserve.config.cache import DEFAULT_KV_CACHE_MEMORY
+from llmserve.config.engine_args import EngineArgs
+from llmserve.config.models import ModelSpec
 
 DIGEST_CACHE = Path.home() / ".cache" / "llmserve" / "digests.json"
 
 
-def native_options(options: dict[str, Any], where: str) -> dict[str, Any]:
-    """`options` checked against the native engine's keyword arguments; sizes may be text ("256MiB")."""
-    allowed = set(inspect.signature(build_engine).parameters) - {"model", "show_progress"}
-    unknown = sorted(set(options) - allowed)
-    if unknown:
-        raise ValueError(f"{where}: unknown engine option(s) {unknown}; known: {sorted(allowed)}")
-    out = dict(options)
-    if isinstance(out.get("kv_cache_memory"), str):
-        out["kv_cache_memory"] = parse_bytes(out["kv_cache_memory"])
-    return out
+def engine_args(spec: ModelSpec, base: dict[str, Any]) -> EngineArgs | None:
+    """The engine options of a local model: the command line's (`base`), then its models-file
+    `options:` over them, read by the same `EngineArgs.from_options` as `LLM(...)`'s; an
+    `engine: transformers` model runs transformers' modelling code. None for a remote model."""
+    if spec.engine == "openai":
+        return None
+    options = {**base, **spec.options, "model": spec.source}
+    if spec.engine == "transformers":
+        options["model_impl"] = "transformers"
+    return EngineArgs.from_options(options, f"model {spec.name!r}")
 
 
 def weight_files(source: str | None) -> list[Path]:
@@ -72,7 +72,7 @@ def files_digest(files: list[Path]) -> str | None:
     return digest
 
 
-def estimate_size(source: str | None, file_bytes: int, options: dict[str, Any]) -> int:
+def estimate_size(source: str | None, file_bytes: int, args: EngineArgs) -> int:
     """A model's memory before it was ever loaded: its weight files (twice a 16-bit checkpoint's,
     which the CPU runs in float32) plus its KV cache (the budget, or `num_kv_blocks` blocks of the
     size an HF config implies). Measured sizes replace it after the first load."""
@@ -81,21 +81,18 @@ def estimate_size(source: str | None, file_bytes: int, options: dict[str, Any]) 
         with contextlib.suppress(OSError, ValueError):
             config = json.loads((Path(source) / "config.json").read_text())
     weights = file_bytes
-    if config.get("torch_dtype") in ("bfloat16", "float16") and options.get("dtype", "auto") in (
-        "auto",
-        "float32",
-    ):
+    if config.get("torch_dtype") in ("bfloat16", "float16") and args.dtype in ("auto", "float32"):
         weights *= 2
-    blocks = options.get("num_kv_blocks")
+    blocks = args.num_kv_blocks
     if blocks is None:
-        return weights + int(options.get("kv_cache_memory") or DEFAULT_KV_CACHE_MEMORY)
+        return weights + int(args.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY)
     text = config.get("text_config", config)
     layers = text.get("num_hidden_layers") or text.get("n_layer") or 0
     heads = text.get("num_attention_heads") or text.get("n_head") or 1
     kv_heads = text.get("num_key_value_heads") or heads
     head_dim = text.get("head_dim") or (text.get("hidden_size") or text.get("n_embd") or 0) // heads
-    width = {"float16": 2, "bfloat16": 2, "int8": 1.125}.get(options.get("kv_cache_dtype", "auto"), 4)
-    return weights + int(blocks * options.get("block_size", 16) * 2 * layers * kv_heads * head_dim * width)
+    width = {"float16": 2, "bfloat16": 2, "int8": 1.125}.get(args.kv_cache_dtype, 4)
+    return weights + int(blocks * args.block_size * 2 * layers * kv_heads * head_dim * width)
 
 
 def release_memory() -> None:

@@ -23,20 +23,21 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 from llmserve.config import ServerConfig
+from llmserve.config.engine_args import EngineArgs
 from llmserve.config.models import ModelSpec, check_specs, split_tag
 from llmserve.engine.async_engine import AsyncEngine
-from llmserve.engine.llm import build_engine
+from llmserve.engine.llm import engine_from_args
 from llmserve.metrics.loggers import LoggingStatLogger
 from llmserve.metrics.prometheus import MetricFamilies, PrometheusStatLogger
 from llmserve.server.errors import APIError
 from llmserve.server.model_files import (
+    engine_args,
     estimate_size,
     files_digest,
-    native_options,
     release_memory,
     weight_files,
 )
@@ -51,15 +52,16 @@ FAILED_RETRY_SECONDS = 30.0
 an operator's load)."""
 REAP_INTERVAL = 0.5
 """Seconds between checks for models idle past their keep-alive."""
+T = TypeVar("T")
 
 
 class ModelSlot:
     """One configured model and what is loaded for it."""
 
-    def __init__(self, spec: ModelSpec, options: dict[str, Any]) -> None:
+    def __init__(self, spec: ModelSpec, args: EngineArgs | None) -> None:
         self.spec = spec
-        self.options = options
-        """The native engine's options (the command line's, then the spec's own)."""
+        self.args = args
+        """The local engine's options (the command line's, then the spec's own); None: remote."""
         self.state = UNLOADED
         self.ctx: ServingContext | None = None
         self.remote: RemoteModel | None = None
@@ -73,8 +75,11 @@ class ModelSlot:
         self.metrics: PrometheusStatLogger | None = None
         self.files = weight_files(spec.source) if not self.is_remote else []
         self.file_bytes = sum(p.stat().st_size for p in self.files)
-        self.size_bytes: int | None = None
+        """The weight files' size on disk (what Ollama's clients read as a model's `size`)."""
+        self.memory_bytes: int | None = None
         """Measured at the last load: weights + KV cache."""
+        self.vram_bytes = 0
+        """The part of `memory_bytes` in GPU memory (all of it on a GPU, none on the CPU)."""
         self.digest: str | None = None
         self.loaded_at: float | None = None
         self.load_seconds: float | None = None
@@ -90,10 +95,10 @@ class ModelSlot:
 
     @property
     def engine(self) -> str:
-        """What runs the model: the spec's engine, or `transformers` for a native model whose
-        architecture has no native implementation (known once loaded)."""
-        if self.ctx is not None and self.ctx.engine.engine.loaded.linear_kernel == "transformers":
-            return "transformers"
+        """What runs the model: once loaded, the implementation that does (`transformers` for a
+        native model whose architecture has none of its own); before, the spec's engine."""
+        if self.ctx is not None:
+            return self.ctx.model_impl
         return self.spec.engine
 
     @property
@@ -108,9 +113,10 @@ class ModelSlot:
     def estimate_bytes(self) -> int:
         """Memory the model takes once loaded: measured at its last load, or else estimated (see
         `estimate_size`)."""
-        if self.size_bytes is not None:
-            return self.size_bytes
-        return estimate_size(self.spec.source, self.file_bytes, self.options)
+        if self.memory_bytes is not None:
+            return self.memory_bytes
+        assert self.args is not None, "a remote model holds no local memory"
+        return estimate_size(self.spec.source, self.file_bytes, self.args)
 
     def keep_alive_seconds(self, default: float) -> float:
         for value in (self.keep_alive, self.spec.keep_alive):
@@ -146,12 +152,7 @@ class ModelManager:
         self.families = families
         base = dict(engine_options or {})
         base.pop("model", None)
-        self.slots = [
-            ModelSlot(
-                s, {**base, **native_options(s.options, f"model {s.name!r}")} if s.engine == "native" else {}
-            )
-            for s in specs
-        ]
+        self.slots = [ModelSlot(s, engine_args(s, base)) for s in specs]
         self._by_name = {name: slot for slot in self.slots for name in slot.spec.names}
         self.default = self.slots[0]
         self._lock = asyncio.Lock()
@@ -161,16 +162,6 @@ class ModelManager:
         self.on_preload_error: Callable[[ModelSlot, BaseException], None] | None = None
         self.on_engine_dead: Callable[[ModelSlot, BaseException], None] | None = None
         self.closed = False
-
-    @staticmethod
-    def _engine_options(spec: ModelSpec, base: dict[str, Any]) -> dict[str, Any]:
-        """The native engine's options for `spec`: the command line's, then the spec's own."""
-        if spec.engine == "openai":
-            return {}
-        options = {**base, **native_options(spec.options, f"model {spec.name!r}")}
-        if spec.engine == "transformers":
-            options["model_impl"] = "transformers"
-        return options
 
     # -- names ----------------------------------------------------------------------------------------
 
@@ -251,6 +242,18 @@ class ModelManager:
         return sum(s.ctx.engine.num_active for s in self.slots if s.ctx is not None)
 
     # -- requests ---------------------------------------------------------------------------------------
+
+    async def serve(
+        self, name: str | None, remote: Callable[[RemoteModel], Awaitable[T]],
+        native: Callable[[ServingContext], Awaitable[T]], keep_alive: float | None = None,
+    ) -> T:  # fmt: skip
+        """Run a request on the model `name` names, leased while `remote` or `native` runs: the
+        one place that decides whether a request goes to an upstream or to a local engine."""
+        async with self.lease(name, keep_alive) as slot:
+            if slot.remote is not None:
+                return await remote(slot.remote)
+            assert slot.ctx is not None, "a leased local model is loaded"
+            return await native(slot.ctx)
 
     @contextlib.asynccontextmanager
     async def lease(self, name: str | None, keep_alive: float | None = None) -> AsyncIterator[ModelSlot]:
@@ -348,9 +351,10 @@ class ModelManager:
                 await self._make_room(slot)
                 logger.info("loading %r", slot.name)
                 start = time.monotonic()
-                options = dict(slot.options)
+                args = slot.args
+                assert args is not None, "remote models are not loaded"
                 engine = await AsyncEngine.launch(
-                    lambda: build_engine(slot.spec.source, **options),
+                    lambda: engine_from_args(args),
                     max_queued_requests=self.config.max_queued_requests,
                 )
                 slot.load_seconds = time.monotonic() - start
@@ -368,7 +372,9 @@ class ModelManager:
         core = engine.engine
         kv = core.kv_info
         slot.ctx = ServingContext(engine, self.config, slot.name)  # before the metrics: slot.engine reads it
-        slot.size_bytes = int(core.loaded.weight_bytes) + kv.num_blocks * kv.block_size * kv.bytes_per_token
+        slot.memory_bytes = int(core.loaded.weight_bytes) + kv.num_blocks * kv.block_size * kv.bytes_per_token
+        # the weights and the KV cache live on one device: all in GPU memory, or none of it
+        slot.vram_bytes = slot.memory_bytes if core.loaded.device.type != "cpu" else 0
         metrics = self._metrics_for(
             slot, core.max_model_len,
             {
@@ -394,7 +400,7 @@ class ModelManager:
             await self._fit_after_load(slot)
         logger.info(
             "ready: %r loaded in %.1f s (%.0f MiB with its KV cache)", slot.name, slot.load_seconds,
-            slot.size_bytes / 2**20,
+            slot.memory_bytes / 2**20,
         )  # fmt: skip
 
     async def _make_room(self, slot: ModelSlot) -> None:
@@ -511,9 +517,11 @@ class ModelManager:
             "state": slot.state,
             "engine": slot.engine,
             "aliases": list(slot.spec.aliases),
-            "size": slot.size_bytes if slot.size_bytes is not None else slot.file_bytes,
+            "size": slot.file_bytes,
             "digest": slot.digest,
         }
+        if not slot.is_remote:  # weights + KV cache: measured once loaded, estimated before
+            card["memory_bytes"] = slot.estimate_bytes
         if slot.ctx is not None:
             card["max_model_len"] = slot.ctx.max_model_len
         if slot.state == FAILED:

@@ -23,7 +23,7 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: StrictBool = False
-    continuous_usage_stats: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM's: the running usage on every chunk
 
 
 class JsonSchemaFormat(_Request):

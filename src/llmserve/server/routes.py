@@ -34,6 +34,7 @@ from llmserve.server.protocol import (
 )
 from llmserve.server.serving import ChatServing, CompletionServing, ServingContext, TokenServing
 from llmserve.server.serving.ollama import OllamaServing, ollama_error, parse
+from llmserve.server.serving.ollama_models import OllamaModels
 from llmserve.server.state import ServerState, server_state
 
 State = Annotated[ServerState, Depends(server_state)]
@@ -76,18 +77,20 @@ async def get_model(model: str, state: State) -> dict[str, Any]:
 
 @openai.post("/v1/completions")
 async def completions(req: CompletionRequest, raw: Request, models: Models) -> Any:
-    async with models.lease(req.model) as slot:
-        if slot.remote is not None:
-            return await slot.remote.proxy(raw, "/completions")
-        return await CompletionServing(_native(slot)).create(req, raw)
+    return await models.serve(
+        req.model,
+        remote=lambda remote: remote.proxy(raw, "/completions"),
+        native=lambda ctx: CompletionServing(ctx).create(req, raw),
+    )
 
 
 @openai.post("/v1/chat/completions")
 async def chat_completions(req: ChatCompletionRequest, raw: Request, models: Models) -> Any:
-    async with models.lease(req.model) as slot:
-        if slot.remote is not None:
-            return await slot.remote.proxy(raw, "/chat/completions")
-        return await ChatServing(_native(slot)).create(req, raw)
+    return await models.serve(
+        req.model,
+        remote=lambda remote: remote.proxy(raw, "/chat/completions"),
+        native=lambda ctx: ChatServing(ctx).create(req, raw),
+    )
 
 
 @tokenizer.post("/tokenize")
@@ -222,17 +225,17 @@ async def ollama_chat(raw: Request, models: Models) -> Any:
 
 @ollama.post("/api/show")
 async def ollama_show(raw: Request, models: Models) -> Any:
-    return await _ollama(OllamaServing(models).show(raw))
+    return await _ollama(OllamaModels(models).show(raw))
 
 
 @ollama.get("/api/tags")
 async def ollama_tags(models: Models) -> Any:
-    return OllamaServing(models).tags()
+    return OllamaModels(models).tags()
 
 
 @ollama.get("/api/ps")
 async def ollama_ps(models: Models) -> Any:
-    return OllamaServing(models).ps()
+    return OllamaModels(models).ps()
 
 
 @ollama.post("/api/pull")
@@ -251,4 +254,4 @@ async def ollama_unsupported(raw: Request) -> Any:
 
 @ollama.get("/api/version")
 async def ollama_version() -> Any:
-    return OllamaServing.version()
+    return OllamaModels.version()

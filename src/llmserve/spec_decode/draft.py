@@ -11,7 +11,7 @@ Per step, for the requests that decode:
 The draft's K/V stay valid up to the tokens the target kept: at the next step, the proposals the
 target accepted (compared with what it emitted) are counted as computed, the rest are overwritten.
 Proposals are greedy: a single token each, which is what verification expects
-(rejection.py). A request whose draft blocks cannot be allocated simply gets no proposal (its
+(sample/rejection.py). A request whose draft blocks cannot be allocated simply gets no proposal (its
 draft state is dropped and rebuilt later).
 """
 
@@ -66,7 +66,10 @@ class DraftModelProposer:
                 f"{target_vocab}: they must share one"
             )
         self.vocab_size = vocab
-        self.runner = ForwardRunner(self.loaded.model, num_blocks, block_size, kv_cache_dtype)
+        self.runner = ForwardRunner(
+            self.loaded.model, num_blocks, block_size, kv_cache_dtype, self.loaded.profile,
+            max_model_len=self.loaded.max_model_len,
+        )  # fmt: skip
         self.kv = KVCacheManager(num_blocks, block_size, enable_caching=False)
         self._states: dict[str, _DraftState] = {}
         logger.info("speculative decoding: draft model %s (%s)", model, self.loaded.checkpoint_format)

@@ -10,13 +10,14 @@ picks the fastest one available for a device.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import importlib.util
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from llmserve.layers.attention.metadata import AttentionMetadata
+from llmserve.layers.attention.metadata import AttentionMetadata, KVCacheSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +51,14 @@ class AttentionBackend(Protocol):
         set up whatever the first forward would otherwise pay for."""
         ...
 
+    def build_metadata(
+        self, metadata: AttentionMetadata, layers: Sequence[AttentionParams], spec: KVCacheSpec
+    ) -> None:
+        """Called by the runner before each forward with every distinct layer geometry: compute
+        the values all layers share (indices, masks, work splits) into `metadata.derived` now,
+        so that no layer builds them lazily inside the forward."""
+        ...
+
 
 _BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}
 
@@ -66,19 +75,28 @@ def register_attention_backend(
 
 def _register_builtin_backends() -> None:
     """Importing a backend's module registers it; "cpu" needs numba (a missing or broken numba
-    leaves only "torch")."""
-    from llmserve.layers.attention import torch_ref  # noqa: F401
+    leaves only "torch"); "triton" registers without triton and imports it when created."""
+    from llmserve.layers.attention import torch_ref, triton_backend  # noqa: F401
 
     with contextlib.suppress(ImportError):
         from llmserve.layers.attention import cpu_paged  # noqa: F401
 
 
+def _auto_backend(device: torch.device) -> str:
+    """The fastest backend for `device`: "cpu" (the numba paged kernel) on the CPU, "triton" on
+    CUDA where triton is installed (every CUDA build of torch brings it), else "torch"."""
+    if device.type == "cpu" and "cpu" in _BACKENDS:
+        return "cpu"
+    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        return "triton"
+    return "torch"
+
+
 def get_attention_backend(name: str = "torch", device: torch.device | str = "cpu") -> AttentionBackend:
-    """The backend registered as `name`; "auto" is "cpu" (the numba paged kernel) for a CPU
-    `device` when numba imports, else "torch"."""
+    """The backend registered as `name`, or for "auto" the fastest one for `device`."""
     _register_builtin_backends()
     if name == "auto":
-        name = "cpu" if torch.device(device).type == "cpu" and "cpu" in _BACKENDS else "torch"
+        name = _auto_backend(torch.device(device))
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(sorted(_BACKENDS))}")
     return _BACKENDS[name]()

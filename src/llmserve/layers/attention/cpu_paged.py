@@ -24,6 +24,7 @@ thread, balanced by context length, once per forward; every layer reuses that sp
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,8 +37,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from llmserve.layers.attention.backend import AttentionParams, register_attention_backend
-from llmserve.layers.attention.metadata import AttentionMetadata
-from llmserve.layers.attention.torch_ref import TorchAttentionBackend
+from llmserve.layers.attention.metadata import AttentionMetadata, KVCacheSpec
+from llmserve.layers.attention.torch_ref import TorchAttentionBackend, _write_rows
 from llmserve.layers.numba_jit import FASTMATH, jit
 
 
@@ -351,6 +352,20 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
     def prepare(self, kv_cache_dtype: torch.dtype) -> None:
         if kv_cache_dtype in _KERNEL_CACHE_DTYPES:
             _warm_up(kv_cache_dtype)
+
+    def build_metadata(
+        self, metadata: AttentionMetadata, layers: Sequence[AttentionParams], spec: KVCacheSpec
+    ) -> None:
+        """The kernel's decode work per layer geometry, and the reference's values for what the
+        kernel does not run (prefill chunks; caches it does not take)."""
+        if spec.dtype not in _KERNEL_CACHE_DTYPES or metadata.slot_mapping.device.type != "cpu":
+            return super().build_metadata(metadata, layers, spec)
+        for p in layers:
+            _write_rows(metadata, p.num_kv_heads, spec.num_blocks * spec.block_size)
+            work = _decode_work(metadata, p.num_kv_heads, int(p.sliding_window or 0))
+            self._build_sequences(
+                metadata, p, spec, range(metadata.num_seqs) if work is None else work.others
+            )
 
     def forward(
         self,

@@ -1,5 +1,9 @@
 """`Attention`: the module a model places in each layer; it owns the layer's constants and calls
-the backend with the per-forward metadata and this layer's slice of the KV cache."""
+the backend with the per-forward metadata and this layer's slice of the KV cache.
+
+RoPE is applied here, not in the model: a backend that rotates q and k inside its cache-write
+kernel (`fuses_rope`, the Triton backend) gets them unrotated with the positions and the table;
+any other gets them rotated by torch ops first."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from torch import nn
 
 from llmserve.layers.attention.backend import AttentionBackend, AttentionParams
 from llmserve.layers.attention.metadata import AttentionMetadata
+from llmserve.layers.rotary_embedding import RotaryInputs
 
 
 class Attention(nn.Module):
@@ -26,6 +31,11 @@ class Attention(nn.Module):
         self.params = AttentionParams(num_heads, num_kv_heads, head_dim, scale, sliding_window)
         self.backend = backend
 
+    @property
+    def rope_in_backend(self) -> bool:
+        """Whether the backend rotates q and k itself (models then skip computing cos/sin)."""
+        return bool(getattr(self.backend, "fuses_rope", False))
+
     def forward(
         self,
         q: torch.Tensor,  # [T, num_heads * head_dim]
@@ -33,15 +43,22 @@ class Attention(nn.Module):
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
+        rotary: RotaryInputs | None = None,
     ) -> torch.Tensor:  # [T, num_heads * head_dim]
+        """`q`, `k` unrotated when `rotary` is given (rotated here or by the backend), else as they
+        are (a model without RoPE, or one that rotated them itself)."""
         p = self.params
         T = q.shape[0]
-        out = self.backend.forward(
-            p,
-            q.view(T, p.num_heads, p.head_dim),
-            k.view(T, p.num_kv_heads, p.head_dim),
-            v.view(T, p.num_kv_heads, p.head_dim),
-            kv_cache,
-            metadata,
-        )
+        q3 = q.view(T, p.num_heads, p.head_dim)
+        k3 = k.view(T, p.num_kv_heads, p.head_dim)
+        v3 = v.view(T, p.num_kv_heads, p.head_dim)
+        if rotary is not None and rotary.cos is None:  # the backend rotates while writing K/V
+            rope = rotary.rope
+            out = self.backend.forward_rope(  # type: ignore[attr-defined]
+                p, q3, k3, v3, kv_cache, metadata, rotary.positions, rope.cos_sin_cache, rope.rotary_dim
+            )
+        else:
+            if rotary is not None:
+                q3, k3 = rotary.rotate(q3), rotary.rotate(k3)
+            out = self.backend.forward(p, q3, k3, v3, kv_cache, metadata)
         return out.reshape(T, p.num_heads * p.head_dim)  # a copy only when out is strided

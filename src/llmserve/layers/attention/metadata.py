@@ -104,6 +104,13 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     """[num_seqs, max_num_blocks_per_seq] int64 (padded with 0 past a sequence's last block)."""
     block_size: int
+    seq_lens_tensor: torch.Tensor | None = None
+    """[num_seqs] int32 on the device: `seq_lens` for kernels that read lengths on the device
+    (the Triton backend; a CUDA graph replays with new values in the same buffer)."""
+    query_start_loc_tensor: torch.Tensor | None = None
+    """[num_seqs + 1] int32 on the device: `query_start_loc` for kernels."""
+    max_query_len: int = 0
+    """Longest `query_lens` entry (1 for a batch of decodes): kernels size their grids by it."""
     derived: dict[object, object] = field(default_factory=dict)
     """Backend-private values computed once per forward and shared by every layer (masks, indices)."""
 
@@ -142,4 +149,7 @@ class AttentionMetadata:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
             block_tables=torch.tensor(padded, dtype=torch.long, device=device),
             block_size=block_size,
+            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            query_start_loc_tensor=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+            max_query_len=max(query_lens),
         )

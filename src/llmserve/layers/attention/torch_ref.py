@@ -14,14 +14,19 @@ of a multi-GiB cache tensor is an order of magnitude slower in torch.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from llmserve.layers.attention.backend import AttentionParams, register_attention_backend
-from llmserve.layers.attention.metadata import AttentionMetadata, dequantize_rows, quantize_rows
+from llmserve.layers.attention.metadata import (
+    AttentionMetadata,
+    KVCacheSpec,
+    dequantize_rows,
+    quantize_rows,
+)
 
 CAUSAL = "causal"
 """Mask marker: queries and keys are the same positions, plain causal attention."""
@@ -208,6 +213,25 @@ class _Workspace:
         return buf
 
 
+def _write_rows(metadata: AttentionMetadata, num_kv_heads: int, num_slots: int) -> torch.Tensor:
+    """[H_kv * T]: head h of slot s is row h * num_slots + s of the flat [H_kv * num_slots, D] view."""
+    return _derived(
+        metadata,
+        ("write", num_kv_heads, num_slots),
+        lambda: _flat_block_index(metadata.slot_mapping, num_kv_heads, num_slots).view(-1),
+    )
+
+
+def _read_index(metadata: AttentionMetadata, i: int, num_kv_heads: int, num_blocks: int) -> torch.Tensor:
+    """Sequence i's context blocks as rows of the flat cache view, [H_kv, its blocks]."""
+    num = (metadata.seq_lens[i] + metadata.block_size - 1) // metadata.block_size
+    return _derived(
+        metadata,
+        ("read", i, num_kv_heads, num_blocks),
+        lambda: _flat_block_index(metadata.block_tables[i, :num], num_kv_heads, num_blocks),
+    )
+
+
 def _derived(metadata: AttentionMetadata, key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
     """A per-forward value shared by every layer (the same for all layers of one geometry)."""
     value = metadata.derived.get(key)
@@ -251,6 +275,30 @@ class TorchAttentionBackend:
     def prepare(self, kv_cache_dtype: torch.dtype) -> None:
         pass
 
+    def build_metadata(
+        self, metadata: AttentionMetadata, layers: Sequence[AttentionParams], spec: KVCacheSpec
+    ) -> None:
+        """This forward's shared values (write rows, decode plans, masks, context indices) for
+        every layer geometry, built before the forward runs rather than lazily by layer 0."""
+        device = metadata.slot_mapping.device
+        for p in layers:
+            _write_rows(metadata, p.num_kv_heads, spec.num_blocks * spec.block_size)
+            plan = _decode_plan(metadata, p.sliding_window, p.num_kv_heads, spec.num_blocks, device)
+            self._build_sequences(
+                metadata, p, spec, range(metadata.num_seqs) if plan is None else plan.others
+            )
+
+    @staticmethod
+    def _build_sequences(
+        metadata: AttentionMetadata, p: AttentionParams, spec: KVCacheSpec, seqs: Iterable[int]
+    ) -> None:
+        """The masks and context indices of the sequences attended one by one."""
+        device = metadata.slot_mapping.device
+        for i in seqs:
+            _context_mask(metadata, i, p.sliding_window, device)
+            if metadata.query_lens[i] != metadata.seq_lens[i]:
+                _read_index(metadata, i, p.num_kv_heads, spec.num_blocks)
+
     def forward(
         self,
         params: AttentionParams,
@@ -273,13 +321,7 @@ class TorchAttentionBackend:
     ) -> None:
         """Scatter the batch's new K/V rows into the cache at `slot_mapping`."""
         H_kv, D = params.num_kv_heads, params.head_dim
-        num_slots = kv_cache.shape[2] * kv_cache.shape[3]
-        # Head h of slot s is row h * num_slots + s of the flat [H_kv * num_slots, D] view.
-        rows = _derived(
-            metadata,
-            ("write", H_kv, num_slots),
-            lambda: _flat_block_index(metadata.slot_mapping, H_kv, num_slots).view(-1),  # [H_kv * T]
-        )
+        rows = _write_rows(metadata, H_kv, kv_cache.shape[2] * kv_cache.shape[3])
         dtype, R = kv_cache.dtype, kv_cache.shape[-1]  # a narrower KV-cache dtype rounds here
         for half, x in ((0, key), (1, value)):
             x = x.transpose(0, 1).reshape(-1, D)
@@ -325,7 +367,7 @@ class TorchAttentionBackend:
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """Attention output [q_len, H, D] of sequence i."""
-        H_kv, bs = params.num_kv_heads, metadata.block_size
+        H_kv = params.num_kv_heads
         start, end = metadata.query_start_loc[i], metadata.query_start_loc[i + 1]
         q_len, s_len = metadata.query_lens[i], metadata.seq_lens[i]
         if q_len == s_len and kv_cache.dtype == query.dtype:
@@ -334,12 +376,7 @@ class TorchAttentionBackend:
             # and the fused C++ path see it, so a prompt's logits do not depend on its chunking.
             k_ctx, v_ctx = key[start:end].transpose(0, 1), value[start:end].transpose(0, 1)
         else:
-            NB = kv_cache.shape[2]
-            idx = _derived(
-                metadata,
-                ("read", i, H_kv, NB),
-                lambda: _flat_block_index(metadata.block_tables[i, : (s_len + bs - 1) // bs], H_kv, NB),
-            )
+            idx = _read_index(metadata, i, H_kv, kv_cache.shape[2])
             R = kv_cache.shape[-1]
             k_ctx = _as_values(
                 _gather(kv_cache[0], idx).view(H_kv, -1, R)[:, :s_len], query.dtype

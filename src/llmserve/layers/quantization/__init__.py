@@ -1,9 +1,11 @@
-"""Weight quantization for CPU inference: which layer gets which block format, and the swap of a
-freshly built model's float layers for quantized ones before any weight is loaded.
+"""Weight quantization: which layer gets which format, and the swap of a freshly built model's
+float layers for quantized ones before any weight is loaded.
 
     formats.py     q8 / q4 block formats: quantize, pack into tiles, unpack (torch reference)
     cpu_kernels.py the matmul and row lookup on llmserve's C++ kernels (or torch ops)
-    layers.py      QuantizedLinear, QuantizedVocabEmbedding, QuantizedLMHead
+    layers.py      QuantizedLinear, QuantizedVocabEmbedding, QuantizedLMHead (CPU)
+    fp8.py         Fp8Linear: e4m3 weights per channel, activations per token (torch._scaled_mm
+                   on CUDA >= 8.9, a float32 reference path elsewhere)
 
 A `QuantizationPlan` names a format per module path. The model loader builds it from the user's
 choice and, for GGUF files, the type each tensor has on disk; `quantize_modules` then replaces the
@@ -15,16 +17,19 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from torch import nn
 
 from llmserve.layers.linear import Linear
 from llmserve.layers.quantization.formats import QuantFormat
+from llmserve.layers.quantization.fp8 import Fp8Linear
 from llmserve.layers.quantization.layers import QuantizedLinear, QuantizedLMHead, QuantizedVocabEmbedding
 from llmserve.layers.vocab_embedding import LMHead, VocabEmbedding
 
 __all__ = [
+    "Fp8Linear",
     "QuantizationPlan",
     "QuantizedLMHead",
     "QuantizedLinear",
@@ -34,17 +39,28 @@ __all__ = [
     "weight_groups",
 ]
 
+PlanFormat = QuantFormat | Literal["fp8"]
+_LINEAR_CLASSES: dict[str, type[QuantizedLinear] | type[Fp8Linear]] = {
+    "q8": QuantizedLinear,
+    "q4": QuantizedLinear,
+    "fp8": Fp8Linear,
+}
+
 
 @dataclass(frozen=True, slots=True)
 class QuantizationPlan:
     """The block format of each weight-carrying module; modules not named stay float."""
 
     method: str
-    """What the user asked for ("int8", "int4", or "auto" resolved from a GGUF file)."""
-    formats: dict[str, QuantFormat] = field(default_factory=dict)
-    """Module path (as in `named_modules()`) -> format, for linear layers, embeddings and LM heads."""
+    """What the user asked for ("int8", "int4", "fp8", or "auto" resolved from a GGUF file)."""
+    formats: dict[str, PlanFormat] = field(default_factory=dict)
+    """Module path (as in `named_modules()`) -> format, for linear layers, embeddings and LM heads
+    (fp8: linear layers only)."""
+    kernel: str = ""
+    """What runs the quantized matmuls when it is not llmserve's CPU kernels ("torch._scaled_mm",
+    "float32 reference" for fp8); empty for q8 / q4."""
 
-    def format_of(self, module_path: str) -> QuantFormat | None:
+    def format_of(self, module_path: str) -> PlanFormat | None:
         return self.formats.get(module_path)
 
 
@@ -64,7 +80,7 @@ def quantize_modules(model: nn.Module, plan: QuantizationPlan) -> None:
         if fmt is None:
             continue
         if isinstance(module, Linear):
-            _set_submodule(model, path, QuantizedLinear.like(module, fmt))
+            _set_submodule(model, path, _LINEAR_CLASSES[fmt].like(module, fmt))  # type: ignore[arg-type]
         elif isinstance(module, VocabEmbedding):
             new = QuantizedVocabEmbedding(module.vocab_size, module.hidden_size, fmt, dtype)
             embeddings[id(module)] = new
@@ -95,7 +111,7 @@ class WeightGroup:
     role: str
     """attention, mlp, embedding, lm_head, other (norms, biases, positions)."""
     fmt: str
-    """q8, q4, or a float dtype name."""
+    """q8, q4, fp8 (e4m3 weights with their float32 scales), or a float dtype name."""
     num_tensors: int
     num_bytes: int
 
@@ -133,6 +149,10 @@ def weight_groups(model: nn.Module) -> list[WeightGroup]:
             qweight = module.packed_weight
         if qweight is not None:
             add(role, qweight.fmt, qweight.tensors())
-        for p in module.parameters(recurse=False):
-            add(role if p.dim() > 1 else "other", str(p.dtype).removeprefix("torch."), [p])
+        group_fmt = getattr(module, "weight_format", None)  # fp8: weight and scales, one group
+        for name, p in module.named_parameters(recurse=False):
+            if group_fmt is not None and name != "bias":
+                add(role, group_fmt, [p])
+            else:
+                add(role if p.dim() > 1 else "other", str(p.dtype).removeprefix("torch."), [p])
     return [WeightGroup(role, fmt, n, b) for (role, fmt), (n, b) in groups.items()]

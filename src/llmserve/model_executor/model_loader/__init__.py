@@ -2,7 +2,8 @@
 
 resolve name -> read config (config.json or GGUF metadata) -> pick the class from the registry
 -> build the model with uninitialised tensors on the target device -> stream checkpoint tensors
-into it (dequantising GGUF tensors) -> check nothing is missing -> report what was loaded.
+into it (dequantising GGUF tensors) -> check nothing is missing -> (CUDA, `cpu_offload_gb`) move
+whole decoder layers to pinned host memory (offload.py) -> report what was loaded.
 """
 
 from __future__ import annotations
@@ -22,21 +23,26 @@ from llmserve.layers import onednn
 from llmserve.layers.attention import get_attention_backend
 from llmserve.layers.linear import Linear
 from llmserve.layers.quantization import (
+    Fp8Linear,
     QuantizedLinear,
     WeightGroup,
     cpu_kernels,
     quantize_modules,
     weight_groups,
 )
+from llmserve.model_executor.device import DeviceProfile, build_profile, resolve_device
 from llmserve.model_executor.model_loader import hf_folder
-from llmserve.model_executor.model_loader.quant_plan import plan_quantization
+from llmserve.model_executor.model_loader.quant_plan import (
+    check_checkpoint,
+    plan_quantization,
+    use_fp8_kernel,
+)
 from llmserve.model_executor.model_loader.source import ModelSource, resolve_model
+from llmserve.model_executor.offload import LayerOffloader, check_offload_device, offload_layers
 from llmserve.models import CausalLM, resolve_model_class
 from llmserve.models.registry import is_supported
 
 logger = logging.getLogger("llmserve")
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +52,8 @@ class LoadedModel:
     source: ModelSource
     dtype: torch.dtype
     device: torch.device
+    profile: DeviceProfile
+    """The device's decisions: attention backend, dtypes, fused decoder, graphs, host memory."""
     checkpoint_format: str
     """"safetensors", "bin" or "gguf (Q4_1, Q8_0, F32)" - what was on disk."""
     num_params: int
@@ -59,6 +67,16 @@ class LoadedModel:
     """The resolved `ModelConfig.quantization`: "none", "int8", "int4" or "auto (gguf)"."""
     weight_groups: tuple[WeightGroup, ...] = ()
     """Weight bytes by role and storage format."""
+    model_impl: str = "native"
+    """Whose modelling code runs it: "native" (llmserve's) or "transformers"."""
+    offloader: LayerOffloader | None = None
+    """The decoder layers kept in host memory (`cpu_offload_gb`), or None."""
+
+    def kv_cache_dtype(self, name: str = "auto") -> torch.dtype:
+        """`CacheConfig.kv_cache_dtype` for this model (see `DeviceProfile.kv_cache_dtype`)."""
+        # fp8's CPU path is a reference for its GPU numbers: its K/V stay in the model's dtype
+        quantized = self.quantization not in ("none", "fp8")
+        return self.profile.kv_cache_dtype(name, self.dtype, quantized)
 
     def summary(self) -> str:
         formats = sorted({g.fmt for g in self.weight_groups if g.role != "other"})
@@ -73,27 +91,9 @@ class LoadedModel:
             text += f"; quantization {self.quantization}: " + ", ".join(
                 g.summary() for g in self.weight_groups
             )
+        if self.offloader is not None:
+            text += f"; {self.offloader.summary()}"
         return text
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} was requested but CUDA is not available")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device, hf_config: Any) -> torch.dtype:
-    if name != "auto":
-        return _DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32  # 16-bit matmuls are far slower than fp32 on most CPUs
-    ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    if isinstance(ckpt, str):
-        ckpt = _DTYPES.get(ckpt)
-    return ckpt if ckpt in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
 @contextlib.contextmanager
@@ -106,10 +106,10 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-def resolve_cpu_gemm(name: str, device: torch.device, dtype: torch.dtype) -> str:
+def resolve_cpu_gemm(name: str, profile: DeviceProfile, dtype: torch.dtype) -> str:
     """The linear layers' kernel for `ModelConfig.cpu_gemm` on this device and dtype."""
-    if device.type != "cpu":
-        return device.type
+    if not profile.is_cpu:
+        return profile.kind
     if name == "blas":
         return "blas"
     if onednn.available(dtype):
@@ -135,9 +135,9 @@ def _max_model_len(config: ModelConfig, hf_config: Any) -> int:
     return config.max_model_len
 
 
-def load_model(config: ModelConfig, attention_backend: str = "auto") -> LoadedModel:
-    """Load `config.model` (see `resolve_model` for what names a model) onto `config.device`;
-    `attention_backend` names a registered backend, or "auto" for the best one for that device."""
+def load_model(config: ModelConfig) -> LoadedModel:
+    """Load `config.model` (see `resolve_model` for what names a model) onto `config.device`, with
+    the attention backend `config.attention_backend` names (auto: the best for that device)."""
     start = time.perf_counter()
     source = resolve_model(config.model)
     if source.kind == "gguf":
@@ -166,18 +166,27 @@ def load_model(config: ModelConfig, attention_backend: str = "auto") -> LoadedMo
     ):
         from llmserve.model_executor.transformers_runner import load_transformers_model
 
+        if config.quantization == "fp8" or config.cpu_offload_gb:
+            raise ValueError(
+                f"quantization 'fp8' and cpu_offload_gb need llmserve's own implementation; {archs} runs "
+                f"on transformers' (model_impl {config.model_impl!r})"
+            )
         why = "asked for" if config.model_impl == "transformers" else f"no native implementation of {archs}"
         return load_transformers_model(config, source, hf_config, why)
     model_cls = resolve_model_class(archs, str(source.path))
+    check_checkpoint(hf_config)
     device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device, hf_config)
+    profile = build_profile(device, config.attention_backend, config.enforce_eager)
+    dtype = profile.model_dtype(config.dtype, hf_config)
+    if config.cpu_offload_gb > 0:
+        check_offload_device(profile)  # before loading, not after
     max_model_len = _max_model_len(config, hf_config)
-    linear_kernel = resolve_cpu_gemm(config.cpu_gemm, device, dtype)
+    linear_kernel = resolve_cpu_gemm(config.cpu_gemm, profile, dtype)
 
     # Parameters are created with torch.empty (no initialisation pass) directly on the target
     # device; each checkpoint tensor is then copied into its place exactly once.
     with torch.device(device), _default_dtype(dtype):
-        model = model_cls(hf_config, get_attention_backend(attention_backend, device))
+        model = model_cls(hf_config, get_attention_backend(profile.attention_backend, device))
         # Quantized layers replace float ones before loading: the float tensors were never written.
         plan = plan_quantization(config.quantization, model, device, dtype, tensor_types)
         if plan is not None:
@@ -193,18 +202,23 @@ def load_model(config: ModelConfig, attention_backend: str = "auto") -> LoadedMo
     with bar:
         model.load_weights(_tracked(weights(dtype, keep_quantized), bar))
     model.eval()
-    int8_activations = config.cpu_activations == "int8" or (
-        config.cpu_activations == "auto" and cpu_kernels.kernels() == "avx512_vnni"
-    )
+    # int8 only when asked: it changes the model's answers (the default keeps them, STYLE.md 16)
+    int8_activations = config.cpu_activations == "int8"
     for m in model.modules():
         if hasattr(m, "act_bits"):  # the quantized linear layers and LM head
             m.act_bits = 8 if int8_activations else 16
     if linear_kernel == "onednn":
         model.use_onednn()  # same bytes, reordered; packed tensors stay parameters
+    if plan is not None and plan.method == "fp8":
+        use_fp8_kernel(model, device)
     if plan is not None:
-        linear_kernel = f"{'/'.join(sorted(set(plan.formats.values())))} on {cpu_kernels.kernels()}" + (
+        kernels = plan.kernel or cpu_kernels.kernels()
+        linear_kernel = f"{'/'.join(sorted(set(plan.formats.values())))} on {kernels}" + (
             f", float on {linear_kernel}"
-            if any(isinstance(m, Linear) and not isinstance(m, QuantizedLinear) for m in model.modules())
+            if any(
+                isinstance(m, Linear) and not isinstance(m, (QuantizedLinear, Fp8Linear))
+                for m in model.modules()
+            )
             else ""
         )
         if int8_activations and "q4" in plan.formats.values():
@@ -218,6 +232,9 @@ def load_model(config: ModelConfig, attention_backend: str = "auto") -> LoadedMo
                 )
 
     groups = tuple(weight_groups(model))
+    offloader = None
+    if config.cpu_offload_gb > 0:
+        offloader = offload_layers(model, int(config.cpu_offload_gb * 2**30), profile)
     loaded = LoadedModel(
         model=model,
         hf_config=hf_config,
@@ -232,6 +249,8 @@ def load_model(config: ModelConfig, attention_backend: str = "auto") -> LoadedMo
         linear_kernel=linear_kernel,
         quantization="none" if plan is None else plan.method,
         weight_groups=groups,
+        profile=profile,
+        offloader=offloader,
     )
     logger.info(loaded.summary())
     return loaded
@@ -247,6 +266,8 @@ def _num_params(model: torch.nn.Module) -> int:
         if w is not None and id(w) not in seen:
             seen.add(id(w))
             total += w.out_features * w.in_features
+        if isinstance(m, Fp8Linear):  # its scales are not checkpoint parameters
+            total -= m.weight_scale.numel()
     return total
 
 

@@ -5,26 +5,36 @@ files, the type each tensor has on disk.
     int8   linear layers, embeddings and LM heads in q8 (blocks of 32 int8, one half scale each)
     int4   linear layers in q4 (blocks of 32 4-bit values, half scale and minimum); embeddings
            and LM heads in q8, as llama.cpp's Q4 mixes keep the output projection at 6-8 bits
+    fp8    linear layers in float8 e4m3 with a float32 scale per output channel, activations
+           rounded per token (layers/quantization/fp8.py); embeddings and LM heads stay float.
+           Quantizes float checkpoints only: an already quantized GGUF file is refused
     auto   a quantized GGUF file keeps its quantization family per layer: Q4_0 / Q4_1 / Q4_K
            tensors become q4, anything else (Q8_0, Q5_x, Q6_K, F16, ...) q8; a fused layer takes
            the wider format of its shards. Q8_0, Q4_x and Q5_x values are kept exactly (read
            from their blocks, gguf_quant.py), others are requantized from float. Float
            checkpoints (HF folders, F32/F16/BF16 GGUF files) stay float.
 
-Quantized layers run on the CPU only (llmserve's C++ kernels, picked by CPU features).
+q8 / q4 layers run on the CPU only (llmserve's C++ kernels, picked by CPU features). fp8 runs
+`torch._scaled_mm` on CUDA devices of compute capability >= 8.9 and a float32 reference path
+elsewhere (the CPU, older GPUs: correct, slower than float, meant for tests).
 """
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
+from typing import Any
 
 import torch
 
 from llmserve.layers.linear import Linear
-from llmserve.layers.quantization import QuantizationPlan, cpu_kernels
+from llmserve.layers.quantization import PlanFormat, QuantizationPlan, cpu_kernels
 from llmserve.layers.quantization.formats import QuantFormat
+from llmserve.layers.quantization.fp8 import Fp8Linear, fp8_kernel
 from llmserve.layers.vocab_embedding import LMHead, VocabEmbedding
 from llmserve.models import CausalLM
+
+logger = logging.getLogger("llmserve")
 
 _FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 _FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K")
@@ -37,6 +47,10 @@ def _gguf_format(type_name: str) -> QuantFormat:
 def check_supported(method: str, device: torch.device, dtype: torch.dtype) -> None:
     """Raise ValueError, naming the value, for an explicit method this setup cannot run."""
     if method in ("none", "auto"):
+        return
+    if method == "fp8":
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"quantization 'fp8' needs a float model; dtype is {dtype}")
         return
     if device.type != "cpu":
         raise ValueError(
@@ -67,6 +81,8 @@ def plan_quantization(
     check_supported(method, device, dtype)
     if method == "none":
         return None
+    if method == "fp8":
+        return _fp8_plan(model, device, tensor_types)
     if method == "auto":
         usable = (
             device.type == "cpu"
@@ -76,7 +92,7 @@ def plan_quantization(
         if not usable or not tensor_types or not _is_quantized(tensor_types):
             return None
         return QuantizationPlan("auto", _formats_from_gguf(model, tensor_types))
-    formats: dict[str, QuantFormat] = {}
+    formats: dict[str, PlanFormat] = {}
     for path, module in model.named_modules():
         if isinstance(module, Linear):
             formats[path] = "q4" if method == "int4" else "q8"
@@ -85,18 +101,61 @@ def plan_quantization(
     return QuantizationPlan(method, formats)
 
 
+def _fp8_plan(model: CausalLM, device: torch.device, tensor_types: dict[str, str] | None) -> QuantizationPlan:
+    """Every linear layer in fp8; embeddings and LM head stay float."""
+    if tensor_types and _is_quantized(tensor_types):
+        kinds = sorted({t for t in tensor_types.values() if t not in _FLOAT_TYPES})
+        raise ValueError(
+            f"quantization 'fp8' quantizes float weights, but this GGUF file is already quantized "
+            f"({', '.join(kinds)}): use quantization 'auto' to keep its blocks, 'int8'/'int4', or load "
+            f"a float checkpoint (HF folder, or an F16/BF16/F32 GGUF) with 'fp8'"
+        )
+    kernel = fp8_kernel(device)
+    if kernel == "reference":
+        logger.warning(
+            "quantization fp8 on %s: no FP8 tensor cores (CUDA compute capability >= 8.9 needed), so "
+            "fp8 runs the float32 reference path: the FP8 model's numbers, slower than the float model",
+            device,
+        )
+    formats: dict[str, PlanFormat] = {p: "fp8" for p, m in model.named_modules() if isinstance(m, Linear)}
+    return QuantizationPlan(
+        "fp8", formats, kernel="torch._scaled_mm" if kernel == "scaled_mm" else "float32 reference"
+    )
+
+
+def use_fp8_kernel(model: torch.nn.Module, device: torch.device) -> None:
+    """Point every fp8 layer at the kernel this device runs (once weights are loaded)."""
+    kernel = fp8_kernel(device)
+    for m in model.modules():
+        if isinstance(m, Fp8Linear):
+            m.use_kernel(kernel)
+
+
+def check_checkpoint(hf_config: Any) -> None:
+    """Refuse, with a clear message, checkpoints stored pre-quantized in FP8 (`quantization_config`
+    with quant_method fp8 / compressed-tensors): their e4m3 tensors and `weight_scale`s are not
+    read yet. The float checkpoint with `quantization 'fp8'` gives the same kind of model."""
+    qc = getattr(hf_config, "quantization_config", None)
+    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+    if method in ("fp8", "compressed-tensors"):
+        raise ValueError(
+            f"this checkpoint is stored pre-quantized ({method}); llmserve does not read pre-quantized "
+            f"FP8 checkpoints yet: load the float (bf16) checkpoint with quantization 'fp8' instead"
+        )
+
+
 def _is_quantized(tensor_types: dict[str, str]) -> bool:
     return any(t not in _FLOAT_TYPES for t in tensor_types.values())
 
 
-def _formats_from_gguf(model: CausalLM, tensor_types: dict[str, str]) -> dict[str, QuantFormat]:
+def _formats_from_gguf(model: CausalLM, tensor_types: dict[str, str]) -> dict[str, PlanFormat]:
     """Per module, the wider of its shards' formats."""
     shard_formats: dict[str, set[QuantFormat]] = defaultdict(set)
     for name, type_name in tensor_types.items():
         route = model.route_weight(name)
         if route is not None and route[1] == "weight":
             shard_formats[route[0]].add(_gguf_format(type_name))
-    formats: dict[str, QuantFormat] = {}
+    formats: dict[str, PlanFormat] = {}
     for path, module in model.named_modules():
         if isinstance(module, (Linear, VocabEmbedding, LMHead)) and path in shard_formats:
             formats[path] = "q8" if "q8" in shard_formats[path] else "q4"

@@ -7,37 +7,30 @@ ends with exactly one chunk that has a `finish_reason`, then an optional usage c
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator
 from typing import Any
 
 import jinja2
-from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 
-from llmserve.engine.llm_engine import ProcessedPrompt
-from llmserve.outputs import PositionLogprobs
+from llmserve.outputs import CompletionOutput, PositionLogprobs
 from llmserve.server.errors import APIError
 from llmserve.server.protocol import ChatCompletionRequest, ChatMessage, TextPart
 from llmserve.server.serving.context import ServingContext
 from llmserve.server.serving.inputs import check_caps, process_prompt, sampling_params, start_requests
-from llmserve.server.serving.outputs import (
-    Choice,
-    Timings,
-    Usage,
-    closing_chunk,
-    new_id,
-    now,
-    sse,
-    wants_timings,
+from llmserve.server.serving.outputs import Choice
+from llmserve.server.serving.reasoning import (
+    ReasoningStreamSplitter,
+    prompt_opens_thinking,
+    split_reasoning,
+    uses_think_tags,
 )
-from llmserve.server.serving.reasoning import OPEN as THINK_OPEN
-from llmserve.server.serving.reasoning import ReasoningStreamSplitter, split_reasoning, uses_think_tags
-from llmserve.server.serving.streaming import engine_error, merged, run_unless_disconnected, sse_with_errors
+from llmserve.server.serving.streaming import ChoiceBuilder, respond
 from llmserve.server.serving.tools import (
     FORMATS,
     ToolFormat,
     ToolPlan,
     ToolStreamSplitter,
+    finish_reason_with_calls,
     plan_tools,
     template_mentions_tools,
 )
@@ -143,13 +136,7 @@ class ChatServing:
             raise
         think = self._reasoning(ids)
         streams = start_requests(ctx, [prompt], req.priority, "chat")
-        request_id, created = new_id("chatcmpl"), now()
-        if req.stream:
-            body = sse_with_errors(self._stream(req, prompt, streams, request_id, created, plan, think))
-            return StreamingResponse(body, media_type="text/event-stream")
-        return await run_unless_disconnected(
-            raw, lambda: self._full(req, prompt, streams, request_id, created, plan, think), streams
-        )
+        return await respond(ctx, raw, req, [prompt], streams, _ChatChoices(ctx, req, plan, think))
 
     def _reasoning(self, prompt_ids: list[int]) -> bool | None:
         """None: replies are left as they are; else whether the prompt already opened `<think>`."""
@@ -157,12 +144,28 @@ class ChatServing:
         mode = ctx.config.reasoning_parser
         if mode == "none" or (mode == "auto" and not uses_think_tags(ctx.tokenizer.chat_template)):
             return None
-        tail = ctx.tokenizer.decode(prompt_ids[-8:], skip_special_tokens=False)
-        return tail.rstrip().endswith(THINK_OPEN)
+        return prompt_opens_thinking(ctx.tokenizer, prompt_ids)
 
-    def _logprobs(
-        self, token_ids: list[int], positions: list[PositionLogprobs], k: int
-    ) -> list[dict[str, Any]]:
+
+class _ChatChoices(ChoiceBuilder):
+    """Assistant messages: `<think>` split off as reasoning_content, tool calls parsed out of the
+    text. Streamed, the first chunk of each choice carries the role, content follows as deltas."""
+
+    id_prefix, whole_object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    def __init__(
+        self, ctx: ServingContext, req: ChatCompletionRequest, plan: ToolPlan, think: bool | None
+    ) -> None:
+        super().__init__(req.n)
+        self.ctx, self.req, self.plan, self.think = ctx, req, plan, think
+        self.k = req.top_logprobs or 0
+        # streaming only: what each choice holds back (a possible tool call, an unclosed <think>)
+        self.splitters = [ToolStreamSplitter(plan.fmt) for _ in range(req.n)] if plan.active else None
+        self.thinkers = (
+            [ReasoningStreamSplitter(opened=think) for _ in range(req.n)] if think is not None else None
+        )
+
+    def _logprobs(self, token_ids: list[int], positions: list[PositionLogprobs]) -> dict[str, Any]:
         ctx = self.ctx
         content = []
         for token_id, position in zip(token_ids, positions, strict=True):
@@ -174,169 +177,70 @@ class ChatServing:
                     "bytes": list(s.encode("utf-8")),
                     "top_logprobs": [
                         {"token": (t := ctx.token_str(tid)), "logprob": lp, "bytes": list(t.encode("utf-8"))}
-                        for tid, lp in ctx.top_logprobs(position, k)
+                        for tid, lp in ctx.top_logprobs(position, self.k)
                     ],
                 }
             )
-        return content
+        return {"content": content, "refusal": None}
 
-    async def _full(
-        self,
-        req: ChatCompletionRequest,
-        prompt: ProcessedPrompt,
-        streams: list,
-        request_id: str,
-        created: int,
-        plan: ToolPlan,
-        think: bool | None,
-    ) -> JSONResponse:
-        choices = [Choice(i) for i in range(req.n)]
-        usage = Usage(prompt_tokens=len(prompt.token_ids))
-        timings = Timings() if wants_timings(self.ctx, req) else None
-        try:
-            async for _, out in merged(self.ctx, streams, timings):
-                usage.cached_tokens = out.num_cached_tokens
-                for c in out.outputs:
-                    choices[c.index].add(c)
-        except APIError:
-            raise
-        except Exception as e:
-            raise engine_error(e) from None
-        k = req.top_logprobs or 0
-        body = []
-        for choice in choices:
-            usage.completion_tokens += len(choice.token_ids)
-            text: str | None = choice.text
-            message: dict[str, Any] = {"role": "assistant"}
-            if think is not None:
-                reasoning, text = split_reasoning(choice.text, opened=think)
-                if reasoning is not None:
-                    message["reasoning_content"] = reasoning
-            message["content"] = text
-            finish_reason = choice.finish_reason
-            if plan.active and text:
-                content, calls = plan.fmt.parse(text)
-                if calls:
-                    message["content"] = content
-                    message["tool_calls"] = [call.to_dict() for call in calls]
-                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
-            body.append(
-                {
-                    "index": choice.index,
-                    "message": message,
-                    "logprobs": {
-                        "content": self._logprobs(choice.token_ids, choice.logprobs, k),
-                        "refusal": None,
-                    }
-                    if req.logprobs
-                    else None,
-                    "finish_reason": finish_reason,
-                    "stop_reason": choice.stop_reason,
-                }
-            )
-        response = {
-            "id": request_id,
-            "object": "chat.completion",
-            "created": created,
-            "model": self.ctx.model_name,
-            "choices": body,
-            "usage": usage.as_dict(),
+    def whole(self, choice: Choice) -> dict[str, Any]:
+        text: str | None = choice.text
+        message: dict[str, Any] = {"role": "assistant"}
+        if self.think is not None:
+            reasoning, text = split_reasoning(choice.text, opened=self.think)
+            if reasoning is not None:
+                message["reasoning_content"] = reasoning
+        message["content"] = text
+        finish_reason = choice.finish_reason
+        if self.plan.active and text:
+            message["content"], calls = self.plan.fmt.parse(text, cut=finish_reason == "length")
+            if calls:
+                message["tool_calls"] = [call.to_dict() for call in calls]
+            finish_reason = finish_reason_with_calls(finish_reason, calls)
+        return {
+            "index": choice.index,
+            "message": message,
+            "logprobs": self._logprobs(choice.token_ids, choice.logprobs) if self.req.logprobs else None,
+            "finish_reason": finish_reason,
+            "stop_reason": choice.stop_reason,
         }
-        if timings is not None:
-            response["timings"] = timings.as_dict()
-        return JSONResponse(response)
 
-    async def _stream(
-        self,
-        req: ChatCompletionRequest,
-        prompt: ProcessedPrompt,
-        streams: list,
-        request_id: str,
-        created: int,
-        plan: ToolPlan,
-        think: bool | None,
-    ) -> AsyncIterator[str]:
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
-        usage = Usage(prompt_tokens=len(prompt.token_ids))
-        k = req.top_logprobs or 0
-        timings = Timings() if wants_timings(self.ctx, req) else None
-
-        def chunk(choice: dict[str, Any]) -> str:
-            payload: dict[str, Any] = {
-                "id": request_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": self.ctx.model_name,
-                "choices": [choice],
-            }
-            if include_usage:
-                payload["usage"] = None
-            return sse(payload)
-
+    def opening(self) -> list[dict[str, Any]]:
         # the role goes first, in its own chunk per choice, before any token is computed
-        for i in range(req.n):
-            yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None})  # fmt: skip
-        finished = [False] * req.n
-        splitters = [ToolStreamSplitter(plan.fmt) for _ in range(req.n)] if plan.active else None
-        thinkers = (
-            [ReasoningStreamSplitter(opened=think) for _ in range(req.n)] if think is not None else None
+        return [_delta(i, {"role": "assistant", "content": ""}) for i in range(self.n)]
+
+    def chunks(self, index: int, c: CompletionOutput) -> list[dict[str, Any]]:
+        logprobs = (
+            self._logprobs(c.token_ids, c.logprobs or []) if self.req.logprobs and c.token_ids else None
         )
-        async for _, out in merged(self.ctx, streams, timings):
-            usage.cached_tokens = out.num_cached_tokens
-            for c in out.outputs:
-                if finished[c.index] or not (c.text or c.token_ids or c.finished):
-                    continue
-                usage.completion_tokens += len(c.token_ids)
-                logprobs = None
-                if req.logprobs and c.token_ids:
-                    logprobs = {"content": self._logprobs(c.token_ids, c.logprobs or [], k), "refusal": None}
-                text, reasoning, finish_reason, calls = c.text, "", c.finish_reason, []
-                if thinkers is not None:  # <think>...</think> goes to reasoning_content
-                    reasoning, text = thinkers[c.index].feed(c.text)
-                    if c.finished:
-                        more_reasoning, more_text = thinkers[c.index].finish()
-                        reasoning, text = reasoning + more_reasoning, text + more_text
-                if splitters is not None:  # tool calls are held back until the choice ends
-                    text = splitters[c.index].feed(text)
-                    if c.finished:
-                        rest, calls = splitters[c.index].finish()
-                        text += rest or ""
-                        finish_reason = "tool_calls" if calls and finish_reason == "stop" else finish_reason
-                if not text and not reasoning and logprobs is None and not c.finished:
-                    continue
-                finished[c.index] = c.finished
-                if reasoning:
-                    yield chunk({"index": c.index, "delta": {"reasoning_content": reasoning}, "logprobs": logprobs,
-                                 "finish_reason": None})  # fmt: skip
-                    logprobs = None
-                    if not text and not c.finished:
-                        continue
-                if calls:
-                    if text or logprobs is not None:
-                        yield chunk({"index": c.index, "delta": {"content": text}, "logprobs": logprobs,
-                                     "finish_reason": None})  # fmt: skip
-                    text, logprobs = "", None
-                    yield chunk({"index": c.index, "delta": {"tool_calls": [call.to_dict(i) for i, call in enumerate(calls)]},
-                                 "logprobs": None, "finish_reason": None})  # fmt: skip
-                yield chunk(
-                    {
-                        "index": c.index,
-                        "delta": {"content": text} if text or not (c.finished or reasoning) else {},
-                        "logprobs": logprobs,
-                        "finish_reason": finish_reason,
-                        "stop_reason": c.stop_reason,
-                    }
-                )
-        last = closing_chunk(
-            {
-                "id": request_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": self.ctx.model_name,
-            },
-            usage if include_usage else None,
-            timings,
-        )
-        if last is not None:
-            yield last
+        text, reasoning, finish_reason, calls = c.text, "", c.finish_reason, []
+        if self.thinkers is not None:  # <think>...</think> goes to reasoning_content
+            reasoning, text = self.thinkers[index].feed(c.text)
+            if c.finished:
+                more_reasoning, more_text = self.thinkers[index].finish()
+                reasoning, text = reasoning + more_reasoning, text + more_text
+        if self.splitters is not None:  # tool calls are held back until the choice ends
+            text = self.splitters[index].feed(text)
+            if c.finished:
+                rest, calls = self.splitters[index].finish(cut=c.finish_reason == "length")
+                text += rest or ""
+                finish_reason = finish_reason_with_calls(finish_reason, calls)
+        if not text and not reasoning and logprobs is None and not c.finished:
+            return []
+        out = []
+        if reasoning:
+            out.append(_delta(index, {"reasoning_content": reasoning}, logprobs))
+            logprobs = None
+            if not text and not c.finished:
+                return out
+        if calls:
+            if text or logprobs is not None:
+                out.append(_delta(index, {"content": text}, logprobs))
+            text, logprobs = "", None
+            out.append(_delta(index, {"tool_calls": [call.to_dict(i) for i, call in enumerate(calls)]}))
+        last = _delta(index, {"content": text} if text or not (c.finished or reasoning) else {}, logprobs)
+        return [*out, {**last, "finish_reason": finish_reason, "stop_reason": c.stop_reason}]
+
+
+def _delta(index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}

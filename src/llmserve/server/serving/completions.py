@@ -7,29 +7,18 @@ with `echo` scores a prompt without generating (one token is computed and droppe
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 
 from llmserve.engine.llm_engine import ProcessedPrompt
-from llmserve.outputs import PositionLogprobs
+from llmserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from llmserve.server.errors import APIError
 from llmserve.server.protocol import CompletionRequest
 from llmserve.server.serving.context import ServingContext
 from llmserve.server.serving.inputs import check_caps, process_prompt, sampling_params, start_requests
-from llmserve.server.serving.outputs import (
-    Choice,
-    Timings,
-    Usage,
-    closing_chunk,
-    new_id,
-    now,
-    sse,
-    wants_timings,
-)
-from llmserve.server.serving.streaming import engine_error, merged, run_unless_disconnected, sse_with_errors
+from llmserve.server.serving.outputs import Choice
+from llmserve.server.serving.streaming import ChoiceBuilder, respond
 
 
 class _LogprobsBuilder:
@@ -99,12 +88,8 @@ class CompletionServing:
         params = sampling_params(req, 1 if score_only else req.max_tokens, req.logprobs, want_prompt_lp)
         processed = [await process_prompt(ctx, p, params, req) for p in prompts]
         streams = start_requests(ctx, processed, req.priority, "cmpl")
-        request_id, created = new_id("cmpl"), now()
-        if req.stream:
-            body = sse_with_errors(self._stream(req, processed, streams, request_id, created, score_only))
-            return StreamingResponse(body, media_type="text/event-stream")
-        return await run_unless_disconnected(
-            raw, lambda: self._full(req, processed, streams, request_id, created, score_only), streams
+        return await respond(
+            ctx, raw, req, processed, streams, _CompletionChoices(ctx, req, processed, score_only)
         )
 
     def _prompt_list(self, req: CompletionRequest) -> list[str | list[int]]:
@@ -124,161 +109,87 @@ class CompletionServing:
             )  # fmt: skip
         return prompts
 
+
+class _CompletionChoices(ChoiceBuilder):
+    """Text choices: the prompt echoed in front when asked, OpenAI's legacy logprobs, and vLLM's
+    `prompt_logprobs`. Scoring (`max_tokens: 0`) drops the one token computed."""
+
+    id_prefix, whole_object, chunk_object = "cmpl", "text_completion", "text_completion"
+
+    def __init__(
+        self, ctx: ServingContext, req: CompletionRequest, prompts: list[ProcessedPrompt], score_only: bool
+    ) -> None:
+        super().__init__(req.n)
+        self.ctx, self.req, self.prompts, self.score_only = ctx, req, prompts, score_only
+        self.prompt_lps: list[list[PositionLogprobs | None] | None] = [None] * len(prompts)
+        # streaming only: each choice's logprobs since its last chunk, and whether its echo went out
+        num_choices = len(prompts) * req.n
+        self.builders = [
+            _LogprobsBuilder(ctx, req.logprobs) if req.logprobs is not None else None
+            for _ in range(num_choices)
+        ]
+        self.echoed = [not req.echo] * num_choices
+
+    def see(self, prompt_index: int, out: RequestOutput) -> None:
+        if out.prompt_logprobs is not None:
+            self.prompt_lps[prompt_index] = out.prompt_logprobs
+
+    def delta(self, c: CompletionOutput) -> CompletionOutput:
+        if not self.score_only:
+            return c
+        return CompletionOutput(c.index, "", [], finish_reason="length" if c.finished else None)
+
     def _echo_text(self, prompt: ProcessedPrompt) -> str:
         if prompt.text is not None:
             return prompt.text
         return self.ctx.tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
 
-    async def _full(
-        self,
-        req: CompletionRequest,
-        prompts: list[ProcessedPrompt],
-        streams: list,
-        request_id: str,
-        created: int,
-        score_only: bool,
-    ) -> JSONResponse:
-        ctx, n = self.ctx, req.n
-        choices = [Choice(i) for i in range(len(prompts) * n)]
-        prompt_lps: list[list[PositionLogprobs | None] | None] = [None] * len(prompts)
-        usage = Usage(prompt_tokens=sum(len(p.token_ids) for p in prompts))
-        cached = [0] * len(prompts)
-        timings = Timings() if wants_timings(ctx, req) else None
-        try:
-            async for i, out in merged(ctx, streams, timings):
-                if out.prompt_logprobs is not None:
-                    prompt_lps[i] = out.prompt_logprobs
-                cached[i] = out.num_cached_tokens
-                for c in out.outputs:
-                    choices[i * n + c.index].add(c)
-        except APIError:
-            raise
-        except Exception as e:
-            raise engine_error(e) from None
-        usage.cached_tokens = sum(cached)
-        body_choices = []
-        for choice in choices:
-            prompt = prompts[choice.index // n]
-            if score_only:
-                choice.text, choice.token_ids, choice.logprobs = "", [], []
-                choice.finish_reason, choice.stop_reason = "length", None
-            usage.completion_tokens += len(choice.token_ids)
-            echo = self._echo_text(prompt) if req.echo else ""
-            logprobs = None
-            if req.logprobs is not None:
-                builder = _LogprobsBuilder(ctx, req.logprobs)
-                if req.echo:
-                    builder.add(
-                        prompt.token_ids, prompt_lps[choice.index // n] or [None] * len(prompt.token_ids)
-                    )
-                    builder.offset = len(echo)
-                builder.add(choice.token_ids, choice.logprobs)
-                logprobs = builder.as_dict()
-            body = {
-                "index": choice.index,
-                "text": echo + choice.text,
-                "logprobs": logprobs,
-                "finish_reason": choice.finish_reason,
-                "stop_reason": choice.stop_reason,
-            }
-            if req.prompt_logprobs is not None and not req.echo:
-                # vLLM's field: per prompt token, None first, then {token id: logprob, rank, text}
-                body["prompt_logprobs"] = [
-                    None if pos is None else {
-                        str(t): {"logprob": lp, "rank": rank, "decoded_token": ctx.token_str(t)}
-                        for t, (lp, rank) in pos.items()
-                    }
-                    for pos in prompt_lps[choice.index // n] or []
-                ]  # fmt: skip
-            body_choices.append(body)
-        response = {
-            "id": request_id,
-            "object": "text_completion",
-            "created": created,
-            "model": ctx.model_name,
-            "choices": body_choices,
-            "usage": usage.as_dict(),
+    def _prompt_positions(self, i: int) -> list[PositionLogprobs | None]:
+        return self.prompt_lps[i] or [None] * len(self.prompts[i].token_ids)
+
+    def whole(self, choice: Choice) -> dict[str, Any]:
+        ctx, req, i = self.ctx, self.req, choice.index // self.n
+        prompt = self.prompts[i]
+        echo = self._echo_text(prompt) if req.echo else ""
+        logprobs = None
+        if req.logprobs is not None:
+            builder = _LogprobsBuilder(ctx, req.logprobs)
+            if req.echo:
+                builder.add(prompt.token_ids, self._prompt_positions(i))
+                builder.offset = len(echo)
+            builder.add(choice.token_ids, choice.logprobs)
+            logprobs = builder.as_dict()
+        body = {
+            "index": choice.index,
+            "text": echo + choice.text,
+            "logprobs": logprobs,
+            "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason,
         }
-        if timings is not None:
-            response["timings"] = timings.as_dict()
-        return JSONResponse(response)
+        if req.prompt_logprobs is not None and not req.echo:
+            # vLLM's field: per prompt token, None first, then {token id: logprob, rank, text}
+            body["prompt_logprobs"] = [
+                None if pos is None else {
+                    str(t): {"logprob": lp, "rank": rank, "decoded_token": ctx.token_str(t)}
+                    for t, (lp, rank) in pos.items()
+                }
+                for pos in self.prompt_lps[i] or []
+            ]  # fmt: skip
+        return body
 
-    async def _stream(
-        self,
-        req: CompletionRequest,
-        prompts: list[ProcessedPrompt],
-        streams: list,
-        request_id: str,
-        created: int,
-        score_only: bool,
-    ) -> AsyncIterator[str]:
-        ctx, n = self.ctx, req.n
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
-        usage = Usage(prompt_tokens=sum(len(p.token_ids) for p in prompts))
-        cached = [0] * len(prompts)
-        builders = [
-            _LogprobsBuilder(ctx, req.logprobs) if req.logprobs is not None else None
-            for _ in range(len(prompts) * n)
-        ]
-        echoed = [not req.echo] * (len(prompts) * n)
-        finished = [False] * (len(prompts) * n)
-        prompt_lps: list[list[PositionLogprobs | None] | None] = [None] * len(prompts)
-        timings = Timings() if wants_timings(ctx, req) else None
-
-        def chunk(index: int, text: str, logprobs: dict | None, finish: str | None, stop: Any) -> str:
-            payload: dict[str, Any] = {
-                "id": request_id,
-                "object": "text_completion",
-                "created": created,
-                "model": ctx.model_name,
-                "choices": [
-                    {
-                        "index": index,
-                        "text": text,
-                        "logprobs": logprobs,
-                        "finish_reason": finish,
-                        "stop_reason": stop,
-                    }
-                ],
-            }
-            if include_usage:
-                payload["usage"] = None
-            return sse(payload)
-
-        async for i, out in merged(ctx, streams, timings):
-            cached[i] = out.num_cached_tokens
-            if out.prompt_logprobs is not None:
-                prompt_lps[i] = out.prompt_logprobs
-            for c in out.outputs:
-                index = i * n + c.index
-                if finished[index] or not (c.token_ids or c.finished):
-                    continue  # done, or still in its prompt
-                builder = builders[index]
-                text = ""
-                if not echoed[index]:
-                    echoed[index] = True
-                    text = self._echo_text(prompts[i])
-                    if builder is not None:
-                        builder.add(prompts[i].token_ids, prompt_lps[i] or [None] * len(prompts[i].token_ids))
-                if score_only:
-                    token_ids, positions, piece = [], [], ""
-                    finish, stop = ("length", None) if c.finished else (None, None)
-                else:
-                    token_ids, positions, piece = c.token_ids, c.logprobs or [], c.text
-                    finish, stop = c.finish_reason, c.stop_reason
-                usage.completion_tokens += len(token_ids)
-                text += piece
-                if builder is not None and token_ids:
-                    builder.add(token_ids, positions)
-                elif not text and finish is None:
-                    continue  # nothing to show yet (text held back for a possible stop string)
-                finished[index] = finish is not None
-                yield chunk(index, text, builder.take() if builder is not None else None, finish, stop)
-        usage.cached_tokens = sum(cached)
-        last = closing_chunk(
-            {"id": request_id, "object": "text_completion", "created": created, "model": ctx.model_name},
-            usage if include_usage else None,
-            timings,
-        )
-        if last is not None:
-            yield last
+    def chunks(self, index: int, c: CompletionOutput) -> list[dict[str, Any]]:
+        i, builder = index // self.n, self.builders[index]
+        text = ""
+        if not self.echoed[index]:
+            self.echoed[index] = True
+            text = self._echo_text(self.prompts[i])
+            if builder is not None:
+                builder.add(self.prompts[i].token_ids, self._prompt_positions(i))
+        text += c.text
+        if builder is not None and c.token_ids:
+            builder.add(c.token_ids, c.logprobs or [])
+        elif not text and not c.finished:
+            return []  # nothing to show yet (text held back for a possible stop string)
+        logprobs = builder.take() if builder is not None else None
+        return [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                 "stop_reason": c.stop_reason}]  # fmt: skip

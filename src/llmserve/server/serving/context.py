@@ -26,6 +26,11 @@ class ServingContext:
         return self.engine.engine.tokenizer
 
     @property
+    def model_impl(self) -> str:
+        """Whose modelling code runs the model: "native" or "transformers"."""
+        return self.engine.engine.loaded.model_impl
+
+    @property
     def max_model_len(self) -> int:
         return self.engine.engine.max_model_len
 

@@ -1,15 +1,20 @@
 """Ollama's API on the same port as OpenAI's, for clients written against Ollama (its Python and
-JS libraries, Open WebUI, editors' plugins):
+JS libraries, Open WebUI, editors' plugins); the model listings are in `ollama_models.py`:
 
     POST /api/generate   a prompt (raw, or through the chat template with `system`), NDJSON stream
     POST /api/chat       messages through the chat template, NDJSON stream; `tools` as on
                          /v1/chat/completions (tool_choice auto), calls back as `tool_calls`
-    GET  /api/tags       the served models         GET /api/ps    the loaded ones, with expiry
-    POST /api/show       a model's details         GET /api/version
 
-A remote (openai engine) model is reached through the OpenAI request the Ollama one means, and
-its answer is turned back into Ollama's objects. `keep_alive` works as in Ollama: a request's value is how long its model stays loaded once idle;
-`/api/generate` or `/api/chat` without a prompt loads the model, and with `keep_alive: 0` unloads it.
+One path for every answer: a native model's engine output and a remote (openai engine) model's
+stream (the OpenAI request the Ollama one means, sent upstream) both become `Piece`s, and
+`_respond` turns pieces into NDJSON lines or one JSON object. `keep_alive` works as in Ollama: a
+request's value is how long its model stays loaded once idle; a request without a prompt loads
+the model, and with `keep_alive: 0` unloads it.
+
+`think` is the chat template's thinking switch (`enable_thinking`, as `chat_template_kwargs` on
+/v1/chat/completions); as in Ollama, a model whose template thinks (`<think>`) returns its
+thinking apart, in `thinking` (message.thinking on /api/chat), unless the request says `think:
+false`, and `think: true` for a model that does not think is a 400.
 
 Streaming is Ollama's default (`"stream": true`): one JSON object per line, `done: false` with
 the new text, then a last object with `done: true`, `done_reason` and the counts and durations (in
@@ -26,11 +31,11 @@ the wrong type is a 400. Errors are Ollama's `{"error": "..."}` with the HTTP st
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -38,32 +43,28 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 from starlette.requests import Request
 
-from llmserve import __version__
 from llmserve.config.models import parse_duration
+from llmserve.engine.async_engine import RequestStream
 from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
 from llmserve.server.errors import APIError
 from llmserve.server.protocol import ChatMessage
 from llmserve.server.serving.chat import render_chat
 from llmserve.server.serving.context import ServingContext
 from llmserve.server.serving.inputs import process_prompt, start_requests
+from llmserve.server.serving.reasoning import ReasoningStreamSplitter, prompt_opens_thinking, uses_think_tags
 from llmserve.server.serving.streaming import merged, run_unless_disconnected
 from llmserve.server.serving.tools import ToolCall, ToolFormat, ToolStreamSplitter, plan_tools
 
 if TYPE_CHECKING:
-    from llmserve.server.models import ModelManager, ModelSlot
+    from llmserve.server.models import ModelManager
     from llmserve.server.remote import RemoteModel
 
-LOADED = "loaded"  # llmserve.server.models.LOADED (that module imports this package)
 
-OLLAMA_API_VERSION = "0.6.3"
-"""The Ollama version whose API this follows (reported by /api/version with llmserve's own)."""
-
-
-class _Lenient(BaseModel):
+class Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-class OllamaOptions(_Lenient):
+class OllamaOptions(Lenient):
     num_predict: StrictInt | None = None
     temperature: StrictFloat | StrictInt | None = None
     top_p: StrictFloat | StrictInt | None = None
@@ -76,13 +77,15 @@ class OllamaOptions(_Lenient):
     frequency_penalty: StrictFloat | StrictInt | None = None
 
 
-class _OllamaRequest(_Lenient):
+class _OllamaRequest(Lenient):
     model: StrictStr
     stream: StrictBool = True
     options: OllamaOptions | None = None
     format: Literal["", "json"] | dict[str, Any] | None = None
     keep_alive: StrictStr | StrictInt | StrictFloat | None = None
     """How long the model stays loaded once idle ("5m", seconds, -1: forever, 0: unload now)."""
+    think: StrictBool | Literal["low", "medium", "high"] | None = None
+    """The template's thinking switch; None: the template's default."""
 
 
 class OllamaGenerateRequest(_OllamaRequest):
@@ -92,16 +95,16 @@ class OllamaGenerateRequest(_OllamaRequest):
     images: list[Any] | None = None
 
 
-class OllamaFunctionCall(_Lenient):
+class OllamaFunctionCall(Lenient):
     name: StrictStr
     arguments: dict[str, Any] = {}
 
 
-class OllamaToolCall(_Lenient):
+class OllamaToolCall(Lenient):
     function: OllamaFunctionCall
 
 
-class OllamaMessage(_Lenient):
+class OllamaMessage(Lenient):
     role: Literal["system", "user", "assistant", "tool"]
     content: StrictStr = ""
     images: list[Any] | None = None
@@ -113,11 +116,6 @@ class OllamaMessage(_Lenient):
 class OllamaChatRequest(_OllamaRequest):
     messages: list[OllamaMessage] = []
     tools: list[Any] | None = None
-
-
-class OllamaShowRequest(_Lenient):
-    model: StrictStr | None = None
-    name: StrictStr | None = None  # the older field name
 
 
 def ollama_error(e: APIError) -> JSONResponse:
@@ -134,7 +132,7 @@ def parse(model: type[BaseModel], body: Any) -> Any:
         raise APIError(400, f"{where}: {err['msg']}", param=where) from None
 
 
-def _timestamp(t: float | None = None) -> str:
+def timestamp(t: float | None = None) -> str:
     return datetime.fromtimestamp(time.time() if t is None else t, UTC).isoformat().replace("+00:00", "Z")
 
 
@@ -149,6 +147,11 @@ def _chat_message(m: OllamaMessage) -> ChatMessage:
     return ChatMessage(role=m.role, content=m.content, tool_calls=calls, name=m.tool_name)
 
 
+def _dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as an OpenAI request carries them upstream."""
+    return [m.model_dump(exclude_none=True) for m in messages]
+
+
 def _ollama_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:
     """Calls in Ollama's shape: `{"function": {"name", "arguments": {...}}}`."""
     out = []
@@ -161,11 +164,6 @@ def _ollama_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:
             {"function": {"name": call.name, "arguments": arguments if isinstance(arguments, dict) else {}}}
         )
     return out
-
-
-def _native(slot: ModelSlot) -> ServingContext:
-    assert slot.ctx is not None, "a slot without a remote has a serving context once leased"
-    return slot.ctx
 
 
 def _openai_sampling(params: SamplingParams, fmt: Any) -> dict[str, Any]:
@@ -196,15 +194,180 @@ def _keep_alive(req: _OllamaRequest) -> float | None:
         raise APIError(400, f"keep_alive: {e}", param="keep_alive") from None
 
 
+def _template_kwargs(req: _OllamaRequest) -> dict[str, Any] | None:
+    """`think` as the chat template's switch (Qwen3's `enable_thinking`, what vLLM's
+    `chat_template_kwargs` set); a level ("low", ...) means on, and reaches templates that take
+    one (gpt-oss) as `reasoning_effort`. None: the template's own default."""
+    if req.think is None:
+        return None
+    kwargs: dict[str, Any] = {"enable_thinking": req.think is not False}
+    if isinstance(req.think, str):
+        kwargs["reasoning_effort"] = req.think
+    return kwargs
+
+
+def thinks(ctx: ServingContext) -> bool:
+    """Whether the model's replies are split into thinking and content (`--reasoning-parser`)."""
+    mode = ctx.config.reasoning_parser
+    return mode == "think" or (mode == "auto" and uses_think_tags(ctx.tokenizer.chat_template))
+
+
+# -- one answer, whichever engine gives it: pieces -> NDJSON lines or one JSON object -------------------
+
+
+@dataclass(slots=True)
+class End:
+    """How an answer ended: the finish reason, the counts and durations (seconds) Ollama reports."""
+
+    reason: str | None
+    prompt_eval_count: int
+    eval_count: int
+    prompt_eval_seconds: float | None = None
+    eval_seconds: float | None = None
+    context: list[int] | None = None
+    """/api/generate's prompt and output tokens (native models only)."""
+
+
+@dataclass(slots=True)
+class Piece:
+    """One step of an answer: new text, new thinking, the tool calls (all at once, at the end) and,
+    on the last piece, how it ended."""
+
+    content: str = ""
+    thinking: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    end: End | None = None
+
+
+async def _relay_pieces(remote: RemoteModel, path: str, body: dict[str, Any]) -> AsyncIterator[Piece]:
+    """A remote model's answer (OpenAI's stream events) as pieces: text from chat deltas or
+    completion choices, thinking from vLLM's `reasoning_content` (or `reasoning`), tool calls
+    gathered from their fragments and given whole at the end."""
+    calls: dict[int, dict[str, str]] = {}
+    usage: dict[str, Any] = {}
+    reason = None
+    async for event in remote.events(path, body):
+        usage = event.get("usage") or usage
+        for choice in event.get("choices") or []:
+            delta = choice.get("delta") or {}
+            text = delta.get("content") or choice.get("text") or ""
+            thinking = delta.get("reasoning_content") or delta.get("reasoning") or ""
+            for call in delta.get("tool_calls") or []:
+                entry = calls.setdefault(call.get("index", 0), {"name": "", "arguments": ""})
+                fn = call.get("function") or {}
+                entry["name"] += fn.get("name") or ""
+                entry["arguments"] += fn.get("arguments") or ""
+            reason = choice.get("finish_reason") or reason
+            if text or thinking:
+                yield Piece(text, thinking)
+    if calls:
+        yield Piece(tool_calls=[ToolCall(c["name"], c["arguments"]) for c in calls.values()])
+    n_prompt, n_out = int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+    yield Piece(end=End(reason, n_prompt, n_out))
+
+
+async def _engine_pieces(ctx: ServingContext, streams: list[RequestStream], prompt_ids: list[int],
+                         opened: bool | None, tools: ToolFormat | None, context: bool) -> AsyncIterator[Piece]:  # fmt: skip
+    """A native model's answer as pieces: `<think>…</think>` split off as thinking (`opened`: None
+    for no split, else whether the prompt opened it), tool calls in `tools`' format held back and
+    parsed at the end, and the engine's timings; `context`: the tokens in the end (/api/generate)."""
+    thinker = ReasoningStreamSplitter(opened) if opened is not None else None
+    splitter = ToolStreamSplitter(tools) if tools is not None else None
+    tokens: list[int] = []
+    async for _, out in merged(ctx, streams):
+        c = out.outputs[0]
+        tokens.extend(c.token_ids)
+        thinking, text = thinker.feed(c.text) if thinker is not None else ("", c.text)
+        if out.finished and thinker is not None:
+            more_thinking, more_text = thinker.finish()
+            thinking, text = thinking + more_thinking, text + more_text
+        calls: list[ToolCall] = []
+        if splitter is not None:
+            text = splitter.feed(text)
+            if out.finished:
+                held, calls = splitter.finish(cut=c.finish_reason == "length")  # no cut call as text
+                text += held or ""
+        if text or thinking or calls:
+            yield Piece(text, thinking, calls)
+        if out.finished:
+            now, m = time.monotonic(), out.metrics
+            first = (m.first_token_time if m else None) or now
+            scheduled = (m.first_scheduled_time or m.arrival_time) if m else first
+            yield Piece(end=End(
+                c.finish_reason, len(prompt_ids), len(tokens), max(0.0, first - scheduled), max(0.0, now - first),
+                prompt_ids + tokens if context else None,
+            ))  # fmt: skip
+
+
+def _object(req: _OllamaRequest, piece: Piece, start: float) -> dict[str, Any]:
+    """A piece as Ollama's object: `message` (/api/chat) or `response` (/api/generate), with the
+    counts and durations (nanoseconds) when it is the last."""
+    body: dict[str, Any] = {"model": req.model, "created_at": timestamp()}
+    if isinstance(req, OllamaChatRequest):
+        message: dict[str, Any] = {"role": "assistant", "content": piece.content}
+        if piece.thinking:
+            message["thinking"] = piece.thinking
+        if piece.tool_calls:
+            message["tool_calls"] = _ollama_calls(piece.tool_calls)
+        body["message"] = message
+    else:
+        body["response"] = piece.content
+        if piece.thinking:
+            body["thinking"] = piece.thinking
+    body["done"] = piece.end is not None
+    if piece.end is None:
+        return body
+    end = piece.end
+    body.update(
+        done_reason={"length": "length", "abort": "abort"}.get(end.reason or "", "stop"),
+        total_duration=int(1e9 * (time.monotonic() - start)), load_duration=0,
+        prompt_eval_count=end.prompt_eval_count, eval_count=end.eval_count,
+    )  # fmt: skip
+    durations = {"prompt_eval_duration": end.prompt_eval_seconds, "eval_duration": end.eval_seconds}
+    body.update({key: int(1e9 * seconds) for key, seconds in durations.items() if seconds is not None})
+    if end.context is not None:
+        body["context"] = end.context
+    return body
+
+
+async def _respond(req: _OllamaRequest, raw: Request, pieces: AsyncIterator[Piece],
+                   streams: list[RequestStream]) -> Any:  # fmt: skip
+    """The answer as NDJSON, one object per piece (`stream`, Ollama's default), or as one object
+    holding all of it; a client that leaves a whole answer early aborts `streams`."""
+    start = time.monotonic()
+    if req.stream:
+
+        async def lines() -> AsyncIterator[str]:
+            try:
+                async for piece in pieces:
+                    yield json.dumps(_object(req, piece, start)) + "\n"
+            except APIError as e:  # after the first byte: Ollama's error line
+                yield json.dumps({"error": e.message}) + "\n"
+            except Exception as e:
+                yield json.dumps({"error": f"the engine failed: {e}"}) + "\n"
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    async def whole() -> JSONResponse:
+        answer = Piece()
+        async for piece in pieces:
+            answer.content += piece.content
+            answer.thinking += piece.thinking
+            answer.tool_calls += piece.tool_calls
+            answer.end = piece.end or answer.end
+        return JSONResponse(_object(req, answer, start))
+
+    return await run_unless_disconnected(raw, whole, streams)
+
+
 class OllamaServing:
     def __init__(self, models: ModelManager) -> None:
         self.models = models
 
-    @contextlib.asynccontextmanager
-    async def _serving(self, req: _OllamaRequest) -> AsyncIterator[ModelSlot]:
-        """The loaded model `req` names, kept loaded for the request's keep_alive."""
-        async with self.models.lease(req.model, _keep_alive(req)) as slot:
-            yield slot
+    async def _serve(self, req: _OllamaRequest, remote: Callable[[RemoteModel], Awaitable[Any]],
+                     native: Callable[[ServingContext], Awaitable[Any]]) -> Any:  # fmt: skip
+        """`req` on its model (kept loaded for the request's keep_alive), remote or native."""
+        return await self.models.serve(req.model, remote=remote, native=native, keep_alive=_keep_alive(req))
 
     async def _load_or_unload(self, req: _OllamaRequest) -> Any:
         """Ollama's way of loading a model (no prompt) or unloading it (no prompt, keep_alive 0)."""
@@ -212,9 +375,12 @@ class OllamaServing:
             slot = self.models.resolve(req.model)
             if not slot.is_remote:
                 await self.models.unload(req.model)
-            return await self._empty(req, "unload")
-        async with self._serving(req):
-            return await self._empty(req, "load")
+            return self._empty(req, "unload")
+
+        async def loaded(_: Any) -> Any:
+            return self._empty(req, "load")
+
+        return await self._serve(req, loaded, loaded)
 
     def _params(self, req: _OllamaRequest) -> SamplingParams:
         o = req.options or OllamaOptions()
@@ -245,31 +411,39 @@ class OllamaServing:
         except ValueError as e:
             raise APIError(400, f"options: {e}", param="options") from None
 
+    @staticmethod
+    def _relay(req: _OllamaRequest, raw: Request, params: SamplingParams, remote: RemoteModel, path: str,
+               body: dict[str, Any]) -> Awaitable[Any]:  # fmt: skip
+        """`req` sent to a remote model as the OpenAI request it means."""
+        body = {**body, **_openai_sampling(params, req.format)}
+        kwargs = _template_kwargs(req)
+        if kwargs is not None and path == "/chat/completions":  # vLLM's (and llmserve's) field
+            body["chat_template_kwargs"] = kwargs
+        return _respond(req, raw, _relay_pieces(remote, path, body), [])
+
     async def generate(self, raw: Request) -> Any:
         req: OllamaGenerateRequest = parse(OllamaGenerateRequest, await raw.json())
         if req.images:
             raise APIError(400, "images are not supported (text only)", param="images")
-        params = self._params(req)
+        params = self._params(req)  # bad options are a 400 before anything loads
         if not req.prompt:
             return await self._load_or_unload(req)
-        async with self._serving(req) as slot:
-            if slot.remote is not None:
-                if req.raw:
-                    return await self._relay(slot.remote, req, params, "/completions", {"prompt": req.prompt})
-                messages = [{"role": "system", "content": req.system}] if req.system else []
-                messages.append({"role": "user", "content": req.prompt})
-                return await self._relay(
-                    slot.remote, req, params, "/chat/completions", {"messages": messages}
-                )
-            ctx = _native(slot)
+        messages = [ChatMessage(role="user", content=req.prompt)]
+        if req.system:
+            messages.insert(0, ChatMessage(role="system", content=req.system))
+
+        def remote(up: RemoteModel) -> Awaitable[Any]:
             if req.raw:
-                prompt: str | list[int] = req.prompt
-            else:
-                messages = [ChatMessage(role="user", content=req.prompt)]
-                if req.system:
-                    messages.insert(0, ChatMessage(role="system", content=req.system))
-                prompt = render_chat(ctx, messages, add_generation_prompt=True)
-            return await self._run(ctx, req, prompt, params, raw, chat=False)
+                return self._relay(req, raw, params, up, "/completions", {"prompt": req.prompt})
+            return self._relay(req, raw, params, up, "/chat/completions", {"messages": _dicts(messages)})
+
+        async def native(ctx: ServingContext) -> Any:
+            if req.raw:  # the prompt as it is: no template, so no thinking to switch or split
+                return await self._run(ctx, req, raw, req.prompt, params, split=False)
+            ids = render_chat(ctx, messages, add_generation_prompt=True, extra=_template_kwargs(req))
+            return await self._run(ctx, req, raw, ids, params, split=self._split(ctx, req))
+
+        return await self._serve(req, remote, native)
 
     async def chat(self, raw: Request) -> Any:
         req: OllamaChatRequest = parse(OllamaChatRequest, await raw.json())
@@ -279,260 +453,50 @@ class OllamaServing:
         if not req.messages:
             return await self._load_or_unload(req)
         messages = [_chat_message(m) for m in req.messages]
-        async with self._serving(req) as slot:
-            if slot.remote is not None:
-                body: dict[str, Any] = {"messages": [m.model_dump(exclude_none=True) for m in messages]}
-                if req.tools:
-                    body["tools"] = req.tools
-                return await self._relay(slot.remote, req, params, "/chat/completions", body)
-            ctx = _native(slot)
+
+        def remote(up: RemoteModel) -> Awaitable[Any]:
+            body: dict[str, Any] = {"messages": _dicts(messages)}
+            if req.tools:
+                body["tools"] = req.tools
+            return self._relay(req, raw, params, up, "/chat/completions", body)
+
+        async def native(ctx: ServingContext) -> Any:
             # tools as on /v1/chat/completions with tool_choice "auto": the model's own call format,
             # read back into Ollama's `tool_calls` (arguments as objects)
             plan = plan_tools(req.tools, None, None, ctx.tool_format) if req.tools else None
-            if plan is not None and plan.fmt.keeps_special_tokens:
-                params = dataclasses.replace(params, skip_special_tokens=False)
             last = messages[-1].role
-            prompt = render_chat(ctx, messages, add_generation_prompt=last != "assistant",
-                                 continue_final_message=last == "assistant", tools=plan.tools if plan else None,
-                                 fmt=plan.fmt if plan else None)  # fmt: skip
-            return await self._run(ctx, req, prompt, params, raw, chat=True, tools=plan.fmt if plan else None)
+            ids = render_chat(ctx, messages, add_generation_prompt=last != "assistant",
+                              continue_final_message=last == "assistant", extra=_template_kwargs(req),
+                              tools=plan.tools if plan else None, fmt=plan.fmt if plan else None)  # fmt: skip
+            return await self._run(
+                ctx, req, raw, ids, params, self._split(ctx, req), plan.fmt if plan else None
+            )
 
-    async def _relay(self, remote: RemoteModel, req: _OllamaRequest, params: SamplingParams, path: str,
-                     body: dict[str, Any]) -> Any:  # fmt: skip
-        """An Ollama request for a remote (openai engine) model: sent upstream as the OpenAI
-        request it means, the answer turned back into Ollama's objects (NDJSON when streamed)."""
-        chat = isinstance(req, OllamaChatRequest)
-        body = {**body, **_openai_sampling(params, req.format)}
-        start = time.monotonic()
+        return await self._serve(req, remote, native)
 
-        def piece(text: str) -> dict[str, Any]:
-            head = {"model": req.model, "created_at": _timestamp()}
-            return {**head, "message": {"role": "assistant", "content": text}, "done": False} if chat else {
-                **head, "response": text, "done": False}  # fmt: skip
+    @staticmethod
+    def _split(ctx: ServingContext, req: _OllamaRequest) -> bool:
+        """Whether the reply's thinking goes to `thinking`: as in Ollama, a model that thinks
+        does unless the request says `think: false`; `think` for a model that does not is a 400."""
+        if req.think not in (None, False) and not thinks(ctx):
+            raise APIError(400, f'"{req.model}" does not support thinking', param="think")
+        return req.think is not False and thinks(ctx)
 
-        async def objects() -> AsyncIterator[dict[str, Any]]:
-            calls: dict[int, dict[str, str]] = {}
-            usage: dict[str, Any] = {}
-            reason = None
-            async for event in remote.events(path, body):
-                usage = event.get("usage") or usage
-                for choice in event.get("choices") or []:
-                    delta = choice.get("delta") or {}
-                    text = delta.get("content") if chat else choice.get("text")
-                    for call in delta.get("tool_calls") or []:
-                        entry = calls.setdefault(call.get("index", 0), {"name": "", "arguments": ""})
-                        fn = call.get("function") or {}
-                        entry["name"] += fn.get("name") or ""
-                        entry["arguments"] += fn.get("arguments") or ""
-                    reason = choice.get("finish_reason") or reason
-                    if text:
-                        yield piece(text)
-            if calls:
-                call_piece = piece("")
-                call_piece["message"]["tool_calls"] = _ollama_calls(
-                    [ToolCall(c["name"], c["arguments"]) for c in calls.values()]
-                )
-                yield call_piece
-            final = piece("")
-            final.update(
-                done=True, done_reason="length" if reason == "length" else "stop",
-                total_duration=int(1e9 * (time.monotonic() - start)), load_duration=0,
-                prompt_eval_count=int(usage.get("prompt_tokens") or 0),
-                eval_count=int(usage.get("completion_tokens") or 0),
-            )  # fmt: skip
-            yield final
-
-        if req.stream:
-
-            async def lines() -> AsyncIterator[str]:
-                try:
-                    async for obj in objects():
-                        yield json.dumps(obj) + "\n"
-                except APIError as e:
-                    yield json.dumps({"error": e.message}) + "\n"
-
-            return StreamingResponse(lines(), media_type="application/x-ndjson")
-        text, tool_calls, whole = "", None, None
-        async for obj in objects():
-            if chat:
-                text += obj["message"]["content"]
-                tool_calls = obj["message"].get("tool_calls", tool_calls)
-            else:
-                text += obj["response"]
-            whole = obj
-        assert whole is not None
-        if chat:
-            whole["message"]["content"] = text
-            if tool_calls:
-                whole["message"]["tool_calls"] = tool_calls
-        else:
-            whole["response"] = text
-        return JSONResponse(whole)
-
-    async def _empty(self, req: _OllamaRequest, reason: str) -> Any:
-        body = {"model": req.model, "created_at": _timestamp(), "done": True, "done_reason": reason}
-        body.update({"message": {"role": "assistant", "content": ""}} if isinstance(req, OllamaChatRequest) else {"response": ""})  # fmt: skip
-        return JSONResponse(body)
-
-    async def _run(self, ctx: ServingContext, req: _OllamaRequest, prompt: str | list[int], params: SamplingParams,
-                   raw: Request, chat: bool, tools: ToolFormat | None = None) -> Any:  # fmt: skip
-        """Run one prompt; `tools`: the call format to read tool calls back in (chat with tools)."""
+    @staticmethod
+    async def _run(ctx: ServingContext, req: _OllamaRequest, raw: Request, prompt: str | list[int],
+                   params: SamplingParams, split: bool, tools: ToolFormat | None = None) -> Any:  # fmt: skip
+        """Run one prompt on a native model; `split`: thinking apart from content; `tools`: the
+        call format to read tool calls back in (chat with tools)."""
+        if tools is not None and tools.keeps_special_tokens:  # the calls' marker is a special token
+            params = dataclasses.replace(params, skip_special_tokens=False)
         processed = await process_prompt(ctx, prompt, params)
+        chat = isinstance(req, OllamaChatRequest)
         streams = start_requests(ctx, [processed], 0, "ollama-chat" if chat else "ollama-gen")
-        start = time.monotonic()
-        n_prompt = len(processed.token_ids)
-
-        def piece(text: str) -> dict[str, Any]:
-            head = {"model": req.model, "created_at": _timestamp()}
-            return {**head, "message": {"role": "assistant", "content": text}, "done": False} if chat else {
-                **head, "response": text, "done": False}  # fmt: skip
-
-        def final(text: str, out_tokens: list[int], reason: str | None, metrics: Any) -> dict[str, Any]:
-            body = piece(text)
-            now = time.monotonic()
-            first = getattr(metrics, "first_token_time", None) or now
-            scheduled = getattr(metrics, "first_scheduled_time", None) or start
-            body.update(
-                done=True,
-                done_reason={"length": "length", "abort": "abort"}.get(reason or "", "stop"),
-                total_duration=int(1e9 * (now - start)),
-                load_duration=0,
-                prompt_eval_count=n_prompt,
-                prompt_eval_duration=int(1e9 * max(0.0, first - scheduled)),
-                eval_count=len(out_tokens),
-                eval_duration=int(1e9 * max(0.0, now - first)),
-            )
-            if not chat:
-                body["context"] = processed.token_ids + out_tokens
-            return body
-
-        if req.stream:
-
-            async def lines() -> AsyncIterator[str]:
-                tokens: list[int] = []
-                splitter = ToolStreamSplitter(tools) if tools is not None else None
-                try:
-                    async for _, out in merged(ctx, streams):
-                        c = out.outputs[0]
-                        tokens.extend(c.token_ids)
-                        text = splitter.feed(c.text) if splitter is not None else c.text
-                        if out.finished and splitter is not None:
-                            held, calls = splitter.finish()
-                            text += held or ""
-                            if calls:  # as Ollama: the calls in a chunk of their own, then the end
-                                call_piece = piece(text)
-                                call_piece["message"]["tool_calls"] = _ollama_calls(calls)
-                                yield json.dumps(call_piece) + "\n"
-                                text = ""
-                        if out.finished:
-                            yield json.dumps(final(text, tokens, c.finish_reason, out.metrics)) + "\n"
-                        elif text:
-                            yield json.dumps(piece(text)) + "\n"
-                except APIError as e:
-                    yield json.dumps({"error": e.message}) + "\n"
-                except Exception as e:  # the engine failed mid-stream: Ollama's error line
-                    yield json.dumps({"error": f"the engine failed: {e}"}) + "\n"
-
-            return StreamingResponse(lines(), media_type="application/x-ndjson")
-
-        async def whole() -> JSONResponse:
-            text, tokens, reason, metrics = "", [], None, None
-            async for _, out in merged(ctx, streams):
-                c = out.outputs[0]
-                text += c.text
-                tokens.extend(c.token_ids)
-                reason, metrics = c.finish_reason or reason, out.metrics
-            calls: list[ToolCall] = []
-            if tools is not None and text:
-                content, calls = tools.parse(text)
-                text = (content or "") if calls else text
-            body = final(text, tokens, reason, metrics)
-            if calls:
-                body["message"]["tool_calls"] = _ollama_calls(calls)
-            return JSONResponse(body)
-
-        return await run_unless_disconnected(raw, whole, streams)
-
-    # -- the models, as Ollama describes them --------------------------------------------------------
+        opened = prompt_opens_thinking(ctx.tokenizer, processed.token_ids) if split else None
+        pieces = _engine_pieces(ctx, streams, processed.token_ids, opened, tools, context=not chat)
+        return await _respond(req, raw, pieces, streams)
 
     @staticmethod
-    def _details(slot: ModelSlot) -> dict[str, Any]:
-        files = slot.files
-        details: dict[str, Any] = {
-            "parent_model": "",
-            "format": "gguf" if files and files[0].suffix == ".gguf" else "safetensors" if files else slot.engine,
-            "family": "",
-            "families": [],
-            "parameter_size": "",
-            "quantization_level": "",
-        }  # fmt: skip
-        if slot.ctx is None:  # what is known without loading it
-            return details
-        loaded = slot.ctx.engine.engine.loaded
-        fmt = loaded.checkpoint_format
-        kinds = sorted({g.fmt for g in loaded.weight_groups if g.role != "other"})
-        family = str(getattr(loaded.hf_config, "model_type", ""))
-        details.update(
-            family=family,
-            families=[family],
-            parameter_size=f"{loaded.num_params / 1e6:.0f}M" if loaded.num_params < 1e9 else f"{loaded.num_params / 1e9:.1f}B",
-            quantization_level=fmt[fmt.find("(") + 1 : fmt.find(",")] if "(" in fmt else ",".join(kinds) or str(loaded.dtype).removeprefix("torch."),
-        )  # fmt: skip
-        return details
-
-    def _entry(self, slot: ModelSlot) -> dict[str, Any]:
-        files = [p for p in slot.files if p.exists()]
-        return {
-            "name": slot.name,
-            "model": slot.name,
-            "modified_at": _timestamp(max(p.stat().st_mtime for p in files)) if files else _timestamp(),
-            "size": slot.size_bytes if slot.size_bytes is not None else slot.file_bytes,
-            "digest": (slot.digest or "").removeprefix("sha256:"),
-            "details": self._details(slot),
-        }
-
-    def tags(self) -> dict[str, Any]:
-        return {"models": [self._entry(slot) for slot in self.models.slots]}
-
-    def ps(self) -> dict[str, Any]:
-        entries = []
-        for slot in self.models.slots:
-            if slot.state != LOADED or slot.is_remote:
-                continue
-            entry = self._entry(slot)
-            entry.pop("modified_at")
-            expires = slot.expires_at(self.models.config.keep_alive)
-            entry.update(
-                expires_at="9999-12-31T23:59:59Z" if expires is None else _timestamp(expires), size_vram=0
-            )
-            entries.append(entry)
-        return {"models": entries}
-
-    async def show(self, raw: Request) -> dict[str, Any]:
-        req: OllamaShowRequest = parse(OllamaShowRequest, await raw.json())
-        name = req.model or req.name
-        if not name:
-            raise APIError(400, "model is required", param="model")
-        slot = self.models.resolve(name)
-        details = self._details(slot)
-        info: dict[str, Any] = {"general.architecture": details["family"]}
-        template = ""
-        if slot.ctx is not None:
-            engine = slot.ctx.engine.engine
-            info["general.parameter_count"] = engine.loaded.num_params
-            info[f"{details['family'] or 'llama'}.context_length"] = engine.max_model_len
-            template = engine.tokenizer.chat_template or ""
-        return {
-            "license": "",
-            "modelfile": f"# served by llmserve {__version__}\nFROM {slot.spec.source or slot.name}\n",
-            "parameters": "",
-            "template": template,
-            "details": details,
-            "model_info": info,
-            "capabilities": ["completion"],
-            "modified_at": self._entry(slot)["modified_at"],
-        }
-
-    @staticmethod
-    def version() -> dict[str, str]:
-        return {"version": OLLAMA_API_VERSION, "llmserve_version": __version__}
+    def _empty(req: _OllamaRequest, reason: str) -> JSONResponse:
+        """The answer to a request that only loads or unloads the model."""
+        return JSONResponse({**_object(req, Piece(), 0.0), "done": True, "done_reason": reason})

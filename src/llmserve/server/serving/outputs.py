@@ -1,5 +1,6 @@
 """The response side shared by completions and chat: ids and timestamps, choices accumulated from
-deltas, usage, llama.cpp-style timings, and SSE framing."""
+deltas, usage, llama.cpp-style timings, and the envelope every response and SSE chunk comes in.
+The loop that fills them is `streaming.respond`."""
 
 from __future__ import annotations
 
@@ -112,17 +113,60 @@ class Timings:
         }
 
 
-def closing_chunk(header: dict[str, Any], usage: Usage | None, timings: Timings | None) -> str | None:
-    """The stream's last event before [DONE], when there is anything to close with: no choices,
-    then `usage` (stream_options.include_usage) and/or `timings`."""
-    if usage is None and timings is None:
-        return None
-    last: dict[str, Any] = {**header, "choices": []}
-    if usage is not None:
-        last["usage"] = usage.as_dict()
-    if timings is not None:
-        last["timings"] = timings.as_dict()
-    return sse(last)
+@dataclass(slots=True)
+class Envelope:
+    """What every response and chunk of one request carries (id, object, created, model), and the
+    usage and timings that accumulate while it runs.
+
+    Streamed usage, as OpenAI and vLLM send it: `stream_options.include_usage` puts `usage: null`
+    on every chunk and the final usage on a last chunk without choices; vLLM's
+    `continuous_usage_stats` puts the running usage (completion tokens so far) on every chunk
+    instead, so a client can count as it reads. vLLM heeds it only beside include_usage; here it
+    works alone too (asking for it is asking for usage), just without the closing usage chunk.
+    """
+
+    id: str
+    model: str
+    whole_object: str
+    """The whole response's `object`: "chat.completion", "text_completion"."""
+    chunk_object: str
+    """A streamed chunk's `object`: "chat.completion.chunk", "text_completion"."""
+    usage: Usage
+    timings: Timings | None = None
+    include_usage: bool = False
+    continuous_usage: bool = False
+    created: int = field(default_factory=now)
+
+    def _header(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def response(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        """The whole response's body."""
+        body = {**self._header(self.whole_object), "choices": choices, "usage": self.usage.as_dict()}
+        if self.timings is not None:
+            body["timings"] = self.timings.as_dict()
+        return body
+
+    def chunk(self, choices: list[dict[str, Any]]) -> str:
+        """One SSE event of the stream."""
+        payload: dict[str, Any] = {**self._header(self.chunk_object), "choices": choices}
+        if self.continuous_usage:
+            payload["usage"] = self.usage.as_dict()
+        elif self.include_usage:
+            payload["usage"] = None
+        return sse(payload)
+
+    def closing(self) -> str | None:
+        """The stream's last event before [DONE], when there is anything to close with: no
+        choices, then the final `usage` (include_usage) and/or `timings`."""
+        if not self.include_usage and self.timings is None:
+            return None
+        last: dict[str, Any] = {**self._header(self.chunk_object), "choices": []}
+        if self.include_usage or self.continuous_usage:
+            last["usage"] = self.usage.as_dict()
+        if self.timings is not None:
+            last["timings"] = self.timings.as_dict()
+        return sse(last)
 
 
 def wants_timings(ctx: ServingContext, req: _SamplingFields) -> bool:

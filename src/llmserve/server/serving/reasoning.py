@@ -13,11 +13,26 @@ templates that mention `<think>`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from llmserve.server.serving.tools import partial_suffix
+
+if TYPE_CHECKING:
+    from llmserve.tokenizer.tokenizer import Tokenizer
+
 OPEN, CLOSE = "<think>", "</think>"
 
 
 def uses_think_tags(chat_template: str | None) -> bool:
     return bool(chat_template) and OPEN in chat_template  # type: ignore[operator]
+
+
+def prompt_opens_thinking(tokenizer: Tokenizer, prompt_ids: Sequence[int]) -> bool:
+    """Whether the rendered prompt ends inside `<think>` (the template opened the thinking), read
+    off its last few tokens."""
+    tail = tokenizer.decode(prompt_ids[-8:], skip_special_tokens=False)
+    return tail.rstrip().endswith(OPEN)
 
 
 def split_reasoning(text: str, opened: bool = False) -> tuple[str | None, str | None]:
@@ -57,7 +72,7 @@ class ReasoningStreamSplitter:
             return "", buf
         end = buf.find(CLOSE)
         if end < 0:
-            keep = _partial_suffix(buf, CLOSE)
+            keep = partial_suffix(buf, CLOSE)
             self._held = buf[len(buf) - keep :]
             return buf[: len(buf) - keep], ""
         self._state = "answer"
@@ -67,8 +82,3 @@ class ReasoningStreamSplitter:
         """What is still held back: reasoning inside unfinished thinking, content otherwise."""
         held, self._held = self._held, ""
         return (held, "") if self._state == "thinking" else ("", held)
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
-    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-k:])), 0)

@@ -22,7 +22,11 @@
 - `parallel_tool_calls` false: exactly one call under a grammar;
 - the reply: `tool_calls` with `finish_reason: "tool_calls"`, the text around them as content.
   Streamed, content goes out as it comes until a call may be starting; the calls follow as one
-  `tool_calls` delta when the choice ends.
+  `tool_calls` delta when the choice ends;
+- a reply cut short by `max_tokens` (`cut`): the calls written in full before the cut are
+  returned, with `finish_reason: "tool_calls"` (as vLLM reports whenever it parsed calls); the
+  unfinished one, or the start of its marker, is dropped, never returned as content. With no
+  call finished the reason stays `length`.
 """
 
 from __future__ import annotations
@@ -86,6 +90,26 @@ def _lark_literal(text: str) -> str:
     return json.dumps(text)  # a Lark string literal: double quotes, JSON escapes
 
 
+def partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag` (a marker that may
+    be starting where the text ends)."""
+    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-k:])), 0)
+
+
+def _complete_items(array: str) -> list[Any]:
+    """The items of a JSON array cut short (`[{...}, {..`), up to its last complete one."""
+    items: list[Any] = []
+    at = 1  # after the "["
+    while True:
+        while at < len(array) and array[at] in " \t\r\n,":
+            at += 1
+        try:
+            value, at = _JSON.raw_decode(array, at)
+        except ValueError:
+            return items
+        items.append(value)
+
+
 class ToolFormat:
     """How one family of models writes tool calls: the grammar that forces them, the parser that
     reads them back, and where in a reply they may start (for streaming)."""
@@ -101,9 +125,11 @@ class ToolFormat:
     def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
         raise NotImplementedError
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+    def parse(self, text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
         """Calls out of a whole reply, and the content around them (None when empty). Text that
-        does not parse as calls stays content, as the model wrote it."""
+        does not parse as calls stays content, as the model wrote it. `cut`: max_tokens ended the
+        reply, so the call it left unfinished (or the start of its marker) is dropped and the
+        calls finished before it are kept: call syntax never comes back as content."""
         raise NotImplementedError
 
     def instructions(self, tools: list[dict[str, Any]]) -> str:
@@ -129,10 +155,13 @@ class HermesFormat(ToolFormat):
         return (f'start: call{repeat}\ncall: "{self.OPEN}\\n" body "\\n{self.CLOSE}"\n'
                 f"body: %json {json.dumps(_call_schemas(tools, 'arguments'))}")  # fmt: skip
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+    def parse(self, text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
+        last = None
+        if cut:
+            text, last = self._without_open_block(text)
         calls: list[ToolCall] = []
         kept: list[str] = []
-        last = 0
+        at = 0
         for m in self._BLOCK.finditer(text):
             try:
                 call = _call_from(json.loads(m.group(1)))
@@ -140,11 +169,31 @@ class HermesFormat(ToolFormat):
                 call = None
             if call is None:
                 continue
-            kept.append(text[last : m.start()])
-            last = m.end()
+            kept.append(text[at : m.start()])
+            at = m.end()
             calls.append(call)
-        kept.append(text[last:])
+        kept.append(text[at:])
+        calls += [last] if last is not None else []
+        if not calls:
+            return (text or None), []
         return ("".join(kept).strip() or None), calls
+
+    def _without_open_block(self, text: str) -> tuple[str, ToolCall | None]:
+        """`text` without the block that max_tokens left open (or a marker it cut), and that
+        block's call when its JSON was already whole (only the closing tag was cut)."""
+        at = 0
+        while (start := text.find(self.OPEN, at)) >= 0:
+            end = text.find(self.CLOSE, start)
+            if end < 0:
+                body = text[start + len(self.OPEN) :].lstrip()
+                try:
+                    value, stop = _JSON.raw_decode(body)
+                except ValueError:
+                    return text[:start], None
+                whole = self.CLOSE.startswith(body[stop:].strip())  # nothing but the closing tag's start
+                return text[:start], _call_from(value) if whole else None
+            at = end + len(self.CLOSE)
+        return text[: len(text) - partial_suffix(text, self.OPEN)], None
 
 
 class Llama3JsonFormat(ToolFormat):
@@ -159,29 +208,44 @@ class Llama3JsonFormat(ToolFormat):
         'To call one, reply with nothing but its JSON, several joined by "; ":\n'
         '{"name": <function name>, "parameters": <arguments as a JSON object>}'
     )
+    _OPENING = '{"name"'
+    """How a call object starts (the grammar writes `name` first): a cut reply's unfinished tail
+    that starts so is a call, any other is content (`{"answer": ...` cut short)."""
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
         repeat = ' ("; " call)*' if parallel else ""
         return f"start: call{repeat}\ncall: %json {json.dumps(_call_schemas(tools, 'parameters'))}"
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        body = text.strip()
-        body = body.removeprefix(self.PYTHON_TAG).lstrip()
+    def parse(self, text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
+        head = text.strip()
+        if cut and head and self.PYTHON_TAG.startswith(head):
+            return None, []  # the tag itself, cut short
+        body = head.removeprefix(self.PYTHON_TAG).lstrip()
         calls: list[ToolCall] = []
+        cut_call = cut and head.startswith(self.PYTHON_TAG)  # after the tag, any cut tail is a call
         at = 0
         while at < len(body):
             try:
                 value, end = _JSON.raw_decode(body, at)
             except ValueError:
-                return (text.strip() or None), []
+                if cut_call or (cut and self._opens_call(body[at:])):
+                    cut_call = True  # the call max_tokens cut short: dropped
+                    break
+                return (text or None), []
             call = _call_from(value)
             if call is None:
-                return (text.strip() or None), []
+                return (text or None), []
             calls.append(call)
             at = end
             while at < len(body) and body[at] in " \t\r\n;":
                 at += 1
+        if not calls and not cut_call:
+            return (text or None), []
         return None, calls
+
+    def _opens_call(self, tail: str) -> bool:
+        squeezed = "".join(tail.split())[: len(self._OPENING)]  # `{ "name"` opens one too
+        return self._OPENING.startswith(squeezed)
 
 
 class MistralFormat(ToolFormat):
@@ -202,33 +266,44 @@ class MistralFormat(ToolFormat):
         return (f'start: {_lark_literal(self.MARKER + "[")} call{repeat} "]"\n'
                 f"call: %json {json.dumps(_call_schemas(tools, 'arguments'))}")  # fmt: skip
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+    def parse(self, text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
+        if cut:
+            text = text[: len(text) - partial_suffix(text, self.MARKER)]
         at = text.find(self.MARKER)
         if at < 0:
-            return (text.strip() or None), []
-        content, rest = text[:at], text[at:]
+            return (text or None), []
+        content = text[:at]
+        pieces = text[at:].split(self.MARKER)[1:]
         calls: list[ToolCall] = []
-        for piece in rest.split(self.MARKER)[1:]:
-            piece = piece.strip()
-            parsed = self._parse_piece(piece)
+        for i, piece in enumerate(pieces):
+            parsed = self._parse_piece(piece.strip(), cut and i == len(pieces) - 1)
             if parsed is None:
-                return (text.strip() or None), []
+                return (text or None), []
             calls.extend(parsed)
+        if not calls:  # only a call cut short: it goes, the content before it stays
+            return (content or None), []
         return (content.strip() or None), calls
 
-    def _parse_piece(self, piece: str) -> list[ToolCall] | None:
-        if self.ARGS in piece and not piece.startswith(("[", "{")):  # name[ARGS]{...}
+    def _parse_piece(self, piece: str, cut: bool) -> list[ToolCall] | None:
+        """The calls after one marker; None when they do not parse. `cut`: the reply ends inside
+        this piece, so a call cut short is left out (and [] is all there may be)."""
+        if not piece.startswith(("[", "{")):  # name[ARGS]{...}
             name, _, args = piece.partition(self.ARGS)
+            args = args.strip()
             try:
-                value, end = _JSON.raw_decode(args.strip())
+                value, end = _JSON.raw_decode(args)
             except ValueError:
-                return None
+                return [] if cut else None
             call = _call_from({"name": name.strip(), "arguments": value})
-            return None if call is None or args.strip()[end:].strip() else [call]
+            return None if call is None or args[end:].strip() else [call]
         try:
             value, end = _JSON.raw_decode(piece)
         except ValueError:
-            return None
+            if not cut:
+                return None
+            value, end = (_complete_items(piece) if piece.startswith("[") else []), len(piece)
+            if not value:
+                return []
         if piece[end:].strip():
             return None
         values = value if isinstance(value, list) else [value]
@@ -361,13 +436,22 @@ class ToolStreamSplitter:
         if at >= 0:
             self._in_calls, self._held = True, buf[at:]
             return buf[:at]
-        keep = next(
-            (k for k in range(min(len(marker) - 1, len(buf)), 0, -1) if marker.startswith(buf[-k:])), 0
-        )
+        keep = partial_suffix(buf, marker)
         self._held = buf[len(buf) - keep :]
         return buf[: len(buf) - keep]
 
-    def finish(self) -> tuple[str | None, list[ToolCall]]:
-        """Content still held back and the calls found in it."""
+    def finish(self, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
+        """Content still held back and the calls found in it. `cut`: max_tokens ended the reply
+        (see `ToolFormat.parse`: what is held back may be a call or a marker cut short)."""
         held, self._held = self._held, ""
-        return self.fmt.parse(held) if self._in_calls else ((held or None), [])
+        # held back outside the calls is a marker's (or leading prefix's) start: no calls in it,
+        # and parse keeps it as content unless the reply was cut there
+        return self.fmt.parse(held, cut)
+
+
+def finish_reason_with_calls(finish_reason: str | None, calls: list[ToolCall]) -> str | None:
+    """A choice's finish_reason once its calls are parsed: "tool_calls" when it has calls and ended
+    on its own or was cut by max_tokens after them (the unfinished call is dropped: what comes
+    back is whole, as vLLM reports "tool_calls" whenever it parsed calls). "abort", and a choice
+    without calls, keep the engine's reason."""
+    return "tool_calls" if calls and finish_reason in ("stop", "length") else finish_reason

@@ -1,0 +1,160 @@
+"""Fused elementwise Triton kernels for the GPU path: residual add + RMSNorm, and the gated
+activations (SiLU-and-mul, GELU-tanh-and-mul). Plain functions over torch tensors; importing this
+module needs triton, so callers import it where the device profile chose the Triton path.
+
+Each matches the torch layers' rounding (layernorm.py's `RMSNorm`, activation.py + `gate * up`):
+sums and statistics in float32, rounded to the activation dtype where the torch code rounds.
+
+    add_rms_norm: one program per row, the row as one tile   [x | residual] -> [normed | sum]
+    gated act:    grid (rows, I / BLOCK), [gate | up] halves of one row -> act(gate) * up
+
+Speed not measured (no GPU was available); both are a single read and write of their tensors.
+The module also holds what every llmserve Triton kernel shares: `cast` and `INTERPRETED`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_NORM_WIDTH = 65536
+"""Widest row the norm keeps in registers as one tile (hidden sizes are at most ~16k)."""
+
+
+@triton.jit
+def _probe():
+    pass
+
+
+INTERPRETED = type(_probe).__name__ == "InterpretedFunction"
+"""The kernels run under Triton's interpreter (TRITON_INTERPRET=1 when triton.jit decorated them)."""
+_RNE_BY_HAND = tl.constexpr(INTERPRETED)
+
+
+@triton.jit
+def cast(x, dtype: tl.constexpr):
+    """x.to(dtype), with float32 -> bfloat16 rounded to nearest even under the interpreter too: its
+    own cast truncates, which would make the CPU tests disagree with torch by a unit of rounding."""
+    out = x.to(dtype)
+    # nested static ifs, not one `and`: compiled Triton takes two operands per `and`, no more
+    if _RNE_BY_HAND:  # noqa: SIM102
+        if x.dtype == tl.float32:  # noqa: SIM102
+            if dtype == tl.bfloat16:
+                bits = x.to(tl.uint32, bitcast=True)
+                out = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return out
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro, n, eps, offset,
+    HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr, ROUND_BEFORE_WEIGHT: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < n
+    dtype = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    if HAS_RESIDUAL:
+        # The sum is rounded to the activation dtype and normalised as rounded (torch's `x + residual`).
+        r = tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0)
+        x = cast(x.to(tl.float32) + r.to(tl.float32), dtype)
+        tl.store(res_out_ptr + row * stride_ro + cols, x, mask=ok)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n + eps)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    if GEMMA:
+        y = xf * rstd * (offset + w)
+    elif ROUND_BEFORE_WEIGHT:
+        y = cast(xf * rstd, dtype).to(tl.float32) * w  # `weight * xf.to(dtype)`
+    else:
+        y = xf * rstd * w
+    tl.store(out_ptr + row * stride_o + cols, cast(y, dtype), mask=ok)
+
+
+@triton.jit
+def _gelu_tanh(x):
+    # 0.5 x (1 + tanh(u)); tanh from exp (not in every triton's core language), as
+    # sign(u) (1 - e) / (1 + e) with e = exp(-2|u|) <= 1, which cannot overflow
+    u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+    e = tl.exp(-2.0 * tl.abs(u))
+    tanh = (1.0 - e) / (1.0 + e)
+    return 0.5 * x * (1.0 + tl.where(u < 0, -tanh, tanh))
+
+
+@triton.jit
+def _act_and_mul_kernel(
+    x_ptr, out_ptr, stride_x, stride_o, inter, GELU: tl.constexpr, BLOCK: tl.constexpr
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < inter
+    dtype = out_ptr.dtype.element_ty
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + inter + cols, mask=ok, other=0.0).to(tl.float32)
+    act = _gelu_tanh(gate) if GELU else gate / (1.0 + tl.exp(-gate))
+    # torch rounds act(gate) to the dtype before the product
+    tl.store(out_ptr + row * stride_o + cols, cast(cast(act, dtype).to(tl.float32) * up, dtype), mask=ok)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """[..., n] as [rows, n] with contiguous rows (a copy only when they are not)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, weight_offset: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    n = x.shape[-1]
+    if n > MAX_NORM_WIDTH:
+        raise ValueError(f"rows of {n} elements are wider than the fused norm's {MAX_NORM_WIDTH}")
+    x2 = _rows(x)
+    r2 = _rows(residual) if residual is not None else x2
+    out = torch.empty_like(x2)
+    res_out = torch.empty_like(x2) if residual is not None else out
+    block = triton.next_power_of_2(n)
+    _rms_norm_kernel[(x2.shape[0],)](
+        x2, r2, weight, out, res_out, x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
+        n, eps, float(weight_offset),
+        HAS_RESIDUAL=residual is not None, GEMMA=bool(weight_offset),
+        ROUND_BEFORE_WEIGHT=x.dtype != torch.float32, BLOCK=block,
+        num_warps=4 if block <= 1024 else (8 if block <= 4096 else 16),
+    )  # fmt: skip
+    return out.view(x.shape), (res_out.view(x.shape) if residual is not None else None)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float = 0.0) -> torch.Tensor:
+    """x / rms(x) * w (Gemma: * (weight_offset + w) with weight_offset 1.0), as `RMSNorm(x)`."""
+    return _norm(x, None, weight, eps, weight_offset)[0]
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual), as `RMSNorm(x, residual)`; the inputs are left as they are."""
+    out, res = _norm(x, residual, weight, eps, weight_offset)
+    assert res is not None
+    return out, res
+
+
+def _act_and_mul(x: torch.Tensor, gelu: bool) -> torch.Tensor:
+    inter = x.shape[-1] // 2
+    x2 = _rows(x)
+    out = torch.empty(x2.shape[0], inter, dtype=x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(inter))
+    _act_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
+        x2, out, x2.stride(0), out.stride(0), inter, GELU=gelu, BLOCK=block, num_warps=4
+    )
+    return out.view(*x.shape[:-1], inter)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] as [gate | up] -> silu(gate) * up [..., I]."""
+    return _act_and_mul(x, gelu=False)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] as [gate | up] -> gelu_tanh(gate) * up [..., I] (Gemma's GeGLU)."""
+    return _act_and_mul(x, gelu=True)

@@ -1,0 +1,66 @@
+"""`EngineArgs.from_options`: the one reading of engine options that the command line, `LLM(...)`,
+models files and the server's manager share, so a value means the same wherever it is written."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from llmserve.cli.engine_args import llm_kwargs
+from llmserve.cli.main import build_parser
+from llmserve.config.engine_args import EngineArgs
+from llmserve.config.speculative import SpeculativeConfig
+from llmserve.engine.llm import build_engine
+
+
+def cli_args(*argv: str) -> EngineArgs:
+    """What `llmserve generate ARGV` builds its engine from."""
+    return EngineArgs.from_options(llm_kwargs(build_parser().parse_args(["generate", *argv, "x"])), "cli")
+
+
+@pytest.mark.parametrize(
+    ("argv", "options"),
+    [
+        (["--kv-cache-memory", "4GiB"], {"kv_cache_memory": "4GiB"}),
+        (["--kv-cache-memory", "512MiB"], {"kv_cache_memory": 512 * 2**20}),
+        (["--max-num-seqs", "16"], {"max_num_seqs": "16"}),
+        (["--max-model-len", "2048"], {"max_model_len": 2048.0}),
+        (["--no-prefix-caching"], {"enable_prefix_caching": "false"}),
+        (["--cpu-activations", "int8"], {"cpu_activations": "int8"}),
+        (
+            ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
+            {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
+        ),
+    ],
+)
+def test_python_values_mean_what_the_command_line_means(argv: list[str], options: dict) -> None:
+    assert EngineArgs.from_options(options) == cli_args(*argv)
+
+
+def test_defaults_are_the_command_lines() -> None:
+    """`LLM()` and `llmserve generate` with no flags build the same engine."""
+    assert EngineArgs() == cli_args().replace(show_progress=True)
+    assert EngineArgs().cpu_activations == "auto"
+
+
+def test_speculative_config_from_json_text() -> None:
+    args = EngineArgs.from_options({"speculative_config": '{"method": "ngram"}'})
+    assert args.speculative_config == SpeculativeConfig(method="ngram")
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"kv_cache_memory": "4 lots"}, "LLM: kv_cache_memory: cannot read '4 lots' as a size in bytes"),
+        ({"kv_cache_memory": -5}, "kv_cache_memory must be > 0 bytes; got -5"),
+        ({"max_num_seqs": 2.5}, "LLM: max_num_seqs: expected an integer; got 2.5"),
+        ({"block_size": None}, "LLM: block_size cannot be null"),
+        ({"kv_cache_dtype": "int4"}, "kv_cache_dtype must be 'auto' or one of"),
+        ({"cpu_activations": "int4"}, "cpu_activations must be one of auto, int16, int8; got 'int4'"),
+        ({"max_num_seq": 4}, "LLM: unknown engine option(s) ['max_num_seq']"),
+    ],
+)
+def test_llm_names_a_bad_option_before_loading(options: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build_engine(**options)

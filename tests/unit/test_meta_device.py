@@ -1,0 +1,62 @@
+"""Every native architecture built and run on the `meta` device, without a GPU.
+
+A tensor the model, the runner or the attention backend creates on the CPU at the first forward
+(instead of on the model's device) meets the model's meta tensors and raises here, as it would
+have crashed on CUDA (the RoPE table once did: "Expected all tensors to be on the same device").
+A host sync in the forward (`.item()`, `.tolist()` on a device tensor) raises on meta too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmserve.layers.attention import get_attention_backend
+from llmserve.model_executor.device import build_profile
+from llmserve.model_executor.forward_runner import ForwardRunner, SequenceBatchEntry
+from llmserve.models import resolve_model_class
+from tests.models.tiny import TINY_CONFIGS
+
+META = torch.device("meta")
+
+
+def build_on_meta(name: str) -> torch.nn.Module:
+    config = TINY_CONFIGS[name]()
+    with torch.device(META):
+        model = resolve_model_class(config.architectures or [_arch(config)], name)(
+            config, get_attention_backend("torch")
+        )
+    return model.eval()
+
+
+def _arch(config) -> str:
+    """The HF class name a saved checkpoint would list (configs built in code list none)."""
+    return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "gpt2": "GPT2LMHeadModel",
+            }[config.model_type]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
+def test_forward_on_meta_creates_nothing_on_another_device(name: str) -> None:
+    model = build_on_meta(name)
+    assert {p.device for p in model.parameters()} | {b.device for b in model.buffers()} == {META}
+    runner = ForwardRunner(model, num_blocks=16, block_size=4, profile=build_profile(META))
+    assert runner.kv_caches[0].device == META and runner.fused is None
+    vocab = model.config.vocab_size
+    # a prefill from position 0, a chunk after a cached prefix, and two decodes in one batch
+    batch = [
+        SequenceBatchEntry(list(range(1, 10)), 9, [0, 1, 2]),
+        SequenceBatchEntry([5, 6, 7], 12, [3, 4, 5]),
+        SequenceBatchEntry([8], 7, [6, 7]),
+        SequenceBatchEntry([9], 20, [8, 9, 10, 11, 12]),
+    ]
+    logits = runner.execute(batch)
+    assert logits.device == META and tuple(logits.shape) == (4, vocab)
+    every = runner.execute(batch, all_logits=True)
+    assert tuple(every.shape) == (9 + 3 + 1 + 1, vocab)
+
+
+def test_profile_of_meta_runs_the_reference_backend_eagerly() -> None:
+    profile = build_profile(META)
+    assert profile.attention_backend == "torch"
+    assert not (profile.fused_cpu_decoder or profile.cuda_graphs or profile.pin_memory)
