@@ -57,7 +57,9 @@ def step_cost(llm: LLM, context: int = 300, repeats: int = 30) -> dict[int, floa
             times = []
             for _ in range(repeats):
                 start = time.perf_counter()
-                hidden, _ = runner.forward([SequenceBatchEntry(list(range(7, 7 + n)), context + n, blocks)])
+                hidden = runner.forward(
+                    [SequenceBatchEntry(list(range(7, 7 + n)), context + n, blocks)]
+                ).hidden
                 runner.model.compute_logits(hidden)
                 times.append(time.perf_counter() - start)
             out[n] = 1e3 * statistics.median(times)

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 
 import torch
 from tqdm.auto import tqdm
 
-from llmserve.layers.attention import AttentionMetadata
-from llmserve.model_executor.input_buffers import SequenceBatchEntry
+from llmserve.model_executor.input_buffers import ForwardOutput, SequenceBatchEntry
 
 logger = logging.getLogger("llmserve")
 
@@ -72,21 +72,25 @@ class GraphRunner:
         pad = SequenceBatchEntry([0], 1, [self.runner.pad_block])
         return batch + [pad] * (size - len(batch))
 
-    def forward(self, batch: list[SequenceBatchEntry]) -> tuple[torch.Tensor, AttentionMetadata]:
+    def forward(
+        self, batch: list[SequenceBatchEntry], logits_rows: Sequence[int] | None = None
+    ) -> ForwardOutput:
         """Hidden states [len(batch), hidden] of a decode batch (a graph replay, or the same
-        padded step run eagerly) and the padded step's metadata."""
+        padded step run eagerly), with the padded step's metadata."""
         size = self.padded_size(len(batch))
         assert size is not None and self.applies(batch)
-        inputs = self.runner.prepare(self.pad(batch, size), width=self.width)
+        inputs = self.runner.prepare(self.pad(batch, size), width=self.width, logits_rows=logits_rows)
         graph = self.graphs.get(size)
         if graph is not None and self._generation == self.runner.buffers.generation:
             graph.replay()
-            return self.outputs[size][: len(batch)], inputs.metadata
-        if self.graphs:  # the buffers were reallocated under the graphs: they read freed memory
-            logger.warning("CUDA graphs dropped: the step buffers grew after capture; running eagerly")
-            self.graphs.clear()
-            self.outputs.clear()
-        return self.runner.run(inputs)[: len(batch)], inputs.metadata
+            hidden = self.outputs[size][: len(batch)]
+        else:
+            if self.graphs:  # the buffers were reallocated under the graphs: they read freed memory
+                logger.warning("CUDA graphs dropped: the step buffers grew after capture; running eagerly")
+                self.graphs.clear()
+                self.outputs.clear()
+            hidden = self.runner.run(inputs)[: len(batch)]
+        return ForwardOutput(hidden, inputs.metadata, inputs.logits_rows)
 
     @torch.inference_mode()
     def capture(self, show_progress: bool = True) -> tuple[float, int]:

@@ -20,17 +20,20 @@ rows (a CUDA graph's batch rounded up) write their K/V without touching a sequen
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
+
 import torch
 
-from llmserve.layers.attention import Attention, AttentionMetadata, KVCacheSpec
+from llmserve.layers.attention import Attention, KVCacheSpec
 from llmserve.layers.quantization.fused_decoder import FusedDecoder, unsupported_reason
 from llmserve.model_executor.cpu_memory import keep_freed_memory
 from llmserve.model_executor.cuda_graph import GraphRunner
 from llmserve.model_executor.device import DeviceProfile, build_profile
-from llmserve.model_executor.input_buffers import InputBuffers, SequenceBatchEntry, StepInputs
+from llmserve.model_executor.input_buffers import ForwardOutput, InputBuffers, SequenceBatchEntry, StepInputs
 from llmserve.models import CausalLM
 
-__all__ = ["ForwardRunner", "SequenceBatchEntry"]
+__all__ = ["ForwardOutput", "ForwardRunner", "SequenceBatchEntry"]
 
 
 class ForwardRunner:
@@ -110,10 +113,15 @@ class ForwardRunner:
         """2 x layers x kv_heads x head_dim x dtype bytes."""
         return self.spec.bytes_per_token() * len(self.kv_caches)
 
-    def prepare(self, batch: list[SequenceBatchEntry], width: int | None = None) -> StepInputs:
+    def prepare(
+        self,
+        batch: list[SequenceBatchEntry],
+        width: int | None = None,
+        logits_rows: Sequence[int] | None = None,
+    ) -> StepInputs:
         """The step's inputs in the persistent buffers, with every backend's metadata built (none
         for the fused decoder, which attends in C++)."""
-        inputs = self.buffers.fill(batch, width)
+        inputs = self.buffers.fill(batch, width, logits_rows)
         if self.fused is None:
             for backend in self.backends:
                 backend.build_metadata(inputs.metadata, self.layer_params, self.spec)
@@ -126,20 +134,21 @@ class ForwardRunner:
             return self.fused(self.model.embed(inputs.input_ids), inputs.positions, md)
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, md)
 
-    def forward(self, batch: list[SequenceBatchEntry]) -> tuple[torch.Tensor, AttentionMetadata]:
-        """Run the model over the flat batch: hidden states [num_new_tokens, hidden] and the
-        metadata (of the padded step, for a batch the graph runner takes)."""
+    def forward(
+        self, batch: list[SequenceBatchEntry], logits_rows: Sequence[int] | None = None
+    ) -> ForwardOutput:
+        """Run the model over the flat batch: hidden states [num_new_tokens, hidden], the
+        metadata (of the padded step, for a batch the graph runner takes) and `logits_rows` (flat
+        rows the caller projects to the vocabulary) on the device."""
         if self.graphs is not None and self.graphs.applies(batch):
-            return self.graphs.forward(batch)
-        inputs = self.prepare(batch)
-        return self.run(inputs), inputs.metadata
+            return self.graphs.forward(batch, logits_rows)
+        inputs = self.prepare(batch, logits_rows=logits_rows)
+        return ForwardOutput(self.run(inputs), inputs.metadata, inputs.logits_rows)
 
     @torch.inference_mode()
     def execute(self, batch: list[SequenceBatchEntry], all_logits: bool = False) -> torch.Tensor:
         """Logits [num_seqs, vocab] for each sequence's last new token ([num_new_tokens, vocab]
         over the whole batch when `all_logits`)."""
-        hidden, md = self.forward(batch)
-        if not all_logits:
-            last = md.query_start_loc_tensor[1 : len(batch) + 1].to(torch.long) - 1
-            hidden = hidden.index_select(0, last)  # only the rows that are sampled
-        return self.model.compute_logits(hidden)
+        last_rows = list(itertools.accumulate(len(e.new_token_ids) for e in batch))
+        out = self.forward(batch, None if all_logits else [r - 1 for r in last_rows])
+        return self.model.compute_logits(out.hidden if all_logits else out.rows())

@@ -10,6 +10,7 @@ allocated per step:
     slot_mapping  [max_tokens]   int64    -->   slot_mapping  [:T]
     seq_lens      [max_seqs]     int32    -->   seq_lens      [:S]
     query_start   [max_seqs + 1] int32    -->   query_start   [:S + 1]
+    logits_rows   [max_tokens]   int64    -->   logits_rows   [:R]   the rows the LM head reads
     block_tables  [max_seqs * max_blocks] -->   viewed as [S, W], contiguous: row i holds sequence
                                                 i's blocks, padded with the pad block past its last
 
@@ -45,12 +46,30 @@ class SequenceBatchEntry:
 
 
 @dataclass(frozen=True, slots=True)
+class ForwardOutput:
+    """One forward pass's result: the hidden states of every new token, the step's attention
+    metadata, and the rows the caller asked to project to the vocabulary, on the device."""
+
+    hidden: torch.Tensor  # [num_new_tokens, hidden]
+    metadata: AttentionMetadata | None
+    logits_rows: torch.Tensor | None = None  # [R] int64
+
+    def rows(self) -> torch.Tensor:
+        """hidden[logits_rows] (no copy of the indices, which travelled with the step's inputs)."""
+        assert self.logits_rows is not None, "forward() was given no logits_rows"
+        return self.hidden.index_select(0, self.logits_rows)
+
+
+@dataclass(frozen=True, slots=True)
 class StepInputs:
     """What one forward pass reads: views of the buffers."""
 
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     metadata: AttentionMetadata
+    logits_rows: torch.Tensor | None = None
+    """[R] int64 on the device: the flat-batch rows whose hidden states go through the LM head
+    (sent with the other inputs, so selecting them after the forward needs no copy or sync)."""
 
 
 class InputBuffers:
@@ -79,6 +98,7 @@ class InputBuffers:
             "seq_lens": (num_seqs, torch.int32),
             "query_start_loc": (num_seqs + 1, torch.int32),
             "block_tables": (num_seqs * num_blocks, torch.int64),
+            "logits_rows": (num_tokens, torch.int64),
         }
         self.host = {k: torch.zeros(n, dtype=t, pin_memory=self.pin_memory) for k, (n, t) in sizes.items()}
         self.np = {k: v.numpy() for k, v in self.host.items()}
@@ -96,9 +116,15 @@ class InputBuffers:
         if any(n > h for n, h in zip(need, have, strict=True)):
             self._allocate(*(h if n <= h else max(n, 2 * h) for n, h in zip(need, have, strict=True)))
 
-    def fill(self, batch: Sequence[SequenceBatchEntry], width: int | None = None) -> StepInputs:
+    def fill(
+        self,
+        batch: Sequence[SequenceBatchEntry],
+        width: int | None = None,
+        logits_rows: Sequence[int] | None = None,
+    ) -> StepInputs:
         """Write `batch` into the buffers and return the step's views. `width`: the block tables'
-        width (default: the batch's widest)."""
+        width (default: the batch's widest). `logits_rows`: rows of the flat batch the caller will
+        project to the vocabulary (uploaded with the rest)."""
         S = len(batch)
         T = sum(len(e.new_token_ids) for e in batch)
         W = width or max(len(e.block_ids) for e in batch)
@@ -123,7 +149,10 @@ class InputBuffers:
             starts[i + 1] = t
         np_["seq_lens"][:S] = seq_lens
         np_["query_start_loc"][: S + 1] = starts
-        dev = self._upload(T, S, W)
+        R = 0 if logits_rows is None else len(logits_rows)
+        if R:
+            np_["logits_rows"][:R] = logits_rows
+        dev = self._upload(T, S, W, R)
         md = AttentionMetadata(
             query_lens=query_lens,
             seq_lens=seq_lens,
@@ -135,18 +164,19 @@ class InputBuffers:
             query_start_loc_tensor=dev["query_start_loc"],
             max_query_len=max(query_lens),
         )
-        return StepInputs(dev["input_ids"], dev["positions"], md)
+        return StepInputs(dev["input_ids"], dev["positions"], md, dev["logits_rows"] if R else None)
 
-    def _upload(self, T: int, S: int, W: int) -> dict[str, torch.Tensor]:
+    def _upload(self, T: int, S: int, W: int, R: int) -> dict[str, torch.Tensor]:
         """The step's device views; on CUDA, one asynchronous copy per tensor from pinned memory
         (the host buffers are rewritten only after the step's sampled ids were read back, which
         waits for these copies)."""
         lengths = {"input_ids": T, "positions": T, "slot_mapping": T, "seq_lens": S, "query_start_loc": S + 1}
         lengths["block_tables"] = S * W
+        lengths["logits_rows"] = R
         views = {}
         for name, n in lengths.items():
             dst = self.dev[name][:n]
-            if dst.data_ptr() != self.host[name].data_ptr():
+            if n and dst.data_ptr() != self.host[name].data_ptr():
                 dst.copy_(self.host[name][:n], non_blocking=self.pin_memory)
             views[name] = dst
         views["block_tables"] = views["block_tables"].view(S, W)

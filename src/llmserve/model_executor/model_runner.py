@@ -34,7 +34,7 @@ from llmserve.model_executor.transformers_runner import TransformersCausalLM, Tr
 from llmserve.models import CausalLM
 from llmserve.sample import RequestSamplingState, Sampler, SamplingMetadata, compute_logprobs, make_generator
 from llmserve.sample.rejection import verify_proposals
-from llmserve.structured_output import StructuredOutputManager, apply_bitmask, bitmask_words
+from llmserve.structured_output import StructuredOutputManager, apply_bitmask, bitmask_words, to_device_async
 
 
 @dataclass(slots=True)
@@ -203,19 +203,20 @@ class ModelRunner:
             if constrained and self.overlap_masks
             else None
         )
+        # the sampled rows and the verified ones through the LM head together (one read of its
+        # weights); their indices travel to the device with the step's inputs
+        verify_rows = [r for v in verifiers for r in range(v.first_row, v.first_row + len(v.drafts) + 1)]
         try:
-            hidden, _ = self.runner.forward(batch)
+            forward = self.runner.forward(batch, sample_rows + verify_rows)
         finally:
             mask = masks.result() if masks is not None else None  # never left running past the step
         if constrained and mask is None:
             mask = self._fill_masks(grammars)
         out = ModelRunnerOutput(req_ids, [[] for _ in req_ids])
         if prompt_rows:
-            out.prompt_logprobs = self._prompt_logprobs(hidden, prompt_rows)
-        # the sampled rows and the verified ones through the LM head together (one read of its weights)
-        verify_rows = [r for v in verifiers for r in range(v.first_row, v.first_row + len(v.drafts) + 1)]
+            out.prompt_logprobs = self._prompt_logprobs(forward.hidden, prompt_rows)
         if samplers or verifiers:
-            logits = self.runner.model.compute_logits(hidden[sample_rows + verify_rows])
+            logits = self.runner.model.compute_logits(forward.rows())
             if samplers:
                 self._sample(logits[: len(sample_rows)], samplers, out, constrained, mask)
             if verifiers:
@@ -340,7 +341,7 @@ class ModelRunner:
         if len(rows) == logits.shape[0]:  # every row constrained: in place
             apply_bitmask(logits, mask)
             return
-        index = torch.tensor(rows, device=logits.device)
+        index = to_device_async(torch.tensor(rows), logits.device)
         masked = logits.index_select(0, index)
         apply_bitmask(masked, mask)
         logits.index_copy_(0, index, masked)

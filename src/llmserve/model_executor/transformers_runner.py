@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -25,7 +26,7 @@ from torch import nn
 
 from llmserve.config import ModelConfig
 from llmserve.model_executor.device import build_profile, resolve_device
-from llmserve.model_executor.forward_runner import SequenceBatchEntry
+from llmserve.model_executor.forward_runner import ForwardOutput, SequenceBatchEntry
 from llmserve.model_executor.model_loader import LoadedModel, ModelSource
 from llmserve.models.base import KVCacheShape
 
@@ -131,7 +132,10 @@ class TransformersForwardRunner:
         for req_id in req_ids:
             self.caches.pop(req_id, None)
 
-    def forward(self, batch: list[SequenceBatchEntry]) -> tuple[torch.Tensor, None]:
+    def forward(
+        self, batch: list[SequenceBatchEntry], logits_rows: Sequence[int] | None = None
+    ) -> ForwardOutput:
+        """One HF forward per sequence; the "hidden states" are already logits (its LM head ran)."""
         from transformers import DynamicCache
 
         rows = []
@@ -155,4 +159,5 @@ class TransformersForwardRunner:
             )
             self.caches[entry.req_id] = cache  # filled in place
             rows.append(out.logits[0].float())
-        return torch.cat(rows), None
+        selected = None if logits_rows is None else torch.tensor(logits_rows, device=self.device)
+        return ForwardOutput(torch.cat(rows), None, selected)

@@ -17,6 +17,7 @@ draft state is dropped and rebuilt later).
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -122,9 +123,9 @@ class DraftModelProposer:
             return {}
         proposals: list[list[int]] = [[] for _ in members]
         for j in range(k):
-            hidden, md = self.runner.forward(batch)
-            last = torch.tensor(md.query_start_loc[1:], device=hidden.device) - 1
-            logits = self.runner.model.compute_logits(hidden.index_select(0, last))[:, : self.vocab_size]
+            last = list(itertools.accumulate(len(e.new_token_ids) for e in batch))
+            forward = self.runner.forward(batch, [r - 1 for r in last])
+            logits = self.runner.model.compute_logits(forward.rows())[:, : self.vocab_size]
             tokens = logits.argmax(dim=-1).tolist()
             for i, token in enumerate(tokens):
                 proposals[i].append(token)

@@ -11,7 +11,7 @@ grammars are built lazily, so compiling a schema costs little, and a token mask 
 microseconds. Knows nothing of scheduling or HTTP.
 """
 
-from llmserve.structured_output.bitmask import apply_bitmask, bitmask_words
+from llmserve.structured_output.bitmask import apply_bitmask, bitmask_words, to_device_async
 from llmserve.structured_output.manager import GrammarState, StructuredOutputManager
 
-__all__ = ["GrammarState", "StructuredOutputManager", "apply_bitmask", "bitmask_words"]
+__all__ = ["GrammarState", "StructuredOutputManager", "apply_bitmask", "bitmask_words", "to_device_async"]

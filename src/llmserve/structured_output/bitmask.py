@@ -14,8 +14,6 @@ import torch
 
 from llmserve.layers.numba_jit import jit
 
-_BITS = torch.arange(32, dtype=torch.int32)
-
 
 def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
@@ -36,6 +34,15 @@ def _fill_forbidden(logits: np.ndarray, mask: np.ndarray) -> None:  # pragma: no
                     logits[i, t] = -np.inf
 
 
+def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device` without waiting for the device: staged in pinned memory
+    and copied asynchronously on CUDA (a copy from pageable memory would wait for the forward
+    pass queued before it)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def apply_bitmask(logits: torch.Tensor, mask: torch.Tensor) -> None:
     """Set logits[i, t] = -inf wherever bit t of mask[i] is 0 (in place). logits [B, V], mask
     [B, W] int32 on the CPU."""
@@ -43,5 +50,8 @@ def apply_bitmask(logits: torch.Tensor, mask: torch.Tensor) -> None:
         _fill_forbidden(logits.numpy(), mask.numpy())
         return
     B, V = logits.shape
-    allowed = ((mask.unsqueeze(-1) >> _BITS) & 1).view(B, -1)[:, :V]  # [B, 32 W] -> [B, V]
-    logits.masked_fill_(allowed.to(logits.device) == 0, float("-inf"))
+    # the compact mask goes to the device, and is expanded to [B, V] there
+    words = to_device_async(mask, logits.device)
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((words.unsqueeze(-1) >> bits) & 1).view(B, -1)[:, :V]  # [B, 32 W] -> [B, V]
+    logits.masked_fill_(allowed == 0, float("-inf"))
