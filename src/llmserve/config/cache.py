@@ -16,8 +16,11 @@ class CacheConfig:
     """Tokens per KV-cache block."""
 
     kv_cache_memory: int | None = None
-    """Bytes of memory for the KV cache (all layers, K and V). Default: on the CPU 2 GiB; on a
-    GPU what `gpu_memory_utilization` leaves; unless `num_kv_blocks` is given."""
+    """Bytes of memory for the KV cache (all layers, K and V). Default, unless `num_kv_blocks` is
+    given: on a GPU what `gpu_memory_utilization` leaves; on the CPU room for `max_num_seqs`
+    sequences at the model's full context, at most 2 GiB and a quarter of the machine's memory
+    (`default_kv_cache_memory`). On the CPU the cache's pages are committed as blocks are first
+    written, so a budget costs resident memory only as it is used."""
 
     num_kv_blocks: int | None = None
     """Number of KV-cache blocks; overrides `kv_cache_memory`."""
@@ -72,6 +75,24 @@ class CacheConfig:
                 f"({kv_bytes_per_token * self.block_size} bytes per block)"
             )
         return n
+
+
+def default_kv_cache_memory(
+    bytes_per_token: int, max_num_seqs: int, max_model_len: int, block_size: int, total_memory: int
+) -> tuple[int, str]:
+    """The CPU's KV budget when none is given, and why: room for every running sequence at full
+    context (`max_num_seqs` x `max_model_len` tokens, in whole blocks), at most 2 GiB and at
+    most a quarter of the machine's memory."""
+    blocks_per_seq = -(-max_model_len // block_size)
+    need = bytes_per_token * block_size * blocks_per_seq * max_num_seqs
+    cap = min(DEFAULT_KV_CACHE_MEMORY, total_memory // 4)
+    if need <= cap:
+        return need, f"room for {max_num_seqs} sequences of {max_model_len} tokens"
+    why = "2 GiB" if cap == DEFAULT_KV_CACHE_MEMORY else "a quarter of this machine's memory"
+    return (
+        cap,
+        f"{max_num_seqs} sequences of {max_model_len} tokens would take {need / 2**30:.1f} GiB; capped at {why}",
+    )
 
 
 def parse_bytes(text: str) -> int:

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from llmserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from llmserve.config.cache import default_kv_cache_memory
 from llmserve.config.speculative import SpeculativeConfig
 from llmserve.core.request import Request, RequestStatus
 from llmserve.core.sched_output import SchedulerOutput
@@ -57,6 +59,8 @@ class KVCacheInfo:
     block_size: int
     max_model_len: int
     dtype: str = "float32"
+    sized_by: str = ""
+    """Why the cache has this size (the option given, or the default's reasoning)."""
 
     @property
     def num_tokens(self) -> int:
@@ -73,6 +77,7 @@ class KVCacheInfo:
             f"{self.block_size} tokens = {self.num_tokens} tokens "
             f"({self.num_tokens * self.bytes_per_token / 2**30:.2f} GiB); "
             f"max concurrency at full context ({self.max_model_len} tokens): {self.max_concurrency:.2f}x"
+            + (f" ({self.sized_by})" if self.sized_by else "")
         )
 
 
@@ -115,21 +120,32 @@ class LLMEngine:
         k = speculative_config.num_speculative_tokens if speculative_config is not None else 0
         sched = self.scheduler_config
         max_num_tokens = sched.max_num_batched_tokens + k * sched.max_num_seqs
-        measured = None
-        if not self.loaded.profile.is_cpu and not self.cache_config.sized_by_user:
+        if self.cache_config.sized_by_user:  # the user's bytes or blocks
+            budget, why = None, "num_kv_blocks" if self.cache_config.num_kv_blocks else "kv_cache_memory"
+        elif self.loaded.profile.is_cpu:
+            budget, why = default_kv_cache_memory(
+                bytes_per_token,
+                sched.max_num_seqs,
+                self.max_model_len,
+                self.cache_config.block_size,
+                _physical_memory(),
+            )
+        else:
             from llmserve.model_executor.gpu_memory import measure_kv_budget
 
-            measured = measure_kv_budget(
+            budget = measure_kv_budget(
                 self.loaded.model, kv_dtype, self.cache_config.block_size, max_num_tokens,
                 sched.max_num_seqs, self.cache_config.gpu_memory_utilization,
             )  # fmt: skip
-        num_blocks = self.cache_config.num_blocks(bytes_per_token, measured)
+            why = f"gpu_memory_utilization {self.cache_config.gpu_memory_utilization}"
+        num_blocks = self.cache_config.num_blocks(bytes_per_token, budget)
         self.kv_info = KVCacheInfo(
             bytes_per_token,
             num_blocks,
             self.cache_config.block_size,
             self.max_model_len,
             str(kv_dtype).removeprefix("torch."),
+            why,
         )
         logger.info(self.kv_info.summary())
 
@@ -367,3 +383,11 @@ class LLMEngine:
         """Fraction of allocated KV slots that hold no token right now (0 when nothing is allocated)."""
         allocated, stored = self.scheduler.kv_cache_manager.waste()
         return 0.0 if allocated == 0 else 1.0 - stored / allocated
+
+
+def _physical_memory() -> int:
+    """Bytes of RAM on this machine (the KV default's cap); 16 GiB where it cannot be read."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 16 * 2**30

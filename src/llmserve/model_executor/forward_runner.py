@@ -21,6 +21,8 @@ rows (a CUDA graph's batch rounded up) write their K/V without touching a sequen
 from __future__ import annotations
 
 import itertools
+import math
+import mmap
 from collections.abc import Sequence
 
 import torch
@@ -63,10 +65,7 @@ class ForwardRunner:
         self.pad_block = num_blocks  # the extra block past the scheduler's
         self.spec = KVCacheSpec(num_blocks + 1, block_size, shape.num_kv_heads, shape.head_dim, kv_dtype)
         # One [2, num_kv_heads, num_blocks + 1, block_size, head_dim] tensor per layer.
-        self.kv_caches = [
-            torch.zeros(self.spec.shape(), dtype=kv_dtype, device=self.device)
-            for _ in range(shape.num_layers)
-        ]
+        self.kv_caches = _allocate_kv_caches(self.spec, shape.num_layers, self.device)
         attention = [m for m in model.modules() if isinstance(m, Attention)]
         self.backends = list({id(m.backend): m.backend for m in attention}.values())
         self.layer_params = list({m.params: None for m in attention})  # distinct, in layer order
@@ -152,3 +151,19 @@ class ForwardRunner:
         last_rows = list(itertools.accumulate(len(e.new_token_ids) for e in batch))
         out = self.forward(batch, None if all_logits else [r - 1 for r in last_rows])
         return self.model.compute_logits(out.hidden if all_logits else out.rows())
+
+
+def _allocate_kv_caches(spec: KVCacheSpec, num_layers: int, device: torch.device) -> list[torch.Tensor]:
+    """Zeroed per-layer caches. On the CPU they are views of one anonymous memory map: the OS
+    maps zero pages and commits each 4 KiB page when it is first written, so the resident memory
+    follows the blocks in use, not the budget (torch.zeros writes every byte: a 2 GiB cache was
+    2 GiB of RSS from start-up; numpy's zeros asks for huge pages, which commit 2 MiB per layer,
+    head and half at the first block written: +360 MiB for one short request on the embedded
+    model). The tensors keep the map alive."""
+    if device.type != "cpu":
+        return [torch.zeros(spec.shape(), dtype=spec.dtype, device=device) for _ in range(num_layers)]
+    per_layer = math.prod(spec.shape())
+    width = torch.empty((), dtype=spec.dtype).element_size()
+    buffer = mmap.mmap(-1, max(1, num_layers * per_layer * width))  # anonymous: zero-filled, lazily
+    flat = torch.frombuffer(buffer, dtype=torch.uint8).view(spec.dtype)
+    return [flat[i * per_layer : (i + 1) * per_layer].view(spec.shape()) for i in range(num_layers)]

@@ -75,7 +75,8 @@ def files_digest(files: list[Path]) -> str | None:
 def estimate_size(source: str | None, file_bytes: int, args: EngineArgs) -> int:
     """A model's memory before it was ever loaded: its weight files (twice a 16-bit checkpoint's,
     which the CPU runs in float32) plus its KV cache (the budget, or `num_kv_blocks` blocks of the
-    size an HF config implies). Measured sizes replace it after the first load."""
+    size an HF config implies; without either, 2 GiB, the most the CPU default takes). Measured
+    sizes replace it after the first load."""
     config: dict[str, Any] = {}
     if source is not None and (Path(source) / "config.json").is_file():
         with contextlib.suppress(OSError, ValueError):
