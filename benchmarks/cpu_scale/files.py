@@ -178,5 +178,7 @@ def tool_versions() -> dict[str, Any]:
     version = None
     if server.is_file():
         out = subprocess.run([str(server), "--version"], capture_output=True, text=True, timeout=30)
-        version = next((ln for ln in (out.stdout + out.stderr).splitlines() if ln.startswith("version")), None)
+        version = next(
+            (ln for ln in (out.stdout + out.stderr).splitlines() if ln.startswith("version")), None
+        )
     return {"llama_cpp_python_sdist": LLAMA_CPP_VERSION, "llama_cpp_build": version}

@@ -227,7 +227,7 @@ def write_plot(result: dict[str, Any], path: Path) -> Path | None:
         ax.set_xticks(x, list(files), fontsize="small")
         ax.set(ylabel=label)
         ax.grid(alpha=0.3, axis="y")
-    axes[0].legend(fontsize="small")
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncols=3, fontsize="small")
     env = result.get("environment", {})
     fig.suptitle(f"bench_cpu_scale on {env.get('cpu')} ({env.get('cpu_cores')} cores), {result['date'][:10]}",
                  fontsize="medium")  # fmt: skip

@@ -18,6 +18,7 @@ import hashlib
 import json
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,8 +70,9 @@ def run_server(name: str, cmd: list[str], port: int, t: Setup) -> dict[str, Any]
         watch = RssWatch(proc.pid).start()
         try:
             for c, num_prompts in t.workload.levels:
-                result["levels"][str(c)] = _guarded(f"c={c}", lambda c=c, n=num_prompts: bench_serve(
-                    base_url, proc.pid, name, c, n, t))  # fmt: skip
+                result["levels"][str(c)] = _guarded(
+                    f"c={c}", bench_serve, base_url, proc.pid, name, c, num_prompts, t
+                )
         finally:
             result["memory"] = watch.stop()
     if name == "llmserve":
@@ -102,10 +104,10 @@ def bench_serve(base_url: str, pid: int, server: str, c: int, num_prompts: int, 
             "cpu": cpu, "result_file": str(path)}  # fmt: skip
 
 
-def _guarded(label: str, fn: Any) -> dict[str, Any]:
-    """One level's figures, or its error: a failed level must not lose the others."""
+def _guarded(label: str, fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+    """`fn(*args)`, one level's figures, or its error: a failed level must not lose the others."""
     try:
-        out = fn()
+        out = fn(*args)
     except Exception as e:  # a subprocess failure or a malformed result: record it, go on
         print(f"    {label}: FAILED: {e}", flush=True)
         return {"error": str(e)}
