@@ -4,6 +4,7 @@ the errors a user can meet; and the real embedded GGUFs."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -368,3 +369,34 @@ def test_gemma3_270m_config() -> None:
     assert rope_parameters(c, "full_attention")["rope_theta"] == 1e6
     assert rope_parameters(c, "sliding_attention")["rope_theta"] == 1e4
     assert ckpt.num_tensors() == 236
+
+
+def _mapped_rss(path: Path) -> int:
+    """Bytes of `path`'s memory maps resident in this process (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if line[:1].isdigit() or line[:1] in "abcdef":  # a mapping's header line
+                inside = line.rstrip().endswith(str(path))
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/smaps")
+def test_tensors_read_leave_no_mapped_pages_behind(tmp_path: Path) -> None:
+    """A load's peak memory is the copies plus one tensor, not plus the whole file: each tensor's
+    mapped pages are dropped once the model took its copy."""
+    rng = np.random.default_rng(0)
+    tensors = {f"blk.{i}.ffn_up.weight": rng.normal(size=(1024, 2048)).astype(np.float32) for i in range(4)}
+    (path,) = write_gguf(
+        tmp_path / "big.gguf", "llama", {"token_embd.weight": tensors.pop("blk.0.ffn_up.weight"), **tensors}
+    )
+    ckpt = GGUFCheckpoint([path])
+    seen = []
+    for _, tensor, _ in ckpt.iter_weights(torch.float32):
+        seen.append(float(tensor.sum()))  # the copy is the model's now
+        assert _mapped_rss(path) <= 8 * 2**20 + 1024 * 2048 * 4, _mapped_rss(
+            path
+        )  # at most one tensor mapped
+    assert len(seen) == 4 and _mapped_rss(path) < 8 * 2**20

@@ -13,6 +13,8 @@ Does not know models, devices or tokenizers (the GGUF vocabulary is the tokenize
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import re
 import sys
 from collections import Counter
@@ -77,6 +79,19 @@ class _FastReader(GGUFReader):
             parts += (raw[offs : offs + 8].view(np.uint64), raw[offs + 8 : offs + 8 + slen])
             offs += 8 + slen
         return offs - orig_offs, parts, list(range(3, 3 + 2 * n, 2)), types
+
+
+def _drop_mapped_pages(reader: GGUFReader, t: ReaderTensor) -> None:
+    """Once the model copied `t` out of the file's memory map, let this process drop the pages it
+    touched (they stay in the page cache, and are read again if anything touches them): without
+    this a load's peak resident memory was the copies plus the whole file (0.4-0.6 GiB above
+    serving for a 1B model, docs/benchmarks.md), not the copies plus one tensor."""
+    mm = getattr(reader.data, "_mmap", None)
+    if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = int(t.data_offset) - int(t.data_offset) % mmap.PAGESIZE
+    with contextlib.suppress(OSError, ValueError):
+        mm.madvise(mmap.MADV_DONTNEED, start, int(t.data_offset) + int(t.n_bytes) - start)
 
 
 def _open(path: Path) -> GGUFReader:
@@ -348,12 +363,14 @@ class GGUFCheckpoint:
         dtype: torch.dtype,
         keep_quantized: Callable[[str], bool] | None,
     ) -> Iterator[tuple[str, torch.Tensor | QuantizedRows, str]]:
+        readers = dict(zip(map(str, self.parts), self._readers, strict=True))
         for name, hf_name, fix in plan:
             file, t = self._tensors[name]
             if keep_quantized is not None and t.tensor_type in EXACT_TYPES and keep_quantized(hf_name):
                 rows = self._quantized_rows(t, fix)
                 if rows is not None:
                     yield hf_name, rows, file
+                    _drop_mapped_pages(readers[file], t)
                     continue
             # dequantize gives float32 in the logical (row-major) shape: ggml's dims reversed.
             arr = dequantize(t.data, t.tensor_type)
@@ -364,6 +381,7 @@ class GGUFCheckpoint:
             if fix is not None:
                 tensor = fix(tensor, self)  # in float32, before rounding to `dtype`
             yield hf_name, tensor.to(dtype), file
+            _drop_mapped_pages(readers[file], t)
 
     def _quantized_rows(self, t: ReaderTensor, fix: Fix | None) -> QuantizedRows | None:
         """A 2-D tensor as block-quantized rows with `fix` applied, or None where the fix is not a
