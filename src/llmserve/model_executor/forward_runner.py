@@ -62,6 +62,7 @@ class ForwardRunner:
             keep_freed_memory()  # activations are reused every step: no page faults on them
         kv_dtype = kv_cache_dtype or self.dtype
         self.num_blocks = num_blocks
+        """Blocks the scheduler hands out (ids 0 .. num_blocks - 1)."""
         self.pad_block = num_blocks  # the extra block past the scheduler's
         self.spec = KVCacheSpec(num_blocks + 1, block_size, shape.num_kv_heads, shape.head_dim, kv_dtype)
         # One [2, num_kv_heads, num_blocks + 1, block_size, head_dim] tensor per layer.

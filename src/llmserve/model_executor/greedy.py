@@ -33,9 +33,9 @@ def generate_greedy(
         n = blocks_needed(len(p) + max_tokens, bs)
         tables.append(list(range(next_block, next_block + n)))
         next_block += n
-    if next_block > runner.spec.num_blocks:
+    if next_block > runner.num_blocks:
         raise ValueError(
-            f"the batch needs {next_block} KV blocks of {bs} tokens but the cache has {runner.spec.num_blocks}"
+            f"the batch needs {next_block} KV blocks of {bs} tokens but the cache has {runner.num_blocks}"
         )
 
     outputs: list[list[int]] = [[] for _ in prompts]
