@@ -218,7 +218,11 @@ def test_disconnect_storm_non_streaming_frees_everything(plain: ServerProcess) -
     after = wait_idle(plain)
     assert num_gave_up >= NUM_CLIENTS - MAX_NUM_SEQS, num_gave_up
     assert after["num_steps"] - before["num_steps"] < STEPS_IF_NONE_ABORTED, (before, after)
-    assert plain.log().count("client disconnected; aborted 1 request(s)") >= num_gave_up - 2
+    # the handler logs each abort beside the engine's step loop: the log may trail /stats a little
+    deadline = time.monotonic() + 10
+    while plain.log().count("client disconnected; aborted 1 request(s)") < num_gave_up - 2:
+        assert time.monotonic() < deadline, plain.log()[-2000:]
+        time.sleep(0.1)
     assert_serves(plain)
 
 

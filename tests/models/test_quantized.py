@@ -18,13 +18,15 @@ from gguf import GGMLQuantizationType as Q
 
 from llmserve.config import ModelConfig
 from llmserve.layers.quantization import QuantizedLinear, cpu_kernels
-from llmserve.layers.quantization.formats import quantize
+from llmserve.layers.quantization.formats import PackedWeight, quantize
 from llmserve.model_executor.forward_runner import ForwardRunner, SequenceBatchEntry
 from llmserve.model_executor.greedy import generate_greedy
 from llmserve.model_executor.model_loader import load_model
 from tests.gguf_writer import write_hf_model
 from tests.models.tiny import TINY_CONFIGS, make_tiny_model
 
+_ORDER = ["avx512_vnni", "avx2", "torch"]
+KERNEL_SETS = _ORDER[_ORDER.index(cpu_kernels.best_kernels()) :]  # every kernel set this CPU runs
 PROMPTS = [[5, 17, 99, 3], [200, 1, 1, 45, 67, 300, 12, 9, 8, 7, 6, 5, 4, 3, 2, 11, 400, 401, 402, 25], [42]]
 LLAMA_FAMILY = ["llama", "llama3-rope-tied", "mistral-sliding", "qwen2", "qwen3"]
 _LINEAR = re.compile(r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|c_attn|c_proj|c_fc)\.weight$")
@@ -305,10 +307,9 @@ GGUF_TYPES = {"attn_q": Q.Q4_K, "attn_k": Q.Q4_0, "attn_v": Q.Q4_1, "attn_output
               "ffn_gate": Q.Q5_0, "ffn_up": Q.Q5_1, "ffn_down": Q.Q5_K, "token_embd": Q.Q8_0, "output": Q.Q8_0}  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def quantized_gguf(tmp_path_factory):
-    """A tiny Llama (hidden 256: K-quant super-blocks are 256 wide) as a mixed-type GGUF."""
-    tmp = tmp_path_factory.mktemp("qgguf")
+def _llama_gguf(tmp: Path, types: dict[str, Q]) -> Path:
+    """A tiny Llama (hidden 256: K-quant super-blocks are 256 wide) as a GGUF file whose weights
+    take `types` by tensor kind (F32 where not named)."""
     config = transformers.LlamaConfig(
         vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1, tie_word_embeddings=True,
@@ -324,10 +325,22 @@ def quantized_gguf(tmp_path_factory):
     for t in GGUFReader(path).tensors:
         kind = t.name.split(".")[-2]
         arr = np.array(t.data).reshape(list(reversed(t.shape.tolist())))
-        tensors[t.name] = (arr, GGUF_TYPES.get(kind, Q.F32)) if t.name.endswith("weight") else arr
+        tensors[t.name] = (arr, types.get(kind, Q.F32)) if t.name.endswith("weight") else arr
     from tests.gguf_writer import hf_metadata, write_gguf
 
-    return write_gguf(tmp / "mixed.gguf", "llama", tensors, hf_metadata("llama", config))[0]
+    return write_gguf(tmp / "quantized.gguf", "llama", tensors, hf_metadata("llama", config))[0]
+
+
+@pytest.fixture(scope="module")
+def quantized_gguf(tmp_path_factory):
+    """Every type that is read straight into a block format, mixed in one file."""
+    return _llama_gguf(tmp_path_factory.mktemp("qgguf"), GGUF_TYPES)
+
+
+@pytest.fixture(scope="module")
+def q4_0_gguf(tmp_path_factory):
+    """Every matrix Q4_0, the tied embedding and the output too."""
+    return _llama_gguf(tmp_path_factory.mktemp("q4_0"), dict.fromkeys(GGUF_TYPES, Q.Q4_0))
 
 
 def test_gguf_served_quantized_matches_dequantized(quantized_gguf):
@@ -357,6 +370,61 @@ def test_gguf_blocks_reach_the_layers_unchanged(quantized_gguf):
     prefix = "model.layers.1.self_attn."
     want = torch.cat([floats[prefix + p + ".weight"] for p in ("q_proj", "k_proj", "v_proj")])
     assert torch.equal(qkv.logical_weight(), want)
+    assert qkv.qweight is not None and qkv.qweight.m is not None  # Q4_K, Q4_1: Q4_0's -8 d stored too
+
+
+def _decode_logits(model: torch.nn.Module, fused: bool) -> torch.Tensor:
+    """PROMPTS prefilled together, then 4 decode steps of all three: [5, 3, vocab] last-token logits."""
+    runner = ForwardRunner(model, num_blocks=24, block_size=4)
+    runner.use_fused(fused)
+    assert (runner.fused is not None) == fused
+    tables = [list(range(i * 8, i * 8 + 8)) for i in range(len(PROMPTS))]
+    seqs = [list(p) for p in PROMPTS]
+    steps = []
+    for step in range(5):
+        entries = [
+            SequenceBatchEntry(s if step == 0 else s[-1:], len(s), t)
+            for s, t in zip(seqs, tables, strict=True)
+        ]
+        steps.append(runner.execute(entries))
+        for s, row in zip(seqs, steps[-1], strict=True):
+            s.append(int(row.argmax()))
+    return torch.stack(steps)
+
+
+@pytest.mark.parametrize("cpu_activations", ["int16", "int8"])
+def test_q4_0_keeps_no_minimum_and_the_same_logits(q4_0_gguf, cpu_activations):
+    """Q4_0 layers store no minimum (18 bytes a block of 32, as in the file; the load report counts
+    that), and the kernels' m = -8 d gives the logits of the minimum stored as a half (how Q4_0 was
+    held before) to the bit: fused and layer by layer, int16 and int8 activations, on every kernel
+    set this CPU runs. (tests/unit/test_quantization.py shows the comparison sees one ulp.)"""
+    config = ModelConfig(model=str(q4_0_gguf), cpu_activations=cpu_activations, show_progress=False)
+    loaded = load_model(config)
+    modules = [m for m in loaded.model.modules() if isinstance(getattr(m, "qweight", None), PackedWeight)]
+    assert {type(m).__name__ for m in modules} >= {"QuantizedLinear", "QuantizedVocabEmbedding"}
+    for m in modules:
+        w = m.qweight
+        assert w.fmt == "q4" and w.m is None
+        assert w.nbytes() == -(-w.out_features // 16) * 16 * (w.in_features // 32) * 18
+    groups = [g for g in loaded.weight_groups if g.fmt == "q4"]
+    assert sum(g.num_bytes for g in groups) == sum(m.qweight.nbytes() for m in modules)
+    if cpu_activations == "int8" and "avx512_vnni" in KERNEL_SETS:
+        assert "int8 activations" in loaded.linear_kernel
+    logits: dict[bool, dict[tuple[str, bool], torch.Tensor]] = {}
+    try:
+        for stored in (False, True):
+            if stored:  # the representation before: the half -8 d in every block
+                for m in modules:
+                    m.qweight = replace(m.qweight, m=-8 * m.qweight.d)
+            logits[stored] = {}
+            for kernels in KERNEL_SETS:
+                cpu_kernels.set_kernels(kernels)
+                for fused in (True, False) if kernels != "torch" else (False,):
+                    logits[stored][kernels, fused] = _decode_logits(loaded.model, fused)
+    finally:
+        cpu_kernels.set_kernels("auto")
+    for key, got in logits[False].items():
+        assert torch.equal(got, logits[True][key]), key
 
 
 # -- start-up errors and the fallback kernels -------------------------------------------------------

@@ -3,6 +3,8 @@ blocks read without a float round trip, and the quantized layers' loading."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import gguf
 import numpy as np
 import pytest
@@ -30,6 +32,7 @@ def kernels(request):
 
 
 def _random_rows(fmt: str, n: int, k: int, with_min: bool, seed: int = 0) -> QuantizedRows:
+    """Random rows; q4 without minimums is symmetric (GGUF Q4_0: m = -8 d, not stored)."""
     g = torch.Generator().manual_seed(seed)
     nb = -(-k // BLOCK)
     if fmt == "q4":
@@ -45,7 +48,7 @@ def _random_rows(fmt: str, n: int, k: int, with_min: bool, seed: int = 0) -> Qua
 # -- formats ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt,with_min", [("q8", False), ("q8", True), ("q4", True)])
+@pytest.mark.parametrize("fmt,with_min", [("q8", False), ("q8", True), ("q4", True), ("q4", False)])
 @pytest.mark.parametrize("n,k", [(16, 32), (37, 70), (200, 576)])
 def test_pack_unpack_roundtrip(fmt, with_min, n, k):
     rows = _random_rows(fmt, n, k, with_min)
@@ -94,7 +97,7 @@ def _bound(w: torch.Tensor, x: torch.Tensor, int8_blocks: bool = False) -> torch
 
 
 @pytest.mark.parametrize("act_bits", [16, 8])
-@pytest.mark.parametrize("fmt,with_min", [("q8", False), ("q8", True), ("q4", True)])
+@pytest.mark.parametrize("fmt,with_min", [("q8", False), ("q8", True), ("q4", True), ("q4", False)])
 @pytest.mark.parametrize("n,k", [(16, 32), (37, 70), (200, 576)])
 @pytest.mark.parametrize("m", [1, 2, 5, 8, 9, 40])
 def test_linear_matches_dequantized_reference(kernels, fmt, with_min, n, k, m, act_bits):
@@ -112,7 +115,7 @@ def test_linear_matches_dequantized_reference(kernels, fmt, with_min, n, k, m, a
 
 
 @pytest.mark.parametrize("act_bits", [16, 8])
-@pytest.mark.parametrize("fmt,with_min", [("q8", False), ("q8", True), ("q4", True)])
+@pytest.mark.parametrize("fmt,with_min", [("q8", False), ("q8", True), ("q4", True), ("q4", False)])
 def test_a_tokens_row_is_the_same_in_any_batch(kernels, fmt, with_min, act_bits):
     """With the C++ kernels a token's output does not depend on the other tokens computed with it,
     to the bit: a speculative step's rows then equal what plain decoding computes one token at a
@@ -137,11 +140,44 @@ def test_linear_keeps_leading_dims_and_dtype(kernels):
     )
 
 
-@pytest.mark.parametrize("fmt,with_min", [("q8", False), ("q8", True), ("q4", True)])
+@pytest.mark.parametrize("fmt,with_min", [("q8", False), ("q8", True), ("q4", True), ("q4", False)])
 def test_embedding_rows_are_exact(kernels, fmt, with_min):
     rows = _random_rows(fmt, 53, 70, with_min)
     ids = torch.tensor([0, 52, 17, 17, 31])
     assert torch.equal(cpu_kernels.embedding(ids, pack(rows)), rows.dequantize()[ids])
+
+
+@pytest.mark.parametrize("act_bits", [16, 8])
+def test_symmetric_q4_is_its_stored_minimum_to_the_bit(kernels, act_bits):
+    """Symmetric q4 (GGUF Q4_0) stores no minimum, 18 bytes a block, and every kernel takes
+    m = -8 d: the same bits as with the half -8 d stored (the representation before), for every
+    register tile of tokens and for embedding rows. The comparison sees another arithmetic: the
+    same weights as q8 values q - 8 (the term folded into the integer dot products), or minimums
+    one ulp off, give other bits."""
+    rows = _random_rows("q4", 200, 576, with_min=False)
+    stored = replace(rows, m=rows.minimums())  # the representation before: the half -8 d stored
+    assert rows.m is None and torch.equal(stored.m, -8 * rows.d)
+    sym, ref = pack(rows), pack(stored)
+    assert sym.m is None and sym.nbytes() == 208 * 18 * 18 and ref.nbytes() == 208 * 18 * 20
+    x = torch.randn(40, 576, generator=torch.Generator().manual_seed(1)) * torch.linspace(0.01, 4, 576)
+    bias = torch.randn(200)
+    for m in (1, 2, 3, 4, 5, 8, 9, 17, 40):
+        got = cpu_kernels.linear(x[:m], sym, bias, act_bits)
+        assert torch.equal(got, cpu_kernels.linear(x[:m], ref, bias, act_bits)), m
+    ids = torch.tensor([0, 199, 17, 17, 131])
+    assert torch.equal(cpu_kernels.embedding(ids, sym), cpu_kernels.embedding(ids, ref))
+    if kernels == "torch":
+        return  # it dequantizes in float32, where d q - 8 d and d (q - 8) are both exact
+    folded = cpu_kernels.linear(
+        x, pack(QuantizedRows("q8", rows.q.to(torch.int8) - 8, rows.d, None, 576)), bias
+    )
+    w = stored.dequantize()
+    assert (
+        (folded - got).abs() <= _bound(w, x, _int8_blocks(kernels, "q4", act_bits))
+    ).all()  # the same math
+    assert not torch.equal(got, folded)
+    ulp_off = replace(ref, m=(ref.m.view(torch.int16) + 1).view(torch.float16))
+    assert not torch.equal(got, cpu_kernels.linear(x, ulp_off, bias, act_bits))
 
 
 def test_unknown_kernel_set_is_refused():
@@ -178,6 +214,7 @@ def test_gguf_blocks_read_as_rows(qtype):
     expected = torch.tensor([v for block in raw for v in ref(block.tobytes())]).reshape(3, 512)
     rows = read_rows(raw.reshape(3, -1), qtype, 512)
     assert rows is not None and rows.fmt == ("q4" if qtype in (Q.Q4_0, Q.Q4_1, Q.Q4_K) else "q8")
+    assert (rows.m is None) == (qtype in (Q.Q8_0, Q.Q4_0, Q.Q5_0))  # Q4_0: symmetric, 18 bytes a block
     got = rows.dequantize()
     if qtype in (Q.Q4_K, Q.Q5_K):
         # |d sc q| <= 31 |d sc| and |dmin m| each off by a half-float rounding (2^-11 relative)
@@ -215,8 +252,29 @@ def test_layer_load_errors_name_the_tensor():
         layer.load_shard("gate_proj.weight", _random_rows("q4", 16, 64, True), shard=0)
 
 
-def test_four_bit_rows_become_eight_bit_exactly():
-    rows = _random_rows("q4", 20, 64, True)
+@pytest.mark.parametrize("with_min", [True, False])
+def test_four_bit_rows_become_eight_bit_exactly(with_min):
+    """q8 has no symmetric form: a symmetric q4 shard widened to q8 stores its -8 d."""
+    rows = _random_rows("q4", 20, 64, with_min)
     as8 = as_rows("w", rows, "q8", (20, 64))
     assert as8.fmt == "q8" and as8.q.dtype == torch.int8
+    assert as8.m is not None and torch.equal(as8.m, rows.minimums())
     assert torch.equal(as8.dequantize(), rows.dequantize())
+
+
+def test_fused_layer_stores_minimums_only_where_its_shards_disagree():
+    """A layer of symmetric shards (every one Q4_0) stores none; one with a shard that has
+    minimums (a Q4_1 v_proj) stores them for all, -8 d for the symmetric ones."""
+    sym = [_random_rows("q4", 32, 64, False, seed=s) for s in (1, 2)]
+    asym = _random_rows("q4", 16, 64, True, seed=3)
+    layers = {}
+    for name, shards in (("symmetric", sym), ("mixed", [*sym, asym])):
+        layer = QuantizedLinear(64, [s.num_rows for s in shards], bias=False, fmt="q4")
+        for i, shard in enumerate(shards):
+            layer.load_shard(f"shard{i}", shard, shard=i)
+        want = torch.cat([s.dequantize() for s in shards])
+        assert torch.equal(layer.logical_weight(), want)
+        layers[name] = layer.qweight
+    assert layers["symmetric"].m is None and layers["symmetric"].nbytes() == 64 * 2 * 18
+    back = unpack(layers["mixed"])
+    assert back.m is not None and torch.equal(back.m, torch.cat([-8 * sym[0].d, -8 * sym[1].d, asym.m]))

@@ -17,7 +17,7 @@ struct QuantLinear {
   int bits = 8;  // 8 (q8) or 4 (q4)
   const void* w = nullptr;
   const uint16_t* d = nullptr;
-  const uint16_t* m = nullptr;
+  const uint16_t* m = nullptr;  // GemmArgs::m: nullptr for q8 without minimums and symmetric q4
   const float* bias = nullptr;
   int64_t N = 0, K = 0;
   int act_bits = 16;  // GemmArgs::act_bits

@@ -341,10 +341,10 @@ void dequant_rows_q4(const uint8_t* w, const uint16_t* d, const uint16_t* m, int
     const int64_t tile = ids[i] / NT, r = ids[i] % NT;
     const uint8_t* wt = w + tile * nb * (KB * NT / 2);
     const uint16_t* dt = d + tile * nb * NT;
-    const uint16_t* mt = m + tile * nb * NT;
+    const uint16_t* mt = m ? m + tile * nb * NT : nullptr;  // nullptr: symmetric, m = -8 d
     float* o = out + i * K;
     for (int64_t b = 0; b < nb; ++b) {
-      const float s_ = half_to_float(dt[b * NT + r]), mn = half_to_float(mt[b * NT + r]);
+      const float s_ = half_to_float(dt[b * NT + r]), mn = mt ? half_to_float(mt[b * NT + r]) : -8.f * s_;
       for (int g = 0; g < KB / 8; ++g)
         for (int j = 0; j < 2; ++j) {
           const uint8_t* v = wt + b * (KB * NT / 2) + (g * NT + r) * 4 + j * 2;

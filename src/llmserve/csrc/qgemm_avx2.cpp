@@ -88,7 +88,8 @@ void tile_q8(const int8_t* w, const uint16_t* d, const uint16_t* m, int64_t nb, 
   store_tile<MT>(acc, dx, bias, nvalid, out, ldo);
 }
 
-template <int MT>
+// SYM: symmetric blocks (m == nullptr), whose minimums are -8 d (qgemm.h).
+template <int MT, bool SYM>
 void tile_q4(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t nb, const int16_t* xq, int64_t Kp,
              const float* dx, const float* xsum, const float* bias, int nvalid, float* out, int64_t ldo) {
   const __m256i low4 = _mm256_set1_epi16(0x000F);
@@ -115,7 +116,8 @@ void tile_q4(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t nb,
       }
     }
     const __m256 s0 = half8(d + b * NT), s1 = half8(d + b * NT + 8);
-    const __m256 m0 = half8(m + b * NT), m1 = half8(m + b * NT + 8);
+    const __m256 m0 = SYM ? _mm256_mul_ps(s0, _mm256_set1_ps(-8.f)) : half8(m + b * NT);
+    const __m256 m1 = SYM ? _mm256_mul_ps(s1, _mm256_set1_ps(-8.f)) : half8(m + b * NT + 8);
     for (int t = 0; t < MT; ++t) {
       const __m256 xs = _mm256_set1_ps(xsum[t * nb + b]);
       acc[t][0] = _mm256_fmadd_ps(m0, xs, _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[t][0]), s0, acc[t][0]));
@@ -142,8 +144,13 @@ void tile_tokens(const GemmArgs& a, int64_t tile, int64_t t0, int64_t t1, const 
     const float* xs = xsum ? xsum + t * nb : nullptr;
     if constexpr (Q4) {
       const uint8_t* w = static_cast<const uint8_t*>(a.w) + tile * nb * (KB * NT / 2);
-      if (mt == 2) tile_q4<2>(w, d, m, nb, x, Kp, dx + t, xs, bias, nvalid, out, a.ldo);
-      else tile_q4<1>(w, d, m, nb, x, Kp, dx + t, xs, bias, nvalid, out, a.ldo);
+      if (mt == 2) {
+        m ? tile_q4<2, false>(w, d, m, nb, x, Kp, dx + t, xs, bias, nvalid, out, a.ldo)
+          : tile_q4<2, true>(w, d, m, nb, x, Kp, dx + t, xs, bias, nvalid, out, a.ldo);
+      } else {
+        m ? tile_q4<1, false>(w, d, m, nb, x, Kp, dx + t, xs, bias, nvalid, out, a.ldo)
+          : tile_q4<1, true>(w, d, m, nb, x, Kp, dx + t, xs, bias, nvalid, out, a.ldo);
+      }
     } else {
       const int8_t* w = static_cast<const int8_t*>(a.w) + tile * nb * (KB * NT);
       if (mt == 2) tile_q8<2>(w, d, m, nb, x, Kp, dx + t, xs, bias, nvalid, out, a.ldo);
@@ -158,7 +165,7 @@ void gemm(const GemmArgs& a) {
   scratch.fit(a.M, a.K);
   int16_t* xq = scratch.xq.data();
   float* dx = scratch.dx.data();
-  float* xsum = a.m ? scratch.xsum.data() : nullptr;  // block sums carry the minimums' term
+  float* xsum = (Q4 || a.m) ? scratch.xsum.data() : nullptr;  // block sums carry the minimums' term
   quantize_activations(a.x, a.ldx, a.M, a.K, xq, dx, xsum);
   const int64_t chunk = std::max<int64_t>(8, ((256 * 1024) / (nb * KB * 2)) / 8 * 8);
 #pragma omp parallel

@@ -101,9 +101,17 @@ inline void store_tile(const __m512 (&acc)[MT], const float* dx, const float* bi
     _mm512_mask_storeu_ps(out + t * ldo, mask, _mm512_fmadd_ps(acc[t], _mm512_set1_ps(dx[t]), bv));
 }
 
+// A block's 16 minimums: the stored halves, or for symmetric 4-bit blocks (SYM, m == nullptr)
+// -8 d from the scales already converted: exact in float32, the value the half -8 d converts to.
+template <bool SYM>
+inline __m512 minimums16(const uint16_t* m, __m512 sc) {
+  if constexpr (SYM) return _mm512_mul_ps(sc, _mm512_set1_ps(-8.f));
+  else return half16(m);
+}
+
 // Per block: the int32 dot products (in chains) become float and are scaled by the rows' d (and
-// the minimums' term m * xsum added, for weights that have minimums).
-template <int MT, int A>
+// the minimums' term m * xsum added, for weights that have minimums: m stored, or SYM's -8 d).
+template <int MT, int A, bool SYM = false>
 inline void finish_block(__m512i (&ia)[MT][A], const uint16_t* d, const uint16_t* m, const float* xs,
                          __m512 (&acc)[MT]) {
   const __m512 sc = half16(d);
@@ -112,8 +120,8 @@ inline void finish_block(__m512i (&ia)[MT][A], const uint16_t* d, const uint16_t
     for (int c = 1; c < A; ++c) s = _mm512_add_epi32(s, ia[t][c]);
     acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), sc, acc[t]);
   }
-  if (m) {
-    const __m512 mn = half16(m);
+  if (SYM || m) {
+    const __m512 mn = minimums16<SYM>(m, sc);
     for (int t = 0; t < MT; ++t) acc[t] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[t]), acc[t]);
   }
 }
@@ -144,8 +152,8 @@ void tile_q8(const int8_t* w, const uint16_t* d, const uint16_t* m, int64_t nb, 
   store_tile<MT>(acc, dx, bias, nvalid, out, ldo);
 }
 
-// The same for 4-bit weights (m always present).
-template <int MT>
+// The same for 4-bit weights, whose minimums' term is always there (SYM: m == nullptr, -8 d).
+template <int MT, bool SYM>
 void tile_q4(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t nb, const int32_t* xi,
              const float* xs, const float* dx, const float* bias, int nvalid, float* out, int64_t ldo) {
   constexpr int A = chains<MT>();
@@ -170,7 +178,7 @@ void tile_q4(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t nb,
           ia[t][p % A] = _mm512_dpwssd_epi32(ia[t][p % A], _mm512_set1_epi32(xb[p * MT + t]), s4[s]);
       }
     }
-    finish_block<MT, A>(ia, d + b * NT, m + b * NT, xs + b * MT, acc);
+    finish_block<MT, A, SYM>(ia, d + b * NT, SYM ? nullptr : m + b * NT, xs + b * MT, acc);
   }
   store_tile<MT>(acc, dx, bias, nvalid, out, ldo);
 }
@@ -180,7 +188,8 @@ void tile_q4(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t nb,
 // nibbles as unsigned bytes, the columns 8g + {0, 4, 1, 5} and 8g + {2, 6, 3, 7}, which the
 // activations' quads are interleaved to match.
 //   out[t, n] = sum_b (d[n, b] dx[t, b] <q[n, b], xq[t, b]> + m[n, b] xsum[t, b]) + bias[n]
-template <int MT>
+// (SYM: m == nullptr, m = -8 d.)
+template <int MT, bool SYM>
 void tile_q4_i8(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t nb, const int32_t* xi,
                 const float* xd, const float* xs, const float* bias, int nvalid, float* out, int64_t ldo) {
   constexpr int A = chains<MT>();
@@ -203,7 +212,7 @@ void tile_q4_i8(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t 
         ia[t][(2 * g + 1) % A] =
             _mm512_dpbusd_epi32(ia[t][(2 * g + 1) % A], hi, _mm512_set1_epi32(xb[(2 * g + 1) * MT + t]));
     }
-    const __m512 sc = half16(d + b * NT), mn = half16(m + b * NT);
+    const __m512 sc = half16(d + b * NT), mn = minimums16<SYM>(SYM ? nullptr : m + b * NT, sc);
     for (int t = 0; t < MT; ++t) {
       __m512i s = ia[t][0];
       for (int c = 1; c < A; ++c) s = _mm512_add_epi32(s, ia[t][c]);
@@ -224,15 +233,18 @@ void tile_tokens_q4_i8(const GemmArgs& a, int64_t tile, int64_t t0, int64_t t1, 
   const int nvalid = static_cast<int>(std::min<int64_t>(NT, a.N - tile * NT));
   const uint8_t* w = static_cast<const uint8_t*>(a.w) + tile * nb * (KB * NT / 2);
   const uint16_t* d = a.d + tile * nb * NT;
-  const uint16_t* m = a.m + tile * nb * NT;
+  const uint16_t* m = a.m ? a.m + tile * nb * NT : nullptr;  // nullptr: symmetric blocks
   const float* bias = a.bias ? a.bias + tile * NT : nullptr;
   for (int64_t t = t0; t < t1; t += MAX_MT) {
     const int mt = static_cast<int>(std::min<int64_t>(MAX_MT, t1 - t));
     const int32_t* x = xi + t * quads;
     float* out = a.out + t * a.ldo + tile * NT;
     switch (mt) {
-#define LLMSERVE_Q4(MT) \
-  case MT: tile_q4_i8<MT>(w, d, m, nb, x, xd + t * nb, xs + t * nb, bias, nvalid, out, a.ldo); break;
+#define LLMSERVE_Q4(MT)                                                                                 \
+  case MT:                                                                                              \
+    m ? tile_q4_i8<MT, false>(w, d, m, nb, x, xd + t * nb, xs + t * nb, bias, nvalid, out, a.ldo)        \
+      : tile_q4_i8<MT, true>(w, d, m, nb, x, xd + t * nb, xs + t * nb, bias, nvalid, out, a.ldo);        \
+    break;
       LLMSERVE_Q4(1) LLMSERVE_Q4(2) LLMSERVE_Q4(3) LLMSERVE_Q4(4)
       LLMSERVE_Q4(5) LLMSERVE_Q4(6) LLMSERVE_Q4(7) LLMSERVE_Q4(8)
 #undef LLMSERVE_Q4
@@ -257,7 +269,11 @@ void tile_tokens(const GemmArgs& a, int64_t tile, int64_t t0, int64_t t1, const 
     if constexpr (Q4) {
       const uint8_t* w = static_cast<const uint8_t*>(a.w) + tile * nb * (KB * NT / 2);
       switch (mt) {
-#define LLMSERVE_Q4(MT) case MT: tile_q4<MT>(w, d, m, nb, x, s, dx + t, bias, nvalid, out, a.ldo); break;
+#define LLMSERVE_Q4(MT)                                                            \
+  case MT:                                                                         \
+    m ? tile_q4<MT, false>(w, d, m, nb, x, s, dx + t, bias, nvalid, out, a.ldo)     \
+      : tile_q4<MT, true>(w, d, m, nb, x, s, dx + t, bias, nvalid, out, a.ldo);     \
+    break;
         LLMSERVE_Q4(1) LLMSERVE_Q4(2) LLMSERVE_Q4(3) LLMSERVE_Q4(4)
         LLMSERVE_Q4(5) LLMSERVE_Q4(6) LLMSERVE_Q4(7) LLMSERVE_Q4(8)
 #undef LLMSERVE_Q4
@@ -280,7 +296,7 @@ template <bool Q4>
 void gemm(const GemmArgs& a) {
   const int64_t nb = num_blocks(a.K), tiles = num_tiles(a.N);
   scratch.fit(a.M, a.K);
-  float* xsum = a.m ? scratch.xsum.data() : nullptr;  // block sums carry the minimums' term
+  float* xsum = (Q4 || a.m) ? scratch.xsum.data() : nullptr;  // block sums carry the minimums' term
   quantize_activations(a.x, a.ldx, a.M, a.K, scratch.xq.data(), scratch.dx.data(), xsum);
   interleave_groups(scratch.xq.data(), xsum, a.M, a.K, MAX_MT, scratch.xi.data(), xsum ? scratch.xs.data() : nullptr);
   const int32_t* xi = scratch.xi.data();

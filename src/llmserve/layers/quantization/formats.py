@@ -7,6 +7,11 @@ Q8_0, Q4_0, Q4_1 and Q4_K tensors move over without rounding their values again)
     q8   w[n, k] = d[n, b] * q[n, k] (+ m[n, b])  q int8 in [-127, 127]; a minimum only where
                                                   the rows came from 4-bit data (kept exactly)
     q4   w[n, k] = d[n, b] * q[n, k] + m[n, b]    q in [0, 15]            (b = k // 32)
+         m = None: symmetric blocks, m = -8 d     (GGUF Q4_0: 18 bytes a block, not 20)
+
+A symmetric q4 weight stores no minimum: every consumer (the C++ kernels, `dequantize`) computes
+-8 d from the half scale, which is exact in float32 and equal to the half -8 d converted, so the
+results are the same bits as with the minimum stored.
 
 `QuantizedRows` is the logical form, one row per output feature (what loading produces and what
 the fused layers collect shard by shard); `PackedWeight` is the kernels' tiled form (see
@@ -15,7 +20,8 @@ csrc/qgemm.h for the byte layout):
     PackedWeight.data  q8: int8  [tiles, blocks, 16 pairs, 16 rows, 2]
                        q4: uint8 [tiles, blocks, 4 groups, 16 rows, 2 lanes, 2 bytes]: a
                            little-endian 16-bit lane holds four 4-bit values, columns 8g + 2s + j
-    PackedWeight.d, m  float16   [tiles, blocks, 16 rows]
+    PackedWeight.d, m  float16   [tiles, blocks, 16 rows]  (m absent: q8 without minimums,
+                                                           symmetric q4)
 
 Rows are padded to a multiple of 16 (tiles) and columns to a multiple of 32 (blocks) with zero
 weights; the padding is never read back into results.
@@ -51,13 +57,21 @@ class QuantizedRows:
     d: torch.Tensor
     """[N, blocks] float16 scales."""
     m: torch.Tensor | None
-    """[N, blocks] float16 minimums (q4; q8 rows converted from q4), else None."""
+    """[N, blocks] float16 minimums (q4; q8 rows converted from q4). None: q8 without minimums,
+    or symmetric q4 blocks whose minimum is -8 d (`minimums`)."""
     in_features: int
     """K, the logical number of columns."""
 
     @property
     def num_rows(self) -> int:
         return self.q.shape[0]
+
+    def minimums(self) -> torch.Tensor | None:
+        """[N, blocks] float16: m, or -8 d for symmetric q4 (exact: a half times a power of two,
+        unless |d| > 8188, weights past the half-float range); None for q8 without."""
+        if self.m is None and self.fmt == "q4":
+            return -8 * self.d
+        return self.m
 
     def select_rows(self, index: torch.Tensor) -> QuantizedRows:
         """The rows `index` (a row permutation, e.g. undoing llama.cpp's q/k reordering)."""
@@ -69,8 +83,9 @@ class QuantizedRows:
         N, nb = self.d.shape
         q = self.q.view(N, nb, BLOCK).float()
         w = q * self.d.float().unsqueeze(-1)
-        if self.m is not None:
-            w = w + self.m.float().unsqueeze(-1)
+        m = self.minimums()
+        if m is not None:
+            w = w + m.float().unsqueeze(-1)
         return w.view(N, nb * BLOCK)[:, : self.in_features]
 
 

@@ -24,7 +24,8 @@ def as_rows(
     name: str, loaded: torch.Tensor | QuantizedRows, fmt: QuantFormat, shape: tuple[int, int]
 ) -> QuantizedRows:
     """A checkpoint tensor [out, in] as rows in `fmt`: float tensors are quantized; 4-bit rows
-    become 8-bit ones exactly (same scales and minimums), 8-bit rows are requantized to 4 bits."""
+    become 8-bit ones exactly (same scales and minimums, a symmetric block's -8 d stored), 8-bit
+    rows are requantized to 4 bits."""
     if isinstance(loaded, QuantizedRows):
         got = (loaded.num_rows, loaded.in_features)
         if got != shape:
@@ -32,7 +33,9 @@ def as_rows(
         if loaded.fmt == fmt:
             return loaded
         if fmt == "q8":  # values 0..15 fit int8: w = d q + m is kept as it is
-            return QuantizedRows("q8", loaded.q.to(torch.int8), loaded.d, loaded.m, loaded.in_features)
+            return QuantizedRows(
+                "q8", loaded.q.to(torch.int8), loaded.d, loaded.minimums(), loaded.in_features
+            )
         return quantize(loaded.dequantize(), fmt)
     if tuple(loaded.shape) != shape:
         raise WeightShapeError(name, shape, tuple(loaded.shape))
@@ -40,11 +43,17 @@ def as_rows(
 
 
 def _concat(parts: list[QuantizedRows]) -> QuantizedRows:
+    """A fused layer's shards (all in the layer's format) as one matrix. The kernels take one kind
+    of minimum per matrix, so where the shards disagree every one has its minimums stored: q4's
+    symmetric -8 d, q8's zeros. Only shards that all lack them (e.g. every one Q4_0) store none."""
     if len(parts) == 1:
         return parts[0]
     m = None
-    if any(p.m is not None for p in parts):  # q8 shards with and without minimums: zeros for none
-        m = torch.cat([p.m if p.m is not None else torch.zeros_like(p.d) for p in parts])
+    if any(p.m is not None for p in parts):
+        stored = [p.minimums() for p in parts]
+        m = torch.cat(
+            [s if s is not None else torch.zeros_like(p.d) for s, p in zip(stored, parts, strict=True)]
+        )
     return QuantizedRows(
         parts[0].fmt,
         torch.cat([p.q for p in parts]),

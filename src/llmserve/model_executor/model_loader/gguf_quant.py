@@ -1,7 +1,7 @@
 """GGUF's block-quantized tensors read as `QuantizedRows`, without a round trip through float.
 
     Q8_0   34-byte blocks:  d (f16), 32 x int8                       w = d q           -> q8
-    Q4_0   18-byte blocks:  d (f16), 16 bytes of nibbles              w = d (q - 8)     -> q4
+    Q4_0   18-byte blocks:  d (f16), 16 bytes of nibbles              w = d (q - 8)     -> q4 (m = None)
     Q4_1   20-byte blocks:  d, m (f16), 16 bytes of nibbles           w = d q + m       -> q4
     Q5_0   22-byte blocks:  d (f16), 4 bytes of fifth bits, nibbles   w = d (q - 16)    -> q8
     Q5_1   24-byte blocks:  d, m (f16), fifth bits, nibbles           w = d q + m       -> q8 (+ m)
@@ -78,7 +78,8 @@ def read_rows(data: np.ndarray, qtype: GGMLQuantizationType, in_features: int) -
         size = 18 if qtype == _Q.Q4_0 else 20
         b = data.reshape(rows, -1, size)
         d = _halves(b[..., :2])
-        m = -8 * d if qtype == _Q.Q4_0 else _halves(b[..., 2:4])  # times 8 is exact in float16
+        # Q4_0 is symmetric: no minimum is stored, the kernels take -8 d (formats.py), 18 bytes a block
+        m = None if qtype == _Q.Q4_0 else _halves(b[..., 2:4])
         q = torch.from_numpy(_nibbles16(b[..., size - 16 :]).reshape(rows, -1))
         return QuantizedRows("q4", q, d, m, in_features)
     if qtype in (_Q.Q5_0, _Q.Q5_1):
