@@ -95,12 +95,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _tail(log: Path, lines: int = 20) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:]) if log.is_file() else ""
+
+
 @contextmanager
 def server_process(
     cmd: list[str], port: int, log: Path, timeout: float = 300
 ) -> Iterator[tuple[str, subprocess.Popen]]:
     """Run a server until /health answers 200; yield its base URL and process; SIGTERM it and wait
-    on exit."""
+    on exit. An exit, or a 503 that reports a failed load, ends the wait at once."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
@@ -109,12 +113,15 @@ def server_process(
             deadline = time.monotonic() + timeout
             while True:
                 if proc.poll() is not None:
-                    raise RuntimeError(f"{cmd[0]} exited with {proc.returncode}; see {log}")
+                    raise RuntimeError(f"{cmd[0]} exited with {proc.returncode}; see {log}:\n{_tail(log)}")
                 try:
-                    if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                    resp = httpx.get(f"{base_url}/health", timeout=5)
+                    if resp.status_code == 200:
                         break
+                    if "failed" in resp.text:
+                        raise RuntimeError(f"{cmd[0]} did not load the model: {resp.text}\n{_tail(log)}")
                 except httpx.HTTPError:
-                    pass
+                    pass  # not listening yet
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{cmd[0]} not healthy after {timeout:.0f} s; see {log}")
                 time.sleep(0.5)

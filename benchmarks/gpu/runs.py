@@ -17,19 +17,15 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-
+from compare import server_process
 from gpu.plan import Plan
 
 MODEL_NAME = "bench"
@@ -147,43 +143,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@contextmanager
-def server_process(cmd: list[str], port: int, log: Path, timeout: float) -> Iterator[str]:
-    """Run a server until /health answers 200; yield its base URL; SIGTERM it and wait on exit.
-    A 503 that reports a failed load, or an exit, ends the wait at once."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    print(f"  $ {shown(cmd)}", flush=True)
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            base_url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + timeout
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(
-                        f"the server exited with {proc.returncode}; see {log}:\n{log_tail(log)}"
-                    )
-                try:
-                    resp = httpx.get(f"{base_url}/health", timeout=5)
-                    if resp.status_code == 200:
-                        break
-                    if "failed" in resp.text:
-                        raise RuntimeError(f"the server did not load the model: {resp.text}\n{log_tail(log)}")
-                except httpx.HTTPError:
-                    pass  # not listening yet
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the server was not healthy after {timeout:.0f} s; see {log}")
-                time.sleep(0.5)
-            yield base_url
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
 def bench_serve(
     s: Setup, base_url: str, name: str, concurrency: int, num_prompts: int, input_len: int, output_len: int,
     num_warmups: int, log_dir: Path,
@@ -218,7 +177,8 @@ def served(s: Setup, enforce_eager: bool) -> dict[str, Any]:
     log = s.out / "logs" / f"serve-{label}.log"
     result: dict[str, Any] = {"command": shown(cmd), "log": str(log), "levels": {}}
     start = time.perf_counter()
-    with server_process(cmd, port, log, p.timeout_s) as base_url:
+    print(f"  $ {shown(cmd)}", flush=True)
+    with server_process(cmd, port, log, p.timeout_s) as (base_url, _):
         result["startup_seconds"] = time.perf_counter() - start
         print(f"  healthy after {result['startup_seconds']:.1f} s", flush=True)
         for c in p.concurrency:
