@@ -138,12 +138,15 @@ class InputBuffers:
         for i, e in enumerate(batch):
             q, s = len(e.new_token_ids), e.seq_len
             assert 0 < q <= s <= len(e.block_ids) * B, (q, s, len(e.block_ids))
-            blocks = np.asarray(e.block_ids, dtype=np.int64)
-            tables[i, : len(blocks)] = blocks
-            ids[t : t + q] = e.new_token_ids
-            p = np.arange(s - q, s, dtype=np.int64)
-            pos[t : t + q] = p
-            slots[t : t + q] = blocks[p // B] * B + p % B
+            tables[i, : len(e.block_ids)] = e.block_ids
+            if q == 1:  # a decode, most rows of a step: plain ints, no arrays
+                ids[t], pos[t] = e.new_token_ids[0], s - 1
+                slots[t] = e.block_ids[(s - 1) // B] * B + (s - 1) % B
+            else:
+                ids[t : t + q] = e.new_token_ids
+                p = np.arange(s - q, s, dtype=np.int64)
+                pos[t : t + q] = p
+                slots[t : t + q] = np.asarray(e.block_ids, dtype=np.int64)[p // B] * B + p % B
             query_lens[i], seq_lens[i] = q, s
             t += q
             starts[i + 1] = t
