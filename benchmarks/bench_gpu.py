@@ -100,7 +100,7 @@ def run_part(name: str, fn: Callable[[], dict[str, Any]], errors: dict[str, str]
 
 
 def build(model_dir: Path, plan: Plan, seed: int, tokenizer: model.TokenizerChoice) -> dict[str, Any]:
-    info = model.build_model(model_dir, plan.model, plan.dtype, seed, tokenizer)
+    info = model.build_model(model_dir, plan.model, plan.dtype, seed, tokenizer, plan.device)
     reused = " (reused)" if info["reused"] else ""
     print(f"  {info['num_parameters'] / 1e9:.3f}B parameters, {plan.dtype}, in {model_dir}{reused}")
     print(f"  tokenizer: {info['tokenizer']}")

@@ -33,10 +33,16 @@ SYNTHETIC_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 
 def build_model(
-    folder: Path, shape: ModelShape, dtype: str, seed: int = 0, tokenizer: TokenizerChoice = "auto"
+    folder: Path,
+    shape: ModelShape,
+    dtype: str,
+    seed: int = 0,
+    tokenizer: TokenizerChoice = "auto",
+    device: str = "cpu",
 ) -> dict[str, Any]:
-    """Write (or reuse) the model folder; facts about it for the report."""
-    spec = {"shape": asdict(shape), "dtype": dtype, "seed": seed, "tokenizer": tokenizer}
+    """Write (or reuse) the model folder; facts about it for the report. The weights are drawn on
+    `device` (on a GPU in seconds; the same seed draws other numbers on another device)."""
+    spec = {"shape": asdict(shape), "dtype": dtype, "seed": seed, "tokenizer": tokenizer, "device": device}
     marker = folder / MARKER
     if marker.is_file():
         saved = json.loads(marker.read_text())
@@ -63,7 +69,8 @@ def build_model(
         pad_token_id=tok.pad_token_id,
     )
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(config).to(getattr(torch, dtype))
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(config).to(getattr(torch, dtype))
     folder.mkdir(parents=True, exist_ok=True)
     marker.unlink(missing_ok=True)  # a half-written folder must not pass for a built one
     model.save_pretrained(folder)

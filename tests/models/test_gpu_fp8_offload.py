@@ -62,11 +62,25 @@ def test_scaled_mm_matches_the_reference_path(tiny):
     layers = [m for m in loaded.model.modules() if isinstance(m, Fp8Linear)]
     assert layers and all(m.kernel == "scaled_mm" for m in layers)
     assert "torch._scaled_mm" in loaded.linear_kernel
+    # each matmul: the same e4m3 products with float32 sums, so the tensor cores' bf16 output is
+    # the reference's float32 result rounded (sums in another order: a unit of bf16 at most)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for m in layers:
+        x = torch.randn(7, m.in_features, device="cuda", generator=gen, dtype=torch.bfloat16)
+        fast = m(x)
+        m.kernel = "reference"
+        ref = m(x)
+        m.kernel = "scaled_mm"
+        torch.testing.assert_close(fast, ref, rtol=2**-7, atol=1e-3 * ref.abs().max().item())
+    # the whole model: a bf16 rounding that flips between the two moves the next layer's e4m3
+    # rounding of that activation (16 times coarser), so differences grow through the layers (an
+    # H100 run: largest 0.27 beside logits up to 5.1), yet stay a small part of the logits
     fast = _logits(loaded)
     for m in layers:
         m.kernel = "reference"
     ref = _logits(loaded)
-    torch.testing.assert_close(fast, ref, rtol=0.05, atol=0.05)  # bf16 outputs of each matmul
+    assert (fast - ref).abs().max() <= 0.1 * ref.abs().max()
+    assert (fast.argmax(-1) != ref.argmax(-1)).sum() <= 1  # of 20 positions
 
 
 def test_fp8_on_cuda_is_the_cpu_reference(tiny):

@@ -1,19 +1,22 @@
 """`llmserve.bench` without a server: datasets (exact token lengths, salts, ShareGPT filters),
-statistics against numpy, the arrival schedule, SSE parsing on a mock transport, and plots."""
+statistics against numpy, the arrival schedule, SSE parsing against a local aiohttp server, and plots."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import math
 import os
+import socket
 import sys
 from pathlib import Path
 
-import httpx
+import aiohttp
 import numpy as np
 import pytest
+from aiohttp import web
 
 from llmserve.bench import datasets, stats
 from llmserve.bench.arrival import interarrival_times, send_times
@@ -316,12 +319,39 @@ def _text_chunk(text: str) -> dict:
     return {"choices": [{"index": 0, "text": text, "finish_reason": None}], "usage": None}
 
 
+@contextlib.asynccontextmanager
+async def _server(handler):
+    """An aiohttp server on a free local port answering every path with `handler`."""
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+def _reply(body: bytes, status: int = 200):
+    async def handler(request: web.Request) -> web.Response:
+        return web.Response(status=status, body=body, content_type="text/event-stream")
+
+    return handler
+
+
+async def _send_to(url: str, endpoint: str, tokenizer, prompt: str) -> RequestRecord:
+    req = BenchRequest(prompt, 3, 4)
+    async with aiohttp.ClientSession() as client:
+        body = build_body(endpoint, "m", req)  # type: ignore[arg-type]
+        return await send_request(client, f"{url}/v1/completions", body, req, endpoint, tokenizer)  # type: ignore[arg-type]
+
+
 def _send(handler, endpoint: str = "completions", tokenizer=None, prompt: str = "hi") -> RequestRecord:
     async def go() -> RequestRecord:
-        req = BenchRequest(prompt, 3, 4)
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-            body = build_body(endpoint, "m", req)  # type: ignore[arg-type]
-            return await send_request(client, "http://x/v1/completions", body, req, endpoint, tokenizer)  # type: ignore[arg-type]
+        async with _server(handler) as url:
+            return await _send_to(url, endpoint, tokenizer, prompt)
 
     return asyncio.run(go())
 
@@ -330,7 +360,7 @@ def test_client_reads_text_chunks_and_usage():
     usage = {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
     body = _sse(_text_chunk("a"), _text_chunk(""), _text_chunk("b"), _text_chunk("cd"),
                 {"choices": [], "usage": usage}, "[DONE]")  # fmt: skip
-    rec = _send(lambda request: httpx.Response(200, content=body))
+    rec = _send(_reply(body))
     assert rec.success and rec.error == ""
     assert rec.generated_text == "abcd"
     assert rec.output_tokens == 4 and rec.prompt_len == 5  # the server's usage wins
@@ -344,9 +374,9 @@ def test_client_chat_without_usage_counts_tokens_with_the_tokenizer(tiny_tok: To
     body = _sse(role, *parts, "[DONE]")
     seen = {}
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        seen.update(json.loads(request.content))
-        return httpx.Response(200, content=body)
+    async def handler(request: web.Request) -> web.Response:
+        seen.update(await request.json())
+        return web.Response(body=body, content_type="text/event-stream")
 
     rec = _send(handler, "chat", tiny_tok)
     assert seen["messages"] == [{"role": "user", "content": "hi"}]
@@ -358,40 +388,39 @@ def test_client_chat_without_usage_counts_tokens_with_the_tokenizer(tiny_tok: To
 
 
 def test_client_records_failures():
-    rec = _send(lambda r: httpx.Response(404, json={"error": {"message": "no such model"}}))
+    rec = _send(_reply(json.dumps({"error": {"message": "no such model"}}).encode(), status=404))
     assert not rec.success and rec.error == "HTTP 404: no such model"
-    rec = _send(
-        lambda r: httpx.Response(200, content=_sse(_text_chunk("a"), {"error": {"message": "engine died"}}))
-    )
+    rec = _send(_reply(_sse(_text_chunk("a"), {"error": {"message": "engine died"}})))
     assert not rec.success and rec.error == "stream error: engine died"
 
-    def refuse(request: httpx.Request) -> httpx.Response:
-        raise httpx.ConnectError("connection refused")
-
-    rec = _send(refuse)
-    assert not rec.success and "ConnectError" in rec.error
+    with socket.socket() as s:  # a port nothing listens on: the connection is refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rec = asyncio.run(_send_to(f"http://127.0.0.1:{port}", "completions", None, "hi"))
+    assert not rec.success and "ClientConnectorError" in rec.error
 
 
 def test_benchmark_serving_caps_concurrency_and_excludes_warmups():
     in_flight, peak, prompts = 0, 0, []
 
-    async def handler(request: httpx.Request) -> httpx.Response:
+    async def handler(request: web.Request) -> web.Response:
         nonlocal in_flight, peak
-        prompts.append(json.loads(request.content)["prompt"])
+        prompts.append((await request.json())["prompt"])
         in_flight += 1
         peak = max(peak, in_flight)
         await asyncio.sleep(0.01)
         in_flight -= 1
         usage = {"prompt_tokens": 3, "completion_tokens": 2}
-        return httpx.Response(
-            200, content=_sse(_text_chunk("x"), _text_chunk("y"), {"choices": [], "usage": usage}, "[DONE]")
-        )
+        body = _sse(_text_chunk("x"), _text_chunk("y"), {"choices": [], "usage": usage}, "[DONE]")
+        return web.Response(body=body, content_type="text/event-stream")
+
+    async def go():
+        async with _server(handler) as url:
+            return await benchmark_serving(f"{url}/v1", "m", reqs, max_concurrency=3, num_warmups=2,
+                                           progress=False, goodput={"ttft": 60_000})  # fmt: skip
 
     reqs = [BenchRequest(f"prompt {i}", 3, 2) for i in range(10)]
-    result = asyncio.run(
-        benchmark_serving("http://x/v1", "m", reqs, max_concurrency=3, num_warmups=2, progress=False,
-                          transport=httpx.MockTransport(handler), goodput={"ttft": 60_000})
-    )  # fmt: skip
+    result = asyncio.run(go())
     assert peak == 3
     assert len(prompts) == 12 and prompts[:2] == ["warmup 0 prompt 0", "warmup 1 prompt 1"]
     d = result.to_dict()

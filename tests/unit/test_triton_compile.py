@@ -116,6 +116,32 @@ def _elementwise_variants() -> None:
         _compile(O._act_and_mul_kernel, {"*": "bf16"}, dict(GELU=gelu, BLOCK=1024))
 
 
+PER_STEP_INTS = {"num_seqs", "num_tokens", "num_rows", "stride_bt"}
+"""Runtime ints that change from step to step (the block table's width follows the batch in eager
+steps). Triton compiles a variant per value class (== 1, divisible by 16, other); one first seen
+mid-serving stalls that step for the compile (0.8 s on an H100), so kernels must not specialise
+on them."""
+
+
+def _per_step_ints_not_specialized() -> None:
+    import triton
+
+    from llmserve.layers import triton_ops
+    from llmserve.layers.attention import triton_cache_ops, triton_kernels
+    from llmserve.sample import philox_triton
+
+    seen = set()
+    for module in (triton_kernels, triton_cache_ops, triton_ops, philox_triton):
+        for fn in vars(module).values():
+            if not isinstance(fn, triton.runtime.jit.JITFunction):
+                continue
+            for param in fn.params:
+                if param.name in PER_STEP_INTS and not param.is_constexpr:
+                    seen.add(param.name)
+                    assert param.do_not_specialize, f"{fn.__name__} specialises on {param.name}"
+    assert {"num_seqs", "stride_bt"} <= seen, seen
+
+
 def test_kernels_compile_for_sm90() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
     proc = subprocess.run(
@@ -128,4 +154,5 @@ def test_kernels_compile_for_sm90() -> None:
 if __name__ == "__main__":
     _attention_variants()
     _elementwise_variants()
+    _per_step_ints_not_specialized()
     print("compiled")

@@ -339,11 +339,11 @@ def test_plain_cache_write(cache_dtype: torch.dtype) -> None:
 NORM_DTYPES = [F32, F16, BF16]
 
 
-def _assert_rounded_like(out: torch.Tensor, ref: torch.Tensor) -> None:
-    """Within a unit of rounding everywhere (float32 sums in another order, another exp), and,
-    in 16-bit dtypes, rounded at the same steps as torch: nearly every element bit-identical
+def _assert_rounded_like(out: torch.Tensor, ref: torch.Tensor, ulps: int = 1) -> None:
+    """Within `ulps` units of rounding everywhere (float32 sums in another order, another exp),
+    and, in 16-bit dtypes, rounded at the same steps as torch: nearly every element bit-identical
     (a missing or extra rounding step leaves a third of them one unit off)."""
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=_ulp(out.dtype))
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=ulps * _ulp(out.dtype))
     if out.dtype != F32:
         assert (out == ref).float().mean().item() >= 0.9
 
@@ -380,7 +380,10 @@ def test_act_and_mul(dtype: torch.dtype, inter: int, act: str) -> None:
     fused = triton_ops.silu_and_mul if act == "silu" else triton_ops.gelu_tanh_and_mul
     out = fused(x)
     assert out.shape == (3, inter) and out.dtype == dtype
-    _assert_rounded_like(out, ref)
+    # GELU's tanh is built from exp, a few float32 units away from CUDA's tanhf: where that flips
+    # the rounding of act(gate) to the dtype, the product moves by up to |up| such units (seen on
+    # an H100: one fp16 element of 4,500 two units off)
+    _assert_rounded_like(out, ref, ulps=1 if act == "silu" else 2)
 
 
 # ---- larger shapes, compiled kernels only -----------------------------------------------------

@@ -6,8 +6,8 @@
     3. the summary (`stats.summarize`) covers the measured requests, from the first release to
        the last response.
 
-One `httpx.AsyncClient` carries every request, with as many connections as requests may be in
-flight. Does not know the server: only HTTP, so llmserve, vLLM and llama-server compare fairly.
+One `aiohttp.ClientSession` carries every request, with as many connections as requests may be
+in flight (client.py says why aiohttp). Does not know the server: only HTTP, so llmserve, vLLM and llama-server compare fairly.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-import httpx
+import aiohttp
 from tqdm.auto import tqdm
 
 from llmserve.bench.arrival import send_times
@@ -34,6 +34,8 @@ from llmserve.tokenizer import Tokenizer
 logger = logging.getLogger("llmserve.bench")
 
 DEFAULT_TIMEOUT_S = 6 * 3600.0  # a long generation at high load must not be cut by the client
+READ_BUFSIZE = 2**20
+"""Bytes aiohttp buffers per response; an SSE line (a chunk with many logprobs) may be twice this."""
 
 
 @dataclass(slots=True)
@@ -97,7 +99,7 @@ class _Sender:
 
     def __init__(
         self,
-        client: httpx.AsyncClient,
+        client: aiohttp.ClientSession,
         url: str,
         endpoint: Endpoint,
         tokenizer: Tokenizer | None,
@@ -166,12 +168,10 @@ async def benchmark_serving(
     num_warmups: int = 0,
     tokenizer: Tokenizer | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
-    transport: httpx.AsyncBaseTransport | None = None,
 ) -> BenchmarkResult:
     """Send `requests` to the server at `base_url` and measure them.
 
-    `tokenizer` counts output tokens when the server sends no usage; `transport` replaces the
-    network (tests). Failed requests are counted in the result, not raised; bad arguments raise
+    `tokenizer` counts output tokens when the server sends no usage. Failed requests are counted in the result, not raised; bad arguments raise
     ValueError before anything is sent.
     """
     if endpoint not in ENDPOINT_PATHS:
@@ -188,9 +188,11 @@ async def benchmark_serving(
     offsets = send_times(len(requests), request_rate, burstiness, seed)  # validates rate, burstiness
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
-    client = httpx.AsyncClient(
-        headers=headers, limits=limits, timeout=httpx.Timeout(timeout_s), transport=transport
+    client = aiohttp.ClientSession(
+        headers=headers,
+        connector=aiohttp.TCPConnector(limit=max_concurrency or 0),  # 0: no limit
+        timeout=aiohttp.ClientTimeout(total=timeout_s),
+        read_bufsize=READ_BUFSIZE,
     )
     async with client:
         sender = _Sender(client, url, ep, tokenizer, max_concurrency)

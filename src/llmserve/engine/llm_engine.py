@@ -189,6 +189,8 @@ class LLMEngine:
             self.runner.capture_cuda_graphs(
                 sched.max_num_seqs, self.max_model_len, model_config.show_progress
             )
+        if self.runner.device.type == "cuda":
+            self.runner.warm_up_sampler()
         self.output_processor = OutputProcessor(self.tokenizer)
         self.last_stats: SchedulerStats | None = None
         self.log_stats = log_stats

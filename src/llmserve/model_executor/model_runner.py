@@ -33,6 +33,7 @@ from llmserve.model_executor.forward_runner import ForwardRunner, SequenceBatchE
 from llmserve.model_executor.transformers_runner import TransformersCausalLM, TransformersForwardRunner
 from llmserve.models import CausalLM
 from llmserve.sample import RequestSamplingState, Sampler, SamplingMetadata, compute_logprobs, make_generator
+from llmserve.sample.philox import philox_exponentials_
 from llmserve.sample.rejection import verify_proposals
 from llmserve.structured_output import StructuredOutputManager, apply_bitmask, bitmask_words, to_device_async
 
@@ -112,6 +113,13 @@ class ModelRunner:
         """Decode steps of up to `max_num_seqs` requests replay CUDA graphs from now on."""
         assert isinstance(self.runner, ForwardRunner), "the transformers implementation runs eagerly"
         self.runner.use_graphs(max_num_seqs, max_model_len, capture=True).capture(show_progress)
+
+    def warm_up_sampler(self) -> None:
+        """Compile the sampler's Triton kernel (seeded draws) now rather than on the first seeded
+        request: a compile on the request path stalls every request of that step (~0.5 s)."""
+        q = torch.empty(1, self.vocab_size, dtype=torch.float32, device=self.device)
+        ints = torch.zeros(1, dtype=torch.int64, device=self.device)
+        philox_exponentials_(q, ints, ints, ints)
 
     def _add(self, new: NewRequestData) -> None:
         sampling, num_prompt_logprobs = self._parked.pop(new.req_id, (None, 0))

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# What a session with a GPU machine runs there (the workplace's `device` tool), from the repo root:
+#
+#   bash benchmarks/gpu/device_check.sh TESTS_SECONDS BENCH_SECONDS [bench_gpu.py flags...]
+#
+# 1. installs the wheels carried in .whl/ (the packages the CUDA image lacks: fastapi, starlette,
+#    uvicorn, pydantic(-core), annotated-types/-doc, typing-inspection, opentelemetry-api,
+#    llguidance, gguf; the image has aiohttp) into /tmp/site, and builds llmserve (`pip install --no-deps .`);
+# 2. builds the benchmark's 1B model on the GPU in the background while
+# 3. the CUDA tests run: every test of test_gpu.py, test_gpu_fp8_offload.py, and the Triton kernel
+#    and sampler files (compiled on the GPU instead of interpreted), under TESTS_SECONDS;
+# 4. runs benchmarks/bench_gpu.py under BENCH_SECONDS (0 skips it).
+# Everything it prints lands in $OUT (at most 8 files come back): env.txt, install.log, tests.log,
+# bench.log, bench_gpu.json, bench_gpu.png, logs.tgz (the engines' own logs).
+set -u
+OUT=${OUT:-/tmp/device-out}
+mkdir -p "$OUT"
+T_TESTS=${1:-150}
+T_BENCH=${2:-240}
+shift 2 2>/dev/null || shift $#
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site
+fi
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+    python3 -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, triton.__version__)"
+} 2>&1 | tee "$OUT/env.txt"
+python3 -m pip install -q --no-deps --no-build-isolation . >"$OUT/install.log" 2>&1 ||
+    { tail -30 "$OUT/install.log"; exit 1; }
+
+if [ "$T_BENCH" -gt 0 ]; then  # the model folder bench_gpu.py reuses (same spec: seed 0, synthetic)
+    (cd benchmarks && python3 -c "
+from pathlib import Path
+from gpu import model, plan
+model.build_model(Path('/tmp/model'), plan.GPU_PLAN.model, plan.GPU_PLAN.dtype, 0, 'synthetic', 'cuda')
+print('model built')") >"$OUT/bench.log" 2>&1 &
+    BUILD=$!
+fi
+
+timeout "$T_TESTS" python3 -m pytest -q --tb=short -rfE -p no:cacheprovider -n 4 --timeout 120 \
+    tests/models/test_gpu.py tests/models/test_gpu_fp8_offload.py \
+    tests/unit/test_triton_kernels.py tests/unit/test_sampler_philox.py >"$OUT/tests.log" 2>&1
+echo "tests: exit $?"
+grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -40
+
+if [ "$T_BENCH" -gt 0 ]; then
+    wait "$BUILD"
+    timeout "$T_BENCH" python3 benchmarks/bench_gpu.py --out /tmp/gpu --model-dir /tmp/model \
+        --tokenizer synthetic "$@" >>"$OUT/bench.log" 2>&1
+    echo "bench: exit $?"
+    tail -45 "$OUT/bench.log"
+    cp /tmp/gpu/bench_gpu.json /tmp/gpu/bench_gpu.png "$OUT/" 2>/dev/null
+    tar czf "$OUT/logs.tgz" -C /tmp/gpu logs 2>/dev/null
+fi
