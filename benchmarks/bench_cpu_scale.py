@@ -14,8 +14,9 @@ Needs llama.cpp's binaries and sources (benchmarks/peers/build_llama_server.sh, 
                 --quants (all of it reused when already built in --model-dir);
   2. bandwidth  torch.sum over a 2 GiB float32 buffer on every core, median of 7 passes (GB/s); each
                 file's streaming floor = bandwidth / its tensor bytes (tok/s at batch 1);
-  3. servers    per file, one server at a time: `llmserve serve FILE --max-num-seqs 16` (every other
-                flag its default), then llama-server as benchmarks/compare.py starts it (-np 16,
+  3. servers    per file, one server at a time: `llmserve serve FILE --max-num-seqs 16
+                --max-model-len 272` (llama-server's context and parallelism; every other flag its
+                default), then llama-server as benchmarks/compare.py starts it (-np 16,
                 -c 4352, -t 2 -tb 2, --cont-batching); each driven by `llmserve bench serve --dataset
                 random --input-len 128 --output-len 128 --ignore-eos` at --max-concurrency 1 (4
                 prompts) and 16 (32 prompts), one warm-up request each; output tok/s, median TPOT

@@ -259,3 +259,27 @@ REFERENCE_DEQUANT: dict[GGMLQuantizationType, tuple[Callable[[bytes], list[float
     Q.Q4_K: (lambda b: _ref_q45_k(b, False), (0, 2)), Q.Q5_K: (lambda b: _ref_q45_k(b, True), (0, 2)),
     Q.Q6_K: (_ref_q6_k, (208,)),
 }  # fmt: skip
+
+
+# Random valid blocks of types gguf cannot quantize to: byte offset of each half-float scale field
+# and a value that keeps the weights within ~0.1 (the other bytes are random quants and sub-scales).
+_RANDOM_SCALES: dict[GGMLQuantizationType, dict[int, float]] = {
+    Q.Q2_K: {80: 0.003, 82: 0.003},  # d sc q - dmin m, sc, m < 16, q < 4
+    Q.Q3_K: {108: 0.0008},  # d (sc - 32) q, |q| <= 4
+    Q.IQ4_NL: {0: 0.0008},  # d T[q], |T| <= 127
+    Q.IQ4_XS: {0: 2e-5},  # d (ls - 32) T[q]
+}
+
+
+def random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """[rows, row bytes] of random valid `qtype` blocks: random quants and sub-scales, finite
+    scales that keep |w| ~0.1 (MXFP4: exponents 2^-8 .. 2^-6)."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
+    if qtype == Q.MXFP4:
+        raw[:, 0] = rng.integers(120, 123, size=len(raw))
+    for offset, scale in _RANDOM_SCALES.get(qtype, {}).items():
+        d = rng.uniform(0.5, 1.0, size=(len(raw), 1)) * scale
+        raw[:, offset : offset + 2] = d.astype(np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)

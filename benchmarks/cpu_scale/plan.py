@@ -66,10 +66,14 @@ class Workload:
     def concurrency(self) -> tuple[int, ...]:
         return tuple(c for c, _ in self.levels)
 
+    def slot_len(self) -> int:
+        """Tokens one sequence may hold: a whole request and 16 tokens of headroom, as
+        benchmarks/compare.py gives each llama-server slot (272 here); llmserve's --max-model-len."""
+        return self.input_len + self.output_len + 16
+
     def llama_ctx(self) -> int:
-        """llama-server's -c: it splits the context evenly among its slots, and each slot must hold a
-        whole request; 16 tokens of headroom per slot as benchmarks/compare.py gives it (4,352 here)."""
-        return self.max_num_seqs * (self.input_len + self.output_len + 16)
+        """llama-server's -c: it splits the context evenly among its slots (4,352 here)."""
+        return self.max_num_seqs * self.slot_len()
 
 
 WORKLOAD = Workload(input_len=128, output_len=128, levels=((1, 4), (16, 32)), max_num_seqs=16)

@@ -1,7 +1,9 @@
 """The two servers on one GGUF file, one at a time, each driven by `llmserve bench serve`.
 
-    llmserve       `llmserve serve FILE --max-num-seqs 16`, every other flag its default (the
-                   defaults are what issue 30's targets are about); INFO logs for its load report
+    llmserve       `llmserve serve FILE --max-num-seqs 16 --max-model-len 272`: the same context and
+                   parallelism as llama-server's (issue 30 compares memory there; the KV cache's
+                   default is then 16 x 272 tokens, llama-server's -c), every other flag its
+                   default (what the targets are about); INFO logs for its load report
     llama-server   as benchmarks/compare.py starts it: 16 slots (-np), -c 16 x (128 + 128 + 16),
                    2 threads for decode and batches, plus --cont-batching (its default, said aloud)
 
@@ -47,7 +49,7 @@ class Setup:
 def llmserve_command(gguf: Path, port: int, w: Workload) -> list[str]:
     return llmserve(
         "serve", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL_NAME,
-        "--max-num-seqs", str(w.max_num_seqs), log_level="INFO",
+        "--max-num-seqs", str(w.max_num_seqs), "--max-model-len", str(w.slot_len()), log_level="INFO",
     )  # fmt: skip
 
 

@@ -321,12 +321,15 @@ def _llama_gguf(tmp: Path, types: dict[str, Q]) -> Path:
     # Re-write with quantized types: read the float tensors back and quantize with gguf.
     from gguf import GGUFReader
 
+    from tests.gguf_writer import hf_metadata, random_blocks, write_gguf
+
     tensors = {}
-    for t in GGUFReader(path).tensors:
-        kind = t.name.split(".")[-2]
+    for i, t in enumerate(GGUFReader(path).tensors):
+        qtype = types.get(t.name.split(".")[-2], Q.F32)
         arr = np.array(t.data).reshape(list(reversed(t.shape.tolist())))
-        tensors[t.name] = (arr, types.get(kind, Q.F32)) if t.name.endswith("weight") else arr
-    from tests.gguf_writer import hf_metadata, write_gguf
+        if qtype in (Q.Q2_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS):  # gguf has no quantizer for these
+            arr = random_blocks(qtype, *arr.shape, seed=i)
+        tensors[t.name] = (arr, qtype) if t.name.endswith("weight") else arr
 
     return write_gguf(tmp / "quantized.gguf", "llama", tensors, hf_metadata("llama", config))[0]
 
@@ -371,6 +374,37 @@ def test_gguf_blocks_reach_the_layers_unchanged(quantized_gguf):
     want = torch.cat([floats[prefix + p + ".weight"] for p in ("q_proj", "k_proj", "v_proj")])
     assert torch.equal(qkv.logical_weight(), want)
     assert qkv.qweight is not None and qkv.qweight.m is not None  # Q4_K, Q4_1: Q4_0's -8 d stored too
+
+
+# The GGUF types without a quantizer in gguf (random valid blocks instead) and MXFP4, by tensor kind.
+TABLE_AND_LOW_BIT_TYPES = {"attn_q": Q.IQ4_NL, "attn_k": Q.IQ4_XS, "attn_v": Q.MXFP4, "attn_output": Q.Q2_K,
+                           "ffn_gate": Q.Q3_K, "ffn_up": Q.IQ4_XS, "ffn_down": Q.Q2_K}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def low_bit_gguf(tmp_path_factory):
+    """The tiny Llama in TABLE_AND_LOW_BIT_TYPES: MXFP4 quantized by gguf from the float weights,
+    the others (no quantizer in gguf) random valid blocks."""
+    return _llama_gguf(tmp_path_factory.mktemp("lowbit"), TABLE_AND_LOW_BIT_TYPES)
+
+
+def test_low_bit_and_table_gguf_types_run_quantized(low_bit_gguf):
+    """Q2_K, Q3_K (dequantized by gguf, requantized to q8), IQ4_NL, IQ4_XS and MXFP4 (read as q8
+    rows: a table of int8 levels): served quantized, the logits are those of the same file
+    dequantized to float, within q8's requantization of the 2- and 3-bit types; the load report
+    names each type and what it became."""
+    quant = load_model(ModelConfig(model=str(low_bit_gguf), cpu_activations="int16", show_progress=False))
+    plain = load_model(ModelConfig(model=str(low_bit_gguf), quantization="none", show_progress=False))
+    summary = quant.summary()
+    for name in ("Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS", "MXFP4"):
+        assert name in summary
+    layer = quant.model.model.layers[0]
+    assert layer.self_attn.qkv_proj.fmt == layer.mlp.down_proj.fmt == "q8"
+    entry = [SequenceBatchEntry(PROMPTS[1], len(PROMPTS[1]), list(range(5)))]
+    got = ForwardRunner(quant.model, num_blocks=8, block_size=4).execute(entry, all_logits=True)
+    want = ForwardRunner(plain.model, num_blocks=8, block_size=4).execute(entry, all_logits=True)
+    assert torch.isfinite(want).all() and want.abs().amax() > 0.1
+    torch.testing.assert_close(got, want, rtol=0.02, atol=0.02 * want.abs().amax().item())
 
 
 def _decode_logits(model: torch.nn.Module, fused: bool) -> torch.Tensor:

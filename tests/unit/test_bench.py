@@ -20,7 +20,7 @@ from aiohttp import web
 
 from llmserve.bench import datasets, stats
 from llmserve.bench.arrival import interarrival_times, send_times
-from llmserve.bench.client import RequestRecord, build_body, send_request
+from llmserve.bench.client import POST_ATTEMPTS, RequestRecord, build_body, send_request
 from llmserve.bench.datasets import BenchRequest
 from llmserve.bench.offline import LatencyTest, latency_tests
 from llmserve.bench.serve import benchmark_serving
@@ -398,6 +398,36 @@ def test_client_records_failures():
         port = s.getsockname()[1]
     rec = asyncio.run(_send_to(f"http://127.0.0.1:{port}", "completions", None, "hi"))
     assert not rec.success and "ClientConnectorError" in rec.error
+
+
+def test_client_retries_a_closed_keepalive_connection():
+    """A pooled connection the server closed fails before the request is written (aiohttp's
+    ClientOSError): the request goes again; the same failure POST_ATTEMPTS times is its error."""
+    usage = {"prompt_tokens": 3, "completion_tokens": 1}
+    body = _sse(_text_chunk("a"), {"choices": [], "usage": usage}, "[DONE]")
+
+    class StaleFirst:
+        def __init__(self, session: aiohttp.ClientSession, failures: int) -> None:
+            self.session, self.failures, self.calls = session, failures, 0
+
+        async def post(self, url, **kw):
+            self.calls += 1
+            if self.calls <= self.failures:
+                raise aiohttp.ClientOSError(None, "Can not write request body")
+            return await self.session.post(url, **kw)
+
+    async def go(failures: int) -> tuple[RequestRecord, int]:
+        async with _server(_reply(body)) as url, aiohttp.ClientSession() as session:
+            client, req = StaleFirst(session, failures), BenchRequest("hi", 3, 1)
+            rec = await send_request(
+                client, f"{url}/v1/completions", build_body("completions", "m", req), req, "completions"
+            )  # type: ignore[arg-type]
+            return rec, client.calls
+
+    rec, calls = asyncio.run(go(POST_ATTEMPTS - 1))
+    assert rec.success and rec.generated_text == "a" and calls == POST_ATTEMPTS
+    rec, calls = asyncio.run(go(POST_ATTEMPTS))
+    assert not rec.success and "Can not write request body" in rec.error and calls == POST_ATTEMPTS
 
 
 def test_benchmark_serving_caps_concurrency_and_excludes_warmups():

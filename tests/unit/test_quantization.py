@@ -12,12 +12,12 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
-from llmserve.layers.quantization import cpu_kernels
+from llmserve.layers.quantization import cpu_kernels, formats
 from llmserve.layers.quantization.formats import BLOCK, QuantizedRows, pack, quantize, unpack
 from llmserve.layers.quantization.layers import QuantizedLinear, as_rows
 from llmserve.load_errors import WeightShapeError
 from llmserve.model_executor.model_loader.gguf_quant import EXACT_TYPES, read_rows
-from tests.gguf_writer import REFERENCE_DEQUANT
+from tests.gguf_writer import REFERENCE_DEQUANT, random_blocks
 
 # Every kernel set this machine runs, best first; "torch" is the fallback that runs anywhere.
 _ORDER = ["avx512_vnni", "avx2", "torch"]
@@ -71,6 +71,19 @@ def test_quantize_error_within_half_a_step(fmt):
     step = rows.d.float().repeat_interleave(BLOCK, dim=1)[:, :70]
     slack = 2**-10 * w.abs().amax()  # half-float rounding of the scale and the minimum
     assert (err <= 0.5 * step + slack).all(), (err - 0.5 * step).max()
+
+
+@pytest.mark.parametrize("fmt", ["q8", "q4"])
+def test_quantize_in_row_chunks_is_the_whole_at_once(fmt, monkeypatch):
+    """`quantize` works on row chunks (a bounded load-time peak); rows are independent, so any
+    chunking gives the same bits, zero rows and a padded last block included."""
+    w = torch.randn(129, 100) * 3
+    w[5] = 0
+    whole = quantize(w, fmt)
+    monkeypatch.setattr(formats, "QUANTIZE_CHUNK_ELEMENTS", 7 * 128)  # 7 rows a chunk, the last short
+    chunked = quantize(w, fmt)
+    assert torch.equal(chunked.q, whole.q) and torch.equal(chunked.d, whole.d)
+    assert (chunked.m is None) == (fmt == "q8") and (chunked.m is None or torch.equal(chunked.m, whole.m))
 
 
 # -- kernels ----------------------------------------------------------------------------------------
@@ -205,7 +218,7 @@ def _raw_blocks(qtype: Q, rows: int, cols: int) -> np.ndarray:
     return raw
 
 
-@pytest.mark.parametrize("qtype", EXACT_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [q for q in EXACT_TYPES if q in REFERENCE_DEQUANT], ids=lambda q: q.name)
 def test_gguf_blocks_read_as_rows(qtype):
     """Against ggml's reference dequantization (written from its C code): exact for the 32-value
     types; the K types' sub-block scales and minimums are rounded to half floats."""
@@ -223,8 +236,35 @@ def test_gguf_blocks_read_as_rows(qtype):
         assert torch.equal(got, expected)
 
 
+NONLINEAR_TYPES = [Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4]
+
+
+@pytest.mark.parametrize("qtype", NONLINEAR_TYPES, ids=lambda q: q.name)
+def test_table_types_read_as_rows(qtype):
+    """IQ4_NL, IQ4_XS and MXFP4 (levels from a table) against the gguf package's dequantization,
+    which the loader does not use for them: IQ4_NL and MXFP4 exactly; IQ4_XS's sub-block scales
+    d (ls - 32) are rounded to half floats (2^-11 relative)."""
+    assert set(EXACT_TYPES) - set(REFERENCE_DEQUANT) == set(NONLINEAR_TYPES)  # every type has a test
+    raw = random_blocks(qtype, 3, 512, seed=int(qtype))
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, qtype)).float()
+    rows = read_rows(raw, qtype, 512)
+    assert rows is not None and rows.fmt == "q8" and rows.m is None
+    got = rows.dequantize()
+    if qtype == Q.IQ4_XS:
+        assert ((got - expected).abs() <= 2**-10 * expected.abs().amax()).all()
+    else:
+        assert torch.equal(got, expected)
+
+
+def test_mxfp4_beyond_half_float_scales_is_left_to_float():
+    raw = random_blocks(Q.MXFP4, 2, 64)
+    raw[1, 0] = 100  # 2^-28: below the smallest half float
+    assert read_rows(raw, Q.MXFP4, 64) is None
+
+
 def test_gguf_types_without_a_block_format_are_left_to_float():
-    assert read_rows(_raw_blocks(Q.Q6_K, 2, 256).reshape(2, -1), Q.Q6_K, 256) is None
+    for qtype in (Q.Q6_K, Q.Q2_K, Q.Q3_K):
+        assert read_rows(random_blocks(qtype, 2, 256), qtype, 256) is None
 
 
 # -- quantized layers -------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ selector registration per read through anyio and httpcore), which capped one cli
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass, field
@@ -128,6 +129,27 @@ def _error_message(status: int, body: bytes) -> str:
     return f"HTTP {status}: {message or body[:300].decode(errors='replace')}"
 
 
+POST_ATTEMPTS = 5
+RETRY_DELAY_S = 0.05
+"""Before the second attempt; doubled before each next one (0.05 .. 0.4 s)."""
+
+
+async def _post(client: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> aiohttp.ClientResponse:
+    """POST, again (at most POST_ATTEMPTS in all, backing off) when the connection fails before
+    any response: a pooled keep-alive connection the server had closed, or one it dropped in a
+    burst of new ones (llama-server does both; aiohttp finds out writing the request, "Can not
+    write request body", or reading the reply, "Server disconnected"). httpx's pool retries such
+    connections too; a refused connection fails each time and is the request's error."""
+    for attempt in range(POST_ATTEMPTS):
+        try:
+            return await client.post(url, json=body)
+        except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError):
+            if attempt == POST_ATTEMPTS - 1:
+                raise
+            await asyncio.sleep(RETRY_DELAY_S * 2**attempt)
+    raise AssertionError("unreachable")
+
+
 async def send_request(
     client: aiohttp.ClientSession,
     url: str,
@@ -145,7 +167,7 @@ async def send_request(
     usage: dict[str, Any] | None = None
     last = start
     try:
-        async with client.post(url, json=body) as resp:
+        async with await _post(client, url, body) as resp:
             if resp.status != 200:
                 record.error = _error_message(resp.status, await resp.read())
                 return record

@@ -34,6 +34,7 @@ from llmserve.tokenizer import Tokenizer
 logger = logging.getLogger("llmserve.bench")
 
 DEFAULT_TIMEOUT_S = 6 * 3600.0  # a long generation at high load must not be cut by the client
+KEEPALIVE_S = 4.0
 READ_BUFSIZE = 2**20
 """Bytes aiohttp buffers per response; an SSE line (a chunk with many logprobs) may be twice this."""
 
@@ -190,7 +191,9 @@ async def benchmark_serving(
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     client = aiohttp.ClientSession(
         headers=headers,
-        connector=aiohttp.TCPConnector(limit=max_concurrency or 0),  # 0: no limit
+        # 0: no limit; idle connections dropped before a server's own idle timeout drops them
+        # (cpp-httplib's, llama-server's, is 5 s), client.py retries the rest
+        connector=aiohttp.TCPConnector(limit=max_concurrency or 0, keepalive_timeout=KEEPALIVE_S),
         timeout=aiohttp.ClientTimeout(total=timeout_s),
         read_bufsize=READ_BUFSIZE,
     )

@@ -89,20 +89,49 @@ class QuantizedRows:
         return w.view(N, nb * BLOCK)[:, : self.in_features]
 
 
+QUANTIZE_CHUNK_ELEMENTS = 1 << 22
+"""`quantize` works on row chunks of about this many elements (16 MiB of float32 per temporary):
+the rows are independent, and a whole 49,152 x 2,048 embedding at once made ~1.6 GB of float32
+temporaries at load, above everything the loaded model then holds."""
+
+
 def quantize(w: torch.Tensor, fmt: QuantFormat) -> QuantizedRows:
     """Block-quantize float rows w [N, K] (round to nearest; q4 spans each block's min..max)."""
+    if fmt not in ("q8", "q4"):
+        raise ValueError(f"unknown block format {fmt!r}; known: q8, q4")
     N, K = w.shape
     nb = num_blocks(K)
+    q = torch.empty(N, nb * BLOCK, dtype=torch.int8 if fmt == "q8" else torch.uint8)
+    d = torch.empty(N, nb, dtype=torch.float16)
+    m = torch.empty(N, nb, dtype=torch.float16) if fmt == "q4" else None
+    step = max(1, QUANTIZE_CHUNK_ELEMENTS // (nb * BLOCK))
+    for r in range(0, N, step):
+        rows = slice(r, min(N, r + step))
+        _quantize_chunk(w[rows], K, fmt, q[rows], d[rows], None if m is None else m[rows])
+    return QuantizedRows(fmt, q, d, m, K)
+
+
+def _quantize_chunk(
+    w: torch.Tensor,
+    K: int,
+    fmt: QuantFormat,
+    q_out: torch.Tensor,
+    d_out: torch.Tensor,
+    m_out: torch.Tensor | None,
+) -> None:
+    """`quantize` on rows w [n, K], written into the output rows given."""
+    N = w.shape[0]
+    nb = d_out.shape[1]
     x = torch.zeros(N, nb * BLOCK, dtype=torch.float32)
     x[:, :K] = w.float()
     blocks = x.view(N, nb, BLOCK)
     if fmt == "q8":
         d = (blocks.abs().amax(-1) / 127.0).half()  # rounded first: q is chosen for the stored scale
         inv = torch.where(d > 0, 1.0 / d.float(), torch.zeros((), dtype=torch.float32))
-        q = torch.round(blocks * inv.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
-        return QuantizedRows("q8", q.view(N, nb * BLOCK), d, None, K)
-    if fmt != "q4":
-        raise ValueError(f"unknown block format {fmt!r}; known: q8, q4")
+        q_out.copy_(torch.round(blocks * inv.unsqueeze(-1)).clamp_(-127, 127).view(N, nb * BLOCK))
+        d_out.copy_(d)
+        return
+    assert m_out is not None
     if K % BLOCK:
         # Padding columns would widen a block's range (they are 0): quantize the real ones only.
         lo = torch.where(torch.arange(nb * BLOCK) < K, x, torch.inf).view(N, nb, BLOCK).amin(-1)
@@ -112,9 +141,11 @@ def quantize(w: torch.Tensor, fmt: QuantFormat) -> QuantizedRows:
     m = lo.half()
     d = ((hi - m.float()) / 15.0).half()
     inv = torch.where(d > 0, 1.0 / d.float(), torch.zeros((), dtype=torch.float32))
-    q = torch.round((blocks - m.float().unsqueeze(-1)) * inv.unsqueeze(-1)).clamp_(0, 15).to(torch.uint8)
-    q.view(N, nb * BLOCK)[:, K:] = 0
-    return QuantizedRows("q4", q.view(N, nb * BLOCK), d, m, K)
+    q = torch.round((blocks - m.float().unsqueeze(-1)) * inv.unsqueeze(-1)).clamp_(0, 15).view(N, nb * BLOCK)
+    q[:, K:] = 0
+    q_out.copy_(q)
+    d_out.copy_(d)
+    m_out.copy_(m)
 
 
 @dataclass(slots=True)

@@ -34,6 +34,7 @@ from llmserve.model_executor.device import DeviceProfile, build_profile, resolve
 from llmserve.model_executor.model_loader import hf_folder
 from llmserve.model_executor.model_loader.quant_plan import (
     check_checkpoint,
+    gguf_type_report,
     plan_quantization,
     use_fp8_kernel,
 )
@@ -67,6 +68,8 @@ class LoadedModel:
     """The resolved `ModelConfig.quantization`: "none", "int8", "int4" or "auto (gguf)"."""
     weight_groups: tuple[WeightGroup, ...] = ()
     """Weight bytes by role and storage format."""
+    gguf_types: str = ""
+    """Under quantization auto, what each quantized GGUF type became (quant_plan.gguf_type_report)."""
     model_impl: str = "native"
     """Whose modelling code runs it: "native" (llmserve's) or "transformers"."""
     offloader: LayerOffloader | None = None
@@ -91,6 +94,8 @@ class LoadedModel:
             text += f"; quantization {self.quantization}: " + ", ".join(
                 g.summary() for g in self.weight_groups
             )
+        if self.gguf_types:
+            text += f"; GGUF types: {self.gguf_types}"
         if self.offloader is not None:
             text += f"; {self.offloader.summary()}"
         return text
@@ -249,6 +254,9 @@ def load_model(config: ModelConfig) -> LoadedModel:
         linear_kernel=linear_kernel,
         quantization="none" if plan is None else plan.method,
         weight_groups=groups,
+        gguf_types=gguf_type_report(tensor_types)
+        if plan is not None and plan.method == "auto" and tensor_types
+        else "",
         profile=profile,
         offloader=offloader,
     )

@@ -43,6 +43,7 @@ from llmserve.model_executor.model_loader.gguf_quant import EXACT_TYPES, read_ro
 _Q = GGMLQuantizationType
 SUPPORTED_TENSOR_TYPES: tuple[GGMLQuantizationType, ...] = (
     _Q.F32, _Q.F16, _Q.BF16, _Q.Q8_0, _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K,
+    _Q.Q2_K, _Q.Q3_K, _Q.IQ4_NL, _Q.IQ4_XS, _Q.MXFP4,
 )  # fmt: skip
 # llama.cpp-only tensors with no HF counterpart (rope_freqs is folded into the config instead).
 _NON_HF_TENSORS = ("rope_freqs", "blk.{bid}.attn_rot_embd")

@@ -8,6 +8,12 @@
     Q4_K  144-byte super-blocks of 256: d, dmin (f16), twelve bytes of 6-bit sub-scales and
           sub-minimums for 8 sub-blocks of 32, 128 bytes of nibbles   w = d sc_j q - dmin m_j  -> q4
     Q5_K  176-byte super-blocks: Q4_K's fields plus 32 bytes of fifth bits                 -> q8 (+ m)
+    IQ4_NL  18-byte blocks: d (f16), 16 bytes of nibbles    w = d T[q], T a 16-entry int8 table -> q8
+    IQ4_XS  136-byte super-blocks of 256: d (f16), 6-bit sub-scales ls_j of 8 sub-blocks (low
+          nibbles in 4 bytes, high bit pairs in a u16), 128 bytes of nibbles
+                                                            w = d (ls_j - 32) T[q]              -> q8
+    MXFP4   17-byte blocks: e (an E8M0 exponent), 16 bytes of FP4 (E2M1) codes
+                                                            w = 2^(e - 128) F[q], F = 2 x E2M1  -> q8
 
 In the 32-element blocks, byte i holds element i in its low nibble and element i + 16 in its high
 one (the fifth bit of element i is bit i of qh); in the K types each 32-byte run of nibbles holds
@@ -15,7 +21,10 @@ two sub-blocks the same way, low nibbles first, and the fifth bits of the 64 val
 bits 2j and 2j + 1 of the 32 qh bytes. The 5-bit types fit int8 with their own scale (and minimum),
 so they are kept exactly too. The K types' per-sub-block scale d * sc_j and minimum dmin * m_j
 are rounded to half floats (a relative error of at most 2^-11 on each, far below a quantization
-step). Other types (Q6_K, floats) return None: the caller dequantizes them with `gguf`.
+step); IQ4_XS's d (ls_j - 32) likewise. IQ4_NL's and MXFP4's values are exact: their tables are
+int8 (MXFP4's E2M1 values doubled, its scale halved: a power of two, exact in a half float for
+exponents 2^-24 .. 2^15; a block outside that range sends the tensor to the float path). Other
+types (Q6_K, Q2_K, Q3_K, floats) return None: the caller dequantizes them with `gguf`.
 """
 
 from __future__ import annotations
@@ -28,8 +37,14 @@ from llmserve.layers.quantization.formats import QuantizedRows
 
 _Q = GGMLQuantizationType
 
-EXACT_TYPES = (_Q.Q8_0, _Q.Q4_0, _Q.Q4_1, _Q.Q4_K, _Q.Q5_0, _Q.Q5_1, _Q.Q5_K)
+EXACT_TYPES = (_Q.Q8_0, _Q.Q4_0, _Q.Q4_1, _Q.Q4_K, _Q.Q5_0, _Q.Q5_1, _Q.Q5_K, _Q.IQ4_NL, _Q.IQ4_XS, _Q.MXFP4)
 """GGUF types read directly into a block format."""
+
+
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+"""IQ4_NL's and IQ4_XS's non-linear levels (llama.cpp's kvalues_iq4nl)."""
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
+"""The E2M1 (FP4) codes' values doubled (llama.cpp's kvalues_mxfp4); the block scale is halved."""
 
 
 def _halves(raw: np.ndarray) -> torch.Tensor:
@@ -105,4 +120,28 @@ def read_rows(data: np.ndarray, qtype: GGMLQuantizationType, in_features: int) -
         q = np.stack([qs & 0x0F, qs >> 4], axis=3) | (high << 4)
         q8 = torch.from_numpy(q.astype(np.int8).reshape(rows, -1))
         return QuantizedRows("q8", q8, *_k_scales(b), in_features)
+    if qtype == _Q.IQ4_NL:
+        b = data.reshape(rows, -1, 18)
+        q8 = torch.from_numpy(IQ4_VALUES[_nibbles16(b[..., 2:])].reshape(rows, -1))
+        return QuantizedRows("q8", q8, _halves(b[..., :2]), None, in_features)
+    if qtype == _Q.IQ4_XS:
+        b = data.reshape(rows, -1, 136)
+        d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)  # [rows, n]
+        high = np.ascontiguousarray(b[..., 2:4]).view(np.uint16)[..., 0]  # 2 bits per sub-block
+        low = b[..., 4:8]  # a nibble per sub-block: j even low, j odd high nibble of byte j // 2
+        j = np.arange(8)
+        ls = ((low[..., j // 2] >> (4 * (j % 2))) & 0x0F) | (((high[..., None] >> (2 * j)) & 3) << 4)
+        scale = torch.from_numpy((d[..., None] * (ls.astype(np.float32) - 32)).reshape(rows, -1)).half()
+        qs = b[..., 8:].reshape(rows, -1, 8, 16)  # sub-block j: 16 bytes, elements i and i + 16
+        q8 = torch.from_numpy(IQ4_VALUES[_nibbles16(qs)].reshape(rows, -1))
+        return QuantizedRows("q8", q8, scale, None, in_features)
+    if qtype == _Q.MXFP4:
+        b = data.reshape(rows, -1, 17)
+        e = b[..., 0].astype(np.int32) - 128
+        if e.size and (e.min() < -24 or e.max() > 15):  # 2^e not a (sub)normal half float
+            return None
+        q8 = torch.from_numpy(MXFP4_VALUES[_nibbles16(b[..., 1:])].reshape(rows, -1))
+        return QuantizedRows(
+            "q8", q8, torch.from_numpy(np.ldexp(np.float32(1), e).astype(np.float16)), None, in_features
+        )
     return None

@@ -9,9 +9,10 @@ files, the type each tensor has on disk.
            rounded per token (layers/quantization/fp8.py); embeddings and LM heads stay float.
            Quantizes float checkpoints only: an already quantized GGUF file is refused
     auto   a quantized GGUF file keeps its quantization family per layer: Q4_0 / Q4_1 / Q4_K
-           tensors become q4, anything else (Q8_0, Q5_x, Q6_K, F16, ...) q8; a fused layer takes
-           the wider format of its shards. Q8_0, Q4_x and Q5_x values are kept exactly (read
-           from their blocks, gguf_quant.py), others are requantized from float. Float
+           tensors become q4, anything else (Q8_0, Q5_x, Q6_K, Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4,
+           F16, ...) q8; a fused layer takes the wider format of its shards. Q8_0, Q4_x, Q5_x,
+           IQ4_NL, IQ4_XS and MXFP4 are read from their blocks (gguf_quant.py), others are
+           requantized from float; the load report says which (`gguf_type_report`). Float
            checkpoints (HF folders, F32/F16/BF16 GGUF files) stay float.
 
 q8 / q4 layers run on the CPU only (llmserve's C++ kernels, picked by CPU features). fp8 runs
@@ -42,6 +43,18 @@ _FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 
 def _gguf_format(type_name: str) -> QuantFormat:
     return "q4" if type_name in _FOUR_BIT_TYPES else "q8"
+
+
+def gguf_type_report(tensor_types: dict[str, str]) -> str:
+    """What each quantized GGUF type of a file becomes under `auto`, for the load report:
+    "Q4_K -> q4 (blocks kept), Q6_K -> q8 (requantized)"."""
+    from llmserve.model_executor.model_loader.gguf_quant import EXACT_TYPES
+
+    kept = {q.name for q in EXACT_TYPES}
+    names = sorted({t for t in tensor_types.values() if t not in _FLOAT_TYPES})
+    return ", ".join(
+        f"{t} -> {_gguf_format(t)} ({'blocks kept' if t in kept else 'requantized'})" for t in names
+    )
 
 
 def check_supported(method: str, device: torch.device, dtype: torch.dtype) -> None:
