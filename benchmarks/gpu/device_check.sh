@@ -12,6 +12,17 @@
 # 4. runs benchmarks/bench_gpu.py under BENCH_SECONDS (0 skips it).
 # Everything it prints lands in $OUT (at most 8 files come back): env.txt, install.log, tests.log,
 # bench.log, bench_gpu.json, bench_gpu.png, logs.tgz (the engines' own logs).
+#
+# The wheels, made here before the run (.whl/ is ignored through .git/info/exclude; the versions
+# are this repo's venv's; llguidance is an abi3 wheel for manylinux_2_31):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
+#     -d .whl fastapi starlette uvicorn pydantic pydantic_core annotated-types annotated-doc \
+#     typing-inspection opentelemetry-api gguf
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi abi3 \
+#     --platform manylinux_2_31_x86_64 -d .whl llguidance
+# and the device tool's run gets carry [".whl"]. About 3 MB; the embedded model's package (94 MB)
+# is too large to carry, so its CUDA test skips there.
 set -u
 OUT=${OUT:-/tmp/device-out}
 mkdir -p "$OUT"
