@@ -36,6 +36,11 @@ STEADY_REQUESTS = 4
 """steady*: requests per slot (1,024 at concurrency 256), each 128 -> 128."""
 
 
+def _device_us(event) -> float:
+    """An averaged profiler event's own time on the device (torch renamed the field from cuda_*)."""
+    return getattr(event, "self_device_time_total", 0.0) or getattr(event, "self_cuda_time_total", 0.0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
@@ -116,11 +121,7 @@ def main() -> None:
         with profile(activities=activities) as prof:
             profiled_wall = run(n, length, out, mode)
         events = prof.key_averages()
-
-        def device_us(e) -> float:
-            return getattr(e, "self_device_time_total", 0.0) or getattr(e, "self_cuda_time_total", 0.0)
-
-        kernel_us = sum(device_us(e) for e in events)
+        kernel_us = sum(_device_us(e) for e in events)
         figures[name] = {
             "prompts": n, "prompt_tokens": length, "output_tokens": out, "first_wall_s": first, "median_wall_s": wall,
             "tok_s": tokens / wall, "profiled_wall_s": profiled_wall, "gpu_busy_s": kernel_us / 1e6,
