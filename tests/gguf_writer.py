@@ -13,6 +13,7 @@ Also ggml's reference dequantization of one block per type, written from ggml's 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,12 +33,32 @@ def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
+
+
+def _stack_experts(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert checkpoint tensors (`...experts.<e>.<proj>.weight`) stacked into one
+    [experts, out, in] tensor per projection (`...experts.<proj>.weight`), as llama.cpp's
+    converter merges them; everything else as it is."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    for name, w in state_dict.items():
+        m = _EXPERT.match(name)
+        if m is None:
+            out[name] = w
+        else:
+            experts.setdefault(f"{m.group(1)}.{m.group(3)}.weight", {})[int(m.group(2))] = w
+    for name, by_index in experts.items():
+        out[name] = torch.stack([by_index[e] for e in range(len(by_index))])
+    return out
+
+
 def convert_state_dict(arch: str, config: Any, state_dict: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
     """HF state dict -> {GGUF name: float32 array}, as llama.cpp's converter writes it."""
     n_layer = config.n_layer if arch == "gpt2" else config.num_hidden_layers
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], n_layer)
     out: dict[str, np.ndarray] = {}
-    for name, w in state_dict.items():
+    for name, w in _stack_experts(state_dict).items():
         w = w.detach().float().clone()
         if arch == "gpt2":
             if name.endswith((".attn.bias", ".attn.masked_bias")):
@@ -50,6 +71,8 @@ def convert_state_dict(arch: str, config: Any, state_dict: dict[str, torch.Tenso
             w = _permute(w, config.num_key_value_heads)
         if arch == "gemma3" and name.endswith("norm.weight"):
             w = w + 1
+        if name.endswith("shared_expert_gate.weight"):  # llama.cpp's tensor is a vector, {n_embd}
+            w = w.reshape(-1)
         gguf_name = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, f"gguf has no name for {name}"
         out[gguf_name] = np.ascontiguousarray(w.numpy())
@@ -86,12 +109,26 @@ def hf_metadata(arch: str, config: Any) -> Callable[[GGUFWriter], None]:
                 w.add_rope_dimension_count(head_dim)
             if arch == "gemma3":
                 w.add_sliding_window(config.sliding_window)
+            _moe_metadata(w, config)
         # Only the token list tells the vocabulary size when `<arch>.vocab_size` is absent.
         w.add_token_list([f"tok{i}" for i in range(config.vocab_size)])
         w.add_bos_token_id(1)
         w.add_eos_token_id(2)
 
     return write
+
+
+def _moe_metadata(w: GGUFWriter, config: Any) -> None:
+    """The expert keys llama.cpp's converter writes for Mixtral and the Qwen MoE models."""
+    num_experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if not num_experts:
+        return
+    w.add_expert_count(num_experts)
+    w.add_expert_used_count(config.num_experts_per_tok)
+    if getattr(config, "moe_intermediate_size", None):
+        w.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if getattr(config, "shared_expert_intermediate_size", None):
+        w.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
 
 
 def write_gguf(

@@ -30,6 +30,8 @@ KERNEL_SETS = _ORDER[_ORDER.index(cpu_kernels.best_kernels()) :]  # every kernel
 PROMPTS = [[5, 17, 99, 3], [200, 1, 1, 45, 67, 300, 12, 9, 8, 7, 6, 5, 4, 3, 2, 11, 400, 401, 402, 25], [42]]
 LLAMA_FAMILY = ["llama", "llama3-rope-tied", "mistral-sliding", "qwen2", "qwen3"]
 _LINEAR = re.compile(r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|c_attn|c_proj|c_fc)\.weight$")
+# transformers keeps a MoE layer's experts stacked in memory: [experts, out, in] (gate rows, then up)
+_EXPERTS = re.compile(r"experts\.(gate_up_proj|down_proj)$")
 _TABLE = re.compile(r"(embed_tokens|wte|lm_head)\.weight$")
 # Activations are rounded to int16 per token inside each quantized matmul; over two tiny layers
 # that moves logits (of magnitude ~1-10) by ~1e-4 at most.
@@ -46,6 +48,8 @@ def fake_quantize(state_dict: dict[str, torch.Tensor], method: str) -> dict[str,
             rows = w.T if conv1d else w
             deq = quantize(rows, "q4" if method == "int4" else "q8").dequantize()
             out[name] = deq.T.contiguous() if conv1d else deq
+        elif _EXPERTS.search(name):  # each expert's rows are blocks along `in`, as for any linear
+            out[name] = torch.stack([quantize(e, "q4" if method == "int4" else "q8").dequantize() for e in w])
         elif _TABLE.search(name):
             out[name] = quantize(w, "q8").dequantize()
         else:

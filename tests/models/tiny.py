@@ -65,6 +65,25 @@ def _gpt2() -> transformers.PretrainedConfig:
     )
 
 
+def _mixtral() -> transformers.PretrainedConfig:
+    return transformers.MixtralConfig(**_LLAMA_LIKE, num_local_experts=4, num_experts_per_tok=2)
+
+
+def _qwen2_moe() -> transformers.PretrainedConfig:
+    # A dense layer after a sparse one (mlp_only_layers), a shared expert, weights not renormalised.
+    return transformers.Qwen2MoeConfig(
+        **_LLAMA_LIKE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+        shared_expert_intermediate_size=96, mlp_only_layers=[1], norm_topk_prob=False,
+    )  # fmt: skip
+
+
+def _qwen3_moe() -> transformers.PretrainedConfig:
+    return transformers.Qwen3MoeConfig(
+        **_LLAMA_LIKE, head_dim=32, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+        norm_topk_prob=True,
+    )  # fmt: skip
+
+
 TINY_CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
     "llama": _llama,
     "llama3-rope-tied": _llama3_scaled_tied,
@@ -73,6 +92,9 @@ TINY_CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
     "qwen3": _qwen3,
     "gemma3": _gemma3,
     "gpt2": _gpt2,
+    "mixtral": _mixtral,
+    "qwen2-moe": _qwen2_moe,
+    "qwen3-moe": _qwen3_moe,
 }
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 import transformers
 from gguf import GGMLQuantizationType as Q
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from llmserve.layers.rotary_embedding import rope_parameters
@@ -52,13 +52,30 @@ TINY: dict[str, Callable[[], Any]] = {
     "gpt2": lambda: transformers.GPT2Config(
         vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4, bos_token_id=1, eos_token_id=2
     ),
+    # mixture-of-experts: stacked *_exps tensors split per expert; Mixtral is llama.cpp's `llama`
+    "mixtral": lambda: transformers.MixtralConfig(
+        **_DECODER, num_hidden_layers=2, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        tie_word_embeddings=False,
+    ),
+    "qwen2moe": lambda: transformers.Qwen2MoeConfig(
+        **_DECODER, num_hidden_layers=2, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, shared_expert_intermediate_size=32, norm_topk_prob=False,
+    ),
+    "qwen3moe": lambda: transformers.Qwen3MoeConfig(
+        **_DECODER, num_hidden_layers=2, num_key_value_heads=2, head_dim=16, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True, tie_word_embeddings=False,
+    ),
 }  # fmt: skip
+GGUF_ARCH = {"mixtral": "llama"}
+"""Test labels whose llama.cpp architecture name differs."""
 CONFIG_KEYS = (
     "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
     "tie_word_embeddings", "rope_parameters", "bos_token_id", "eos_token_id", "layer_types",
     "sliding_window", "query_pre_attn_scalar", "hidden_activation", "n_embd", "n_layer", "n_head",
-    "n_positions", "layer_norm_epsilon",
+    "n_positions", "layer_norm_epsilon", "num_local_experts", "num_experts", "num_experts_per_tok",
+    "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+    "mlp_only_layers",
 )  # fmt: skip
 
 
@@ -77,7 +94,7 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
                 p.copy_(torch.round(p * 1024) / 1024)  # so that llama.cpp's (w + 1) is exact in float32
     model.save_pretrained(tmp / "hf")
     ref = load_file(tmp / "hf" / "model.safetensors")
-    paths = write_hf_model(tmp / "model.gguf", arch, config, ref)
+    paths = write_hf_model(tmp / "model.gguf", GGUF_ARCH.get(arch, arch), config, ref)
     return {"arch": arch, "config": config, "model": model, "ref": ref, "paths": paths}
 
 
@@ -96,19 +113,25 @@ def test_config_matches_hf_config(tiny: dict[str, Any]) -> None:
     assert type(ours) is type(orig)
     for key in CONFIG_KEYS:
         if hasattr(orig, key):
-            assert getattr(ours, key) == getattr(orig, key), key
+            want = getattr(orig, key)
+            if key == "head_dim" and want is None:  # Mixtral's config leaves it implied
+                want = orig.hidden_size // orig.num_attention_heads
+            assert getattr(ours, key) == want, key
 
 
-def test_hf_model_from_gguf_gives_same_logits(tiny: dict[str, Any]) -> None:
-    """The config is complete: transformers builds the same function from it and the weights."""
+def test_hf_model_from_gguf_gives_same_logits(tiny: dict[str, Any], tmp_path: Path) -> None:
+    """The config is complete: transformers builds the same function from it and the weights
+    (saved as a checkpoint, so that transformers maps per-expert tensors onto its stacked ones)."""
     ckpt = GGUFCheckpoint(tiny["paths"])
-    model = transformers.AutoModelForCausalLM.from_config(ckpt.hf_config()).eval()
-    missing, unexpected = model.load_state_dict(
-        {n: t for n, t, _ in ckpt.iter_weights(torch.float32)}, strict=False
+    ckpt.hf_config().save_pretrained(tmp_path)
+    save_file(
+        {n: t.contiguous() for n, t, _ in ckpt.iter_weights(torch.float32)}, tmp_path / "model.safetensors"
     )
-    assert not unexpected and set(missing) <= (
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["unexpected_keys"] and set(info["missing_keys"]) <= (
         {"lm_head.weight"} if tiny["config"].tie_word_embeddings else set()
     )
+    model.eval()
     ids = torch.randint(0, 64, (1, 20), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, tiny["model"](ids).logits, rtol=1e-5, atol=1e-5)
@@ -287,7 +310,8 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
     assert ckpt.architecture == "mamba"
     for call in (ckpt.hf_config, lambda: ckpt.iter_weights(torch.float32)):
         with pytest.raises(
-            UnsupportedArchitectureError, match=rf"{path}.*'mamba'.*gemma3, gpt2, llama, qwen2, qwen3"
+            UnsupportedArchitectureError,
+            match=rf"{path}.*'mamba'.*gemma3, gpt2, llama, qwen2, qwen2moe, qwen3, qwen3moe",
         ):
             call()
 

@@ -16,6 +16,7 @@ only knows the layer-by-layer forward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,19 @@ class ArchFlags:
     qkv_bias: bool
     o_bias: bool
     qk_norm: bool
+
+
+MLPBuilder = Callable[[Any, int], nn.Module]
+"""(config, layer index) -> that layer's MLP: dense here, a sparse MoE block in mixtral.py / qwen_moe.py."""
+
+
+def dense_mlp(config: Any, layer_idx: int) -> nn.Module:
+    return GatedMLP(
+        config.hidden_size,
+        config.intermediate_size,
+        getattr(config, "hidden_act", "silu"),
+        bias=getattr(config, "mlp_bias", False),
+    )
 
 
 def head_dim_of(config: Any) -> int:
@@ -104,17 +118,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_idx: int, backend: AttentionBackend, arch: ArchFlags):
+    def __init__(
+        self, config: Any, layer_idx: int, backend: AttentionBackend, arch: ArchFlags, build_mlp: MLPBuilder
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, layer_idx, backend, arch)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(
-            config.hidden_size,
-            config.intermediate_size,
-            getattr(config, "hidden_act", "silu"),
-            bias=getattr(config, "mlp_bias", False),
-        )
+        self.mlp = build_mlp(config, layer_idx)
 
     def forward(self, x, residual, rotary, kv_cache, md) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it); the caller adds the two (the
@@ -129,12 +140,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, backend: AttentionBackend, arch: ArchFlags):
+    def __init__(
+        self, config: Any, backend: AttentionBackend, arch: ArchFlags, build_mlp: MLPBuilder = dense_mlp
+    ):
         super().__init__()
         self.config = config
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, backend, arch) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, backend, arch, build_mlp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         D = head_dim_of(config)
@@ -152,7 +165,11 @@ class LlamaModel(nn.Module):
             x, residual = layer(x, residual, rotary, kv_cache, md)
         return self.norm(x, residual)[0]
 
-    def decoder_spec(self) -> DecoderSpec:
+    def decoder_spec(self) -> DecoderSpec | None:
+        """The stack for the fused CPU decoder; None when a layer's MLP is not a dense gated one
+        (mixture-of-experts layers run layer by layer)."""
+        if not all(isinstance(layer.mlp, GatedMLP) for layer in self.layers):
+            return None
         c = self.config
         attn0 = self.layers[0].self_attn
         layers = [
@@ -188,13 +205,18 @@ class LlamaForCausalLM(CausalLM):
     stacked_params = QKV_GATE_UP_STACKING
 
     @classmethod
+    def build_mlp(cls, config: Any, layer_idx: int) -> nn.Module:
+        """Layer `layer_idx`'s MLP (the MoE subclasses build sparse blocks for some or all layers)."""
+        return dense_mlp(config, layer_idx)
+
+    @classmethod
     def arch_flags(cls, config: Any) -> ArchFlags:
         bias = bool(getattr(config, "attention_bias", False))
         return ArchFlags(qkv_bias=bias, o_bias=bias, qk_norm=False)
 
     def __init__(self, config: Any, backend: AttentionBackend) -> None:
         super().__init__(config)
-        self.model = LlamaModel(config, backend, self.arch_flags(config))
+        self.model = LlamaModel(config, backend, self.arch_flags(config), self.build_mlp)
         tied = getattr(config, "tie_word_embeddings", False)
         self.lm_head = LMHead(
             config.vocab_size, config.hidden_size, self.model.embed_tokens if tied else None
@@ -204,5 +226,5 @@ class LlamaForCausalLM(CausalLM):
         c = self.config
         return KVCacheShape(c.num_hidden_layers, c.num_key_value_heads, head_dim_of(c))
 
-    def decoder_spec(self) -> DecoderSpec:
+    def decoder_spec(self) -> DecoderSpec | None:
         return self.model.decoder_spec()

@@ -22,6 +22,7 @@ from llmserve.config import ModelConfig
 from llmserve.layers import onednn
 from llmserve.layers.attention import get_attention_backend
 from llmserve.layers.linear import Linear
+from llmserve.layers.moe import describe_moe
 from llmserve.layers.quantization import (
     Fp8Linear,
     QuantizedLinear,
@@ -74,6 +75,8 @@ class LoadedModel:
     """Whose modelling code runs it: "native" (llmserve's) or "transformers"."""
     offloader: LayerOffloader | None = None
     """The decoder layers kept in host memory (`cpu_offload_gb`), or None."""
+    moe: str = ""
+    """Mixture-of-experts models: layers, experts and active parameters (`layers.moe.describe_moe`)."""
 
     def kv_cache_dtype(self, name: str = "auto") -> torch.dtype:
         """`CacheConfig.kv_cache_dtype` for this model (see `DeviceProfile.kv_cache_dtype`)."""
@@ -94,6 +97,8 @@ class LoadedModel:
             text += f"; quantization {self.quantization}: " + ", ".join(
                 g.summary() for g in self.weight_groups
             )
+        if self.moe:
+            text += f"; {self.moe}"
         if self.gguf_types:
             text += f"; GGUF types: {self.gguf_types}"
         if self.offloader is not None:
@@ -259,6 +264,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
         else "",
         profile=profile,
         offloader=offloader,
+        moe=describe_moe(model),
     )
     logger.info(loaded.summary())
     return loaded

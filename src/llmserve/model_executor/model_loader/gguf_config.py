@@ -94,7 +94,9 @@ def _decoder_kwargs(ckpt: GGUFCheckpoint) -> dict[str, Any]:
     head_dim = ckpt.arch_field("attention.key_length") or ckpt.arch_field("rope.dimension_count")
     return _common_kwargs(ckpt) | {
         "hidden_size": hidden,
-        "intermediate_size": ckpt.require("feed_forward_length"),
+        # (MoE files: the dense width, or the experts' where every layer is sparse and none is written)
+        "intermediate_size": ckpt.arch_field("feed_forward_length")
+        or ckpt.require("expert_feed_forward_length"),
         "num_hidden_layers": ckpt.require("block_count"),
         "num_attention_heads": n_head,
         "num_key_value_heads": ckpt.arch_field("attention.head_count_kv", n_head),
@@ -104,7 +106,29 @@ def _decoder_kwargs(ckpt: GGUFCheckpoint) -> dict[str, Any]:
     }
 
 
+def _moe_kwargs(ckpt: GGUFCheckpoint, experts_key: str, renormalize: bool) -> dict[str, Any]:
+    """Router and expert sizes of a mixture-of-experts file. Whether the top-k weights are
+    renormalised is `expert_weights_norm` where the file says, else what llama.cpp assumes for the
+    architecture (Mixtral and Qwen3-MoE renormalise, Qwen2-MoE does not)."""
+    kw: dict[str, Any] = {
+        experts_key: ckpt.require("expert_count"),
+        "num_experts_per_tok": ckpt.require("expert_used_count"),
+    }
+    if experts_key == "num_experts":  # the Qwen MoE configs
+        kw["norm_topk_prob"] = bool(ckpt.arch_field("expert_weights_norm", renormalize))
+        kw["moe_intermediate_size"] = ckpt.require("expert_feed_forward_length")
+    return kw
+
+
 def llama_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
+    """Llama, Mistral, and Mixtral (llama.cpp writes Mixtral as `llama` with experts)."""
+    if ckpt.arch_field("expert_count"):
+        return transformers.MixtralConfig(
+            **_decoder_kwargs(ckpt),
+            **_rope_kwargs(_rope(ckpt)),
+            **_moe_kwargs(ckpt, "num_local_experts", True),
+            sliding_window=ckpt.arch_field("attention.sliding_window"),
+        )
     return transformers.LlamaConfig(
         **_decoder_kwargs(ckpt),
         **_rope_kwargs(_rope(ckpt)),
@@ -115,6 +139,32 @@ def llama_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
 
 def qwen2_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
     return transformers.Qwen2Config(**_decoder_kwargs(ckpt), **_rope_kwargs(_rope(ckpt)))
+
+
+def qwen2moe_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
+    """Every layer sparse (llama.cpp keeps no dense layers for this architecture), each with a
+    shared expert."""
+    kw = _decoder_kwargs(ckpt)
+    return transformers.Qwen2MoeConfig(
+        **kw,
+        **_rope_kwargs(_rope(ckpt)),
+        **_moe_kwargs(ckpt, "num_experts", False),
+        shared_expert_intermediate_size=ckpt.arch_field("expert_shared_feed_forward_length", 0),
+        qkv_bias=ckpt.has_tensor("blk.0.attn_q.bias"),
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    )
+
+
+def qwen3moe_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
+    return transformers.Qwen3MoeConfig(
+        **_decoder_kwargs(ckpt),
+        **_rope_kwargs(_rope(ckpt)),
+        **_moe_kwargs(ckpt, "num_experts", True),
+        attention_bias=ckpt.has_tensor("blk.0.attn_q.bias"),
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    )
 
 
 def qwen3_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:

@@ -120,11 +120,36 @@ _LLAMA_NAMES = {
     "blk.{bid}.ffn_up": "model.layers.{bid}.mlp.up_proj",
     "blk.{bid}.ffn_down": "model.layers.{bid}.mlp.down_proj",
 }
+# Mixture-of-experts layers. A `*_exps` tensor stacks every expert ([experts, out, in]); it becomes
+# one HF tensor per expert ({xid}). llama.cpp writes Mixtral as `llama`, with Mixtral's HF names.
+_MIXTRAL_EXPERT_NAMES = {
+    "blk.{bid}.ffn_gate_inp": "model.layers.{bid}.block_sparse_moe.gate",
+    "blk.{bid}.ffn_gate_exps": "model.layers.{bid}.block_sparse_moe.experts.{xid}.w1",
+    "blk.{bid}.ffn_down_exps": "model.layers.{bid}.block_sparse_moe.experts.{xid}.w2",
+    "blk.{bid}.ffn_up_exps": "model.layers.{bid}.block_sparse_moe.experts.{xid}.w3",
+}
+_LLAMA_NAMES |= _MIXTRAL_EXPERT_NAMES
+_QWEN_EXPERT_NAMES = {
+    "blk.{bid}.ffn_gate_inp": "model.layers.{bid}.mlp.gate",
+    "blk.{bid}.ffn_gate_exps": "model.layers.{bid}.mlp.experts.{xid}.gate_proj",
+    "blk.{bid}.ffn_up_exps": "model.layers.{bid}.mlp.experts.{xid}.up_proj",
+    "blk.{bid}.ffn_down_exps": "model.layers.{bid}.mlp.experts.{xid}.down_proj",
+    "blk.{bid}.ffn_gate_shexp": "model.layers.{bid}.mlp.shared_expert.gate_proj",
+    "blk.{bid}.ffn_up_shexp": "model.layers.{bid}.mlp.shared_expert.up_proj",
+    "blk.{bid}.ffn_down_shexp": "model.layers.{bid}.mlp.shared_expert.down_proj",
+    "blk.{bid}.ffn_gate_inp_shexp": "model.layers.{bid}.mlp.shared_expert_gate",
+}
 _QWEN3_NAMES = _LLAMA_NAMES | {
     "blk.{bid}.attn_q_norm": "model.layers.{bid}.self_attn.q_norm",
     "blk.{bid}.attn_k_norm": "model.layers.{bid}.self_attn.k_norm",
 }
 # Gemma 3 has four norms per layer; GGUF's ffn_norm is the *pre*-feedforward one.
+_QWEN2MOE_NAMES = {
+    k: v for k, v in _LLAMA_NAMES.items() if k not in _MIXTRAL_EXPERT_NAMES
+} | _QWEN_EXPERT_NAMES
+_QWEN3MOE_NAMES = {
+    k: v for k, v in _QWEN3_NAMES.items() if k not in _MIXTRAL_EXPERT_NAMES
+} | _QWEN_EXPERT_NAMES
 _GEMMA3_NAMES = _QWEN3_NAMES | {
     "blk.{bid}.post_attention_norm": "model.layers.{bid}.post_attention_layernorm",
     "blk.{bid}.ffn_norm": "model.layers.{bid}.pre_feedforward_layernorm",
@@ -163,6 +188,8 @@ _LLAMA_FIXES: dict[str, Fix] = {
         w, c.arch_field("attention.head_count_kv") or c.require("attention.head_count")
     ),
 }
+# Qwen2-MoE's shared-expert gate, nn.Linear(hidden, 1) in HF, is stored as a vector.
+_QWEN2MOE_FIXES: dict[str, Fix] = {"blk.{bid}.ffn_gate_inp_shexp": lambda w, c: w.reshape(1, -1)}
 # Gemma's RMSNorm multiplies by (1 + w); llama.cpp stores 1 + w.
 _GEMMA3_FIXES: dict[str, Fix] = {key: lambda w, c: w - 1.0 for key in _GEMMA3_NAMES if key.endswith("norm")}
 # HF's Conv1D keeps [in, out]; llama.cpp stores the nn.Linear layout [out, in]. Biases stay as they are.
@@ -186,9 +213,26 @@ _ARCHS: dict[str, _ArchSpec] = {
     "llama": _ArchSpec("LlamaForCausalLM", _LLAMA_NAMES, _LLAMA_FIXES, gguf_config.llama_config),
     "qwen2": _ArchSpec("Qwen2ForCausalLM", _LLAMA_NAMES, {}, gguf_config.qwen2_config),
     "qwen3": _ArchSpec("Qwen3ForCausalLM", _QWEN3_NAMES, {}, gguf_config.qwen3_config),
+    "qwen2moe": _ArchSpec(
+        "Qwen2MoeForCausalLM", _QWEN2MOE_NAMES, _QWEN2MOE_FIXES, gguf_config.qwen2moe_config
+    ),
+    "qwen3moe": _ArchSpec("Qwen3MoeForCausalLM", _QWEN3MOE_NAMES, {}, gguf_config.qwen3moe_config),
     "gemma3": _ArchSpec("Gemma3ForCausalLM", _GEMMA3_NAMES, _GEMMA3_FIXES, gguf_config.gemma3_config),
     "gpt2": _ArchSpec("GPT2LMHeadModel", _GPT2_NAMES, _GPT2_FIXES, gguf_config.gpt2_config),
 }
+
+
+@dataclass(frozen=True, slots=True)
+class _Planned:
+    """One HF tensor to yield: from GGUF tensor `name` (or its slice `expert` of a stacked
+    experts tensor), with `fix` undoing llama.cpp's conversion."""
+
+    name: str
+    hf_name: str
+    fix: Fix | None
+    expert: int | None = None
+    last_of_tensor: bool = True
+    """The last slice read from `name`: its mapped pages can go."""
 
 
 def _f32(v: float) -> float:
@@ -294,6 +338,8 @@ class GGUFCheckpoint:
     @property
     def hf_architecture(self) -> str:
         """The HF `architectures` name this GGUF loads as (e.g. "LlamaForCausalLM")."""
+        if self.architecture == "llama" and self.arch_field("expert_count"):
+            return "MixtralForCausalLM"
         return self._spec.hf_architecture
 
     def hf_config(self) -> transformers.PretrainedConfig:
@@ -316,12 +362,12 @@ class GGUFCheckpoint:
         return [name for name, _ in counts.most_common()]
 
     def num_tensors(self) -> int:
-        """How many tensors `iter_weights` yields."""
-        return sum(_table_key(n.rpartition(".")[0])[0] not in _NON_HF_TENSORS for n in self._tensors)
+        """How many tensors `iter_weights` yields (a stacked experts tensor counts once per expert)."""
+        return len(self._plan())
 
     def hf_tensor_types(self) -> dict[str, str]:
         """HF checkpoint name -> the GGUF type its tensor has on disk (e.g. "Q4_1")."""
-        return {hf: self._tensors[name][1].tensor_type.name for name, hf, _ in self._plan()}
+        return {p.hf_name: self._tensors[p.name][1].tensor_type.name for p in self._plan()}
 
     def iter_weights(
         self, dtype: torch.dtype, keep_quantized: Callable[[str], bool] | None = None
@@ -335,8 +381,8 @@ class GGUFCheckpoint:
         plan = self._plan()
         return self._dequantized(plan, dtype, keep_quantized)
 
-    def _plan(self) -> list[tuple[str, str, Fix | None]]:
-        """(GGUF name, HF name, fix) for every tensor; raises on an unsupported type or unknown name."""
+    def _plan(self) -> list[_Planned]:
+        """What each tensor becomes; raises on an unsupported type or unknown name."""
         spec, plan = self._spec, []
         bad = [(f, t) for f, t in self._tensors.values() if t.tensor_type not in SUPPORTED_TENSOR_TYPES]
         if bad:
@@ -345,7 +391,7 @@ class GGUFCheckpoint:
                 f"{file}: tensor {t.name!r} has type {t.tensor_type.name}{more}, which this loader cannot "
                 f"dequantize; supported: {', '.join(q.name for q in SUPPORTED_TENSOR_TYPES)}"
             )
-        for name, (file, _) in self._tensors.items():
+        for name, (file, t) in self._tensors.items():
             base, _, suffix = name.rpartition(".")
             key, bid = _table_key(base)
             if key in _NON_HF_TENSORS:
@@ -355,41 +401,56 @@ class GGUFCheckpoint:
                 raise UnexpectedWeightError(
                     f"{file}: GGUF tensor {name!r} has no HF name ({self.architecture})"
                 )
-            plan.append((name, f"{hf_base.format(bid=bid)}.{suffix}", spec.fixes.get(key)))
+            fix = spec.fixes.get(key)
+            if "{xid}" not in hf_base:
+                plan.append(_Planned(name, f"{hf_base.format(bid=bid)}.{suffix}", fix))
+                continue
+            if len(t.shape) != 3:  # ggml order: [in, out, experts]
+                raise ModelLoadError(f"{file}: expert tensor {name!r} has shape {t.shape.tolist()}, not 3-D")
+            num_experts = int(t.shape[2])
+            plan += [
+                _Planned(name, f"{hf_base.format(bid=bid, xid=e)}.{suffix}", fix, e, e == num_experts - 1)
+                for e in range(num_experts)
+            ]
         return plan
 
     def _dequantized(
-        self,
-        plan: list[tuple[str, str, Fix | None]],
-        dtype: torch.dtype,
-        keep_quantized: Callable[[str], bool] | None,
+        self, plan: list[_Planned], dtype: torch.dtype, keep_quantized: Callable[[str], bool] | None
     ) -> Iterator[tuple[str, torch.Tensor | QuantizedRows, str]]:
         readers = dict(zip(map(str, self.parts), self._readers, strict=True))
-        for name, hf_name, fix in plan:
-            file, t = self._tensors[name]
-            if keep_quantized is not None and t.tensor_type in EXACT_TYPES and keep_quantized(hf_name):
-                rows = self._quantized_rows(t, fix)
+        for p in plan:
+            file, t = self._tensors[p.name]
+            # One expert of a stacked tensor is its slice along the outermost (ggml's last) axis.
+            data, shape = (
+                (t.data, t.shape.tolist()) if p.expert is None else (t.data[p.expert], t.shape[:2].tolist())
+            )
+            if keep_quantized is not None and t.tensor_type in EXACT_TYPES and keep_quantized(p.hf_name):
+                rows = self._quantized_rows(data, t.tensor_type, shape, p.fix)
                 if rows is not None:
-                    yield hf_name, rows, file
-                    _drop_mapped_pages(readers[file], t)
+                    yield p.hf_name, rows, file
+                    if p.last_of_tensor:
+                        _drop_mapped_pages(readers[file], t)
                     continue
             # dequantize gives float32 in the logical (row-major) shape: ggml's dims reversed.
-            arr = dequantize(t.data, t.tensor_type)
-            assert arr.shape == tuple(reversed(t.shape.tolist())), (name, arr.shape, t.shape)
+            arr = dequantize(data, t.tensor_type)
+            assert arr.shape == tuple(reversed(shape)), (p.name, arr.shape, shape)
             if not arr.flags.writeable:  # F32 comes back as a read-only view of the memory map
                 arr = np.array(arr)
             tensor = torch.from_numpy(arr)
-            if fix is not None:
-                tensor = fix(tensor, self)  # in float32, before rounding to `dtype`
-            yield hf_name, tensor.to(dtype), file
-            _drop_mapped_pages(readers[file], t)
+            if p.fix is not None:
+                tensor = p.fix(tensor, self)  # in float32, before rounding to `dtype`
+            yield p.hf_name, tensor.to(dtype), file
+            if p.last_of_tensor:
+                _drop_mapped_pages(readers[file], t)
 
-    def _quantized_rows(self, t: ReaderTensor, fix: Fix | None) -> QuantizedRows | None:
-        """A 2-D tensor as block-quantized rows with `fix` applied, or None where the fix is not a
-        reordering of rows (the caller then takes the float path)."""
-        if len(t.shape) != 2:
+    def _quantized_rows(
+        self, data: np.ndarray, qtype: GGMLQuantizationType, shape: list[int], fix: Fix | None
+    ) -> QuantizedRows | None:
+        """A 2-D tensor (ggml `shape` [in, out]) as block-quantized rows with `fix` applied, or
+        None where the fix is not a reordering of rows (the caller then takes the float path)."""
+        if len(shape) != 2:
             return None
-        rows = read_rows(np.asarray(t.data), t.tensor_type, int(t.shape[0]))
+        rows = read_rows(np.asarray(data), qtype, int(shape[0]))
         if rows is None or fix is None:
             return rows
         # A fix that turns a column of row numbers into a permutation of them is a row reordering.

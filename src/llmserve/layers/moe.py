@@ -1,0 +1,146 @@
+"""Sparse mixture-of-experts MLP blocks (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks `top_k` of
+`num_experts` gated MLPs per token, and the token's output is their weighted sum.
+
+    probs  = softmax(x @ W_router.T)                  [T, E], in float32
+    w, ids = top_k(probs)                             [T, k]  (w / sum(w) where the model normalises)
+    out[t] = sum_j w[t, j] * expert[ids[t, j]](x[t])   (+ sigmoid(x @ g) * shared_expert(x), Qwen2-MoE)
+
+Experts run grouped by expert: the T * k (token, expert) pairs are sorted by expert, and each
+expert that any token chose runs once over the rows of the tokens that chose it, never once per
+token. At batch 1 that is `top_k` small MLPs, and only their weights are read: decode costs what
+the active parameters cost (benchmarks/bench_moe.py measures it against a dense model of that size).
+
+Each expert is a `GatedMLP` (its `gate_up_proj` and `down_proj` are ordinary linear layers), so
+quantized experts are the same q8 / q4 layers as a dense model's, built by the same plan and loaded
+from the same checkpoint names (`experts.<e>.gate_proj`...). The router stays float: it is tiny,
+and rounding it would move tokens between experts.
+
+Grouping needs the chosen experts on the host (one `tolist()` per layer). On the CPU that is free;
+on other devices it would be a device sync per layer that a CUDA graph cannot capture, so there the
+block runs `dense_forward`: every expert over every token, weighted by a routing matrix that is zero
+for unchosen experts. Same result, sync-free, and E / k times the expert FLOPs; a fused grouped MoE
+kernel for the GPU is future work.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmserve.layers.mlp import GatedMLP
+
+
+class Router(nn.Module):
+    """The expert-choice logits x @ W.T (W [num_experts, hidden], as checkpoints store it). A
+    plain parameter, not a `Linear`: quantization plans only replace linear layers."""
+
+    def __init__(self, hidden_size: int, num_experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, E]
+        return F.linear(x, self.weight)
+
+
+class SparseMoE(nn.Module):
+    """A top-k routed set of gated MLP experts, with an optional gated shared expert."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        expert_intermediate_size: int,
+        act: str,
+        renormalize: bool,
+        shared_intermediate_size: int = 0,
+    ) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and num_experts {num_experts}")
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.gate = Router(hidden_size, num_experts)
+        self.experts = nn.ModuleList(
+            GatedMLP(hidden_size, expert_intermediate_size, act) for _ in range(num_experts)
+        )
+        self.shared_expert: GatedMLP | None = None
+        self.shared_expert_gate: Router | None = None
+        if shared_intermediate_size:
+            self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size, act)
+            self.shared_expert_gate = Router(hidden_size, 1)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] in x's dtype, expert ids [T, k]) for each token."""
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        weights, ids = self.route(x)
+        if x.device.type == "cpu":
+            out = self.grouped_forward(x, weights, ids)
+        else:
+            out = self.dense_forward(x, weights, ids)
+        if self.shared_expert is not None:
+            assert self.shared_expert_gate is not None
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+    def grouped_forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each chosen expert once, over the tokens that chose it (their outputs added in expert
+        order, so a token's result does not depend on the rest of the batch's choices)."""
+        T, k = ids.shape
+        flat = ids.reshape(T * k)
+        order = torch.argsort(flat, stable=True)  # pair indices grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # host: which experts run
+        pair_weights = weights.reshape(T * k, 1)
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            pairs = order[start : start + n]
+            start += n
+            tokens = pairs // k
+            rows = x if n == T and T == 1 else x.index_select(0, tokens)  # [n, H]
+            out.index_add_(0, tokens, self.experts[e](rows) * pair_weights[pairs])
+        return out
+
+    def dense_forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Every expert over every token, scaled by its routing weight (0 where not chosen):
+        no host sync, fixed shapes (see the module docstring for when this runs)."""
+        T = x.shape[0]
+        dense = torch.zeros(T, self.num_experts, dtype=x.dtype, device=x.device)
+        dense.scatter_(1, ids, weights)  # [T, E]
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            out = out + expert(x) * dense[:, e : e + 1]
+        return out
+
+
+def describe_moe(model: nn.Module) -> str:
+    """For the load report: "24 MoE layers, 8 experts (2 active), 1.2B of 4.1B parameters active
+    per token", or "" for a dense model. Parameters count logical weights (quantized ones too)."""
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    if not blocks:
+        return ""
+
+    def size(module: nn.Module) -> int:
+        total = sum(p.numel() for p in module.parameters())
+        for m in module.modules():  # quantized layers keep their weight outside parameters
+            w = getattr(m, "qweight", None)
+            if w is not None:
+                total += w.out_features * w.in_features
+        return total
+
+    idle = sum((b.num_experts - b.top_k) * size(b.experts[0]) for b in blocks)
+    total = size(model)
+    kinds = sorted({(b.num_experts, b.top_k) for b in blocks})
+    experts = ", ".join(f"{e} experts ({k} active)" for e, k in kinds)
+    return (
+        f"{len(blocks)} MoE layers, {experts}, {(total - idle) / 1e9:.2f}B of {total / 1e9:.2f}B "
+        f"parameters active per token"
+    )
