@@ -205,6 +205,8 @@ def test_load_report_and_layers(pair):
     fmts = {(g.role, g.fmt) for g in loaded.weight_groups}
     fmt = "fp8" if kind is Fp8Linear else "q4"
     assert {("attention", fmt), ("mlp", fmt), ("embedding", "float32")} <= fmts  # embeddings stay float
+    # q4 weights take the CPU's 16-bit KV cache by default; fp8's reference path keeps float32
+    assert loaded.kv_cache_dtype() == (torch.float32 if fmt == "fp8" else torch.float16)
 
 
 def test_exact_formats_hold_the_dequantized_weights(pair):
@@ -247,6 +249,17 @@ def test_none_dequantizes_to_the_float_model(tmp_path):
     got = _logits(loaded, PROMPTS[1:2])[0]
     with torch.no_grad():
         torch.testing.assert_close(got, hf(torch.tensor([PROMPTS[1]])).logits[0], rtol=1e-4, atol=1e-4)
+
+
+def test_no_4bit_kernel_dequantizes_with_a_warning(tmp_path, caplog):
+    """A float16 model (as on CUDA, where no 4-bit kernel runs): the weights are dequantized."""
+    hf, folder = _checkpoint("gptq-sym-llama", tmp_path)
+    with caplog.at_level("WARNING", logger="llmserve"):
+        loaded = load_model(ModelConfig(model=str(folder), dtype="float16", show_progress=False))
+    assert loaded.quantization.endswith("-> float (dequantized)")
+    assert "dequantized to float16 at load" in caplog.text
+    q_proj = hf.state_dict()["model.layers.0.self_attn.q_proj.weight"].half()
+    assert torch.equal(loaded.model.model.layers[0].self_attn.qkv_proj.logical_weight()[:256], q_proj)
 
 
 def test_int8_holds_asymmetric_codes_exactly(tmp_path):
