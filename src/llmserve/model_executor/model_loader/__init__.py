@@ -24,6 +24,7 @@ from llmserve.layers.attention import get_attention_backend
 from llmserve.layers.linear import Linear
 from llmserve.layers.quantization import (
     Fp8Linear,
+    QuantizationPlan,
     QuantizedLinear,
     WeightGroup,
     cpu_kernels,
@@ -299,13 +300,15 @@ def _prequantized(hf_config: Any, fmt: str, files: list) -> PrequantizedCheckpoi
 
 def _prequantized_plan(
     ckpt: PrequantizedCheckpoint, target: Target, model: CausalLM, device: torch.device, dtype: torch.dtype
-) -> Any:
+) -> QuantizationPlan | None:
     if target in ("q4", "q8"):  # an explicit int4/int8 where the CPU kernels cannot run is refused
         check_supported("int4" if target == "q4" else "int8", device, dtype)
     return ckpt.plan(target, model, fp8_kernel_name(device) if target == "fp8" else "")
 
 
-def _quantization_label(plan: Any, ckpt: PrequantizedCheckpoint | None, target: str) -> str:
+def _quantization_label(
+    plan: QuantizationPlan | None, ckpt: PrequantizedCheckpoint | None, target: str
+) -> str:
     if ckpt is not None:
         return f"{ckpt.quant.describe()} -> {'float (dequantized)' if target == 'float' else target}"
     return "none" if plan is None else plan.method
