@@ -201,12 +201,14 @@ def test_fp8_refuses_the_transformers_implementation(tiny):
         _load(tiny[0], quantization="fp8", model_impl="transformers")
 
 
-def test_prequantized_fp8_checkpoints_are_refused_clearly(tmp_path):
+def test_fp8_config_over_float_tensors_is_refused_clearly(tmp_path):
+    """Pre-quantized FP8 checkpoints load (tests/models/test_prequantized.py); a config that says
+    fp8 over float tensors is named as such."""
     make_tiny_model("llama", tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="pre-quantized"):
+    with pytest.raises(ValueError, match="says fp8, but the checkpoint has no float8_e4m3fn weight"):
         _load(tmp_path, quantization="fp8")
 
 

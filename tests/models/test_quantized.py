@@ -23,7 +23,7 @@ from llmserve.model_executor.forward_runner import ForwardRunner, SequenceBatchE
 from llmserve.model_executor.greedy import generate_greedy
 from llmserve.model_executor.model_loader import load_model
 from tests.gguf_writer import write_hf_model
-from tests.models.tiny import TINY_CONFIGS, make_tiny_model
+from tests.models.tiny import TINY_CONFIGS, hf_greedy, make_tiny_model
 
 _ORDER = ["avx512_vnni", "avx2", "torch"]
 KERNEL_SETS = _ORDER[_ORDER.index(cpu_kernels.best_kernels()) :]  # every kernel set this CPU runs
@@ -76,16 +76,6 @@ def pair(request, arch, tmp_path_factory):
     assert ours.quantization == request.param
     assert all(type(m).__name__ != "Linear" for m in ours.model.modules())  # every linear layer quantized
     return hf, ours
-
-
-def _hf_greedy(hf, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
-    """transformers' greedy tokens and the logits each was chosen from."""
-    ids, logits = torch.tensor([prompt]), []
-    with torch.no_grad():
-        for _ in range(n):
-            logits.append(hf(ids).logits[0, -1])
-            ids = torch.cat([ids, logits[-1].argmax().view(1, 1)], dim=1)
-    return ids[0, len(prompt) :].tolist(), logits
 
 
 def assert_greedy_close(ours: list[int], theirs: list[int], logits: list[torch.Tensor]) -> None:
@@ -144,7 +134,7 @@ def test_chunked_prefill_through_the_cache(pair):
 
 def test_greedy_matches_transformers_alone_and_batched(pair):
     hf, ours = pair
-    expected = [_hf_greedy(hf, p, 16) for p in PROMPTS]
+    expected = [hf_greedy(hf, p, 16) for p in PROMPTS]
     runner = ForwardRunner(ours.model, num_blocks=64, block_size=4)
     for p, (tokens, logits) in zip(PROMPTS, expected, strict=True):
         assert_greedy_close(generate_greedy(runner, [p], 16)[0], tokens, logits)

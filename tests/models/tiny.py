@@ -167,3 +167,13 @@ def make_tiny_model_eos0(folder: Path) -> None:
             if name == "config.json":  # room for tool descriptions in the prompt (RoPE takes any length)
                 config["max_position_embeddings"] = 2048
             path.write_text(json.dumps(config))
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+    """transformers' greedy tokens and the logits each was chosen from."""
+    ids, logits = torch.tensor([prompt]), []
+    with torch.no_grad():
+        for _ in range(n):
+            logits.append(hf(ids).logits[0, -1])
+            ids = torch.cat([ids, logits[-1].argmax().view(1, 1)], dim=1)
+    return ids[0, len(prompt) :].tolist(), logits

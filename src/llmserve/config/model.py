@@ -54,7 +54,9 @@ class ModelConfig:
     4-bit values with a scale and a minimum (Q4_1's math), embeddings and LM head in int8. `none`:
     float weights in `dtype`. `auto`: a quantized GGUF file keeps its quantization family per layer
     (Q4_0/Q4_1/Q4_K as int4, read without a float round trip; Q8_0, Q5, Q6_K as int8); float
-    checkpoints stay float. Activations stay float32 between layers; each quantized matmul
+    checkpoints stay float; a pre-quantized HF folder (GPTQ, AWQ, FP8 `quantization_config`) keeps
+    its own format: GPTQ/AWQ as int4 (dequantized on CUDA), FP8 as `fp8` (docs/prequantized.md).
+    Activations stay float32 between layers; each quantized matmul
     quantizes them as `cpu_activations` says (llmserve's C++ kernels, AVX-512 VNNI or AVX2).
     `fp8` (for GPUs): linear layers in float8 e4m3 with a scale per output channel, activations
     rounded to e4m3 per token, `torch._scaled_mm` on CUDA compute capability >= 8.9 (Ada, Hopper);

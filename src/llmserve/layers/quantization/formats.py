@@ -89,6 +89,17 @@ class QuantizedRows:
         return w.view(N, nb * BLOCK)[:, : self.in_features]
 
 
+@dataclass(frozen=True, slots=True)
+class PermutedRows:
+    """Rows whose columns are the input's columns in the order `perm` (GPTQ act-order, made
+    contiguous by group): column j of `rows` multiplies x[..., perm[j]], so the layer gathers
+    its input by `perm` before the matmul."""
+
+    rows: QuantizedRows
+    perm: torch.Tensor
+    """[K] int64, a permutation of the input columns."""
+
+
 QUANTIZE_CHUNK_ELEMENTS = 1 << 22
 """`quantize` works on row chunks of about this many elements (16 MiB of float32 per temporary):
 the rows are independent, and a whole 49,152 x 2,048 embedding at once made ~1.6 GB of float32

@@ -26,6 +26,7 @@ Embeddings and the LM head stay in the model's dtype (as vLLM keeps them).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -43,6 +44,19 @@ MIN_SCALE = 1e-12
 (near-)zero row becomes: zeros."""
 
 Fp8Kernel = Literal["scaled_mm", "reference"]
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Weight:
+    """A weight stored in e4m3 by an FP8 checkpoint, taken as it is: q [N, K] float8_e4m3fn and
+    its float32 scale per row [N] (a per-tensor scale repeated: the same values)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        """[N, K] float32 (exact: e4m3 values times a float32 scale, one rounding at most)."""
+        return self.q.float() * self.scale.unsqueeze(1)
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,10 +132,16 @@ class Fp8Linear(Linear):
         return y.view(*lead, self.out_features)
 
     def load_shard(
-        self, name: str, loaded: torch.Tensor | QuantizedRows, shard: int = 0, is_bias: bool = False
+        self,
+        name: str,
+        loaded: torch.Tensor | QuantizedRows | Fp8Weight,
+        shard: int = 0,
+        is_bias: bool = False,
     ) -> None:
         """A checkpoint tensor into `shard`. Scales are per output row, so a fused layer's shards
-        (q, k, v; gate, up) are quantized one at a time straight into place: nothing is staged."""
+        (q, k, v; gate, up) are quantized one at a time straight into place: nothing is staged.
+        An `Fp8Weight` (a pre-quantized FP8 checkpoint) is copied as it is, its per-tensor scale
+        kept per shard."""
         if is_bias:  # the float layer's bias, as it is
             super().load_shard(name, loaded, shard, is_bias=True)  # type: ignore[arg-type]
             return
@@ -129,9 +149,13 @@ class Fp8Linear(Linear):
         if isinstance(loaded, QuantizedRows):  # a GGUF block tensor (quant_plan refuses these)
             loaded = loaded.dequantize()
         expected = (end - start, self.in_features)
-        if tuple(loaded.shape) != expected:
-            raise WeightShapeError(name, expected, tuple(loaded.shape))
-        q, scale = quantize_fp8(loaded.to(self.weight.device))  # on the target device: fast on GPUs
+        got = loaded.q.shape if isinstance(loaded, Fp8Weight) else loaded.shape
+        if tuple(got) != expected:
+            raise WeightShapeError(name, expected, tuple(got))
+        if isinstance(loaded, Fp8Weight):  # an FP8 checkpoint's bytes and scales, as they are
+            q, scale = loaded.q, loaded.scale
+        else:
+            q, scale = quantize_fp8(loaded.to(self.weight.device))  # on the target device: fast on GPUs
         self.weight.data[start:end].copy_(q)
         self.weight_scale.data[start:end].copy_(scale)
 

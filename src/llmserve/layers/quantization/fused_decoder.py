@@ -74,6 +74,8 @@ def unsupported_reason(spec: DecoderSpec, kv_caches: list[torch.Tensor]) -> str 
         linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
         if not all(isinstance(m, QuantizedLinear) and m.qweight is not None for m in linears):
             return "float linear layers"
+        if any(m.input_perm is not None for m in linears):  # type: ignore[union-attr]
+            return "act-order input permutations (GPTQ desc_act)"
         for n in [*_norms(layer), spec.final_norm]:
             if n.weight_offset or n.weight.dtype != torch.float32 or n.weight.device.type != "cpu":
                 return "norm weights are not float32 on the CPU"

@@ -15,7 +15,14 @@ from torch import nn
 
 from llmserve.layers.linear import Linear
 from llmserve.layers.quantization import cpu_kernels
-from llmserve.layers.quantization.formats import PackedWeight, QuantFormat, QuantizedRows, pack, quantize
+from llmserve.layers.quantization.formats import (
+    PackedWeight,
+    PermutedRows,
+    QuantFormat,
+    QuantizedRows,
+    pack,
+    quantize,
+)
 from llmserve.layers.vocab_embedding import LMHead, VocabEmbedding
 from llmserve.load_errors import WeightShapeError
 
@@ -63,6 +70,20 @@ def _concat(parts: list[QuantizedRows]) -> QuantizedRows:
     )
 
 
+def _common_perm(name: str, perms: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """The one input permutation of a fused layer's shards. One matmul gathers its input once, so
+    the shards (q, k, v; gate, up) must agree; GPTQ gives them the same g_idx, as they share
+    their input and so the Hessian its act-order sorts by."""
+    first = perms[0]
+    for p in perms[1:]:
+        if (p is None) != (first is None) or (p is not None and not torch.equal(p, first)):
+            raise ValueError(
+                f"{name}: the shards of this fused layer have different act-order permutations "
+                f"(g_idx); llmserve runs a fused layer with one input permutation"
+            )
+    return first
+
+
 class QuantizedLinear(Linear):
     """y = x @ W.T + b with W block-quantized (q8 or q4); computes in float32, returns x's dtype."""
 
@@ -81,7 +102,11 @@ class QuantizedLinear(Linear):
         )
         self.qweight: PackedWeight | None = None
         self.act_bits = 16  # 8: int8 activations for q4 weights (ModelConfig.cpu_activations)
+        self.input_perm: torch.Tensor | None = None
+        """[in] int64: the input's columns in the weight's column order (GPTQ act-order), gathered
+        before every matmul; None: the natural order."""
         self._staged: list[QuantizedRows | None] = [None] * len(self.output_sizes)
+        self._staged_perms: list[torch.Tensor | None] = [None] * len(self.output_sizes)
 
     @classmethod
     def like(cls, layer: Linear, fmt: QuantFormat) -> QuantizedLinear:
@@ -90,10 +115,16 @@ class QuantizedLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assert self.qweight is not None, "weights not loaded"
+        if self.input_perm is not None:  # one gather of the activations (act-order checkpoints)
+            x = x.index_select(-1, self.input_perm)
         return cpu_kernels.linear(x, self.qweight, self.bias, self.act_bits)
 
     def load_shard(
-        self, name: str, loaded: torch.Tensor | QuantizedRows, shard: int = 0, is_bias: bool = False
+        self,
+        name: str,
+        loaded: torch.Tensor | QuantizedRows | PermutedRows,
+        shard: int = 0,
+        is_bias: bool = False,
     ) -> None:
         start, end = self._shard_range(shard)
         if is_bias:
@@ -102,10 +133,15 @@ class QuantizedLinear(Linear):
                 raise WeightShapeError(name, (end - start,), tuple(loaded.shape))
             self.bias.data[start:end].copy_(loaded)  # type: ignore[arg-type]
             return
+        if isinstance(loaded, PermutedRows):
+            self._staged_perms[shard] = loaded.perm
+            loaded = loaded.rows
         self._staged[shard] = as_rows(name, loaded, self.fmt, (end - start, self.in_features))
         if all(s is not None for s in self._staged):
+            self.input_perm = _common_perm(name, self._staged_perms)
             self.qweight = pack(_concat(self._staged))  # type: ignore[arg-type]
             self._staged = [None] * len(self.output_sizes)
+            self._staged_perms = [None] * len(self.output_sizes)
 
     def use_onednn(self) -> None:
         """Nothing to repack: the quantized kernels have their own layout."""
@@ -115,7 +151,12 @@ class QuantizedLinear(Linear):
         from llmserve.layers.quantization.formats import unpack
 
         assert self.qweight is not None
-        return unpack(self.qweight).dequantize()
+        w = unpack(self.qweight).dequantize()
+        if self.input_perm is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, self.input_perm] = w  # back to the input's column order
+        return out
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.output_sizes}, bias={self.bias is not None}, {self.fmt}"

@@ -25,6 +25,7 @@ from llmserve.layers.linear import Linear
 from llmserve.layers.moe import describe_moe
 from llmserve.layers.quantization import (
     Fp8Linear,
+    QuantizationPlan,
     QuantizedLinear,
     WeightGroup,
     cpu_kernels,
@@ -33,8 +34,15 @@ from llmserve.layers.quantization import (
 )
 from llmserve.model_executor.device import DeviceProfile, build_profile, resolve_device
 from llmserve.model_executor.model_loader import hf_folder
+from llmserve.model_executor.model_loader.hf_quant_config import (
+    Target,
+    read_checkpoint_quantization,
+    resolve_target,
+)
+from llmserve.model_executor.model_loader.prequantized import PrequantizedCheckpoint
 from llmserve.model_executor.model_loader.quant_plan import (
-    check_checkpoint,
+    check_supported,
+    fp8_kernel_name,
     gguf_type_report,
     plan_quantization,
     use_fp8_kernel,
@@ -66,7 +74,9 @@ class LoadedModel:
     """What runs the linear layers' matmuls: "onednn", "blas" (CPU) or "cuda"; with quantized
     layers, "q4/q8 on <kernel set>" for them."""
     quantization: str = "none"
-    """The resolved `ModelConfig.quantization`: "none", "int8", "int4" or "auto (gguf)"."""
+    """The resolved `ModelConfig.quantization`: "none", "int8", "int4", "fp8", "auto" (a GGUF
+    file's types), or a pre-quantized checkpoint's method and what it became:
+    "gptq (4-bit, group 128, act-order) -> q4"."""
     weight_groups: tuple[WeightGroup, ...] = ()
     """Weight bytes by role and storage format."""
     gguf_types: str = ""
@@ -80,8 +90,9 @@ class LoadedModel:
 
     def kv_cache_dtype(self, name: str = "auto") -> torch.dtype:
         """`CacheConfig.kv_cache_dtype` for this model (see `DeviceProfile.kv_cache_dtype`)."""
-        # fp8's CPU path is a reference for its GPU numbers: its K/V stay in the model's dtype
-        quantized = self.quantization not in ("none", "fp8")
+        # q4/q8 weights (the CPU kernels) take a 16-bit cache by default; fp8's CPU path is a
+        # reference for its GPU numbers: its K/V stay in the model's dtype, as float models' do
+        quantized = any(g.fmt in ("q4", "q8") for g in self.weight_groups)
         return self.profile.kv_cache_dtype(name, self.dtype, quantized)
 
     def summary(self) -> str:
@@ -150,6 +161,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     the attention backend `config.attention_backend` names (auto: the best for that device)."""
     start = time.perf_counter()
     source = resolve_model(config.model)
+    prequantized: PrequantizedCheckpoint | None = None
     if source.kind == "gguf":
         from llmserve.model_executor.model_loader.gguf_loader import GGUFCheckpoint
 
@@ -166,8 +178,11 @@ def load_model(config: ModelConfig) -> LoadedModel:
         fmt, files = hf_folder.weight_files(source.path)
         num_tensors = hf_folder.count_tensors(fmt, files)
         tensor_types = None
+        prequantized = _prequantized(hf_config, fmt, files)
 
         def weights(dtype: torch.dtype, keep_quantized: Any) -> Iterator[tuple[str, Any, str]]:
+            if prequantized is not None:
+                return prequantized.weights(hf_folder.iter_weights(fmt, files, None), target, dtype)
             return hf_folder.iter_weights(fmt, files, dtype)
 
     archs = getattr(hf_config, "architectures", None)
@@ -176,6 +191,11 @@ def load_model(config: ModelConfig) -> LoadedModel:
     ):
         from llmserve.model_executor.transformers_runner import load_transformers_model
 
+        if prequantized is not None:
+            raise ValueError(
+                f"{source.name} is pre-quantized ({prequantized.quant.describe()}): that needs "
+                f"llmserve's own implementation of the architecture, and {archs} runs on transformers'"
+            )
         if config.quantization == "fp8" or config.cpu_offload_gb:
             raise ValueError(
                 f"quantization 'fp8' and cpu_offload_gb need llmserve's own implementation; {archs} runs "
@@ -184,7 +204,6 @@ def load_model(config: ModelConfig) -> LoadedModel:
         why = "asked for" if config.model_impl == "transformers" else f"no native implementation of {archs}"
         return load_transformers_model(config, source, hf_config, why)
     model_cls = resolve_model_class(archs, str(source.path))
-    check_checkpoint(hf_config)
     device = resolve_device(config.device)
     profile = build_profile(device, config.attention_backend, config.enforce_eager)
     dtype = profile.model_dtype(config.dtype, hf_config)
@@ -198,7 +217,12 @@ def load_model(config: ModelConfig) -> LoadedModel:
     with torch.device(device), _default_dtype(dtype):
         model = model_cls(hf_config, get_attention_backend(profile.attention_backend, device))
         # Quantized layers replace float ones before loading: the float tensors were never written.
-        plan = plan_quantization(config.quantization, model, device, dtype, tensor_types)
+        target: Target = "float"
+        if prequantized is None:
+            plan = plan_quantization(config.quantization, model, device, dtype, tensor_types)
+        else:
+            target = resolve_target(prequantized.quant, config.quantization, device, dtype)
+            plan = _prequantized_plan(prequantized, target, model, device, dtype)
         if plan is not None:
             quantize_modules(model, plan)
 
@@ -219,7 +243,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
             m.act_bits = 8 if int8_activations else 16
     if linear_kernel == "onednn":
         model.use_onednn()  # same bytes, reordered; packed tensors stay parameters
-    if plan is not None and plan.method == "fp8":
+    if plan is not None and "fp8" in plan.formats.values():
         use_fp8_kernel(model, device)
     if plan is not None:
         kernels = plan.kernel or cpu_kernels.kernels()
@@ -257,7 +281,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
         load_seconds=time.perf_counter() - start,
         max_model_len=max_model_len,
         linear_kernel=linear_kernel,
-        quantization="none" if plan is None else plan.method,
+        quantization=_quantization_label(plan, prequantized, target),
         weight_groups=groups,
         gguf_types=gguf_type_report(tensor_types)
         if plan is not None and plan.method == "auto" and tensor_types
@@ -268,6 +292,32 @@ def load_model(config: ModelConfig) -> LoadedModel:
     )
     logger.info(loaded.summary())
     return loaded
+
+
+def _prequantized(hf_config: Any, fmt: str, files: list) -> PrequantizedCheckpoint | None:
+    """The checkpoint's own quantization (GPTQ, AWQ, FP8), or None for a float checkpoint."""
+    quant = read_checkpoint_quantization(hf_config)
+    if quant is None:
+        return None
+    if fmt != "safetensors":
+        raise ValueError(f"pre-quantized checkpoints ({quant.describe()}) are read from safetensors only")
+    return PrequantizedCheckpoint.scan(quant, hf_folder.tensor_dtypes(files))
+
+
+def _prequantized_plan(
+    ckpt: PrequantizedCheckpoint, target: Target, model: CausalLM, device: torch.device, dtype: torch.dtype
+) -> QuantizationPlan | None:
+    if target in ("q4", "q8"):  # an explicit int4/int8 where the CPU kernels cannot run is refused
+        check_supported("int4" if target == "q4" else "int8", device, dtype)
+    return ckpt.plan(target, model, fp8_kernel_name(device) if target == "fp8" else "")
+
+
+def _quantization_label(
+    plan: QuantizationPlan | None, ckpt: PrequantizedCheckpoint | None, target: str
+) -> str:
+    if ckpt is not None:
+        return f"{ckpt.quant.describe()} -> {'float (dequantized)' if target == 'float' else target}"
+    return "none" if plan is None else plan.method
 
 
 def _num_params(model: torch.nn.Module) -> int:

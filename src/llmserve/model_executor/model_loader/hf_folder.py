@@ -101,13 +101,27 @@ def load_bin_safely(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def iter_weights(kind: str, files: list[Path], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor, str]]:
-    """(name, tensor in `dtype`, file) for every tensor of the checkpoint, one file at a time."""
+def tensor_dtypes(files: list[Path]) -> dict[str, str]:
+    """Safetensors tensor name -> its stored dtype ("F16", "I32", "F8_E4M3"...), headers only."""
+    dtypes: dict[str, str] = {}
+    for f in files:
+        with _open_safetensors(f) as sf:
+            for name in sf.keys():  # noqa: SIM118 - safe_open is not a mapping
+                dtypes[name] = sf.get_slice(name).get_dtype()
+    return dtypes
+
+
+def iter_weights(
+    kind: str, files: list[Path], dtype: torch.dtype | None
+) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """(name, tensor in `dtype`, file) for every tensor of the checkpoint, one file at a time
+    (dtype None: as stored, for pre-quantized checkpoints' integer and float8 tensors)."""
     for f in files:
         if kind == "safetensors":
             with _open_safetensors(f) as sf:
                 for name in sf.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    yield name, sf.get_tensor(name).to(dtype), str(f)
+                    t = sf.get_tensor(name)
+                    yield name, t if dtype is None else t.to(dtype), str(f)
         else:
             for name, tensor in load_bin_safely(f).items():
-                yield name, tensor.to(dtype), str(f)
+                yield name, tensor if dtype is None else tensor.to(dtype), str(f)

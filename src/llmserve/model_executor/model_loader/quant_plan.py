@@ -15,6 +15,9 @@ files, the type each tensor has on disk.
            requantized from float; the load report says which (`gguf_type_report`). Float
            checkpoints (HF folders, F32/F16/BF16 GGUF files) stay float.
 
+A pre-quantized HF checkpoint (GPTQ, AWQ, FP8: `quantization_config`) brings its own plan instead
+(prequantized.py): its quantized layers keep their format, `auto` being the checkpoint's method.
+
 q8 / q4 layers run on the CPU only (llmserve's C++ kernels, picked by CPU features). fp8 runs
 `torch._scaled_mm` on CUDA devices of compute capability >= 8.9 and a float32 reference path
 elsewhere (the CPU, older GPUs: correct, slower than float, meant for tests).
@@ -24,7 +27,6 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from typing import Any
 
 import torch
 
@@ -123,17 +125,20 @@ def _fp8_plan(model: CausalLM, device: torch.device, tensor_types: dict[str, str
             f"({', '.join(kinds)}): use quantization 'auto' to keep its blocks, 'int8'/'int4', or load "
             f"a float checkpoint (HF folder, or an F16/BF16/F32 GGUF) with 'fp8'"
         )
-    kernel = fp8_kernel(device)
-    if kernel == "reference":
-        logger.warning(
-            "quantization fp8 on %s: no FP8 tensor cores (CUDA compute capability >= 8.9 needed), so "
-            "fp8 runs the float32 reference path: the FP8 model's numbers, slower than the float model",
-            device,
-        )
     formats: dict[str, PlanFormat] = {p: "fp8" for p, m in model.named_modules() if isinstance(m, Linear)}
-    return QuantizationPlan(
-        "fp8", formats, kernel="torch._scaled_mm" if kernel == "scaled_mm" else "float32 reference"
+    return QuantizationPlan("fp8", formats, kernel=fp8_kernel_name(device))
+
+
+def fp8_kernel_name(device: torch.device) -> str:
+    """What runs fp8 matmuls on `device`, for the load report; warns when it is the reference."""
+    if fp8_kernel(device) == "scaled_mm":
+        return "torch._scaled_mm"
+    logger.warning(
+        "fp8 weights on %s: no FP8 tensor cores (CUDA compute capability >= 8.9 needed), so fp8 runs "
+        "the float32 reference path: the FP8 model's numbers, slower than the float model",
+        device,
     )
+    return "float32 reference"
 
 
 def use_fp8_kernel(model: torch.nn.Module, device: torch.device) -> None:
@@ -142,19 +147,6 @@ def use_fp8_kernel(model: torch.nn.Module, device: torch.device) -> None:
     for m in model.modules():
         if isinstance(m, Fp8Linear):
             m.use_kernel(kernel)
-
-
-def check_checkpoint(hf_config: Any) -> None:
-    """Refuse, with a clear message, checkpoints stored pre-quantized in FP8 (`quantization_config`
-    with quant_method fp8 / compressed-tensors): their e4m3 tensors and `weight_scale`s are not
-    read yet. The float checkpoint with `quantization 'fp8'` gives the same kind of model."""
-    qc = getattr(hf_config, "quantization_config", None)
-    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
-    if method in ("fp8", "compressed-tensors"):
-        raise ValueError(
-            f"this checkpoint is stored pre-quantized ({method}); llmserve does not read pre-quantized "
-            f"FP8 checkpoints yet: load the float (bf16) checkpoint with quantization 'fp8' instead"
-        )
 
 
 def _is_quantized(tensor_types: dict[str, str]) -> bool:
