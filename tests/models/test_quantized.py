@@ -29,6 +29,7 @@ _ORDER = ["avx512_vnni", "avx2", "torch"]
 KERNEL_SETS = _ORDER[_ORDER.index(cpu_kernels.best_kernels()) :]  # every kernel set this CPU runs
 PROMPTS = [[5, 17, 99, 3], [200, 1, 1, 45, 67, 300, 12, 9, 8, 7, 6, 5, 4, 3, 2, 11, 400, 401, 402, 25], [42]]
 LLAMA_FAMILY = ["llama", "llama3-rope-tied", "mistral-sliding", "qwen2", "qwen3"]
+MOE = ["mixtral", "qwen2-moe", "qwen3-moe"]  # the fused decoder runs their experts too
 _LINEAR = re.compile(r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|c_attn|c_proj|c_fc)\.weight$")
 # transformers keeps a MoE layer's experts stacked in memory: [experts, out, in] (gate rows, then up)
 _EXPERTS = re.compile(r"experts\.(gate_up_proj|down_proj)$")
@@ -155,7 +156,7 @@ def test_weights_take_their_quantized_size(pair):
 
 
 @pytest.mark.parametrize("kv_cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("name", LLAMA_FAMILY)
+@pytest.mark.parametrize("name", LLAMA_FAMILY + MOE)
 def test_fused_decode_matches_layer_by_layer(tmp_path, name, kv_cache_dtype):
     """Three sequences of different lengths decode 12 steps (past the sliding window of the
     Mistral config, across blocks placed out of order) with the fused step and without."""
@@ -195,7 +196,7 @@ def test_fused_decode_matches_layer_by_layer(tmp_path, name, kv_cache_dtype):
 
 @pytest.mark.parametrize("kv_cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("cpu_activations", ["int16", "int8"])
-@pytest.mark.parametrize("name", ["llama", "mistral-sliding", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "mistral-sliding", "qwen3", "qwen2-moe"])
 def test_fused_rows_do_not_depend_on_the_batch(tmp_path, name, cpu_activations, kv_cache_dtype):
     """A token's logits are the same to the bit whether it is decoded alone or among other tokens
     of its sequence and of another (a speculative step, a batch), over a context spanning several

@@ -104,6 +104,8 @@ float max_of(const float* x, int64_t n) {
   return m;
 }
 
+}  // namespace
+
 // a[i] = silu(g[i]) * u[i] = g[i] / (1 + e^{-g[i]}) * u[i]
 void silu_mul(const float* g, const float* u, int64_t n, float* a) {
   int64_t i = 0;
@@ -117,6 +119,8 @@ void silu_mul(const float* g, const float* u, int64_t n, float* a) {
   }
   for (; i < n; ++i) a[i] = g[i] / (1.0f + fast_exp(-g[i])) * u[i];
 }
+
+namespace {
 
 void rms_norm(const float* x, const float* w, float eps, int64_t n, float* out) {
   float ss = 0.f;
@@ -436,6 +440,8 @@ void attend_chunk(const Decoder& dec, const float* q, int64_t q_stride, int64_t 
 // threads from this many tokens up; below it, one thread does it faster than two can start.
 constexpr int64_t kParallelTokens = 4;
 
+}  // namespace
+
 void linear(const QuantLinear& w, const float* x, int64_t M, float* out) {
   GemmArgs a;
   a.x = x;
@@ -452,8 +458,6 @@ void linear(const QuantLinear& w, const float* x, int64_t M, float* out) {
   a.act_bits = w.act_bits;
   gemm(w.bits, a);
 }
-
-}  // namespace
 
 // Work items for this layer's attention: runs of up to kRun consecutive tokens of one sequence,
 // for each KV head, over each grid chunk that any of them sees (causal: up to its own position;
@@ -490,15 +494,25 @@ void Decoder::plan_attention(int64_t T, const int64_t* positions, const int64_t*
   if (part_mx.size() < n * G) part_mx.resize(n * G), part_l.resize(n * G);
 }
 
+int64_t Decoder::mlp_width() const {
+  int64_t width = I;
+  for (const Layer& L : layers) {
+    for (const QuantLinear& w : L.moe.down) width = std::max(width, w.K);
+    width = std::max(width, L.moe.shared_down.K);
+  }
+  return width;
+}
+
 void Decoder::fit(int64_t M) {
   const int64_t qkv_n = (Hq + 2 * Hkv) * D;
   if (M <= capacity) return;
+  const int64_t width = mlp_width();
   res.resize(M * H);
   h.resize(M * H);
   qkv.resize(M * qkv_n);
   attn.resize(M * Hq * D);
-  gate_up.resize(M * 2 * I);
-  act.resize(M * I);
+  gate_up.resize(M * 2 * width);
+  act.resize(M * width);
   capacity = M;
 }
 
@@ -603,7 +617,12 @@ void Decoder::forward(const float* x, int64_t M, const int64_t* positions, const
       for (int64_t i = 0; i < H; ++i) r[i] += o[i];
       rms_norm(r, L.post_norm, eps, H, h_ + m * H);
     }
-    // 6. gated MLP: silu(gate) * up, then down (its output stays in h for the next layer)
+    // 6. gated MLP: silu(gate) * up, then down (its output stays in h for the next layer); or
+    //    the mixture of experts the router picks per token
+    if (L.moe.E) {
+      moe_mlp(L.moe, M, h_);
+      continue;
+    }
     linear(L.gate_up, h_, M, gu_);
 #pragma omp parallel for schedule(static) if (M >= kParallelTokens)
     for (int64_t m = 0; m < M; ++m) {

@@ -23,6 +23,16 @@ struct QuantLinear {
   int act_bits = 16;  // GemmArgs::act_bits
 };
 
+// A sparse mixture-of-experts MLP (layers/moe.py): a float router picks k of E gated experts per token.
+struct Moe {
+  int64_t E = 0, k = 0;           // E == 0: the layer's MLP is dense (Layer::gate_up, down)
+  bool renormalize = false;       // the top-k weights divided by their sum
+  const float* router = nullptr;  // [E, H] float32
+  std::vector<QuantLinear> gate_up, down;  // per expert: [gate | up] rows [2 I_e, H], down [H, I_e]
+  QuantLinear shared_gate_up, shared_down;  // a shared expert (Qwen2-MoE), N == 0 where none
+  const float* shared_gate = nullptr;       // [H]: sigmoid(h . shared_gate) scales the shared expert
+};
+
 struct Layer {
   const float* input_norm = nullptr;
   QuantLinear qkv;
@@ -34,6 +44,7 @@ struct Layer {
   QuantLinear down;
   void* kv_cache = nullptr;  // [2, Hkv, num_blocks, block_size, row] of the cache type (int8 rows: D + 2 ceil(D/32) bytes)
   int64_t window = 0;        // sliding window, 0 = full attention
+  Moe moe;
 };
 
 // Attention is computed on a fixed grid of positions, chunks [c * kChunk, (c + 1) * kChunk), the same
@@ -66,6 +77,9 @@ struct Decoder {
 
  private:
   void fit(int64_t M);
+  int64_t mlp_width() const;  // the widest MLP (dense or expert) of any layer
+  // h [M, H] (the post-attention norm's output) -> the MoE block's output, in place (decoder_moe.cpp)
+  void moe_mlp(const Moe& moe, int64_t M, float* h);
   void plan_attention(int64_t T, const int64_t* positions, const int64_t* token_seqs, int64_t window);
   int64_t capacity = 0;
   std::vector<float> res, h, qkv, attn, gate_up, act;
@@ -73,7 +87,13 @@ struct Decoder {
   std::vector<int64_t> lo, hi;       // each token's visible positions [lo, hi)
   std::vector<int64_t> group_items;  // per (token, KV head): its items are [first, last), 2 entries
   std::vector<float> part_o, part_mx, part_l;  // per slot and query head: o [D], mx, l
+  std::vector<float> moe_x, moe_y, moe_out, moe_w;   // expert rows in and out, the block's sum, weights
+  std::vector<int64_t> moe_ids, moe_rows;           // each token's chosen experts; one expert's pairs
 };
+
+// Shared with decoder_moe.cpp (defined in decoder_stack.cpp).
+void linear(const QuantLinear& w, const float* x, int64_t M, float* out);  // out [M, N] = x [M, K] W.T (+ b)
+void silu_mul(const float* g, const float* u, int64_t n, float* a);        // a = silu(g) * u
 
 // Dispatch to the kernel set in use (module.cpp).
 void gemm(int bits, const GemmArgs& a);

@@ -122,17 +122,58 @@ bool parse_linear(PyObject* t, QuantLinear* q) {
   return true;
 }
 
-// (input_norm, qkv, q_norm, k_norm, o, post_norm, gate_up, down, kv_cache, window)
-bool parse_layer(PyObject* t, Layer* L) {
-  if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 10) {
-    PyErr_SetString(PyExc_TypeError, "a layer is a tuple of 10 entries");
+bool parse_linears(PyObject* list, std::vector<QuantLinear>* out) {
+  if (!PyList_Check(list)) {
+    PyErr_SetString(PyExc_TypeError, "experts' layers are a list");
     return false;
   }
+  out->resize(PyList_GET_SIZE(list));
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); ++i)
+    if (!parse_linear(PyList_GET_ITEM(list, i), &(*out)[i])) return false;
+  return true;
+}
+
+// None (a dense MLP), or (E, k, renormalize, router, [gate_up], [down], shared_gate_up | None,
+// shared_down | None, shared_gate)
+bool parse_moe(PyObject* t, Moe* moe) {
+  if (t == Py_None) return true;
+  if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 9) {
+    PyErr_SetString(PyExc_TypeError, "a MoE block is a tuple of 9 entries");
+    return false;
+  }
+  int64_t renormalize = 0;
+  if (!item_ll(t, 0, &moe->E) || !item_ll(t, 1, &moe->k) || !item_ll(t, 2, &renormalize) ||
+      !item_ptr(t, 3, const_cast<float**>(&moe->router)) || !parse_linears(PyTuple_GET_ITEM(t, 4), &moe->gate_up) ||
+      !parse_linears(PyTuple_GET_ITEM(t, 5), &moe->down) || !item_ptr(t, 8, const_cast<float**>(&moe->shared_gate)))
+    return false;
+  moe->renormalize = renormalize != 0;
+  PyObject *sgu = PyTuple_GET_ITEM(t, 6), *sd = PyTuple_GET_ITEM(t, 7);
+  if (sgu != Py_None && (!parse_linear(sgu, &moe->shared_gate_up) || !parse_linear(sd, &moe->shared_down)))
+    return false;
+  const bool shared_ok = (sgu == Py_None) == (sd == Py_None) && (sgu == Py_None || moe->shared_gate != nullptr);
+  if (moe->E <= 0 || moe->k <= 0 || moe->k > moe->E || static_cast<int64_t>(moe->gate_up.size()) != moe->E ||
+      static_cast<int64_t>(moe->down.size()) != moe->E || !shared_ok) {
+    PyErr_SetString(PyExc_ValueError, "decoder_new: inconsistent MoE block");
+    return false;
+  }
+  return true;
+}
+
+// (input_norm, qkv, q_norm, k_norm, o, post_norm, gate_up, down, kv_cache, window, moe); a MoE
+// layer's gate_up and down are None
+bool parse_layer(PyObject* t, Layer* L) {
+  if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 11) {
+    PyErr_SetString(PyExc_TypeError, "a layer is a tuple of 11 entries");
+    return false;
+  }
+  PyObject* moe = PyTuple_GET_ITEM(t, 10);
+  const bool dense = moe == Py_None;
   return item_ptr(t, 0, const_cast<float**>(&L->input_norm)) && parse_linear(PyTuple_GET_ITEM(t, 1), &L->qkv) &&
          item_ptr(t, 2, const_cast<float**>(&L->q_norm)) && item_ptr(t, 3, const_cast<float**>(&L->k_norm)) &&
          parse_linear(PyTuple_GET_ITEM(t, 4), &L->o) && item_ptr(t, 5, const_cast<float**>(&L->post_norm)) &&
-         parse_linear(PyTuple_GET_ITEM(t, 6), &L->gate_up) && parse_linear(PyTuple_GET_ITEM(t, 7), &L->down) &&
-         item_ptr(t, 8, &L->kv_cache) && item_ll(t, 9, &L->window);
+         (!dense || parse_linear(PyTuple_GET_ITEM(t, 6), &L->gate_up)) &&
+         (!dense || parse_linear(PyTuple_GET_ITEM(t, 7), &L->down)) && item_ptr(t, 8, &L->kv_cache) &&
+         item_ll(t, 9, &L->window) && parse_moe(moe, &L->moe);
 }
 
 void free_decoder(PyObject* capsule) {

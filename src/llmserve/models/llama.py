@@ -27,6 +27,7 @@ from llmserve.layers.attention import Attention, AttentionBackend, AttentionMeta
 from llmserve.layers.layernorm import RMSNorm
 from llmserve.layers.linear import Linear
 from llmserve.layers.mlp import GatedMLP
+from llmserve.layers.moe import SparseMoE
 from llmserve.layers.quantization.fused_decoder import DecoderLayerSpec, DecoderSpec
 from llmserve.layers.rotary_embedding import RotaryEmbedding, RotaryInputs, rope_parameters
 from llmserve.layers.vocab_embedding import LMHead, VocabEmbedding
@@ -165,11 +166,8 @@ class LlamaModel(nn.Module):
             x, residual = layer(x, residual, rotary, kv_cache, md)
         return self.norm(x, residual)[0]
 
-    def decoder_spec(self) -> DecoderSpec | None:
-        """The stack for the fused CPU decoder; None when a layer's MLP is not a dense gated one
-        (mixture-of-experts layers run layer by layer)."""
-        if not all(isinstance(layer.mlp, GatedMLP) for layer in self.layers):
-            return None
+    def decoder_spec(self) -> DecoderSpec:
+        """The stack for the fused CPU decoder (each layer's MLP dense or a mixture of experts)."""
         c = self.config
         attn0 = self.layers[0].self_attn
         layers = [
@@ -180,9 +178,10 @@ class LlamaModel(nn.Module):
                 k_norm=layer.self_attn.k_norm,
                 o=layer.self_attn.o_proj,
                 post_norm=layer.post_attention_layernorm,
-                gate_up=layer.mlp.gate_up_proj,
-                down=layer.mlp.down_proj,
+                gate_up=None if isinstance(layer.mlp, SparseMoE) else layer.mlp.gate_up_proj,
+                down=None if isinstance(layer.mlp, SparseMoE) else layer.mlp.down_proj,
                 sliding_window=layer.self_attn.attn.params.sliding_window,
+                moe=layer.mlp if isinstance(layer.mlp, SparseMoE) else None,
             )
             for layer in self.layers
         ]
@@ -226,5 +225,5 @@ class LlamaForCausalLM(CausalLM):
         c = self.config
         return KVCacheShape(c.num_hidden_layers, c.num_key_value_heads, head_dim_of(c))
 
-    def decoder_spec(self) -> DecoderSpec | None:
+    def decoder_spec(self) -> DecoderSpec:
         return self.model.decoder_spec()

@@ -21,6 +21,7 @@ import torch
 from llmserve.layers.attention import AttentionMetadata
 from llmserve.layers.layernorm import RMSNorm
 from llmserve.layers.linear import Linear
+from llmserve.layers.moe import SparseMoE
 from llmserve.layers.quantization import cpu_kernels
 from llmserve.layers.quantization.layers import QuantizedLinear
 from llmserve.layers.rotary_embedding import RotaryEmbedding
@@ -36,9 +37,11 @@ class DecoderLayerSpec:
     k_norm: RMSNorm | None
     o: Linear
     post_norm: RMSNorm
-    gate_up: Linear  # [gate | up] rows
-    down: Linear
+    gate_up: Linear | None  # [gate | up] rows; None where `moe` is the MLP
+    down: Linear | None
     sliding_window: int | None
+    moe: SparseMoE | None = None
+    """A mixture-of-experts MLP (run by csrc/decoder_moe.cpp) instead of gate_up / down."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,11 +74,16 @@ def unsupported_reason(spec: DecoderSpec, kv_caches: list[torch.Tensor]) -> str 
     if spec.rotary.rotary_dim % 2 or spec.rotary.rotary_dim > spec.head_dim:
         return "rotary dims"
     for layer in spec.layers:
-        linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
+        linears = [layer.qkv, layer.o, *_mlp_linears(layer)]
         if not all(isinstance(m, QuantizedLinear) and m.qweight is not None for m in linears):
             return "float linear layers"
         if any(m.input_perm is not None for m in linears):  # type: ignore[union-attr]
             return "act-order input permutations (GPTQ desc_act)"
+        if layer.moe is not None and any(
+            w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous()
+            for w in _routers(layer.moe)
+        ):
+            return "MoE router weights are not float32 on the CPU"
         for n in [*_norms(layer), spec.final_norm]:
             if n.weight_offset or n.weight.dtype != torch.float32 or n.weight.device.type != "cpu":
                 return "norm weights are not float32 on the CPU"
@@ -83,6 +91,40 @@ def unsupported_reason(spec: DecoderSpec, kv_caches: list[torch.Tensor]) -> str 
         if cache.device.type != "cpu" or cache.dtype not in _CACHE_TYPES or not cache.is_contiguous():
             return f"KV cache {cache.dtype} on {cache.device}"
     return None
+
+
+def _mlp_linears(layer: DecoderLayerSpec) -> list[Linear]:
+    """The MLP's linear layers: gate_up and down, or every expert's (and the shared expert's)."""
+    if layer.moe is None:
+        return [layer.gate_up, layer.down]  # type: ignore[list-item]
+    experts = [
+        *layer.moe.experts,
+        *([layer.moe.shared_expert] if layer.moe.shared_expert is not None else []),
+    ]
+    return [lin for e in experts for lin in (e.gate_up_proj, e.down_proj)]
+
+
+def _routers(moe: SparseMoE) -> list[torch.Tensor]:
+    gate = moe.shared_expert_gate
+    return [moe.gate.weight, *([gate.weight] if gate is not None else [])]
+
+
+def _moe(moe: SparseMoE | None) -> tuple | None:
+    """A MoE block as decoder_new takes it (csrc/module.cpp, parse_moe), or None for a dense MLP."""
+    if moe is None:
+        return None
+    shared, gate = moe.shared_expert, moe.shared_expert_gate
+    return (
+        moe.num_experts,
+        moe.top_k,
+        int(moe.renormalize),
+        moe.gate.weight.data_ptr(),
+        [_linear(e.gate_up_proj) for e in moe.experts],  # type: ignore[arg-type]
+        [_linear(e.down_proj) for e in moe.experts],  # type: ignore[arg-type]
+        None if shared is None else _linear(shared.gate_up_proj),  # type: ignore[arg-type]
+        None if shared is None else _linear(shared.down_proj),  # type: ignore[arg-type]
+        0 if gate is None else gate.weight.data_ptr(),
+    )
 
 
 def _linear(m: QuantizedLinear) -> tuple[int, ...]:
@@ -114,10 +156,11 @@ class FusedDecoder:
                     addr(layer.k_norm),
                     _linear(layer.o),  # type: ignore[arg-type]
                     addr(layer.post_norm),
-                    _linear(layer.gate_up),  # type: ignore[arg-type]
-                    _linear(layer.down),  # type: ignore[arg-type]
+                    None if layer.moe is not None else _linear(layer.gate_up),  # type: ignore[arg-type]
+                    None if layer.moe is not None else _linear(layer.down),  # type: ignore[arg-type]
                     kv.data_ptr(),
                     int(layer.sliding_window or 0),
+                    _moe(layer.moe),
                 )
             )
         config = (
