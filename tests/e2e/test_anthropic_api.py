@@ -8,7 +8,9 @@ bad requests are 4xx in Anthropic's error shape while the server keeps serving."
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import anthropic
 import httpx
@@ -17,6 +19,7 @@ import pytest
 from anthropic.types import Message, RawMessageStreamEvent
 from pydantic import TypeAdapter
 
+from llmserve.server.errors import anthropic_error_body
 from tests.e2e.conftest import CHAT_TEMPLATE, MODEL_NAME, ServerProcess
 from tests.models.tiny import make_tiny_model_eos0
 
@@ -36,13 +39,19 @@ GREEDY = {"extra_body": {"temperature": 0}}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """The tiny Llama (EOS <|endoftext|>, ChatML) behind an API key; `--reasoning-parser think`
-    splits `<think>` off on every route, so a prefilled `<think>` makes the model think."""
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with EOS <|endoftext|> and the ChatML template."""
     folder = tmp_path_factory.mktemp("anthropic")
     make_tiny_model_eos0(folder)
     config = json.loads((folder / "tokenizer_config.json").read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(folder: Path) -> Iterator[ServerProcess]:
+    """The tiny model behind an API key; `--reasoning-parser think` splits `<think>` off on every
+    route, so a prefilled `<think>` makes the model think."""
     proc = ServerProcess(folder, "--api-key", KEY, "--reasoning-parser", "think").start()
     yield proc
     proc.stop()
@@ -288,3 +297,68 @@ def test_bad_bodies_and_paths(server: ServerProcess) -> None:
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     r = httpx.get(f"{server.url}/v1/messages", headers=headers)
     assert r.status_code == 404 and r.json()["type"] == "error"
+
+
+def test_error_statuses() -> None:
+    """A full queue is Anthropic's 529 overloaded_error (the client retries it), a failure a 500 api_error."""
+    assert anthropic_error_body(429, "full")[0] == 529
+    assert anthropic_error_body(429, "full")[1]["error"]["type"] == "overloaded_error"
+    assert anthropic_error_body(500, "x")[1] == {
+        "type": "error",
+        "error": {"type": "api_error", "message": "x"},
+    }
+
+
+def stats(server: ServerProcess) -> dict:
+    return httpx.get(f"{server.url}/stats", headers={"x-api-key": KEY}, timeout=10).json()
+
+
+def test_a_client_that_leaves_a_stream_aborts_it(client: anthropic.Anthropic, server: ServerProcess) -> None:
+    """The whole answer takes `long` steps (greedy, this prompt meets no EOS on the way); a
+    stream left after a few events frees its request long before that."""
+    long, hello = 1500, [{"role": "user", "content": "Hello"}]
+    before = stats(server)["num_steps"]
+    whole = client.messages.create(model=MODEL_NAME, max_tokens=long, messages=hello, **GREEDY)
+    assert whole.usage.output_tokens == long
+    steps_alone = stats(server)["num_steps"] - before
+    with client.messages.stream(model=MODEL_NAME, max_tokens=long, messages=hello, **GREEDY) as stream:
+        for seen, _ in enumerate(stream):
+            if seen == 5:
+                break
+    deadline = time.monotonic() + 10
+    while stats(server)["num_active_requests"]:
+        assert time.monotonic() < deadline, stats(server)
+        time.sleep(0.05)
+    assert stats(server)["num_steps"] - before - steps_alone < steps_alone // 2
+
+
+@pytest.fixture(scope="module")
+def proxy(
+    server: ServerProcess, folder: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """A server whose model `up` is the tiny server, reached as an OpenAI upstream."""
+    config = tmp_path_factory.mktemp("anthropic-proxy") / "models.yaml"
+    config.write_text(f"models:\n  - name: up\n    engine: openai\n    source: {server.url}/v1\n"
+                      f"    options: {{model: {MODEL_NAME}, api_key: {KEY}}}\n")  # fmt: skip
+    proc = ServerProcess([], "--config", str(config), served_name=None, log_dir=config.parent).start()
+    yield proc
+    proc.stop()
+
+
+def test_a_remote_model_answers_the_same(client: anthropic.Anthropic, proxy: ServerProcess) -> None:
+    """Sent upstream as the chat request it means: the same text and counts, whole and streamed;
+    a forced tool call comes back as a tool_use block; count_tokens needs a native model."""
+    remote = anthropic.Anthropic(base_url=proxy.url, api_key="unused", max_retries=0)
+    kwargs = {"max_tokens": 12, "messages": USER, "system": "Be brief.", **GREEDY}
+    native = client.messages.create(model=MODEL_NAME, **kwargs)
+    relayed = remote.messages.create(model="up", **kwargs)
+    assert text_of(relayed) == text_of(native) and relayed.stop_reason == native.stop_reason == "max_tokens"
+    assert relayed.usage.input_tokens == native.usage.input_tokens
+    with remote.messages.stream(model="up", **kwargs) as stream:
+        assert stream.get_final_message().content[0].text == text_of(native)
+    called = remote.messages.create(model="up", max_tokens=100, messages=USER, tools=TOOLS, **GREEDY,
+                                    tool_choice={"type": "tool", "name": "get_weather"})  # fmt: skip
+    (call,) = tool_uses(called)
+    assert called.stop_reason == "tool_use" and call.name == "get_weather"
+    with pytest.raises(anthropic.BadRequestError):
+        remote.messages.count_tokens(model="up", messages=USER)
