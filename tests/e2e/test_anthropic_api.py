@@ -203,6 +203,15 @@ def test_tool_use_round_trip(client: anthropic.Anthropic) -> None:
     counts = [client.messages.count_tokens(model=MODEL_NAME, messages=history(r), tools=TOOLS).input_tokens
               for r in ("12 C", "12 C, sunny, light wind")]  # fmt: skip
     assert counts[1] > counts[0]
+    # text blocks as the result are the same result; an error is marked as one
+    blocks = history([{"type": "text", "text": "12 C"}])
+    assert (
+        client.messages.count_tokens(model=MODEL_NAME, messages=blocks, tools=TOOLS).input_tokens == counts[0]
+    )
+    blocks[-1]["content"][0]["is_error"] = True
+    assert (
+        client.messages.count_tokens(model=MODEL_NAME, messages=blocks, tools=TOOLS).input_tokens > counts[0]
+    )
 
 
 def test_tool_use_streamed(client: anthropic.Anthropic) -> None:
@@ -230,6 +239,31 @@ def test_thinking_blocks(client: anthropic.Anthropic) -> None:
     check_order(events)
     assert {e.delta.type for e in events if e.type == "content_block_delta"} == {"thinking_delta"}
     assert final.content[0].thinking == whole.content[0].thinking
+
+
+def test_prefill_continues_and_an_empty_one_is_left_out(client: anthropic.Anthropic) -> None:
+    """A final assistant message is continued (its text is the prompt's end, no turn closes it);
+    an empty one changes nothing."""
+    whole = client.messages.create(model=MODEL_NAME, max_tokens=12, messages=USER, **GREEDY)
+    empty = [*USER, {"role": "assistant", "content": []}]
+    assert text_of(
+        client.messages.create(model=MODEL_NAME, max_tokens=12, messages=empty, **GREEDY)
+    ) == text_of(whole)
+    head = [*USER, {"role": "assistant", "content": "Sure, the"}]
+    rest = client.messages.create(model=MODEL_NAME, max_tokens=4, messages=head, **GREEDY)
+    closed = client.messages.count_tokens(
+        model=MODEL_NAME, messages=[*head, {"role": "user", "content": "x"}]
+    )
+    assert text_of(rest) and whole.usage.input_tokens < rest.usage.input_tokens < closed.input_tokens
+
+
+def test_output_config_format(client: anthropic.Anthropic) -> None:
+    """A JSON schema the answer follows (structured outputs)."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["a"], "additionalProperties": False}  # fmt: skip
+    r = client.messages.create(model=MODEL_NAME, max_tokens=40, messages=USER, **GREEDY,
+                               output_config={"format": {"type": "json_schema", "schema": schema}})  # fmt: skip
+    jsonschema.validate(json.loads(text_of(r)), schema)
 
 
 def test_auth(server: ServerProcess) -> None:

@@ -126,8 +126,14 @@ def template_kwargs(req: CountTokensRequest) -> dict[str, Any] | None:
 def render(
     ctx: ServingContext, req: CountTokensRequest, messages: list[ChatMessage], plan: ToolPlan
 ) -> list[int]:
-    """The prompt's token ids; a final assistant message is continued (prefill)."""
-    prefill = messages[-1].role == "assistant"
+    """The prompt's token ids; a final assistant message with text is continued (prefill), an
+    empty one left out (the answer starts afresh)."""
+    last = messages[-1]
+    if last.role == "assistant" and not last.content and not last.tool_calls:
+        messages = messages[:-1]
+    if not any(m.role != "system" for m in messages):
+        raise APIError(400, "messages: the conversation has no content", param="messages")
+    prefill = messages[-1].role == "assistant" and bool(messages[-1].content)
     return render_chat(ctx, messages, add_generation_prompt=not prefill, continue_final_message=prefill,
                        extra=template_kwargs(req), tools=plan.tools, fmt=plan.fmt)  # fmt: skip
 
