@@ -73,10 +73,9 @@ def _text(blocks: str | list[dict[str, Any]], where: str) -> str:
 
 
 def chat_messages(req: CountTokensRequest) -> list[ChatMessage]:
-    """The conversation as the chat messages /v1/chat/completions takes (see the module's table).
-    A tool_result must answer a tool_use of an earlier assistant turn (its name comes from there)."""
+    """The conversation as the chat messages /v1/chat/completions takes (see the module's table)."""
     out = [ChatMessage(role="system", content=_text(req.system, "system"))] if req.system else []
-    names: dict[str, str] = {}  # tool_use id -> the tool's name
+    names: dict[str, str] = {}  # tool_use id -> the tool's name, for the tool_result answering it
     for i, m in enumerate(req.messages):
         where = f"messages.{i}.content"
         if isinstance(m.content, str):
@@ -84,32 +83,39 @@ def chat_messages(req: CountTokensRequest) -> list[ChatMessage]:
             continue
         if not m.content and i < len(req.messages) - 1:
             raise APIError(400, f"{where}: all messages but a final assistant one need content", param=where)
-        blocks = [
-            parse_block(b, f"{where}.{j}", _USER_BLOCKS if m.role == "user" else _ASSISTANT_BLOCKS)
-            for j, b in enumerate(m.content)
-        ]
-        if m.role == "assistant":
-            calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}}
-                     for b in blocks if b.type == "tool_use"]  # fmt: skip
-            names.update((c["id"], c["function"]["name"]) for c in calls)
-            text = "".join(b.text for b in blocks if b.type == "text")
-            out.append(ChatMessage(role="assistant", content=text, tool_calls=calls or None))
-            continue
-        texts: list[str] = []
-        for j, b in enumerate(blocks):
-            if isinstance(b, ToolResultBlock):
-                if b.tool_use_id not in names:
-                    raise APIError(400, f"{where}.{j}.tool_use_id: {b.tool_use_id!r} answers no tool_use block of "
-                                   "an earlier assistant message", param=where)  # fmt: skip
-                result = b.text(f"{where}.{j}")
-                content = f"Error: {result}" if b.is_error else result
-                out.append(ChatMessage(role="tool", content=content, tool_call_id=b.tool_use_id,
-                                       name=names[b.tool_use_id]))  # fmt: skip
-            else:
-                texts.append(b.text)
-        if texts:
-            out.append(ChatMessage(role="user", content="\n".join(texts)))
+        allowed = _USER_BLOCKS if m.role == "user" else _ASSISTANT_BLOCKS
+        blocks = [parse_block(b, f"{where}.{j}", allowed) for j, b in enumerate(m.content)]
+        out += _assistant(blocks, names) if m.role == "assistant" else _user(blocks, names, where)
     return out
+
+
+def _assistant(blocks: list[Any], names: dict[str, str]) -> list[ChatMessage]:
+    """One assistant message: its text, its tool_use blocks as tool_calls (arguments as objects,
+    as templates read them); thinking is left out. Records each call's name in `names`."""
+    calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}}
+             for b in blocks if b.type == "tool_use"]  # fmt: skip
+    names.update((c["id"], c["function"]["name"]) for c in calls)
+    text = "".join(b.text for b in blocks if b.type == "text")
+    return [ChatMessage(role="assistant", content=text, tool_calls=calls or None)]
+
+
+def _user(blocks: list[Any], names: dict[str, str], where: str) -> list[ChatMessage]:
+    """A tool message per tool_result (which must answer a tool_use of an earlier assistant
+    message), then the text blocks as one user message."""
+    out, texts = [], []
+    for j, b in enumerate(blocks):
+        if not isinstance(b, ToolResultBlock):
+            texts.append(b.text)
+            continue
+        if b.tool_use_id not in names:
+            raise APIError(400, f"{where}.{j}.tool_use_id: {b.tool_use_id!r} answers no tool_use block of an "
+                           "earlier assistant message", param=where)  # fmt: skip
+        result = b.text(f"{where}.{j}")
+        content = f"Error: {result}" if b.is_error else result  # templates have no error flag
+        out.append(
+            ChatMessage(role="tool", content=content, tool_call_id=b.tool_use_id, name=names[b.tool_use_id])
+        )
+    return out + ([ChatMessage(role="user", content="\n".join(texts))] if texts else [])
 
 
 def tool_plan(ctx: ServingContext, req: CountTokensRequest) -> ToolPlan:
