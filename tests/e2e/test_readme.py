@@ -127,6 +127,11 @@ def test_ollama_client_example(default_server: ServerProcess) -> None:
     check_answers(code, run_python(code, default_server.port))
 
 
+def test_anthropic_client_example(default_server: ServerProcess) -> None:
+    code = code_block("python", "import anthropic")
+    check_answers(code, run_python(code, default_server.port))
+
+
 def test_offline_llm_example(kernels: str) -> None:
     code = code_block("python", "from llmserve import LLM")
     before = cpu_kernels.kernels()

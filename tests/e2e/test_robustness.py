@@ -384,6 +384,8 @@ def bad_credentials(key: str) -> dict[str, dict[str, str]]:
         "shorter key": {"Authorization": f"Bearer {key[:-1]}"},
         "longer key": {"Authorization": f"Bearer {key}x"},
         "Basic scheme": {"Authorization": f"Basic {key}"},
+        "wrong x-api-key": {"x-api-key": "x" * len(key)},
+        "bearer in x-api-key": {"x-api-key": f"Bearer {key}"},
     }
 
 
@@ -397,8 +399,9 @@ def assert_auth(server: ServerProcess, key: str, method: str, path: str) -> None
             r = client.request(method, path, headers=headers, json=body)
             assert_error(r, 401, "authentication_error")
             assert r.headers["WWW-Authenticate"] == "Bearer", name
-        r = client.request(method, path, headers={"Authorization": f"Bearer {key}"}, json=body)
-        assert r.status_code != 401, r.text
+        for good in ({"Authorization": f"Bearer {key}"}, {"x-api-key": key}):  # OpenAI's and Anthropic's
+            r = client.request(method, path, headers=good, json=body)
+            assert r.status_code != 401, r.text
 
 
 @pytest.mark.parametrize(("method", "path"), ROUTES, ids=[f"{m} {p}" for m, p in ROUTES])

@@ -80,13 +80,14 @@ def build_app(
             CORSMiddleware,
             allow_origins=list(config.allowed_origins),
             allow_methods=["GET", "POST", "OPTIONS"],
-            allow_headers=["Authorization", "Content-Type"],
+            allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version"],
         )
 
     app.include_router(routes.ops)
     app.include_router(routes.openai)
     app.include_router(routes.tokenizer)
     app.include_router(routes.ollama)
+    app.include_router(routes.anthropic)
     app.include_router(routes.admin)
     if config.enable_metrics:
         app.include_router(routes.metrics)

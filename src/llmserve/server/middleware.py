@@ -2,21 +2,22 @@
 
     CORS (only when origins are given)
       -> Gate: 503 while the preloaded models load or the server drains, 401 without the API key, 413 for a large body;
-       counts every refused request by reason (the request_rejected metric)
+       counts every refused request by reason (the request_rejected metric); refusals come in the
+       error shape of the path's API (errors.py: Anthropic's under /v1/messages, else OpenAI's)
         -> routes (server/routes.py) -> serving layer -> AsyncEngine
 
 The gate is deny-by-default: it runs before routing, so every route, including one added later and
-unknown paths, needs the key; only /health is open. The key is compared in constant time.
+unknown paths, needs the key; only /health is open. The key comes as `Authorization: Bearer <key>`
+(OpenAI's clients) or `x-api-key: <key>` (Anthropic's), and is compared in constant time.
 """
 
 from __future__ import annotations
 
 import hmac
 
-from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from llmserve.server.errors import error_body
+from llmserve.server.errors import APIError, error_response
 from llmserve.server.state import ServerState
 
 OPEN_PATHS = frozenset({"/health"})
@@ -24,12 +25,15 @@ OPEN_PATHS = frozenset({"/health"})
 # HTTP status of a refused request -> the `reason` label of llmserve:request_rejected
 REJECT_REASONS = {
     400: "validation", 422: "validation", 401: "auth", 404: "not_found", 405: "not_found",
-    413: "too_large", 429: "queue_full", 503: "unavailable",
+    413: "too_large", 429: "queue_full", 529: "queue_full", 503: "unavailable",
 }  # fmt: skip
 
 
-async def send_error(send: Send, status: int, message: str, headers: dict[str, str] | None = None) -> None:
-    response = JSONResponse(error_body(status, message), status_code=status, headers=headers)
+async def send_error(
+    send: Send, path: str, status: int, message: str, headers: dict[str, str] | None = None
+) -> None:
+    """A refusal before any route runs, in the error shape of `path`'s API."""
+    response = error_response(APIError(status, message, headers=headers), path)
     await response({"type": "http"}, _no_receive, send)
 
 
@@ -55,24 +59,25 @@ class Gate:
             send = self._counting(send)
         headers = dict(scope["headers"])
         if path not in OPEN_PATHS:
-            if self._expected is not None:
-                scheme, _, given = headers.get(b"authorization", b"").partition(b" ")
-                # the scheme is case-insensitive (RFC 9110); the key is compared in constant time
-                if not (hmac.compare_digest(given.strip(), self._expected) and scheme.lower() == b"bearer"):
-                    await send_error(send, 401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                      {"WWW-Authenticate": "Bearer"})  # fmt: skip
-                    return
+            if self._expected is not None and not self._authorized(headers):
+                await send_error(send, path, 401, "missing or wrong API key: send 'Authorization: Bearer <key>' "
+                                 "or 'x-api-key: <key>'", {"WWW-Authenticate": "Bearer"})  # fmt: skip
+                return
             state = self.state
             if state.draining:
-                await send_error(send, 503, "the server is shutting down")
+                await send_error(send, path, 503, "the server is shutting down")
                 return
             if not state.models.started_up:
-                await send_error(send, 503, "the model is still loading; retry shortly", {"Retry-After": "5"})
+                await send_error(
+                    send, path, 503, "the model is still loading; retry shortly", {"Retry-After": "5"}
+                )
                 return
         limit = self.state.config.max_body_bytes
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
-            await send_error(send, 413, f"the request body has {int(length)} bytes; the limit is {limit}")
+            await send_error(
+                send, path, 413, f"the request body has {int(length)} bytes; the limit is {limit}"
+            )
             return
         # Read the body here (chunked uploads have no content-length), then replay it to the app;
         # later receive() calls reach the client again (disconnect detection).
@@ -86,7 +91,9 @@ class Gate:
             chunks.append(message.get("body", b""))
             received += len(chunks[-1])
             if received > limit:
-                await send_error(send, 413, f"the request body is larger than the limit of {limit} bytes")
+                await send_error(
+                    send, path, 413, f"the request body is larger than the limit of {limit} bytes"
+                )
                 return
             more = message.get("more_body", False)
         if chunks and not headers.get(b"content-type", b"").startswith(b"application/json"):
@@ -105,6 +112,14 @@ class Gate:
             return await receive()
 
         await self.app(scope, replay, send)
+
+    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
+        """The key as a bearer token or in `x-api-key`; both compared in constant time (the scheme
+        is case-insensitive, RFC 9110)."""
+        assert self._expected is not None
+        scheme, _, given = headers.get(b"authorization", b"").partition(b" ")
+        bearer = hmac.compare_digest(given.strip(), self._expected) and scheme.lower() == b"bearer"
+        return hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), self._expected) or bearer
 
     def _counting(self, send: Send) -> Send:
         """`send`, counting a refused request (by its status) in the metrics."""

@@ -11,7 +11,18 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+)
+
+from llmserve.server.errors import APIError
 
 # Token ids are strict integers: `true` or `1.5` in a prompt is an error, not token 1.
 TokenIds = list[StrictInt]
@@ -150,3 +161,15 @@ class TokenizeRequest(_Request):
 class DetokenizeRequest(_Request):
     model: StrictStr | None = None
     tokens: TokenIds
+
+
+def parse(model: type[BaseModel], body: Any) -> Any:
+    """`body` as `model`; a 400 naming the first bad field when it is not one (for routes that read
+    their body themselves, to answer in their own API's error shape)."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "body"
+        message = err["msg"].removeprefix("Value error, ")  # a validator's own words
+        raise APIError(400, f"{where}: {message}", param=where) from None

@@ -4,6 +4,7 @@
     tokenizer  /tokenize, /detokenize, /tokenizer_info                    (vLLM's extras)
     ops        /health, /version, /stats, and /metrics when enabled
     ollama     /api/generate, /api/chat, /api/tags, /api/ps, /api/show, /api/version (Ollama's API)
+    anthropic  /v1/messages, /v1/messages/count_tokens (Anthropic's API; its error shape, errors.py)
     admin      /admin/models/load, /admin/models/unload
 
 Routes reach the server through `ServerState` (app.state.server); a route that serves a model
@@ -31,9 +32,11 @@ from llmserve.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    parse,
 )
 from llmserve.server.serving import ChatServing, CompletionServing, ServingContext, TokenServing
-from llmserve.server.serving.ollama import OllamaServing, ollama_error, parse
+from llmserve.server.serving.anthropic import AnthropicServing
+from llmserve.server.serving.ollama import OllamaServing, ollama_error
 from llmserve.server.serving.ollama_models import OllamaModels
 from llmserve.server.state import ServerState, server_state
 
@@ -44,6 +47,7 @@ tokenizer = APIRouter()
 ops = APIRouter()
 metrics = APIRouter()
 ollama = APIRouter()
+anthropic = APIRouter()
 admin = APIRouter()
 
 
@@ -255,3 +259,13 @@ async def ollama_unsupported(raw: Request) -> Any:
 @ollama.get("/api/version")
 async def ollama_version() -> Any:
     return OllamaModels.version()
+
+
+@anthropic.post("/v1/messages")
+async def anthropic_messages(raw: Request, models: Models) -> Any:
+    return await AnthropicServing(models).create(raw)
+
+
+@anthropic.post("/v1/messages/count_tokens")
+async def anthropic_count_tokens(raw: Request, models: Models) -> Any:
+    return await AnthropicServing(models).count_tokens(raw)

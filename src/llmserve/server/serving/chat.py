@@ -6,7 +6,6 @@ ends with exactly one chunk that has a `finish_reason`, then an optional usage c
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jinja2
@@ -33,6 +32,7 @@ from llmserve.server.serving.tools import (
     finish_reason_with_calls,
     plan_tools,
     template_mentions_tools,
+    with_tools,
 )
 
 
@@ -120,14 +120,9 @@ class ChatServing:
             ctx, req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs,
             plan.tools, plan.fmt,
         )  # fmt: skip
-        params = sampling_params(req, max_tokens, (top or 0) if req.logprobs else None, None)
-        if plan.active and plan.fmt.keeps_special_tokens:  # the calls' marker is a special token
-            params = dataclasses.replace(params, skip_special_tokens=False)
-        if plan.constraint is not None:
-            if params.structured_outputs is not None:
-                raise APIError(400, f"tool_choice {plan.choice!r} cannot be combined with another output "
-                               "constraint (response_format, structured_outputs, guided_*)", param="tool_choice")  # fmt: skip
-            params = dataclasses.replace(params, structured_outputs=plan.constraint)
+        params = with_tools(
+            sampling_params(req, max_tokens, (top or 0) if req.logprobs else None, None), plan
+        )
         try:
             prompt = await process_prompt(ctx, ids, params, req)
         except APIError as e:

@@ -25,15 +25,21 @@ def check_caps(ctx: ServingContext, req: _SamplingFields, logprobs: int | None, 
         raise APIError(
             400, f"{logprobs_name} must be in [0, {cfg.max_logprobs}]; got {logprobs}", param=logprobs_name
         )
-    stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    check_stop(ctx, [req.stop] if isinstance(req.stop, str) else (req.stop or []), "stop")
+
+
+def check_stop(ctx: ServingContext, stop: list[str], name: str) -> None:
+    """The server's caps on stop strings (how many, how long); `name`: the request's field."""
+    cfg = ctx.config
     if len(stop) > cfg.max_stop:
-        raise APIError(400, f"stop has {len(stop)} strings; at most {cfg.max_stop} are allowed", param="stop")
+        raise APIError(400, f"{name} has {len(stop)} strings; at most {cfg.max_stop} are allowed", param=name)
     for s in stop:
         if not s or len(s) > cfg.max_stop_length:
             raise APIError(
-                400, f"each stop string must have 1 to {cfg.max_stop_length} characters; got {len(s)}",
-                param="stop",
-            )  # fmt: skip
+                400,
+                f"each string in {name} must have 1 to {cfg.max_stop_length} characters; got {len(s)}",
+                param=name,
+            )
 
 
 def logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:

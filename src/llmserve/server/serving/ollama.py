@@ -6,7 +6,7 @@ JS libraries, Open WebUI, editors' plugins); the model listings are in `ollama_m
                          /v1/chat/completions (tool_choice auto), calls back as `tool_calls`
 
 One path for every answer: a native model's engine output and a remote (openai engine) model's
-stream (the OpenAI request the Ollama one means, sent upstream) both become `Piece`s, and
+stream (the OpenAI request the Ollama one means, sent upstream) both become `Piece`s (pieces.py), and
 `_respond` turns pieces into NDJSON lines or one JSON object. `keep_alive` works as in Ollama: a
 request's value is how long its model stays loaded once idle; a request without a prompt loads
 the model, and with `keep_alive: 0` unloads it.
@@ -31,29 +31,34 @@ the wrong type is a 400. Errors are Ollama's `{"error": "..."}` with the HTTP st
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
 from starlette.requests import Request
 
 from llmserve.config.models import parse_duration
 from llmserve.engine.async_engine import RequestStream
 from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
 from llmserve.server.errors import APIError
-from llmserve.server.protocol import ChatMessage
+from llmserve.server.protocol import ChatMessage, parse
 from llmserve.server.serving.chat import render_chat
 from llmserve.server.serving.context import ServingContext
-from llmserve.server.serving.inputs import process_prompt, start_requests
-from llmserve.server.serving.reasoning import ReasoningStreamSplitter, prompt_opens_thinking, uses_think_tags
-from llmserve.server.serving.streaming import merged, run_unless_disconnected
-from llmserve.server.serving.tools import ToolCall, ToolFormat, ToolStreamSplitter, plan_tools
+from llmserve.server.serving.pieces import (
+    Piece,
+    gather,
+    openai_messages,
+    openai_sampling,
+    relay_pieces,
+    start_answer,
+    thinks,
+)
+from llmserve.server.serving.streaming import run_unless_disconnected
+from llmserve.server.serving.tools import ToolCall, ToolFormat, plan_tools, with_tools
 
 if TYPE_CHECKING:
     from llmserve.server.models import ModelManager
@@ -122,16 +127,6 @@ def ollama_error(e: APIError) -> JSONResponse:
     return JSONResponse({"error": e.message}, status_code=e.status, headers=e.headers)
 
 
-def parse(model: type[BaseModel], body: Any) -> Any:
-    """`body` as `model`; a 400 naming the first bad field when it is not one."""
-    try:
-        return model.model_validate(body)
-    except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(p) for p in err["loc"]) or "body"
-        raise APIError(400, f"{where}: {err['msg']}", param=where) from None
-
-
 def timestamp(t: float | None = None) -> str:
     return datetime.fromtimestamp(time.time() if t is None else t, UTC).isoformat().replace("+00:00", "Z")
 
@@ -147,11 +142,6 @@ def _chat_message(m: OllamaMessage) -> ChatMessage:
     return ChatMessage(role=m.role, content=m.content, tool_calls=calls, name=m.tool_name)
 
 
-def _dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as an OpenAI request carries them upstream."""
-    return [m.model_dump(exclude_none=True) for m in messages]
-
-
 def _ollama_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:
     """Calls in Ollama's shape: `{"function": {"name", "arguments": {...}}}`."""
     out = []
@@ -164,27 +154,6 @@ def _ollama_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:
             {"function": {"name": call.name, "arguments": arguments if isinstance(arguments, dict) else {}}}
         )
     return out
-
-
-def _openai_sampling(params: SamplingParams, fmt: Any) -> dict[str, Any]:
-    """Ollama's options (as sampling parameters) in an OpenAI request (with vLLM's extra fields
-    top_k, min_p and repetition_penalty, which OpenAI-compatible servers commonly accept)."""
-    body: dict[str, Any] = {
-        "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k, "min_p": params.min_p,
-        "repetition_penalty": params.repetition_penalty, "presence_penalty": params.presence_penalty,
-        "frequency_penalty": params.frequency_penalty,
-    }  # fmt: skip
-    if params.seed is not None:
-        body["seed"] = params.seed
-    if params.max_tokens is not None:
-        body["max_tokens"] = params.max_tokens
-    if params.stop:
-        body["stop"] = list(params.stop)
-    if fmt == "json":
-        body["response_format"] = {"type": "json_object"}
-    elif isinstance(fmt, dict):
-        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
-    return body
 
 
 def _keep_alive(req: _OllamaRequest) -> float | None:
@@ -206,97 +175,7 @@ def _template_kwargs(req: _OllamaRequest) -> dict[str, Any] | None:
     return kwargs
 
 
-def thinks(ctx: ServingContext) -> bool:
-    """Whether the model's replies are split into thinking and content (`--reasoning-parser`)."""
-    mode = ctx.config.reasoning_parser
-    return mode == "think" or (mode == "auto" and uses_think_tags(ctx.tokenizer.chat_template))
-
-
-# -- one answer, whichever engine gives it: pieces -> NDJSON lines or one JSON object -------------------
-
-
-@dataclass(slots=True)
-class End:
-    """How an answer ended: the finish reason, the counts and durations (seconds) Ollama reports."""
-
-    reason: str | None
-    prompt_eval_count: int
-    eval_count: int
-    prompt_eval_seconds: float | None = None
-    eval_seconds: float | None = None
-    context: list[int] | None = None
-    """/api/generate's prompt and output tokens (native models only)."""
-
-
-@dataclass(slots=True)
-class Piece:
-    """One step of an answer: new text, new thinking, the tool calls (all at once, at the end) and,
-    on the last piece, how it ended."""
-
-    content: str = ""
-    thinking: str = ""
-    tool_calls: list[ToolCall] = field(default_factory=list)
-    end: End | None = None
-
-
-async def _relay_pieces(remote: RemoteModel, path: str, body: dict[str, Any]) -> AsyncIterator[Piece]:
-    """A remote model's answer (OpenAI's stream events) as pieces: text from chat deltas or
-    completion choices, thinking from vLLM's `reasoning_content` (or `reasoning`), tool calls
-    gathered from their fragments and given whole at the end."""
-    calls: dict[int, dict[str, str]] = {}
-    usage: dict[str, Any] = {}
-    reason = None
-    async for event in remote.events(path, body):
-        usage = event.get("usage") or usage
-        for choice in event.get("choices") or []:
-            delta = choice.get("delta") or {}
-            text = delta.get("content") or choice.get("text") or ""
-            thinking = delta.get("reasoning_content") or delta.get("reasoning") or ""
-            for call in delta.get("tool_calls") or []:
-                entry = calls.setdefault(call.get("index", 0), {"name": "", "arguments": ""})
-                fn = call.get("function") or {}
-                entry["name"] += fn.get("name") or ""
-                entry["arguments"] += fn.get("arguments") or ""
-            reason = choice.get("finish_reason") or reason
-            if text or thinking:
-                yield Piece(text, thinking)
-    if calls:
-        yield Piece(tool_calls=[ToolCall(c["name"], c["arguments"]) for c in calls.values()])
-    n_prompt, n_out = int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
-    yield Piece(end=End(reason, n_prompt, n_out))
-
-
-async def _engine_pieces(ctx: ServingContext, streams: list[RequestStream], prompt_ids: list[int],
-                         opened: bool | None, tools: ToolFormat | None, context: bool) -> AsyncIterator[Piece]:  # fmt: skip
-    """A native model's answer as pieces: `<think>…</think>` split off as thinking (`opened`: None
-    for no split, else whether the prompt opened it), tool calls in `tools`' format held back and
-    parsed at the end, and the engine's timings; `context`: the tokens in the end (/api/generate)."""
-    thinker = ReasoningStreamSplitter(opened) if opened is not None else None
-    splitter = ToolStreamSplitter(tools) if tools is not None else None
-    tokens: list[int] = []
-    async for _, out in merged(ctx, streams):
-        c = out.outputs[0]
-        tokens.extend(c.token_ids)
-        thinking, text = thinker.feed(c.text) if thinker is not None else ("", c.text)
-        if out.finished and thinker is not None:
-            more_thinking, more_text = thinker.finish()
-            thinking, text = thinking + more_thinking, text + more_text
-        calls: list[ToolCall] = []
-        if splitter is not None:
-            text = splitter.feed(text)
-            if out.finished:
-                held, calls = splitter.finish(cut=c.finish_reason == "length")  # no cut call as text
-                text += held or ""
-        if text or thinking or calls:
-            yield Piece(text, thinking, calls)
-        if out.finished:
-            now, m = time.monotonic(), out.metrics
-            first = (m.first_token_time if m else None) or now
-            scheduled = (m.first_scheduled_time or m.arrival_time) if m else first
-            yield Piece(end=End(
-                c.finish_reason, len(prompt_ids), len(tokens), max(0.0, first - scheduled), max(0.0, now - first),
-                prompt_ids + tokens if context else None,
-            ))  # fmt: skip
+# -- one answer (serving/pieces.py) -> NDJSON lines or one JSON object ---------------------------------
 
 
 def _object(req: _OllamaRequest, piece: Piece, start: float) -> dict[str, Any]:
@@ -349,13 +228,7 @@ async def _respond(req: _OllamaRequest, raw: Request, pieces: AsyncIterator[Piec
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
     async def whole() -> JSONResponse:
-        answer = Piece()
-        async for piece in pieces:
-            answer.content += piece.content
-            answer.thinking += piece.thinking
-            answer.tool_calls += piece.tool_calls
-            answer.end = piece.end or answer.end
-        return JSONResponse(_object(req, answer, start))
+        return JSONResponse(_object(req, await gather(pieces), start))
 
     return await run_unless_disconnected(raw, whole, streams)
 
@@ -415,11 +288,11 @@ class OllamaServing:
     def _relay(req: _OllamaRequest, raw: Request, params: SamplingParams, remote: RemoteModel, path: str,
                body: dict[str, Any]) -> Awaitable[Any]:  # fmt: skip
         """`req` sent to a remote model as the OpenAI request it means."""
-        body = {**body, **_openai_sampling(params, req.format)}
+        body = {**body, **openai_sampling(params, req.format)}
         kwargs = _template_kwargs(req)
         if kwargs is not None and path == "/chat/completions":  # vLLM's (and llmserve's) field
             body["chat_template_kwargs"] = kwargs
-        return _respond(req, raw, _relay_pieces(remote, path, body), [])
+        return _respond(req, raw, relay_pieces(remote, path, body), [])
 
     async def generate(self, raw: Request) -> Any:
         req: OllamaGenerateRequest = parse(OllamaGenerateRequest, await raw.json())
@@ -435,7 +308,9 @@ class OllamaServing:
         def remote(up: RemoteModel) -> Awaitable[Any]:
             if req.raw:
                 return self._relay(req, raw, params, up, "/completions", {"prompt": req.prompt})
-            return self._relay(req, raw, params, up, "/chat/completions", {"messages": _dicts(messages)})
+            return self._relay(
+                req, raw, params, up, "/chat/completions", {"messages": openai_messages(messages)}
+            )
 
         async def native(ctx: ServingContext) -> Any:
             if req.raw:  # the prompt as it is: no template, so no thinking to switch or split
@@ -455,7 +330,7 @@ class OllamaServing:
         messages = [_chat_message(m) for m in req.messages]
 
         def remote(up: RemoteModel) -> Awaitable[Any]:
-            body: dict[str, Any] = {"messages": _dicts(messages)}
+            body: dict[str, Any] = {"messages": openai_messages(messages)}
             if req.tools:
                 body["tools"] = req.tools
             return self._relay(req, raw, params, up, "/chat/completions", body)
@@ -469,7 +344,13 @@ class OllamaServing:
                               continue_final_message=last == "assistant", extra=_template_kwargs(req),
                               tools=plan.tools if plan else None, fmt=plan.fmt if plan else None)  # fmt: skip
             return await self._run(
-                ctx, req, raw, ids, params, self._split(ctx, req), plan.fmt if plan else None
+                ctx,
+                req,
+                raw,
+                ids,
+                with_tools(params, plan) if plan else params,
+                self._split(ctx, req),
+                plan.fmt if plan else None,
             )
 
         return await self._serve(req, remote, native)
@@ -487,14 +368,10 @@ class OllamaServing:
                    params: SamplingParams, split: bool, tools: ToolFormat | None = None) -> Any:  # fmt: skip
         """Run one prompt on a native model; `split`: thinking apart from content; `tools`: the
         call format to read tool calls back in (chat with tools)."""
-        if tools is not None and tools.keeps_special_tokens:  # the calls' marker is a special token
-            params = dataclasses.replace(params, skip_special_tokens=False)
-        processed = await process_prompt(ctx, prompt, params)
         chat = isinstance(req, OllamaChatRequest)
-        streams = start_requests(ctx, [processed], 0, "ollama-chat" if chat else "ollama-gen")
-        opened = prompt_opens_thinking(ctx.tokenizer, processed.token_ids) if split else None
-        pieces = _engine_pieces(ctx, streams, processed.token_ids, opened, tools, context=not chat)
-        return await _respond(req, raw, pieces, streams)
+        answer = await start_answer(ctx, prompt, params, "ollama-chat" if chat else "ollama-gen", split, tools,
+                                    context=not chat)  # fmt: skip
+        return await _respond(req, raw, answer.pieces, answer.streams)
 
     @staticmethod
     def _empty(req: _OllamaRequest, reason: str) -> JSONResponse:

@@ -17,7 +17,9 @@ from starlette.requests import Request
 from llmserve import __version__
 from llmserve.server.errors import APIError
 from llmserve.server.models import LOADED, ModelManager, ModelSlot
-from llmserve.server.serving.ollama import Lenient, parse, thinks, timestamp
+from llmserve.server.protocol import parse
+from llmserve.server.serving.ollama import Lenient, timestamp
+from llmserve.server.serving.pieces import thinks
 
 OLLAMA_API_VERSION = "0.6.3"
 """The Ollama version whose API this follows (reported by /api/version with llmserve's own)."""

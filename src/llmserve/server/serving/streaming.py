@@ -139,19 +139,23 @@ def engine_error(e: Exception) -> APIError:
     return APIError(500, str(e), code="engine_error")
 
 
-async def sse_with_errors(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
-    """The SSE body: chunks, then [DONE]; an error after the first byte is a data: {"error"} event."""
+async def sse_with_errors(
+    chunks: AsyncIterator[str], error_event: Callable[[APIError], str] = error_sse, last: str = SSE_DONE
+) -> AsyncIterator[str]:
+    """The SSE body: chunks, then `last` ([DONE]); an error after the first byte is an
+    `error_event` (OpenAI's: a data: {"error"} event)."""
     try:
         async for chunk in chunks:
             yield chunk
     except APIError as e:
-        yield error_sse(e)
+        yield error_event(e)
     except RequestAbortedError as e:  # the server is shutting down: expected, no traceback
-        yield error_sse(engine_error(e))
+        yield error_event(engine_error(e))
     except Exception as e:
         logger.exception("error while streaming")
-        yield error_sse(engine_error(e))
-    yield SSE_DONE
+        yield error_event(engine_error(e))
+    if last:
+        yield last
 
 
 class ChoiceBuilder:

@@ -31,13 +31,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from llmserve.sampling_params import StructuredOutputsParams
+from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
 from llmserve.server.errors import APIError
 
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
@@ -382,6 +383,19 @@ def plan_tools(
     if choice in ("required", "function"):
         constraint = StructuredOutputsParams(grammar=fmt.grammar(chosen, parallel is not False))
     return ToolPlan(chosen, choice, constraint, fmt)
+
+
+def with_tools(params: SamplingParams, plan: ToolPlan) -> SamplingParams:
+    """`params` for a request with `plan`: the calls' marker kept in the text when it is a special
+    token, and the grammar of `required` and named choices as the output constraint."""
+    if plan.active and plan.fmt.keeps_special_tokens:
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    if plan.constraint is not None:
+        if params.structured_outputs is not None:
+            raise APIError(400, f"tool_choice {plan.choice!r} cannot be combined with another output "
+                           "constraint (response_format, structured_outputs, guided_*)", param="tool_choice")  # fmt: skip
+        params = dataclasses.replace(params, structured_outputs=plan.constraint)
+    return params
 
 
 def _check_tool(i: int, tool: Any) -> str:
