@@ -100,6 +100,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--enable-response-timings", action="store_true",
         help="add llama.cpp-style `timings` to every response (else only with return_timings: true)",
     )  # fmt: skip
+    s.add_argument(
+        "--responses-store-size", type=int, default=defaults.responses_store_size,
+        help="responses kept for previous_response_id and GET /v1/responses/{id} (least recently used go)",
+    )  # fmt: skip
     s.add_argument("--ssl-keyfile", default=None, help="TLS: the server's private key (PEM); serve https")
     s.add_argument("--ssl-certfile", default=None, help="TLS: the server's certificate chain (PEM)")
     s.add_argument(
@@ -145,6 +149,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         models_memory=args.models_memory,
         keep_alive=parse_duration(args.keep_alive),  # type: ignore[arg-type]
         model_load_timeout=args.model_load_timeout,
+        responses_store_size=args.responses_store_size,
         ssl_keyfile=_readable(args.ssl_keyfile, "--ssl-keyfile"),
         ssl_certfile=_readable(args.ssl_certfile, "--ssl-certfile"),
         ssl_ca_certs=_readable(args.ssl_ca_certs, "--ssl-ca-certs"),

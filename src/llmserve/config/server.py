@@ -58,6 +58,9 @@ class ServerConfig:
     keep_alive and Ollama's per-request `keep_alive` override it."""
     model_load_timeout: float = 300.0
     """Seconds a request waits for its model to load before a 503 (the load goes on)."""
+    responses_store_size: int = 1000
+    """Responses (`/v1/responses`) kept in memory for `previous_response_id` and GET; the least
+    recently used goes first. 0: none kept."""
     ssl_keyfile: str | None = None
     """TLS: the server's private key (PEM); with `ssl_certfile`, the server speaks https only."""
     ssl_certfile: str | None = None
@@ -93,6 +96,8 @@ class ServerConfig:
             raise ValueError(f"keep_alive must be >= 0 seconds (inf: forever); got {self.keep_alive}")
         if self.model_load_timeout <= 0:
             raise ValueError(f"model_load_timeout must be > 0 seconds; got {self.model_load_timeout}")
+        if self.responses_store_size < 0:
+            raise ValueError(f"responses_store_size must be >= 0; got {self.responses_store_size}")
         if self.ssl_keyfile is not None and self.ssl_certfile is None:
             raise ValueError("ssl_keyfile needs ssl_certfile (the certificate the key belongs to)")
         if self.ssl_certfile is None and (self.ssl_ca_certs is not None or self.ssl_cert_reqs):

@@ -24,6 +24,7 @@ from llmserve.server import routes
 from llmserve.server.errors import install_error_handlers
 from llmserve.server.middleware import Gate
 from llmserve.server.models import ModelManager, ModelSlot
+from llmserve.server.serving.response_store import ResponseStore
 from llmserve.server.state import ServerState
 
 logger = logging.getLogger("llmserve.server")
@@ -43,7 +44,7 @@ def build_app(
         max_len = (engine_options or {}).get("max_model_len") if len(specs) == 1 else None
         families = MetricFamilies(new_registry(), max_len or TOKEN_HISTOGRAM_MAX)
     models = ModelManager(specs, config, engine_options, families)
-    state = ServerState(config, models, families)
+    state = ServerState(config, models, families, ResponseStore(config.responses_store_size))
     single = len(specs) == 1
 
     def preload_failed(slot: ModelSlot, e: BaseException) -> None:
@@ -79,7 +80,7 @@ def build_app(
         app.add_middleware(
             CORSMiddleware,
             allow_origins=list(config.allowed_origins),
-            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
             allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version"],
         )
 
@@ -88,6 +89,7 @@ def build_app(
     app.include_router(routes.tokenizer)
     app.include_router(routes.ollama)
     app.include_router(routes.anthropic)
+    app.include_router(routes.responses)
     app.include_router(routes.admin)
     if config.enable_metrics:
         app.include_router(routes.metrics)

@@ -5,6 +5,7 @@
     ops        /health, /version, /stats, and /metrics when enabled
     ollama     /api/generate, /api/chat, /api/tags, /api/ps, /api/show, /api/version (Ollama's API)
     anthropic  /v1/messages, /v1/messages/count_tokens (Anthropic's API; its error shape, errors.py)
+    responses  /v1/responses, GET and DELETE /v1/responses/{id} (OpenAI's Responses API)
     admin      /admin/models/load, /admin/models/unload
 
 Routes reach the server through `ServerState` (app.state.server); a route that serves a model
@@ -38,6 +39,7 @@ from llmserve.server.serving import ChatServing, CompletionServing, ServingConte
 from llmserve.server.serving.anthropic import AnthropicServing
 from llmserve.server.serving.ollama import OllamaServing, ollama_error
 from llmserve.server.serving.ollama_models import OllamaModels
+from llmserve.server.serving.responses import ResponsesServing
 from llmserve.server.state import ServerState, server_state
 
 State = Annotated[ServerState, Depends(server_state)]
@@ -48,6 +50,7 @@ ops = APIRouter()
 metrics = APIRouter()
 ollama = APIRouter()
 anthropic = APIRouter()
+responses = APIRouter()
 admin = APIRouter()
 
 
@@ -269,3 +272,18 @@ async def anthropic_messages(raw: Request, models: Models) -> Any:
 @anthropic.post("/v1/messages/count_tokens")
 async def anthropic_count_tokens(raw: Request, models: Models) -> Any:
     return await AnthropicServing(models).count_tokens(raw)
+
+
+@responses.post("/v1/responses")
+async def responses_create(raw: Request, state: State) -> Any:
+    return await ResponsesServing(state.models, state.responses).create(raw)
+
+
+@responses.get("/v1/responses/{response_id}")
+async def responses_retrieve(response_id: str, state: State) -> Any:
+    return ResponsesServing(state.models, state.responses).retrieve(response_id)
+
+
+@responses.delete("/v1/responses/{response_id}")
+async def responses_delete(response_id: str, state: State) -> Any:
+    return ResponsesServing(state.models, state.responses).delete(response_id)

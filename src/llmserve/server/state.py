@@ -12,6 +12,7 @@ from fastapi import Request
 from llmserve.config import ServerConfig
 from llmserve.metrics.prometheus import MetricFamilies
 from llmserve.server.models import ModelManager
+from llmserve.server.serving.response_store import ResponseStore
 
 
 @dataclass
@@ -21,6 +22,8 @@ class ServerState:
     config: ServerConfig
     models: ModelManager
     metrics: MetricFamilies | None = None
+    responses: ResponseStore = field(default_factory=lambda: ResponseStore(0))
+    """The responses kept for `previous_response_id` (serving/response_store.py)."""
     load_error: BaseException | None = None
     """Set when a one-model server's model failed to load (the server then exits)."""
     draining: bool = False

@@ -24,7 +24,6 @@ Errors on these routes come in Anthropic's shape (server/errors.py chooses it by
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Awaitable
 from typing import TYPE_CHECKING, Any
 
@@ -47,11 +46,10 @@ from llmserve.server.serving.inputs import check_stop
 from llmserve.server.serving.pieces import (
     Piece,
     gather,
-    openai_messages,
-    openai_sampling,
     relay_pieces,
     start_answer,
     thinks,
+    upstream_chat_body,
 )
 from llmserve.server.serving.streaming import engine_error, run_unless_disconnected, sse_with_errors
 from llmserve.server.serving.tools import ToolPlan, plan_tools, with_tools
@@ -164,7 +162,7 @@ def sampling_params(req: MessagesRequest) -> SamplingParams:
         raise APIError(400, f"{field}: {e}" if field else str(e), param=field) from None
 
 
-async def _body(raw: Request) -> Any:
+async def json_body(raw: Request) -> Any:
     try:
         return await raw.json()
     except ValueError as e:
@@ -176,7 +174,7 @@ class AnthropicServing:
         self.models = models
 
     async def count_tokens(self, raw: Request) -> Any:
-        req: CountTokensRequest = parse(CountTokensRequest, await _body(raw))
+        req: CountTokensRequest = parse(CountTokensRequest, await json_body(raw))
         messages = chat_messages(req)
         async with self.models.lease(req.model) as slot:
             if slot.ctx is None:
@@ -185,7 +183,7 @@ class AnthropicServing:
             return {"input_tokens": len(render(slot.ctx, req, messages, tool_plan(slot.ctx, req)))}
 
     async def create(self, raw: Request) -> Any:
-        req: MessagesRequest = parse(MessagesRequest, await _body(raw))
+        req: MessagesRequest = parse(MessagesRequest, await json_body(raw))
         budget = req.thinking.budget_tokens if req.thinking is not None else None
         if budget is not None and budget >= req.max_tokens:
             raise APIError(400, f"thinking.budget_tokens ({budget}) must be less than max_tokens "
@@ -218,24 +216,12 @@ class AnthropicServing:
 def _upstream_body(
     req: MessagesRequest, messages: list[ChatMessage], params: SamplingParams
 ) -> dict[str, Any]:
-    """The OpenAI chat request `req` means, for a remote model (arguments as JSON text, OpenAI's
-    wire form; templates get them as objects)."""
-    dicts = openai_messages(messages)
-    for m in dicts:
-        for call in m.get("tool_calls") or []:
-            call["function"]["arguments"] = json.dumps(call["function"]["arguments"])
+    """The OpenAI chat request `req` means, for a remote model."""
     fmt = req.output_config.format if req.output_config is not None else None
-    body: dict[str, Any] = {"messages": dicts, **openai_sampling(params, fmt.schema_ if fmt else None)}
-    if req.tools:
-        body["tools"] = [t.as_openai() for t in req.tools]
-    if req.tool_choice is not None:
-        body["tool_choice"], parallel = req.tool_choice.as_openai()
-        if parallel is not None:
-            body["parallel_tool_calls"] = parallel
-    kwargs = template_kwargs(req)
-    if kwargs is not None:
-        body["chat_template_kwargs"] = kwargs
-    return body
+    choice, parallel = req.tool_choice.as_openai() if req.tool_choice is not None else (None, None)
+    tools = [t.as_openai() for t in req.tools or []]
+    return upstream_chat_body(messages, params, fmt.schema_ if fmt else None, tools, choice, parallel,
+                              template_kwargs(req))  # fmt: skip
 
 
 async def _respond(req: MessagesRequest, raw: Request, pieces: AsyncIterator[Piece],

@@ -12,6 +12,7 @@ reasoning splitter are the ones /v1/chat/completions uses; this module only rout
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -155,6 +156,29 @@ def openai_sampling(params: SamplingParams, fmt: Any = None) -> dict[str, Any]:
         body["response_format"] = {"type": "json_object"}
     elif isinstance(fmt, dict):
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
+    return body
+
+
+def upstream_chat_body(messages: list[ChatMessage], params: SamplingParams, fmt: Any = None,
+                       tools: list[dict[str, Any]] | None = None, tool_choice: Any = None,
+                       parallel_tool_calls: bool | None = None, template_kwargs: dict[str, Any] | None = None,
+                       ) -> dict[str, Any]:  # fmt: skip
+    """The OpenAI chat request a second API's request means, for a remote model: tool calls'
+    arguments as JSON text (OpenAI's wire form; templates get them as objects); `fmt` as in
+    `openai_sampling`."""
+    dicts = openai_messages(messages)
+    for m in dicts:
+        for call in m.get("tool_calls") or []:
+            call["function"]["arguments"] = json.dumps(call["function"]["arguments"])
+    body: dict[str, Any] = {"messages": dicts, **openai_sampling(params, fmt)}
+    if tools:
+        body["tools"] = tools
+    if tool_choice is not None:
+        body["tool_choice"] = tool_choice
+    if parallel_tool_calls is not None:
+        body["parallel_tool_calls"] = parallel_tool_calls
+    if template_kwargs is not None:
+        body["chat_template_kwargs"] = template_kwargs
     return body
 
 

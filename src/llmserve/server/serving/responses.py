@@ -1,0 +1,253 @@
+"""OpenAI's Responses API on the same port as chat completions:
+
+    POST   /v1/responses         input items -> a response (or its semantic SSE events)
+    GET    /v1/responses/{id}    a stored response
+    DELETE /v1/responses/{id}    forget it
+
+A request becomes the chat request it means, and runs down /v1/chat/completions' path: the same
+chat template (`render_chat`), tool formats and grammars (`plan_tools`, `with_tools`), reasoning
+split and engine; the answer comes back through the pieces Anthropic's and Ollama's APIs use
+(pieces.py), in the Responses shapes (responses_events.py). A remote (openai engine) model gets
+the chat request upstream. The conversion:
+
+    previous_response_id                   -> the stored conversation first (response_store.py)
+    instructions                           -> a system message (this request's only: not carried over)
+    message items (user/system/developer)  -> messages (developer as system; text parts joined)
+    assistant message items                -> assistant messages
+    function_call items                    -> tool_calls of the assistant message before them
+    function_call_output items             -> tool messages (tool_call_id, the function's name)
+    reasoning items                        -> left out (templates drop past turns' reasoning)
+    tools, tool_choice, parallel_tool_calls -> the chat path's tool plan
+    max_output_tokens, temperature, top_p, text.format -> SamplingParams
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable
+from typing import TYPE_CHECKING, Any
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import Request
+
+from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
+from llmserve.server.errors import APIError
+from llmserve.server.protocol import ChatMessage, parse
+from llmserve.server.protocol_responses import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    Item,
+    MessageItem,
+    ResponsesRequest,
+    parse_item,
+)
+from llmserve.server.serving.anthropic import json_body
+from llmserve.server.serving.chat import render_chat
+from llmserve.server.serving.context import ServingContext
+from llmserve.server.serving.pieces import (
+    Piece,
+    gather,
+    relay_pieces,
+    start_answer,
+    thinks,
+    upstream_chat_body,
+)
+from llmserve.server.serving.response_store import ResponseStore, StoredResponse
+from llmserve.server.serving.responses_events import ResponseEvents, sse
+from llmserve.server.serving.streaming import engine_error, run_unless_disconnected, sse_with_errors
+from llmserve.server.serving.tools import ToolPlan, plan_tools, with_tools
+
+if TYPE_CHECKING:
+    from llmserve.engine.async_engine import RequestStream
+    from llmserve.server.models import ModelManager
+    from llmserve.server.remote import RemoteModel
+
+
+def chat_messages(instructions: str | None, items: list[Item]) -> list[ChatMessage]:
+    """The conversation as the chat messages /v1/chat/completions takes (see the module's table)."""
+    out = [ChatMessage(role="system", content=instructions)] if instructions else []
+    names: dict[str, str] = {}  # call_id -> the function's name, for the output answering it
+    for i, item in enumerate(items):
+        where = f"input.{i}"
+        if isinstance(item, MessageItem):
+            role = "system" if item.role == "developer" else item.role
+            out.append(ChatMessage(role=role, content=item.text(where)))
+        elif isinstance(item, FunctionCallItem):
+            try:
+                arguments = json.loads(item.arguments)
+            except ValueError:
+                raise APIError(400, f"{where}.arguments: not valid JSON", param=where) from None
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {"name": item.name, "arguments": arguments},
+            }
+            names[item.call_id] = item.name
+            last = out[-1] if out else None
+            if last is not None and last.role == "assistant":  # calls join the turn that made them
+                out[-1] = last.model_copy(update={"tool_calls": [*(last.tool_calls or []), call]})
+            else:
+                out.append(ChatMessage(role="assistant", content="", tool_calls=[call]))
+        elif isinstance(item, FunctionCallOutputItem):
+            if item.call_id not in names:
+                raise APIError(400, f"{where}.call_id: {item.call_id!r} answers no function_call item before it",
+                               param=where)  # fmt: skip
+            out.append(ChatMessage(role="tool", content=item.text(where), tool_call_id=item.call_id,
+                                   name=names[item.call_id]))  # fmt: skip
+    if not any(m.role != "system" for m in out):
+        raise APIError(400, "input: the conversation has no content", param="input")
+    return out
+
+
+def sampling_params(req: ResponsesRequest) -> SamplingParams:
+    """OpenAI's defaults: temperature 1, top_p 1; `text.format` as the output's constraint."""
+    fmt = req.text_constraint()
+    structured = None
+    if fmt is not None:
+        structured = (
+            StructuredOutputsParams(json_object=True) if fmt == "json" else StructuredOutputsParams(json=fmt)
+        )
+    try:
+        return SamplingParams(
+            temperature=1.0 if req.temperature is None else float(req.temperature),
+            top_p=1.0 if req.top_p is None else float(req.top_p),
+            max_tokens=req.max_output_tokens,
+            structured_outputs=structured,
+        )
+    except ValueError as e:  # the engine's own checks, in the Responses field names
+        param = getattr(e, "param", None)
+        field = {"structured_outputs": "text.format", "max_tokens": "max_output_tokens"}.get(
+            param or "", param
+        )
+        raise APIError(400, f"{field}: {e}" if field else str(e), param=field) from None
+
+
+def tool_plan(ctx: ServingContext, req: ResponsesRequest) -> ToolPlan:
+    tools = [t.as_openai() for t in req.tools or []]
+    return plan_tools(tools, req.choice(), req.parallel_tool_calls, ctx.tool_format)
+
+
+def template_kwargs(req: ResponsesRequest) -> dict[str, Any] | None:
+    """`reasoning.effort` as the template's switch (`enable_thinking`): "none" and "minimal" off,
+    the others on; no effort: the template's default."""
+    effort = req.reasoning.effort if req.reasoning else None
+    return None if effort is None else {"enable_thinking": effort not in ("none", "minimal")}
+
+
+def _shell(req: ResponsesRequest) -> dict[str, Any]:
+    """The response object's request-side fields."""
+    fmt = req.text.format if req.text and req.text.format else None
+    return {
+        "model": req.model, "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+        "previous_response_id": req.previous_response_id, "store": req.store,
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
+        "tool_choice": req.tool_choice.model_dump() if hasattr(req.tool_choice, "model_dump") else (req.tool_choice or "auto"),
+        "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
+        "reasoning": {"effort": req.reasoning.effort if req.reasoning else None, "summary": None},
+        "truncation": "disabled", "metadata": req.metadata or {}, "user": req.user,
+    }  # fmt: skip
+
+
+class ResponsesServing:
+    def __init__(self, models: ModelManager, store: ResponseStore) -> None:
+        self.models, self.store = models, store
+
+    def retrieve(self, response_id: str) -> dict[str, Any]:
+        return self._stored(response_id).response
+
+    def delete(self, response_id: str) -> dict[str, Any]:
+        self._stored(response_id)
+        self.store.delete(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    def _stored(self, response_id: str, param: str = "response_id") -> StoredResponse:
+        stored = self.store.get(response_id)
+        if stored is None:
+            raise APIError(404, f"Response with id {response_id!r} not found.", param=param,
+                           code="previous_response_not_found" if param != "response_id" else None)  # fmt: skip
+        return stored
+
+    async def create(self, raw: Request) -> Any:
+        req: ResponsesRequest = parse(ResponsesRequest, await json_body(raw))
+        before = self._stored(req.previous_response_id, "previous_response_id").conversation if (
+            req.previous_response_id) else []  # fmt: skip
+        given = (
+            [{"type": "message", "role": "user", "content": req.input}]
+            if isinstance(req.input, str)
+            else req.input
+        )
+        items = [parse_item(item, f"previous_response_id.{i}") for i, item in enumerate(before)] + req.items()
+        messages, params = chat_messages(req.instructions, items), sampling_params(req)
+        conversation = [*before, *(given if req.input else [])]
+
+        async def native(ctx: ServingContext) -> Any:
+            plan = tool_plan(ctx, req)
+            ids = render_chat(ctx, messages, add_generation_prompt=True, extra=template_kwargs(req),
+                              tools=plan.tools, fmt=plan.fmt)  # fmt: skip
+            split = thinks(ctx) and template_kwargs(req) != {"enable_thinking": False}
+            try:
+                answer = await start_answer(ctx, ids, with_tools(params, plan), "resp", split,
+                                            plan.fmt if plan.active else None)  # fmt: skip
+            except APIError as e:  # a bad constraint: name the field it came in
+                if e.param == "structured_outputs":
+                    field = "tools" if plan.constraint is not None else "text.format"
+                    raise APIError(400, f"{field}: {e.message}", param=field) from None
+                raise
+            return await self._respond(
+                req, raw, conversation, answer.pieces, answer.streams, answer.num_prompt_tokens
+            )
+
+        def remote(up: RemoteModel) -> Awaitable[Any]:
+            tools = [t.as_openai() for t in req.tools or []]
+            body = upstream_chat_body(messages, params, req.text_constraint(), tools, req.choice(),
+                                      req.parallel_tool_calls, template_kwargs(req))  # fmt: skip
+            return self._respond(req, raw, conversation, relay_pieces(up, "/chat/completions", body))
+
+        return await self.models.serve(req.model, remote=remote, native=native)
+
+    async def _respond(self, req: ResponsesRequest, raw: Request, conversation: list[dict[str, Any]],
+                       pieces: AsyncIterator[Piece], streams: list[RequestStream] | None = None,
+                       num_prompt_tokens: int | None = None) -> Any:  # fmt: skip
+        """The answer as the Responses SSE events (`stream`) or one response object, stored
+        (unless `store: false`) once it has ended; a client that leaves aborts `streams`."""
+        events, streams = ResponseEvents(_shell(req), num_prompt_tokens), streams or []
+
+        def keep() -> None:
+            if req.store and events.response["status"] in ("completed", "incomplete"):
+                self.store.put(StoredResponse(events.response, [*conversation, *events.output]))
+
+        if req.stream:
+
+            async def lines() -> AsyncIterator[str]:
+                try:
+                    for e in events.opening():
+                        yield sse(e)
+                    async for piece in pieces:
+                        for e in events.piece(piece):
+                            yield sse(e)
+                    keep()
+                finally:
+                    for stream in streams:
+                        stream.abort()
+
+            def error(e: APIError) -> str:
+                return "".join(sse(event) for event in events.error(e))
+
+            return StreamingResponse(sse_with_errors(lines(), error_event=error, last=""),
+                                     media_type="text/event-stream")  # fmt: skip
+
+        async def whole() -> JSONResponse:
+            try:
+                answer = await gather(pieces)
+            except APIError:
+                raise
+            except Exception as e:  # the engine failed under the request
+                raise engine_error(e) from None
+            events.piece(answer)
+            keep()
+            return JSONResponse(events.response)
+
+        return await run_unless_disconnected(raw, whole, streams)
