@@ -1,5 +1,5 @@
-"""One answer, whichever engine gives it: the second APIs (Ollama's, Anthropic's) see a reply as
-a stream of `Piece`s and render those in their own shapes.
+"""One answer, whichever engine gives it: the second APIs (Ollama's, Anthropic's, OpenAI's
+Responses) see a reply as a stream of `Piece`s and render those in their own shapes.
 
     native model   engine outputs -> <think> split off, tool calls held back and parsed at the end
     remote model   the OpenAI chat request the API's request means, sent upstream; its stream
