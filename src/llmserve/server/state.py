@@ -6,12 +6,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 
 from llmserve.config import ServerConfig
 from llmserve.metrics.prometheus import MetricFamilies
 from llmserve.server.models import ModelManager
+
+if TYPE_CHECKING:
+    from llmserve.server.batches.runner import BatchRunner
 
 
 @dataclass
@@ -21,6 +25,8 @@ class ServerState:
     config: ServerConfig
     models: ModelManager
     metrics: MetricFamilies | None = None
+    batches: BatchRunner | None = None
+    """Runs the Batches API's batches (server/batches/)."""
     load_error: BaseException | None = None
     """Set when a one-model server's model failed to load (the server then exits)."""
     draining: bool = False

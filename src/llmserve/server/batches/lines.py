@@ -1,0 +1,131 @@
+"""One batch line: read (`parse_lines`), run through the online endpoint's own serving code
+(`run_line`), and written in OpenAI's batch output format (`result_line`). The server's batch
+runner and the offline `llmserve run-batch` share these, so a line's body is exactly what
+`POST /v1/chat/completions` or `/v1/completions` answers for the same request.
+
+An input line:  {"custom_id": "...", "method": "POST", "url": "/v1/chat/completions", "body": {...}}
+An output line: {"id": "batch_req_...", "custom_id": "...",
+                 "response": {"status_code": 200, "request_id": "...", "body": {...}}, "error": null}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable, Collection
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+from starlette.types import Message
+
+from llmserve.server.batches.store import new_id
+from llmserve.server.errors import APIError, error_body
+from llmserve.server.models import ModelManager
+from llmserve.server.protocol import ChatCompletionRequest, CompletionRequest, parse
+from llmserve.server.serving import ChatServing, CompletionServing, ServingContext
+
+BATCH_PRIORITY = 1_000_000
+"""A batch line's `priority`: after every online request (default 0) under
+`--scheduling-policy priority`. Under FCFS it changes nothing; the runner's bound on lines in
+flight is what keeps online requests first there (runner.py)."""
+
+ENDPOINTS: dict[str, Callable[[ServingContext, Any, Request], Awaitable[Any]]] = {
+    "/v1/chat/completions": lambda ctx, req, raw: ChatServing(ctx).create(req, raw),
+    "/v1/completions": lambda ctx, req, raw: CompletionServing(ctx).create(req, raw),
+}
+_SCHEMAS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
+RETRY_STATUSES = frozenset({429, 503})
+"""A line refused for now (full queue, model loading) is tried again, not written as failed."""
+
+
+@dataclass(frozen=True, slots=True)
+class BatchLine:
+    custom_id: str
+    url: str
+    body: Any
+
+
+def parse_lines(data: bytes, endpoints: Collection[str]) -> tuple[list[BatchLine], list[dict[str, Any]]]:
+    """The input file's lines, and OpenAI-shaped errors (`{code, message, line}`) for lines that
+    cannot run at all: not JSON, no custom_id, a repeated custom_id, another method, a url not in
+    `endpoints` (a server batch has one endpoint; `run-batch` takes both). Any such error fails the
+    whole batch (as OpenAI's validation does); a bad `body` is the line's own 400."""
+    lines: list[BatchLine] = []
+    errors: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for number, text in enumerate(data.decode("utf-8", errors="replace").splitlines(), start=1):
+        if not text.strip():
+            continue
+        try:
+            obj = json.loads(text)
+        except ValueError as e:
+            errors.append(_invalid(number, "invalid_json_line", f"line {number} is not JSON: {e}"))
+            continue
+        custom_id = obj.get("custom_id") if isinstance(obj, dict) else None
+        if not isinstance(custom_id, str) or not custom_id:
+            errors.append(_invalid(number, "missing_required_parameter", f"line {number} has no custom_id"))
+        elif custom_id in seen:
+            errors.append(
+                _invalid(number, "duplicate_custom_id", f"line {number}: custom_id {custom_id!r} repeats")
+            )
+        elif obj.get("method", "POST") != "POST":
+            errors.append(_invalid(number, "invalid_method", f"line {number}: method must be POST"))
+        elif obj.get("url") not in endpoints:
+            errors.append(
+                _invalid(number, "invalid_url", f"line {number}: url must be one of {sorted(endpoints)}")
+            )
+        else:
+            seen.add(custom_id)
+            lines.append(BatchLine(custom_id, obj["url"], obj.get("body")))
+    if not lines and not errors:
+        errors.append(_invalid(None, "empty_file", "the input file has no lines"))
+    return lines, errors
+
+
+def _invalid(line: int | None, code: str, message: str) -> dict[str, Any]:
+    return {"code": code, "message": message, "param": None, "line": line}
+
+
+async def _never_disconnect() -> Message:
+    await asyncio.Event().wait()  # no client to go away; a cancelled line is cancelled instead
+    raise AssertionError("unreachable")
+
+
+def _request_stub(endpoint: str) -> Request:
+    """The `Request` the serving code takes: it only watches it for a disconnect, which never comes."""
+    scope = {"type": "http", "method": "POST", "path": endpoint, "headers": [], "query_string": b""}
+    return Request(scope, _never_disconnect)
+
+
+async def run_line(models: ModelManager, line: BatchLine) -> tuple[int, dict[str, Any]]:
+    """(status, body) of one line, as the online endpoint would answer it."""
+    endpoint, body = line.url, line.body
+    try:
+        if not isinstance(body, dict):
+            raise APIError(400, "body must be a JSON object", param="body")
+        if body.get("stream"):
+            raise APIError(400, "stream is not supported in a batch", param="stream")
+        req = parse(_SCHEMAS[endpoint], body).model_copy(update={"priority": BATCH_PRIORITY})
+        serve = ENDPOINTS[endpoint]
+        response = await models.serve(
+            req.model, remote=_no_remote, native=lambda ctx: serve(ctx, req, _request_stub(endpoint))
+        )
+        return response.status_code, json.loads(response.body)
+    except APIError as e:
+        return e.status, error_body(e.status, e.message, e.param, e.code)
+
+
+async def _no_remote(_: Any) -> Any:
+    raise APIError(
+        400, "batch lines run on native models only; this model is served by an upstream", param="model"
+    )
+
+
+def result_line(custom_id: str, status: int, body: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": new_id("batch_req"),
+        "custom_id": custom_id,
+        "response": {"status_code": status, "request_id": body.get("id") or new_id("req"), "body": body},
+        "error": None,
+    }
