@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,8 @@ from llmserve.server.errors import APIError, error_body
 from llmserve.server.models import ModelManager
 from llmserve.server.protocol import ChatCompletionRequest, CompletionRequest, parse
 from llmserve.server.serving import ChatServing, CompletionServing, ServingContext
+
+logger = logging.getLogger("llmserve.server")
 
 BATCH_PRIORITY = 1_000_000
 """A batch line's `priority`: after every online request (default 0) under
@@ -114,6 +117,9 @@ async def run_line(models: ModelManager, line: BatchLine) -> tuple[int, dict[str
         return response.status_code, json.loads(response.body)
     except APIError as e:
         return e.status, error_body(e.status, e.message, e.param, e.code)
+    except Exception as e:  # what the online route's error handler answers with a 500
+        logger.exception("batch line %s failed", line.custom_id)
+        return 500, error_body(500, f"internal error: {e!r}")
 
 
 async def _no_remote(_: Any) -> Any:

@@ -7,12 +7,15 @@ A batch's states (each transition stamps its `*_at` and is written to disk befor
          |             '-> (finalizing) -> expired                       (past expires_at)
          '-> failed  (an input line that cannot run: not JSON, no custom_id, another url...)
 
-Online requests first, by two means:
-1. at most `batch_max_concurrency` lines are in flight (default 2), so the engine's waiting queue
-   never holds more than that many batch sequences ahead of an online request under FCFS, and
-   its running batch is never filled by batch lines alone;
+Online requests first, by three means:
+1. at most `batch_max_concurrency` lines are in flight (default 2), and only one while online
+   requests run (`_room`), so the engine's waiting queue never holds more than that many batch
+   sequences ahead of an online request under FCFS, and an online prefill shares its step with
+   few batch tokens;
 2. each line goes in at `BATCH_PRIORITY` (lines.py), behind every online request under
-   `--scheduling-policy priority`.
+   `--scheduling-policy priority`;
+3. result files are appended and fsynced in a worker thread, never on the event loop that
+   streams online tokens.
 benchmarks/bench_batches.py measures what this costs an online request's TTFT.
 
 Restart: `start()` queues every batch not in a terminal state; `_run` skips the custom_ids already
@@ -180,7 +183,9 @@ class BatchRunner:
                 if time.time() > batch["expires_at"]:
                     end = "expired"
                     break
-                while len(in_flight) < self.max_concurrency and (line := next(pending, None)) is not None:
+                while (
+                    len(in_flight) < self._room(len(in_flight)) and (line := next(pending, None)) is not None
+                ):
                     in_flight.add(asyncio.create_task(self._line(batch, results, line)))
                 if not in_flight:
                     break
@@ -195,18 +200,31 @@ class BatchRunner:
             await asyncio.gather(*in_flight, return_exceptions=True)
         return end
 
+    def _room(self, num_lines: int) -> int:
+        """Lines that may be in flight now: `max_concurrency` on an idle server, one while online
+        requests run (so they share a step with one batch sequence at most, and the batch still
+        moves). Online requests are the engine's active requests less this batch's lines (a
+        line of several prompts counts more: the bound errs towards online requests)."""
+        online = self.models.num_active - num_lines
+        return 1 if online > 0 else self.max_concurrency
+
     async def _line(self, batch: dict[str, Any], results: ResultFiles, line: BatchLine) -> None:
         while True:
             status, body = await run_line(self.models, line)
-            if status not in RETRY_STATUSES or self.models.closed:
+            if status not in RETRY_STATUSES:
                 break
+            if self.models.closed:  # aborted by the shutdown: not done, it runs after the restart
+                return
             await asyncio.sleep(RETRY_SECONDS)
         ok = 200 <= status < 300
-        results.append(result_line(line.custom_id, status, body), ok)
+        # fsyncs off the event loop: online requests' tokens do not wait for the disk
+        await asyncio.to_thread(results.append, result_line(line.custom_id, status, body), ok)
         batch["request_counts"]["completed" if ok else "failed"] += 1
         if time.monotonic() - self._saved_at > RECORD_SAVE_INTERVAL:
             self._saved_at = time.monotonic()
-            self.store.save(batch)
+            self.store.save(
+                batch
+            )  # on the loop: a record written from a thread could land late, over a newer one
 
     def _finish(self, batch: dict[str, Any], results: ResultFiles, end: str) -> None:
         """finalizing -> `end`: the result files become file objects (purpose batch_output)."""

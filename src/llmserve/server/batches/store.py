@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -72,6 +73,7 @@ class ResultFiles:
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
+        self._lock = threading.Lock()  # appends come from worker threads (runner.py)
         self.output = folder / "output.jsonl"
         self.errors = folder / "errors.jsonl"
 
@@ -92,15 +94,17 @@ class ResultFiles:
 
     def append(self, line: dict[str, Any], ok: bool) -> None:
         """Append one result line durably: it counts as done once this returns."""
-        self.folder.mkdir(parents=True, exist_ok=True)
-        path = self.output if ok else self.errors
-        new = not path.exists()
-        with open(path, "a") as f:
-            f.write(json.dumps(line) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        if new:
-            _fsync_dir(self.folder)
+        text = json.dumps(line) + "\n"
+        with self._lock:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            path = self.output if ok else self.errors
+            new = not path.exists()
+            with open(path, "a") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            if new:
+                _fsync_dir(self.folder)
 
 
 def _cut_torn_tail(path: Path) -> None:
