@@ -77,3 +77,27 @@ def test_parse_form_reads_what_http_clients_send() -> None:
     assert fields == {"purpose": (None, b"batch"), "file": ("a.jsonl", b'{"a": 1}\r\n{}\n')}
     with pytest.raises(APIError):
         parse_form("application/json", b"{}")
+
+
+def test_run_batch_refuses_a_file_that_cannot_run_before_loading_a_model(tmp_path: Path, capsys) -> None:
+    from llmserve.cli.main import main
+
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"custom_id": "a", "url": "/v1/embeddings", "body": {}}\n')
+    assert (
+        main(["run-batch", "-i", str(src), "-o", str(tmp_path / "out.jsonl"), "--model", "/no/such/model"])
+        == 2
+    )
+    assert "url must be one of" in capsys.readouterr().err
+    assert main(["run-batch", "-i", str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "o.jsonl")]) == 2
+
+
+def test_one_server_per_batch_folder(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    first = BatchStore(tmp_path)
+    assert first.try_lock()
+    code = f"from pathlib import Path; from llmserve.server.batches.store import BatchStore; print(BatchStore(Path({str(tmp_path)!r})).try_lock())"
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert other.stdout.strip() == "False"  # a second server would run the same lines again

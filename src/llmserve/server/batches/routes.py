@@ -32,6 +32,7 @@ MAX_METADATA_KEYS = 16
 def _runner(request: Request) -> BatchRunner:
     runner = server_state(request).batches
     assert runner is not None, "build_app makes the batch runner"
+    runner.check_owner()
     return runner
 
 

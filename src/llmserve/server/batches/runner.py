@@ -56,11 +56,20 @@ class BatchRunner:
         self._queue: asyncio.Queue[str] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
         self._saved_at = 0.0
+        self.owner = False
+        """Whether this server holds the batch folder (`start`)."""
 
     # -- life cycle ---------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Queue the batches a previous run left unfinished, then run batches as they come."""
+        """Queue the batches a previous run left unfinished, then run batches as they come; or,
+        when another server holds the folder, serve no batches (`check_owner` answers 503)."""
+        self.owner = self.store.try_lock()
+        if not self.owner:
+            logger.warning(
+                "batches: %s is in use by another server; the batch routes answer 503", self.store.root
+            )
+            return
         for batch in self.store.batches():
             if batch["status"] not in TERMINAL:
                 logger.info("batch %s: resuming (%s)", batch["id"], batch["status"])
@@ -75,6 +84,13 @@ class BatchRunner:
                 await self._task
 
     # -- the API's operations -----------------------------------------------------------------------
+
+    def check_owner(self) -> None:
+        if not self.owner:
+            raise APIError(
+                503, f"the batch folder {str(self.store.root)!r} is in use by another server; start this one "
+                "with its own --batch-dir to serve files and batches", code="batch_dir_in_use",
+            )  # fmt: skip
 
     def create(
         self, input_file_id: str, endpoint: str, window: str, metadata: dict[str, str] | None

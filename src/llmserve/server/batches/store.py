@@ -18,6 +18,7 @@ The store knows nothing about models or HTTP routes beyond raising `APIError`s f
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import secrets
@@ -25,7 +26,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from llmserve.server.errors import APIError
 
@@ -123,6 +124,21 @@ class BatchStore:
         self.root = root
         self.files_dir = root / "files"
         self.batches_dir = root / "batches"
+        self._lock_file: IO[bytes] | None = None
+
+    def try_lock(self) -> bool:
+        """Take the folder for this process (an exclusive `flock`, released when the process ends,
+        even by SIGKILL); False when another server holds it: two runners on one folder would run
+        the same lines twice."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        f = open(self.root / ".lock", "wb")  # noqa: SIM115 (held open for the process's life)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.close()
+            return False
+        self._lock_file = f
+        return True
 
     # -- files --------------------------------------------------------------------------------------
 
