@@ -173,6 +173,14 @@ def test_sigkill_mid_batch_resumes_without_losing_or_repeating(tiny_model_dir: P
         content = client.files.content(batch.output_file_id).text.splitlines()
         ids = [json.loads(x)["custom_id"] for x in content]
         assert sorted(ids) == sorted(line["custom_id"] for line in lines)  # each exactly once
+        # a second server on the same folder would run the same lines again: it serves no batches
+        second = ServerProcess(tiny_model_dir, *args).start()
+        try:
+            with pytest.raises(openai.InternalServerError) as e:
+                second.client(max_retries=0).batches.list()
+            assert e.value.status_code == 503 and e.value.body["code"] == "batch_dir_unavailable"
+        finally:
+            second.stop()
     finally:
         proc.stop()
 

@@ -64,7 +64,11 @@ class BatchRunner:
     def start(self) -> None:
         """Queue the batches a previous run left unfinished, then run batches as they come; or,
         when another server holds the folder, serve no batches (`check_owner` answers 503)."""
-        self.owner = self.store.try_lock()
+        try:
+            self.owner = self.store.try_lock()
+        except OSError as e:  # a read-only home, say: the server still serves everything else
+            logger.warning("batches: cannot use %s (%s); the batch routes answer 503", self.store.root, e)
+            return
         if not self.owner:
             logger.warning(
                 "batches: %s is in use by another server; the batch routes answer 503", self.store.root
@@ -88,8 +92,9 @@ class BatchRunner:
     def check_owner(self) -> None:
         if not self.owner:
             raise APIError(
-                503, f"the batch folder {str(self.store.root)!r} is in use by another server; start this one "
-                "with its own --batch-dir to serve files and batches", code="batch_dir_in_use",
+                503, f"the batch folder {str(self.store.root)!r} is in use by another server or cannot be "
+                "written; start this server with its own --batch-dir to serve files and batches",
+                code="batch_dir_unavailable",
             )  # fmt: skip
 
     def create(
