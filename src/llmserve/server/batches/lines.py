@@ -135,3 +135,10 @@ def result_line(custom_id: str, status: int, body: dict[str, Any]) -> dict[str, 
         "response": {"status_code": status, "request_id": body.get("id") or new_id("req"), "body": body},
         "error": None,
     }
+
+
+def expired_line(custom_id: str) -> dict[str, Any]:
+    """A line its batch's completion window ended before: no response, OpenAI's `batch_expired`."""
+    message = "this line was not run before the batch's completion window ended"
+    return {"id": new_id("batch_req"), "custom_id": custom_id, "response": None,
+            "error": {"code": "batch_expired", "message": message}}  # fmt: skip

@@ -1,6 +1,6 @@
 """`BatchRunner`: runs the server's batches, one at a time in creation order, beside online traffic.
 
-A batch's states (each transition stamps its `*_at` and is written to disk before it is shown):
+A batch's states (each transition stamps its `*_at`; the record is written at each one):
 
     validating -> in_progress -> finalizing -> completed
          |             |-> cancelling -> (finalizing) -> cancelled      (POST .../cancel)
@@ -9,9 +9,9 @@ A batch's states (each transition stamps its `*_at` and is written to disk befor
 
 Online requests first, by three means:
 1. at most `batch_max_concurrency` lines are in flight (default 2), and only one while online
-   requests run (`_room`), so the engine's waiting queue never holds more than that many batch
-   sequences ahead of an online request under FCFS, and an online prefill shares its step with
-   few batch tokens;
+   requests run and shortly after (`_room`), so the engine's waiting queue never holds more
+   than that many batch sequences ahead of an online request under FCFS, and an online
+   prefill shares its step with few batch tokens;
 2. each line goes in at `BATCH_PRIORITY` (lines.py), behind every online request under
    `--scheduling-policy priority`;
 3. result files are appended and fsynced in a worker thread, never on the event loop that
@@ -27,11 +27,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any
 
-from llmserve.server.batches.lines import RETRY_STATUSES, BatchLine, parse_lines, result_line, run_line
+from llmserve.server.batches.lines import (
+    RETRY_STATUSES,
+    BatchLine,
+    expired_line,
+    parse_lines,
+    result_line,
+    run_line,
+)
 from llmserve.server.batches.store import TERMINAL, BatchStore, ResultFiles, new_id, public
 from llmserve.server.errors import APIError
 from llmserve.server.models import ModelManager
@@ -44,6 +52,8 @@ files on a restart, so they need not be written per line)."""
 RETRY_SECONDS = 0.5
 """Wait before retrying a line that was refused for now (full queue, model loading)."""
 COMPLETION_WINDOW_SECONDS = {"24h": 24 * 3600}
+ONLINE_HOLD_SECONDS = 2.0
+"""How long after the last online request seen the runner keeps to one line in flight."""
 
 
 class BatchRunner:
@@ -56,6 +66,7 @@ class BatchRunner:
         self._queue: asyncio.Queue[str] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
         self._saved_at = 0.0
+        self._online_seen = -math.inf
         self.owner = False
         """Whether this server holds the batch folder (`start`)."""
 
@@ -186,6 +197,12 @@ class BatchRunner:
         # 2. run the lines not yet written, a bounded number at a time
         todo = [line for line in lines if line.custom_id not in done]
         end = await self._run_lines(batch, results, todo)
+        if end == "expired":  # as OpenAI: each line not run goes to the error file
+            done = results.done_ids()[0]
+            for line in todo:
+                if line.custom_id not in done:
+                    results.append(expired_line(line.custom_id), ok=False)
+                    batch["request_counts"]["failed"] += 1
         # 3. the result files become file objects; the batch ends
         self._finish(batch, results, end)
         self.store.save(batch)
@@ -204,9 +221,8 @@ class BatchRunner:
                 if time.time() > batch["expires_at"]:
                     end = "expired"
                     break
-                while (
-                    len(in_flight) < self._room(len(in_flight)) and (line := next(pending, None)) is not None
-                ):
+                room = self._room(len(in_flight))
+                while len(in_flight) < room and (line := next(pending, None)) is not None:
                     in_flight.add(asyncio.create_task(self._line(batch, results, line)))
                 if not in_flight:
                     break
@@ -223,11 +239,15 @@ class BatchRunner:
 
     def _room(self, num_lines: int) -> int:
         """Lines that may be in flight now: `max_concurrency` on an idle server, one while online
-        requests run (so they share a step with one batch sequence at most, and the batch still
-        moves). Online requests are the engine's active requests less this batch's lines (a
-        line of several prompts counts more: the bound errs towards online requests)."""
-        online = self.models.num_active - num_lines
-        return 1 if online > 0 else self.max_concurrency
+        requests run and for `ONLINE_HOLD_SECONDS` after (so the gaps between one client's
+        requests do not let a burst of lines in ahead of its next one; one line keeps the batch
+        moving). Online requests: the engine's active requests beyond this batch's lines in
+        flight (a line of several prompts, or one not yet in the engine, blurs the count; the
+        hold covers the latter)."""
+        now = time.monotonic()
+        if self.models.num_active > num_lines:
+            self._online_seen = now
+        return 1 if now - self._online_seen < ONLINE_HOLD_SECONDS else self.max_concurrency
 
     async def _line(self, batch: dict[str, Any], results: ResultFiles, line: BatchLine) -> None:
         while True:
@@ -238,9 +258,10 @@ class BatchRunner:
                 return
             await asyncio.sleep(RETRY_SECONDS)
         ok = 200 <= status < 300
+        # counted first: a cancel that lands during the write below still leaves the line written
+        batch["request_counts"]["completed" if ok else "failed"] += 1
         # fsyncs off the event loop: online requests' tokens do not wait for the disk
         await asyncio.to_thread(results.append, result_line(line.custom_id, status, body), ok)
-        batch["request_counts"]["completed" if ok else "failed"] += 1
         if time.monotonic() - self._saved_at > RECORD_SAVE_INTERVAL:
             self._saved_at = time.monotonic()
             self.store.save(
