@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.types import Message
 
@@ -33,11 +34,23 @@ BATCH_PRIORITY = 1_000_000
 `--scheduling-policy priority`. Under FCFS it changes nothing; the runner's bound on lines in
 flight is what keeps online requests first there (runner.py)."""
 
-ENDPOINTS: dict[str, Callable[[ServingContext, Any, Request], Awaitable[Any]]] = {
-    "/v1/chat/completions": lambda ctx, req, raw: ChatServing(ctx).create(req, raw),
-    "/v1/completions": lambda ctx, req, raw: CompletionServing(ctx).create(req, raw),
-}
-_SCHEMAS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """What a batch line's `url` runs: the online route's request schema and serving call."""
+
+    schema: type[BaseModel]
+    serve: Callable[[ServingContext, Any, Request], Awaitable[Any]]
+
+
+ENDPOINTS = {
+    "/v1/chat/completions": Endpoint(
+        ChatCompletionRequest, lambda ctx, req, raw: ChatServing(ctx).create(req, raw)
+    ),
+    "/v1/completions": Endpoint(
+        CompletionRequest, lambda ctx, req, raw: CompletionServing(ctx).create(req, raw)
+    ),
+}  # /v1/embeddings joins once that route exists
 RETRY_STATUSES = frozenset({429, 503})
 """A line refused for now (full queue, model loading) is tried again, not written as failed."""
 
@@ -109,10 +122,10 @@ async def run_line(models: ModelManager, line: BatchLine) -> tuple[int, dict[str
             raise APIError(400, "body must be a JSON object", param="body")
         if body.get("stream"):
             raise APIError(400, "stream is not supported in a batch", param="stream")
-        req = parse(_SCHEMAS[endpoint], body).model_copy(update={"priority": BATCH_PRIORITY})
-        serve = ENDPOINTS[endpoint]
+        route = ENDPOINTS[endpoint]
+        req = parse(route.schema, body).model_copy(update={"priority": BATCH_PRIORITY})
         response = await models.serve(
-            req.model, remote=_no_remote, native=lambda ctx: serve(ctx, req, _request_stub(endpoint))
+            req.model, remote=_no_remote, native=lambda ctx: route.serve(ctx, req, _request_stub(endpoint))
         )
         return response.status_code, json.loads(response.body)
     except APIError as e:
