@@ -82,8 +82,14 @@ def kernels(request: pytest.FixtureRequest) -> str:
 @pytest.fixture(scope="module", params=KERNEL_SETS)
 def default_server(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[ServerProcess]:
     """`llmserve serve` with no model and no served name: the README's server."""
+    folder = tmp_path_factory.mktemp("readme")
     proc = ServerProcess(
-        [], env=kernel_env(request.param), log_dir=tmp_path_factory.mktemp("readme"), served_name=None
+        [],
+        "--batch-dir",
+        str(folder / "batches"),
+        env=kernel_env(request.param),
+        log_dir=folder,
+        served_name=None,
     ).start()
     yield proc
     proc.stop()
@@ -129,6 +135,11 @@ def test_ollama_client_example(default_server: ServerProcess) -> None:
 
 def test_anthropic_client_example(default_server: ServerProcess) -> None:
     code = code_block("python", "import anthropic")
+    check_answers(code, run_python(code, default_server.port))
+
+
+def test_batches_example(default_server: ServerProcess) -> None:
+    code = code_block("python", "client.batches.create")
     check_answers(code, run_python(code, default_server.port))
 
 

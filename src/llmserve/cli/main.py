@@ -3,6 +3,7 @@
 llmserve generate [PROMPT ...] [--model M] [--max-tokens N] [--raw]
 llmserve serve [MODEL] [--host H] [--port P] [--api-key KEY]
 llmserve bench serve|throughput|latency ...
+llmserve run-batch -i in.jsonl -o out.jsonl [--model M]
 llmserve eval perplexity [--model M] [--quantization Q] [--reference same|none|PATH]
 """
 
@@ -14,7 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from llmserve import __version__
-from llmserve.cli import bench, eval, generate, serve
+from llmserve.cli import bench, eval, generate, run_batch, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_parser(sub)
     bench.add_parser(sub)
     eval.add_parser(sub)
+    run_batch.add_parser(sub)
     return parser
 
 

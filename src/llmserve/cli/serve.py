@@ -124,6 +124,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="tool-call format: hermes (<tool_call>), llama3_json, mistral ([TOOL_CALLS]); "
         "auto: the one the chat template uses",
     )  # fmt: skip
+    b = p.add_argument_group("batches (the Files and Batches APIs)")
+    b.add_argument(
+        "--batch-dir", default=None,
+        help="where uploaded files, batch records and results live; a restart resumes its batches "
+        "(default: ~/.cache/llmserve/batches)",
+    )  # fmt: skip
+    b.add_argument(
+        "--batch-max-concurrency", type=int, default=defaults.batch_max_concurrency,
+        help="batch lines in flight at once (fewer: online requests wait less behind batch lines)",
+    )  # fmt: skip
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -154,6 +164,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         ssl_certfile=_readable(args.ssl_certfile, "--ssl-certfile"),
         ssl_ca_certs=_readable(args.ssl_ca_certs, "--ssl-ca-certs"),
         ssl_cert_reqs=args.ssl_cert_reqs,
+        batch_dir=args.batch_dir,
+        batch_max_concurrency=args.batch_max_concurrency,
     )
 
 

@@ -70,6 +70,12 @@ class ServerConfig:
     ssl_cert_reqs: int = 0
     """TLS: whether clients must show a certificate, as Python's `ssl` numbers it (and uvicorn and
     vLLM take it): 0 no, 1 optional, 2 required."""
+    batch_dir: str | None = None
+    """Where the Files and Batches APIs keep uploads, batch records and results (None: the user's
+    cache dir, `~/.cache/llmserve/batches`); a restart on the same folder resumes its batches."""
+    batch_max_concurrency: int = 2
+    """Batch lines in flight at once: the bound that keeps online requests first (a line also
+    goes in at the lowest priority, which counts under `--scheduling-policy priority`)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -112,5 +118,7 @@ class ServerConfig:
             raise ValueError(
                 "ssl_cert_reqs needs ssl_ca_certs (the CAs that client certificates are checked against)"
             )
+        if self.batch_max_concurrency < 1:
+            raise ValueError(f"batch_max_concurrency must be >= 1; got {self.batch_max_concurrency}")
         if self.api_key == "":
             raise ValueError("api_key must not be empty (leave it unset to disable authentication)")

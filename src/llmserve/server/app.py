@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
@@ -21,6 +22,9 @@ from llmserve.config import ServerConfig
 from llmserve.config.models import ModelSpec
 from llmserve.metrics.prometheus import MetricFamilies, new_registry
 from llmserve.server import routes
+from llmserve.server.batches import routes as batch_routes
+from llmserve.server.batches.runner import BatchRunner
+from llmserve.server.batches.store import BatchStore, default_batch_dir
 from llmserve.server.errors import install_error_handlers
 from llmserve.server.middleware import Gate
 from llmserve.server.models import ModelManager, ModelSlot
@@ -44,7 +48,9 @@ def build_app(
         max_len = (engine_options or {}).get("max_model_len") if len(specs) == 1 else None
         families = MetricFamilies(new_registry(), max_len or TOKEN_HISTOGRAM_MAX)
     models = ModelManager(specs, config, engine_options, families)
-    state = ServerState(config, models, families, ResponseStore(config.responses_store_size))
+    store = BatchStore(Path(config.batch_dir) if config.batch_dir else default_batch_dir())
+    batches = BatchRunner(store, models, config.batch_max_concurrency)
+    state = ServerState(config, models, families, ResponseStore(config.responses_store_size), batches=batches)
     single = len(specs) == 1
 
     def preload_failed(slot: ModelSlot, e: BaseException) -> None:
@@ -64,8 +70,10 @@ def build_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         models.start()
+        batches.start()
         yield
         state.draining = True
+        await batches.close()  # lines in flight run again after a restart
         active = models.num_active
         if active:
             logger.info("shutdown: aborting %d unfinished request(s)", active)
@@ -86,6 +94,7 @@ def build_app(
 
     app.include_router(routes.ops)
     app.include_router(routes.openai)
+    app.include_router(batch_routes.router)
     app.include_router(routes.tokenizer)
     app.include_router(routes.ollama)
     app.include_router(routes.anthropic)

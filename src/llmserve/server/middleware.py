@@ -96,8 +96,9 @@ class Gate:
                 )
                 return
             more = message.get("more_body", False)
-        if chunks and not headers.get(b"content-type", b"").startswith(b"application/json"):
-            # Every body here is JSON: read it as such whatever the client declared (`curl -d`
+        content_type = headers.get(b"content-type", b"")
+        if chunks and not content_type.startswith(b"application/json") and not _upload(path, content_type):
+            # Every other body is JSON: read it as such whatever the client declared (`curl -d`
             # sends a form type), so the client gets JSON errors about its content, not its headers.
             scope = dict(scope)
             scope["headers"] = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
@@ -132,3 +133,8 @@ class Gate:
             await send(message)
 
         return counting_send
+
+
+def _upload(path: str, content_type: bytes) -> bool:
+    """A file upload (`POST /v1/files`), the one body that is a multipart form, not JSON."""
+    return path == "/v1/files" and content_type.startswith(b"multipart/form-data")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 
@@ -13,6 +14,9 @@ from llmserve.config import ServerConfig
 from llmserve.metrics.prometheus import MetricFamilies
 from llmserve.server.models import ModelManager
 from llmserve.server.serving.response_store import ResponseStore
+
+if TYPE_CHECKING:
+    from llmserve.server.batches.runner import BatchRunner
 
 
 @dataclass
@@ -24,6 +28,8 @@ class ServerState:
     metrics: MetricFamilies | None = None
     responses: ResponseStore = field(default_factory=lambda: ResponseStore(0))
     """The responses kept for `previous_response_id` (serving/response_store.py)."""
+    batches: BatchRunner | None = None
+    """Runs the Batches API's batches (server/batches/)."""
     load_error: BaseException | None = None
     """Set when a one-model server's model failed to load (the server then exits)."""
     draining: bool = False
