@@ -40,7 +40,9 @@ def default_batch_dir() -> Path:
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}_{secrets.token_hex(12)}"
+    """`prefix_` + 24 hex digits that sort in creation order (nanoseconds, then 4 random bytes):
+    lists ordered by (created_at, id) are then newest-first within a second too."""
+    return f"{prefix}_{time.time_ns():016x}{secrets.token_hex(4)}"
 
 
 def write_json(path: Path, obj: dict[str, Any]) -> None:
