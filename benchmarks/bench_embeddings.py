@@ -30,6 +30,8 @@ from pathlib import Path
 
 import httpx
 
+from bench_serving import wait_healthy  # benchmarks/ is the script's folder, on sys.path
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -40,17 +42,7 @@ def free_port() -> int:
 def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "llmserve.cli.main", "serve", "--port", str(port), "--pooling", args.pooling]
     cmd += ["--model", args.model] if args.model else []
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("the server did not start in 300 s")
+    return wait_healthy(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), port)
 
 
 def random_inputs(rng: random.Random, n: int, length: int, vocab: int) -> list[list[int]]:

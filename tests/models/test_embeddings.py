@@ -156,3 +156,25 @@ def test_fused_cpu_decoder_pools_its_final_hidden_states(tiny):
         out = llm.embed([PROMPTS[3]], params, use_tqdm=False)[0]
         ref = hf_embedding(hf, PROMPTS[3], params)
         assert torch.nn.functional.cosine_similarity(torch.tensor(out.embedding), ref, dim=0) >= 0.999
+
+
+def test_preempted_embedding_request_starts_its_pooling_again(tiny):
+    """A pool too small for both: a decoding generation request's growth preempts the embedding
+    request (the newest) in the middle of its chunked prefill; it is recomputed later, and its
+    vector is still transformers' (the accumulator starts over)."""
+    folder, hf = tiny
+    llm = make_llm(folder, num_kv_blocks=24, max_num_batched_tokens=16)
+    engine, params = llm.engine, PoolingParams("mean")
+    long_gen = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    engine.add_request("gen", PROMPTS[1], long_gen)
+    for _ in range(20):  # the generation holds 11 of the 24 blocks, and will need 22
+        engine.step()
+    prompt = [(7 * j) % 500 + 1 for j in range(60)]  # 15 blocks
+    engine.add_request("emb", engine.process_embedding_inputs(prompt, params))
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert engine.scheduler.num_preemptions > 0
+    assert_close(done["emb"].embedding, hf_embedding(hf, prompt, params), True)
+    alone = llm.generate([PROMPTS[1]], long_gen, use_tqdm=False)[0].outputs[0].token_ids
+    assert done["gen"].outputs[0].token_ids == alone
