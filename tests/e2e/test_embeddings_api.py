@@ -118,6 +118,22 @@ def test_generation_still_answers_beside_embeddings(mean_server):
     assert stats["kv_blocks_used"] == 0
 
 
+def prompt_tokens_total(server: ServerProcess) -> float:
+    text = httpx.get(f"{server.url}/metrics").text
+    return sum(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("llmserve:prompt_tokens_total")
+    )
+
+
+def test_embedding_prompt_tokens_are_counted_in_metrics(mean_server):
+    before = prompt_tokens_total(mean_server)
+    r = mean_server.client().embeddings.create(model=MODEL_NAME, input=[[5, 6, 7], [8, 9]])
+    assert r.usage.prompt_tokens == 5
+    assert prompt_tokens_total(mean_server) - before == 5
+
+
 def test_ollama_embed(mean_server, hf, tokenizer):
     client = ollama.Client(host=mean_server.url)
     r = client.embed(model=MODEL_NAME, input=TEXTS)

@@ -192,6 +192,7 @@ class OutputProcessor:
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
             if out.embedding is not None:
                 state.embedding = out.embedding
+                stats.observe_pooled(child.times, now)
             if out.prompt_logprobs is not None and state.prompt_logprobs is not None:
                 state.prompt_logprobs.extend(_positions(out.prompt_logprobs))
             stopped = self._update_child(child, out)  # may cut new_token_ids at a stop string
