@@ -84,6 +84,7 @@ def main() -> None:
                 prefill.append(num_tokens / timed_post(client, "/v1/completions", body))
                 inputs = random_inputs(rng, args.num_inputs, args.input_len, vocab)
                 embed.append(num_tokens / timed_post(client, "/v1/embeddings", {"input": inputs}))
+                print(f"completions {prefill[-1]:.0f} tok/s, embeddings {embed[-1]:.0f} tok/s", flush=True)
             result = {
                 "model": args.model or "embedded SmolLM2-135M-Instruct",
                 "pooling": args.pooling,
