@@ -10,9 +10,10 @@ Starts `llmserve serve` in a subprocess, then per round, alternating so both see
   - embeddings:  one POST /v1/embeddings with as many inputs of the same length.
 Each request uses fresh random ids, so the prefix cache never serves one from another's blocks.
 Reported: prompt tokens/s of each (median over rounds) and their ratio. Then the share check: a
-greedy generation of `--gen-tokens` tokens alone, and again while an embedding request of the
-same size runs beside it (the generation's time grows by the embeddings' prefill, which shares
-each step's token budget, and no more). Writes benchmarks/results/bench_embeddings.json.
+greedy generation of `--gen-tokens` tokens alone, beside an embedding request of that size, and
+beside a completions request prefilling as many tokens: embeddings should slow a generation no
+more than prompts of the same length do (both take chunks of each step's token budget, so the
+decode steps they share last longer). Writes benchmarks/results/bench_embeddings.json.
 """
 
 from __future__ import annotations
@@ -106,31 +107,33 @@ def main() -> None:
 
 
 def share_check(client: httpx.Client, args: argparse.Namespace, rng: random.Random, vocab: int) -> dict:
-    """A generation's time alone and beside an embedding request; the embeddings' own time alone."""
+    """A generation's time alone, beside an embedding request, and beside a completions request
+    that prefills as many tokens (`max_tokens: 1`): the baseline its "share" is measured against,
+    since both kinds of prompt take the same chunks of each step's token budget."""
     body = {"max_tokens": args.gen_tokens, "temperature": 0, "ignore_eos": True}
 
     def gen() -> float:
         return timed_post(client, "/v1/completions", {**body, "prompt": random_inputs(rng, 1, 16, vocab)[0]})
 
-    def emb() -> float:
-        return timed_post(
-            client, "/v1/embeddings", {"input": random_inputs(rng, args.num_inputs, args.input_len, vocab)}
-        )
+    def batch(path: str) -> float:
+        prompts = random_inputs(rng, args.num_inputs, args.input_len, vocab)
+        if path == "/v1/embeddings":
+            return timed_post(client, path, {"input": prompts})
+        return timed_post(client, path, {"prompt": prompts, "max_tokens": 1, "temperature": 0})
 
-    alone = gen()
-    embeddings_alone = emb()
-    with ThreadPoolExecutor(2) as pool:
-        g = pool.submit(gen)
-        time.sleep(0.05)  # the generation decodes when the embeddings arrive
-        e = pool.submit(emb)
-        beside, embeddings_beside = g.result(), e.result()
-    return {
-        "generation_alone_s": alone,
-        "embeddings_alone_s": embeddings_alone,
-        "generation_beside_embeddings_s": beside,
-        "embeddings_beside_generation_s": embeddings_beside,
-        "generation_slowdown_s": beside - alone,
-    }
+    def beside(path: str) -> tuple[float, float]:
+        with ThreadPoolExecutor(2) as pool:
+            g = pool.submit(gen)
+            time.sleep(0.05)  # the generation decodes when the batch arrives
+            b = pool.submit(batch, path)
+            return g.result(), b.result()
+
+    result = {"generation_alone_s": gen()}
+    for name, path in (("embeddings", "/v1/embeddings"), ("completions_prefill", "/v1/completions")):
+        g, b = beside(path)
+        result[f"generation_beside_{name}_s"], result[f"{name}_beside_generation_s"] = g, b
+    print(json.dumps(result), flush=True)
+    return result
 
 
 if __name__ == "__main__":

@@ -107,7 +107,9 @@ def default_pooling_params(pooling: str, normalize: bool | None, folder: Path | 
     """The engine's pooling for embedding requests (`ModelConfig.pooling` and
     `normalize_embeddings`): the user's choice, else the model's sentence-transformers config,
     else last-token pooling, normalised (vLLM's defaults for a decoder LM run as an embedder)."""
-    own = model_pooling(folder) if pooling == "auto" or normalize is None else None
-    mode = own[0] if pooling == "auto" and own is not None else ("last" if pooling == "auto" else pooling)
-    norm = normalize if normalize is not None else (own[1] if own is not None else True)
-    return PoolingParams(mode, norm)  # type: ignore[arg-type]
+    own = model_pooling(folder)
+    if pooling == "auto":
+        pooling = own[0] if own is not None else "last"
+    if normalize is None:
+        normalize = own[1] if own is not None else True
+    return PoolingParams(pooling, normalize)  # type: ignore[arg-type]
