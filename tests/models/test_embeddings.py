@@ -178,3 +178,29 @@ def test_preempted_embedding_request_starts_its_pooling_again(tiny):
     assert_close(done["emb"].embedding, hf_embedding(hf, prompt, params), True)
     alone = llm.generate([PROMPTS[1]], long_gen, use_tqdm=False)[0].outputs[0].token_ids
     assert done["gen"].outputs[0].token_ids == alone
+
+
+def test_embeddings_beside_speculative_decoding(tiny):
+    """An embedding request one token short of its prompt's end looks like a decoding request:
+    the engine asks no proposals for it (and its max_tokens 0 would leave no room to verify
+    any); its vector is transformers', and the speculating generation keeps its greedy tokens."""
+    folder, hf = tiny
+    llm = make_llm(
+        folder, max_num_batched_tokens=16,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "adaptive": False},
+    )  # fmt: skip
+    repetitive = [5, 6, 7, 8] * 6
+    alone = llm.generate([repetitive], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    engine, params = llm.engine, PoolingParams("cls")
+    # 17 tokens in chunks of 16: after the first step one token is left, as for a decode, and
+    # the repetition gives the n-gram proposer something to propose
+    prompts = [[9, 10, 11, 12] * 4 + [9], [9, 10, 11] * 11]
+    for i, p in enumerate(prompts):
+        engine.add_request(f"emb-{i}", engine.process_embedding_inputs(p, params))
+    engine.add_request("gen", repetitive, GREEDY)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert done["gen"].outputs[0].token_ids == alone
+    for i, p in enumerate(prompts):
+        assert_close(done[f"emb-{i}"].embedding, hf_embedding(hf, p, params), True)
