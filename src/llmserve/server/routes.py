@@ -31,13 +31,13 @@ from llmserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeRequest,
     parse,
 )
 from llmserve.server.serving import ChatServing, CompletionServing, ServingContext, TokenServing
 from llmserve.server.serving.anthropic import AnthropicServing
 from llmserve.server.serving.embeddings import (
-    EmbeddingRequest,
     OllamaEmbedRequest,
     OllamaLegacyEmbedRequest,
     create_embeddings,

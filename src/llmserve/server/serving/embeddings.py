@@ -20,7 +20,7 @@ import base64
 import dataclasses
 import time
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 from fastapi.responses import JSONResponse
@@ -29,19 +29,11 @@ from starlette.requests import Request
 
 from llmserve.engine.llm_engine import ProcessedPrompt
 from llmserve.server.errors import APIError
-from llmserve.server.protocol import TokenIds, _Request, parse
+from llmserve.server.protocol import EmbeddingRequest, parse
 from llmserve.server.serving.context import ServingContext
 from llmserve.server.serving.inputs import start_requests
 from llmserve.server.serving.ollama import Lenient, _keep_alive
 from llmserve.server.serving.streaming import engine_error, merged, run_unless_disconnected
-
-
-class EmbeddingRequest(_Request):
-    model: StrictStr | None = None
-    input: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: StrictInt | None = None
-    user: StrictStr | None = None
 
 
 class OllamaEmbedRequest(Lenient):
