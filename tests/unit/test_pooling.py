@@ -76,3 +76,14 @@ def test_dimensions_cut_before_normalising():
 def test_bad_pooling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
         PoolingParams(**kwargs)
+
+
+@pytest.mark.parametrize("pooling", ["last", "cls"])
+def test_a_kept_row_survives_its_buffer_being_reused(pooling):
+    """The runner's output buffer may be overwritten by the next step (a CUDA graph's static
+    output) before a chunked prompt ends: the accumulator holds a copy."""
+    buffer = torch.ones(4, 2)
+    state = PoolingState(PoolingParams(pooling, normalize=False), num_prompt_tokens=4)  # type: ignore[arg-type]
+    state.add_chunk(buffer, 0)  # all four rows in one chunk: both keep a row of it
+    buffer.fill_(7.0)
+    assert finish([state]) == [[1.0, 1.0]]

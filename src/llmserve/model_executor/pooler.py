@@ -44,10 +44,12 @@ class PoolingState:
             chunk = hidden.float().sum(dim=0)  # [H]
             self.value = chunk if self.value is None else self.value + chunk
             self.count += n
+        # a copy, never a view: the row outlives this step, and the runner may reuse its output
+        # buffers (a CUDA graph's static output; `.float()` of a float32 row would be a view)
         elif pooling == "cls" and start == 0:
-            self.value = hidden[0].float()
+            self.value = hidden[0].to(torch.float32, copy=True)
         elif pooling == "last" and start + n == self.num_prompt_tokens:
-            self.value = hidden[n - 1].float()
+            self.value = hidden[n - 1].to(torch.float32, copy=True)
 
     def vector(self) -> torch.Tensor:
         """The pooled [H] vector, before cutting and normalising."""
