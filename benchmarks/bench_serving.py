@@ -114,8 +114,12 @@ async def run_server(
 def start_server(port: int, max_num_seqs: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "llmserve.cli.main", "--log-level", "WARNING", "serve", "--port", str(port),
            "--served-model-name", "bench", "--max-num-seqs", str(max_num_seqs), "--max-queued-requests", "-1"]  # fmt: skip
-    proc = subprocess.Popen(cmd)
-    deadline = time.monotonic() + 300
+    return wait_healthy(subprocess.Popen(cmd), port)
+
+
+def wait_healthy(proc: subprocess.Popen, port: int, timeout: float = 300) -> subprocess.Popen:
+    """`proc` once the server it runs answers /health with 200 (it is stopped if it never does)."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:

@@ -11,7 +11,8 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from llmserve.engine.llm import LLM
-    from llmserve.outputs import CompletionOutput, RequestOutput
+    from llmserve.outputs import CompletionOutput, EmbeddingOutput, RequestOutput
+    from llmserve.pooling_params import PoolingParams
     from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 _LAZY = {
@@ -20,10 +21,14 @@ _LAZY = {
     "StructuredOutputsParams": "llmserve.sampling_params",
     "RequestOutput": "llmserve.outputs",
     "CompletionOutput": "llmserve.outputs",
+    "EmbeddingOutput": "llmserve.outputs",
+    "PoolingParams": "llmserve.pooling_params",
 }
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "EmbeddingOutput",
+    "PoolingParams",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputsParams",

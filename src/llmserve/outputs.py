@@ -51,4 +51,18 @@ class RequestOutput:
     """One entry per prompt token; the first is None (nothing precedes it)."""
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache."""
+    embedding: list[float] | None = None
+    """An embedding request's vector (`outputs` is then one empty completion, finished "stop")."""
     metrics: RequestMetrics | None = field(default=None, repr=False)
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """One prompt's embedding (`LLM.embed`)."""
+
+    embedding: list[float]
+    prompt_token_ids: list[int]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)

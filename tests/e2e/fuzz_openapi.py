@@ -39,6 +39,7 @@ SPEC = Path(__file__).resolve().parents[2].parent / "shared" / "openai" / "opena
 SERVED = {
     ("POST", "/chat/completions"),
     ("POST", "/completions"),
+    ("POST", "/embeddings"),
     ("GET", "/models"),
     ("GET", "/models/{model}"),
 }

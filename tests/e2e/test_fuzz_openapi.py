@@ -17,8 +17,8 @@ def test_fuzzing_with_openais_spec_finds_no_server_error(server: ServerProcess) 
     assert SPEC.is_file(), f"OpenAI's API description missing: {SPEC} (the repo expects ../shared beside it)"
     schema = load_schema()
     served = {(r.ok().method.upper(), r.ok().path) for r in schema.get_all_operations()}
-    assert served == {("POST", "/chat/completions"), ("POST", "/completions"), ("GET", "/models"),
-                      ("GET", "/models/{model}")}  # fmt: skip
+    assert served == {("POST", "/chat/completions"), ("POST", "/completions"), ("POST", "/embeddings"),
+                      ("GET", "/models"), ("GET", "/models/{model}")}  # fmt: skip
     findings = fuzz(server.url, MODEL_NAME, max_examples=25, seed=0, schema=schema)
     assert not findings.problems, findings.summary()
     chat = findings.statuses["POST /chat/completions"]

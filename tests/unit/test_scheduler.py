@@ -303,3 +303,44 @@ def test_static_modes_run_in_their_own_class():
         Scheduler(SchedulerConfig(mode="static"), cache, num_kv_blocks=8, max_model_len=64)
     with pytest.raises(ValueError, match="StaticBatchScheduler runs the static modes; got mode 'continuous'"):
         StaticBatchScheduler(SchedulerConfig(), cache, num_kv_blocks=8, max_model_len=64)
+
+
+def _embedding_request(req_id: str, prompt_len: int, pooling: str) -> Request:
+    from llmserve.pooling_params import PoolingParams
+
+    request = make_request(req_id, prompt_len)
+    request.max_tokens, request.pooling_params = 0, PoolingParams(pooling)  # type: ignore[arg-type]
+    return request
+
+
+def _pooled_run(so: SchedulerOutput, sched: Scheduler) -> ModelRunnerOutput:
+    """A runner's output where embedding requests whose prompt is computed return a vector."""
+    out = fake_run(so, sched)
+    for i, rid in enumerate(out.req_ids):
+        r = sched.requests[rid]
+        if r.pooling_params is not None:
+            out.sampled_token_ids[i] = []
+            if r.num_computed_tokens == r.num_tokens:
+                out.pooled[rid] = [1.0, 0.0]
+    return out
+
+
+@pytest.mark.parametrize(("pooling", "cached"), [("last", 8), ("mean", 0), ("cls", 0)])
+def test_embedding_request_chunks_ends_with_its_prefill_and_uses_the_prefix_cache_only_for_last(
+    pooling, cached
+):
+    sched = make_scheduler(max_num_batched_tokens=4)
+    sched.add_request(make_request("gen", 10))
+    while sched.has_unfinished_requests():
+        so = sched.schedule()
+        sched.update_from_output(so, fake_run(so, sched))
+    sched.add_request(_embedding_request("emb", 10, pooling))  # same prompt: 8 tokens in full blocks cached
+    outputs = []
+    while sched.has_unfinished_requests():
+        so = sched.schedule()
+        outputs += sched.update_from_output(so, _pooled_run(so, sched))
+    assert len(outputs) == 1
+    out = outputs[0]
+    assert out.embedding == [1.0, 0.0] and out.finish_reason == "stop" and out.new_token_ids == []
+    assert out.num_cached_tokens == cached
+    assert sched.kv_cache_manager.get_num_free_blocks() == sched.kv_cache_manager.num_blocks

@@ -91,6 +91,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "weights on the CPU, as llama.cpp); 16 bits hold twice the float32 tokens, int8 (a float16 "
         "scale per 32 values) 3.6x",
     )
+    g.add_argument(
+        "--pooling", default="auto", choices=["auto", "last", "mean", "cls"],
+        help="how embedding requests pool the prompt's final hidden states (auto: the model's "
+        "sentence-transformers config, else the last token)",
+    )  # fmt: skip
+    g.add_argument(
+        "--normalize-embeddings", default=None, action=argparse.BooleanOptionalAction,
+        help="unit-length embeddings (default: as the model's sentence-transformers config says, else yes)",
+    )  # fmt: skip
     g.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
     g.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget of one step")
@@ -136,4 +145,6 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "batching_mode": args.batching_mode,
         "model_impl": args.model_impl,
         "speculative_config": args.speculative_config,
+        "pooling": args.pooling,
+        "normalize_embeddings": args.normalize_embeddings,
     }

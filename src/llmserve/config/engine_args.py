@@ -45,6 +45,8 @@ class EngineArgs:
     attention_backend: str = "auto"
     enforce_eager: bool = False
     cpu_offload_gb: float = 0.0
+    pooling: str = "auto"
+    normalize_embeddings: bool | None = None
     block_size: int = 16
     kv_cache_memory: int | None = None
     num_kv_blocks: int | None = None
@@ -95,6 +97,8 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
             cpu_offload_gb=self.cpu_offload_gb,
+            pooling=self.pooling,  # type: ignore[arg-type]
+            normalize_embeddings=self.normalize_embeddings,
         )
         cache = CacheConfig(
             block_size=self.block_size,

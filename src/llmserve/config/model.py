@@ -17,6 +17,8 @@ QuantizationName = Literal["auto", "none", "int8", "int4", "fp8"]
 _QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "int4", "fp8")
 CpuActivationsName = Literal["auto", "int16", "int8"]
 _CPU_ACTIVATIONS: tuple[str, ...] = ("auto", "int16", "int8")
+PoolingName = Literal["auto", "last", "mean", "cls"]
+_POOLINGS: tuple[str, ...] = ("auto", "last", "mean", "cls")
 ModelImplName = Literal["auto", "native", "transformers"]
 _MODEL_IMPLS: tuple[str, ...] = ("auto", "native", "transformers")
 
@@ -101,7 +103,20 @@ class ModelConfig:
     prefix caching, no quantized kernels, one sequence per forward call). `auto`: native when the
     architecture has one, else transformers (HF folders only), with a warning."""
 
+    pooling: PoolingName = "auto"
+    """How embedding requests (`/v1/embeddings`, `/api/embed`, `LLM.embed`) pool the final hidden
+    states of their prompt: `last` token, `mean` of all tokens, or `cls` (the first token).
+    `auto` (vLLM's rule): the model's sentence-transformers config where the folder has one
+    (`modules.json` naming a `Pooling` module, `1_Pooling/config.json`), else `last`, the only
+    token of a decoder LM that saw the whole prompt."""
+
+    normalize_embeddings: bool | None = None
+    """Scale embeddings to unit L2 norm. None: as the model's sentence-transformers config says
+    (a `Normalize` module) where it has one, else yes (vLLM's default for embedding models)."""
+
     def __post_init__(self) -> None:
+        if self.pooling not in _POOLINGS:
+            raise ValueError(f"pooling must be one of {', '.join(_POOLINGS)}; got {self.pooling!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}; got {self.dtype!r}")
         if self.cpu_gemm not in _CPU_GEMMS:

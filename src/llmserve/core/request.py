@@ -10,6 +10,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from llmserve.pooling_params import PoolingParams
 from llmserve.sampling_params import SamplingParams
 
 
@@ -75,6 +76,9 @@ class Request:
     verifications weigh most); their ratio estimates the chance the next proposal is kept."""
     spec_idle: int = 0
     """Speculative decoding: steps since this request last verified a proposal."""
+    pooling_params: PoolingParams | None = None
+    """An embedding request: its prompt is pooled into one vector and it ends when its prefill
+    does (nothing sampled, `max_tokens` 0)."""
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from llmserve.pooling_params import PoolingParams
 from llmserve.sampling_params import SamplingParams
 
 
@@ -27,6 +28,8 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     """Tokens whose K/V are already in the cache (a prefix-cache hit), not to be recomputed."""
+    pooling_params: PoolingParams | None = None
+    """An embedding request: pool its prompt's hidden states instead of sampling."""
 
 
 @dataclass(slots=True)
@@ -81,3 +84,5 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, Logprobs | None] = field(default_factory=dict)
     """Per request that asked for prompt logprobs: the logprobs of the prompt tokens this chunk
     covered (the first prompt token has none)."""
+    pooled: dict[str, list[float]] = field(default_factory=dict)
+    """Per embedding request whose prefill ended this step: its pooled (cut, normalised) vector."""

@@ -54,6 +54,8 @@ class EngineCoreOutput:
     logprobs: Logprobs | None = None
     prompt_logprobs: Logprobs | None = None
     num_cached_tokens: int = 0
+    embedding: list[float] | None = None
+    """An embedding request's pooled vector (it finishes in the same output)."""
 
 
 @dataclass(slots=True)
@@ -271,11 +273,13 @@ class Scheduler:
             request = self.waiting.peek()
             if not self._may_admit(request):
                 break
-            # Prompt logprobs need every prompt position computed: no prefix-cache hit then.
-            wants_prompt_logprobs = request.sampling_params.prompt_logprobs is not None
-            computed_blocks, num_computed = (
-                ([], 0) if wants_prompt_logprobs else kv.get_computed_blocks(request)
+            # Prompt logprobs, mean and cls pooling need every prompt position computed: no
+            # prefix-cache hit then (`last` pooling reads the last token, which a hit never covers).
+            pooling = request.pooling_params
+            every_token = request.sampling_params.prompt_logprobs is not None or (
+                pooling is not None and pooling.needs_every_token
             )
+            computed_blocks, num_computed = ([], 0) if every_token else kv.get_computed_blocks(request)
             if not self._admit(request, plan, computed_blocks, num_computed):
                 break
             self.waiting.pop()
@@ -304,6 +308,7 @@ class Scheduler:
                 eos_token_ids=request.eos_token_ids,
                 block_ids=kv.get_block_ids(request.request_id),
                 num_computed_tokens=num_computed,
+                pooling_params=request.pooling_params,
             )
         )
         plan.num_tokens[request.request_id] = num_new
@@ -337,6 +342,14 @@ class Scheduler:
             drafts = scheduler_output.scheduled_spec_tokens.get(req_id)
             if drafts is not None:
                 self._verified(request, len(drafts), len(sampled) - 1)
+            embedding = runner_output.pooled.get(req_id)
+            if embedding is not None:  # an embedding request's prefill is done: so is the request
+                self._end(request, RequestStatus.FINISHED_STOPPED)
+                outputs.append(
+                    EngineCoreOutput(req_id, [], "stop", num_cached_tokens=request.num_cached_tokens,
+                                     embedding=embedding)
+                )  # fmt: skip
+                continue
             prompt_lp = runner_output.prompt_logprobs.get(req_id)
             if not sampled and prompt_lp is None:
                 continue

@@ -3,6 +3,7 @@
     llm = LLM()                                   # the embedded SmolLM2-135M-Instruct
     outs = llm.generate(["Hello", "The sky is"], SamplingParams(max_tokens=32))
     outs = llm.chat([{"role": "user", "content": "Hi!"}])
+    vecs = llm.embed(["Hello", "The sky is"])     # pooled final hidden states (--pooling)
 
 All prompts are queued at once and run with in-flight batching; a progress bar shows finished
 prompts and the running output throughput.
@@ -20,7 +21,8 @@ from tqdm.auto import tqdm
 from llmserve.config.engine_args import EngineArgs
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.errors import ParameterError
-from llmserve.outputs import RequestOutput
+from llmserve.outputs import EmbeddingOutput, RequestOutput
+from llmserve.pooling_params import PoolingParams
 from llmserve.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -126,6 +128,35 @@ class LLM:
             prompts.append(tokenizer.encode(text, add_special_tokens=False))
         params = self._params_list(sampling_params, len(prompts))
         return self._run(prompts, params, None, use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingOutput]:
+        """One embedding per prompt, in order (vLLM's `LLM.embed`): the prompt's final hidden
+        states pooled as `pooling_params` says (default: the engine's, `pooling` /
+        `normalize_embeddings`). Prompts take the forms `generate` takes."""
+        if _is_single_prompt(prompts):
+            prompts = [prompts]  # type: ignore[list-item]
+        engine = self.engine
+        ids = [f"offline-{next(self._ids)}" for _ in prompts]  # type: ignore[union-attr]
+        try:
+            for i, (req_id, p) in enumerate(zip(ids, prompts, strict=True)):  # type: ignore[arg-type]
+                engine.add_request(req_id, engine.process_embedding_inputs(to_prompt(p, i), pooling_params))
+        except ValueError as e:
+            engine.abort_request(ids)
+            raise ParameterError(f"prompt {i}: {e}", param=getattr(e, "param", None)) from None
+        results: dict[str, EmbeddingOutput] = {}
+        with tqdm(total=len(ids), desc="Embedding", unit="prompt", disable=not use_tqdm) as bar:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        assert out.embedding is not None, out.request_id
+                        results[out.request_id] = EmbeddingOutput(out.embedding, out.prompt_token_ids)
+                        bar.update(1)
+        return [results[i] for i in ids]
 
     @staticmethod
     def _params_list(

@@ -28,7 +28,9 @@ from llmserve.layers.attention import KVCacheSpec
 from llmserve.metrics.stats import IterationStats, SchedulerStats
 from llmserve.model_executor.model_loader import LoadedModel, load_model
 from llmserve.model_executor.model_runner import ModelRunner
+from llmserve.model_executor.pooler import default_pooling_params
 from llmserve.outputs import RequestOutput
+from llmserve.pooling_params import PoolingParams
 from llmserve.sampling_params import SamplingParams
 from llmserve.spec_decode.controller import SpecController
 from llmserve.spec_decode.draft import DraftModelProposer
@@ -47,7 +49,14 @@ class ProcessedPrompt:
     token_ids: list[int]
     params: SamplingParams
     max_tokens: int
-    """Resolved output budget (max_tokens, or what the context leaves)."""
+    """Resolved output budget (max_tokens, or what the context leaves); 0 for an embedding."""
+    pooling: PoolingParams | None = None
+    """An embedding request: how its prompt is pooled (nothing is generated)."""
+
+
+# What an embedding request carries as sampling parameters: never used to sample (the runner
+# pools it instead), but the output processing and the runner's states expect one.
+_EMBEDDING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +119,14 @@ class LLMEngine:
         self.tokenizer: Tokenizer = load_tokenizer(self.loaded.source)
         self.max_model_len = self.loaded.max_model_len
         self.vocab_size = int(self.loaded.hf_config.vocab_size)
+        self.hidden_size = int(getattr(self.loaded.hf_config, "hidden_size", 0))
+        source = self.loaded.source
+        self.default_pooling = default_pooling_params(
+            model_config.pooling,
+            model_config.normalize_embeddings,
+            source.path if source.kind == "hf" else None,
+        )
+        """Embedding requests' pooling when they name none (config/model.py `pooling`)."""
 
         shape = self.loaded.model.kv_cache_shape()
         kv_dtype = self.loaded.kv_cache_dtype(self.cache_config.kv_cache_dtype)
@@ -234,6 +251,27 @@ class LLMEngine:
             )
         return ProcessedPrompt(text, ids, params, max_tokens)
 
+    def process_embedding_inputs(
+        self, prompt: str | Sequence[int], pooling: PoolingParams | None = None
+    ) -> ProcessedPrompt:
+        """Tokenize and check an embedding input (`pooling`: the engine's default when None);
+        raises ValueError, changes nothing. Safe to call from another thread than `step()`'s."""
+        if self.loaded.model_impl == "transformers" or self.scheduler_config.is_static:
+            raise ParameterError(
+                "embeddings need the native model implementation and continuous batching", param="input"
+            )
+        text, ids = self.encode_prompt(prompt)
+        if not ids:
+            raise ParameterError("the input is empty after tokenization", param="input")
+        if len(ids) > self.max_model_len:
+            raise ParameterError(
+                f"input of {len(ids)} tokens exceeds the model's context of {self.max_model_len} tokens",
+                param="input",
+            )
+        pooling = pooling or self.default_pooling
+        pooling.validate_for_model(self.hidden_size)
+        return ProcessedPrompt(text, ids, _EMBEDDING_SAMPLING, 0, pooling)
+
     def add_request(
         self,
         request_id: str,
@@ -278,6 +316,7 @@ class LLMEngine:
                     priority=priority,
                     arrival_time=arrival,
                     max_tokens=prompt.max_tokens,
+                    pooling_params=prompt.pooling,
                 )
             )
 
@@ -350,7 +389,7 @@ class LLMEngine:
         for request in running:
             remaining = request.num_tokens - request.num_computed_tokens
             num_tokens += remaining
-            if remaining == 1:  # decoding (not prefilling)
+            if remaining == 1 and request.pooling_params is None:  # decoding (not prefilling)
                 request.spec_idle += 1
                 decoding.append(request)
         # requests whose proposals keep failing are not even asked

@@ -72,6 +72,7 @@ class _RequestState:
     """Each output carries only what is new (fresh objects, safe to hand to another thread);
     otherwise the same accumulating `CompletionOutput`s are returned every step."""
     prompt_logprobs_sent: bool = False
+    embedding: list[float] | None = None
 
     def to_output(self, finished: bool) -> RequestOutput:
         prompt_logprobs = self.prompt_logprobs
@@ -97,6 +98,7 @@ class _RequestState:
             finished=finished,
             prompt_logprobs=prompt_logprobs,
             num_cached_tokens=self.num_cached_tokens,
+            embedding=self.embedding,
             metrics=self.metrics,
         )
 
@@ -188,6 +190,9 @@ class OutputProcessor:
             state = self._requests[request_id]
             child = state.children[out.req_id]
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+            if out.embedding is not None:
+                state.embedding = out.embedding
+                stats.observe_pooled(child.times, now)
             if out.prompt_logprobs is not None and state.prompt_logprobs is not None:
                 state.prompt_logprobs.extend(_positions(out.prompt_logprobs))
             stopped = self._update_child(child, out)  # may cut new_token_ids at a stop string

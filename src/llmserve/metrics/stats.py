@@ -126,6 +126,12 @@ class IterationStats:
     def is_empty(self) -> bool:
         return self.scheduler is None and not self.finished
 
+    def observe_pooled(self, seq: SequenceTimes, now: float) -> None:
+        """An embedding request's prompt was pooled at `now`: its prompt tokens count, and its
+        prefill ended then (no token: no time to first token)."""
+        seq.first_token = seq.last_token = now
+        self.num_prompt_tokens += seq.num_prompt_tokens
+
     def observe_tokens(self, seq: SequenceTimes, num_new: int, now: float) -> None:
         """A step gave `seq` `num_new` tokens at time `now`."""
         if num_new <= 0:

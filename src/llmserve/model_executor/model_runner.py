@@ -13,7 +13,9 @@ changed, and per step:
   5. masks the logits of requests with structured outputs to what their grammar allows next (the
      masks are computed on a worker thread while the forward pass runs, where a core is free for
      it), samples all requests together, then appends the tokens to their states (and grammars);
-  6. with speculative decoding, a request that carries proposed tokens runs its last token and the
+  6. an embedding request (a `pooling_params` one) is never sampled: its rows feed its pooling
+     accumulator (pooler.py), and the step that runs its last prompt token returns its vector;
+  7. with speculative decoding, a request that carries proposed tokens runs its last token and the
      proposals in one go, and verification (sample/rejection.py) keeps the proposals the
      model agrees with and adds the model's next token (with a grammar: only the proposals it
      allows are verified, each row masked by the grammar state after the ones before).
@@ -30,6 +32,7 @@ import torch
 from llmserve.core.sched_output import Logprobs, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from llmserve.model_executor.device import DeviceProfile, build_profile
 from llmserve.model_executor.forward_runner import ForwardRunner, SequenceBatchEntry
+from llmserve.model_executor.pooler import PoolingState, finish
 from llmserve.model_executor.transformers_runner import TransformersCausalLM, TransformersForwardRunner
 from llmserve.models import CausalLM
 from llmserve.sample import RequestSamplingState, Sampler, SamplingMetadata, compute_logprobs, make_generator
@@ -49,6 +52,8 @@ class CachedRequestState:
     num_prompt_logprobs: int = 0
     """Prompt positions whose logprobs were already returned (a preempted request recomputes
     its prompt, but must not return them twice)."""
+    pooler: PoolingState | None = None
+    """An embedding request's accumulator (fresh after a preemption: the prompt is recomputed)."""
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -145,6 +150,9 @@ class ModelRunner:
             new.num_computed_tokens,
             sampling,
             num_prompt_logprobs,
+            None
+            if new.pooling_params is None
+            else PoolingState(new.pooling_params, len(new.prompt_token_ids)),
         )
 
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -175,6 +183,7 @@ class ModelRunner:
         samplers: list[tuple[int, CachedRequestState]] = []  # (position in req_ids, state)
         prompt_rows: list[tuple[str, int, int]] = []  # (req_id, first row, first prompt position)
         verifiers: list[Verification] = []  # requests verifying proposed tokens
+        pooled: list[tuple[CachedRequestState, int, int, int]] = []  # (state, first row, rows, start)
         row = 0
         for pos, req_id in enumerate(req_ids):
             state, n = self.requests[req_id], so.num_scheduled_tokens[req_id]
@@ -190,6 +199,11 @@ class ModelRunner:
                 continue
             start, end = state.num_computed_tokens, state.num_computed_tokens + n
             batch.append(SequenceBatchEntry(state.token_slice(start, end), end, state.block_ids, req_id))
+            if state.pooler is not None:  # an embedding request: pooled, never sampled
+                pooled.append((state, row, n, start))
+                state.num_computed_tokens = end
+                row += n
+                continue
             # Prompt logprobs for positions [first, end) of this chunk not returned before.
             first = max(start, state.num_prompt_logprobs)
             if state.sampling.params.prompt_logprobs is not None and first < min(
@@ -221,6 +235,8 @@ class ModelRunner:
         if constrained and mask is None:
             mask = self._fill_masks(grammars)
         out = ModelRunnerOutput(req_ids, [[] for _ in req_ids])
+        if pooled:
+            out.pooled = self._pool(forward.hidden, pooled)
         if prompt_rows:
             out.prompt_logprobs = self._prompt_logprobs(forward.hidden, prompt_rows)
         if samplers or verifiers:
@@ -230,6 +246,23 @@ class ModelRunner:
             if verifiers:
                 self._verify(logits[len(sample_rows) :], verifiers, out)
         return out
+
+    @staticmethod
+    def _pool(
+        hidden: torch.Tensor, pooled: list[tuple[CachedRequestState, int, int, int]]
+    ) -> dict[str, list[float]]:
+        """Feed each embedding request's rows to its accumulator; the vectors of those whose
+        prompt is now fully computed."""
+        done: list[CachedRequestState] = []
+        for state, first_row, n, start in pooled:
+            assert state.pooler is not None
+            state.pooler.add_chunk(hidden[first_row : first_row + n], start)
+            if state.num_computed_tokens == len(state.prompt_token_ids):
+                done.append(state)
+        if not done:
+            return {}
+        vectors = finish([s.pooler for s in done])  # type: ignore[misc]
+        return {s.req_id: v for s, v in zip(done, vectors, strict=True)}
 
     def _verify(
         self, all_logits: torch.Tensor, verifiers: list[Verification], out: ModelRunnerOutput

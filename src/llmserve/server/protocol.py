@@ -149,6 +149,16 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
+class EmbeddingRequest(_Request):
+    """`POST /v1/embeddings`: one input or several, as text or token ids."""
+
+    model: StrictStr | None = None
+    input: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: StrictInt | None = None
+    user: StrictStr | None = None
+
+
 class TokenizeRequest(_Request):
     model: StrictStr | None = None
     prompt: StrictStr | None = None

@@ -1,9 +1,9 @@
 """The HTTP routes, thin: each hands its parsed request to the serving layer (server/serving/).
 
-    openai     /v1/models, /v1/models/{model}, /v1/completions, /v1/chat/completions
+    openai     /v1/models, /v1/models/{model}, /v1/completions, /v1/chat/completions, /v1/embeddings
     tokenizer  /tokenize, /detokenize, /tokenizer_info                    (vLLM's extras)
     ops        /health, /version, /stats, and /metrics when enabled
-    ollama     /api/generate, /api/chat, /api/tags, /api/ps, /api/show, /api/version (Ollama's API)
+    ollama     /api/generate, /api/chat, /api/embed, /api/embeddings, /api/tags, /api/ps, /api/show, /api/version (Ollama's API)
     anthropic  /v1/messages, /v1/messages/count_tokens (Anthropic's API; its error shape, errors.py)
     responses  /v1/responses, GET and DELETE /v1/responses/{id} (OpenAI's Responses API)
     admin      /admin/models/load, /admin/models/unload
@@ -32,11 +32,20 @@ from llmserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeRequest,
     parse,
 )
 from llmserve.server.serving import ChatServing, CompletionServing, ServingContext, TokenServing
 from llmserve.server.serving.anthropic import AnthropicServing
+from llmserve.server.serving.embeddings import (
+    OllamaEmbedRequest,
+    OllamaLegacyEmbedRequest,
+    create_embeddings,
+    ollama_embed,
+    ollama_legacy_embeddings,
+    parse_ollama,
+)
 from llmserve.server.serving.ollama import OllamaServing, ollama_error
 from llmserve.server.serving.ollama_models import OllamaModels
 from llmserve.server.serving.responses import ResponsesServing
@@ -97,6 +106,15 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, models: Mod
         req.model,
         remote=lambda remote: remote.proxy(raw, "/chat/completions"),
         native=lambda ctx: ChatServing(ctx).create(req, raw),
+    )
+
+
+@openai.post("/v1/embeddings")
+async def embeddings(req: EmbeddingRequest, raw: Request, models: Models) -> Any:
+    return await models.serve(
+        req.model,
+        remote=lambda remote: remote.proxy(raw, "/embeddings"),
+        native=lambda ctx: create_embeddings(ctx, req, raw),
     )
 
 
@@ -228,6 +246,23 @@ async def ollama_generate(raw: Request, models: Models) -> Any:
 @ollama.post("/api/chat")
 async def ollama_chat(raw: Request, models: Models) -> Any:
     return await _ollama(OllamaServing(models).chat(raw))
+
+
+async def _ollama_embed(raw: Request, models: ModelManager, legacy: bool) -> Any:
+    req, keep_alive = await parse_ollama(raw, OllamaLegacyEmbedRequest if legacy else OllamaEmbedRequest)
+    async with models.lease(req.model, keep_alive) as slot:
+        ctx = _native(slot)
+        return await (ollama_legacy_embeddings if legacy else ollama_embed)(ctx, req, raw)
+
+
+@ollama.post("/api/embed")
+async def ollama_embed_route(raw: Request, models: Models) -> Any:
+    return await _ollama(_ollama_embed(raw, models, legacy=False))
+
+
+@ollama.post("/api/embeddings")
+async def ollama_embeddings_route(raw: Request, models: Models) -> Any:
+    return await _ollama(_ollama_embed(raw, models, legacy=True))
 
 
 @ollama.post("/api/show")
