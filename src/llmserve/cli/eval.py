@@ -97,7 +97,7 @@ def run_perplexity(args: argparse.Namespace) -> int:
         report = {
             "model": str(loaded.source.path),
             "quantization": loaded.quantization,
-            "kv_cache_dtype": str(kv_dtype).removeprefix("torch."),
+            "kv_cache_dtype": kv_dtype.name,
             "reference": None if reference is None else str(reference.source.path),
             "reference_dtype": None if reference is None else str(reference.dtype).removeprefix("torch."),
             "n_ctx": args.ctx,

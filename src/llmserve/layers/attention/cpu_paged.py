@@ -37,7 +37,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from llmserve.layers.attention.backend import AttentionParams, register_attention_backend
-from llmserve.layers.attention.metadata import AttentionMetadata, KVCacheSpec
+from llmserve.layers.attention.metadata import AttentionMetadata, KVCacheSpec, KVDtypes, LayerKVCache
 from llmserve.layers.attention.torch_ref import TorchAttentionBackend, _write_rows
 from llmserve.layers.numba_jit import FASTMATH, jit
 
@@ -218,15 +218,20 @@ def _attend_one(q, k, v, table, seq_len, window, scale, out, next_k, next_table,
     s = np.empty((G, seq_len - start), np.float32)
 
     # 1. raw scores s[g, t - start] = q[g] . K[t]
+    # (K and V may be arrays of two types, `kv_cache_dtype` K,V: numba cannot hold either in one
+    # variable, so the prefetch picks its array by a flag rather than by assignment)
     for i in range(first, end):
         j = i + _AHEAD  # block to prefetch: this pass's, then the V pass's first ones
-        ahead_flat, ahead = k_flat, table[min(j, end - 1)] * bs * D
-        if j >= end:
-            ahead_flat, ahead = v_flat, table[min(first + j - end, end - 1)] * bs * D
+        in_v, ahead = j >= end, table[min(j, end - 1)] * bs * D
+        if in_v:
+            ahead = table[min(first + j - end, end - 1)] * bs * D
         kb = k[table[i]]  # [bs, D]
         t0, t1 = max(start - i * bs, 0), min(seq_len - i * bs, bs)
         for t in range(t0, t1, _ROWS):
-            _prefetch_rows(ahead_flat, ahead, t, D)
+            if in_v:
+                _prefetch_rows(v_flat, ahead, t, D)
+            else:
+                _prefetch_rows(k_flat, ahead, t, D)
             _score_rows(q, kb, t, min(_ROWS, t1 - t), s, i * bs + t - start)
 
     # 2. probabilities in place: exp(scale * (s - max)) / sum
@@ -247,13 +252,16 @@ def _attend_one(q, k, v, table, seq_len, window, scale, out, next_k, next_table,
     out[:, :] = 0.0
     for i in range(first, end):
         j = i + _AHEAD  # this pass's blocks, then the next work item's first K blocks
-        ahead_flat, ahead = v_flat, table[min(j, end - 1)] * bs * D
-        if j >= end:
-            ahead_flat, ahead = next_flat, next_table[min(next_first + j - end, next_end - 1)] * bs * D
+        in_next, ahead = j >= end, table[min(j, end - 1)] * bs * D
+        if in_next:
+            ahead = next_table[min(next_first + j - end, next_end - 1)] * bs * D
         vb = v[table[i]]
         t0, t1 = max(start - i * bs, 0), min(seq_len - i * bs, bs)
         for t in range(t0, t1, _ROWS):
-            _prefetch_rows(ahead_flat, ahead, t, D)
+            if in_next:
+                _prefetch_rows(next_flat, ahead, t, D)
+            else:
+                _prefetch_rows(v_flat, ahead, t, D)
             _accumulate_rows(s, i * bs + t - start, vb, t, min(_ROWS, t1 - t), out)
 
 
@@ -336,29 +344,35 @@ def _decode_work(metadata: AttentionMetadata, num_kv_heads: int, window: int) ->
     return work
 
 
-def _kernel_applies(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+def _kernel_applies(query: torch.Tensor, kv_cache: LayerKVCache) -> bool:
+    """The kernel takes each half in its own storage type (numba compiles one specialisation per
+    pair of K and V types: float16 keys with bfloat16 values run as they are); an int8 half sends
+    the layer to the reference path."""
     return (
         query.device.type == "cpu"
-        and kv_cache.device.type == "cpu"
         and query.dtype in _KERNEL_CACHE_DTYPES
-        and kv_cache.dtype in _KERNEL_CACHE_DTYPES
-        and kv_cache.is_contiguous()
+        and all(
+            h.device.type == "cpu" and h.dtype in _KERNEL_CACHE_DTYPES and h.is_contiguous()
+            for h in (kv_cache[0], kv_cache[1])
+        )
     )
 
 
 class CpuPagedAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
-    def prepare(self, kv_cache_dtype: torch.dtype) -> None:
-        if kv_cache_dtype in _KERNEL_CACHE_DTYPES:
-            _warm_up(kv_cache_dtype)
+    def prepare(self, kv_cache_dtype: torch.dtype | KVDtypes) -> None:
+        dtypes = KVDtypes.of(kv_cache_dtype)
+        if dtypes.k in _KERNEL_CACHE_DTYPES and dtypes.v in _KERNEL_CACHE_DTYPES:
+            _warm_up(dtypes)
 
     def build_metadata(
         self, metadata: AttentionMetadata, layers: Sequence[AttentionParams], spec: KVCacheSpec
     ) -> None:
         """The kernel's decode work per layer geometry, and the reference's values for what the
         kernel does not run (prefill chunks; caches it does not take)."""
-        if spec.dtype not in _KERNEL_CACHE_DTYPES or metadata.slot_mapping.device.type != "cpu":
+        kernel_types = spec.dtypes.k in _KERNEL_CACHE_DTYPES and spec.dtypes.v in _KERNEL_CACHE_DTYPES
+        if not kernel_types or metadata.slot_mapping.device.type != "cpu":
             return super().build_metadata(metadata, layers, spec)
         for p in layers:
             _write_rows(metadata, p.num_kv_heads, spec.num_blocks * spec.block_size)
@@ -373,7 +387,7 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
         query: torch.Tensor,  # [T, H, D]
         key: torch.Tensor,
         value: torch.Tensor,
-        kv_cache: torch.Tensor,  # [2, H_kv, num_blocks, block_size, D]
+        kv_cache: LayerKVCache,  # [2, H_kv, num_blocks, block_size, D], or a KVPair
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         self._write_kv(params, key, value, kv_cache, metadata)
@@ -388,11 +402,10 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
         T, H, D = query.shape
         H_kv = params.num_kv_heads
         out = torch.empty((T, H, D), dtype=torch.float32)
-        kv = kv_cache.detach()
         _paged_decode(
             query.detach().to(torch.float32).contiguous().numpy().reshape(T, H_kv, H // H_kv, D),
-            _cache_view(kv[0]),
-            _cache_view(kv[1]),
+            _cache_view(kv_cache[0].detach()),
+            _cache_view(kv_cache[1].detach()),
             work.block_tables,
             work.decodes,
             work.bounds,
@@ -407,14 +420,15 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
         return out
 
 
-def _warm_up(kv_cache_dtype: torch.dtype = torch.float32) -> None:
+def _warm_up(kv_cache_dtype: torch.dtype | KVDtypes = torch.float32) -> None:
     """Compile the kernel for a cache dtype (or load it from numba's cache) on a tiny input with
     the argument types of every real call, so that the cost falls at model load rather than in the
     first request: about 4 s the first time on a machine, 0.3 s from the cache."""
     q = np.zeros((1, 1, 1, 16), np.float32)
-    kv = _cache_view(torch.zeros((2, 1, 1, 1, 16), dtype=kv_cache_dtype))
+    dtypes = KVDtypes.of(kv_cache_dtype)
+    k, v = (_cache_view(torch.zeros((1, 1, 1, 16), dtype=d)) for d in (dtypes.k, dtypes.v))
     decodes, bounds = np.array([[0, 0, 1]], np.int64), np.array([0, 1], np.int64)
-    _paged_decode(q, kv[0], kv[1], np.zeros((1, 1), np.int64), decodes, bounds, 1.0, 0, np.empty_like(q))
+    _paged_decode(q, k, v, np.zeros((1, 1), np.int64), decodes, bounds, 1.0, 0, np.empty_like(q))
 
 
 @register_attention_backend("cpu")
