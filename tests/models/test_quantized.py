@@ -206,7 +206,9 @@ def test_fused_decode_matches_layer_by_layer(tmp_path, name, kv_cache_dtype):
     torch.testing.assert_close(logits[True], logits[False], rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "kv_cache_dtype", [torch.float32, torch.float16, KVDtypes(torch.int8, torch.float16)]
+)
 @pytest.mark.parametrize("cpu_activations", ["int16", "int8"])
 @pytest.mark.parametrize("name", ["llama", "mistral-sliding", "qwen3", "qwen2-moe"])
 def test_fused_rows_do_not_depend_on_the_batch(tmp_path, name, cpu_activations, kv_cache_dtype):
