@@ -21,10 +21,9 @@ def parse_kv_cache_dtype(value: str) -> str:
         f"'auto' or one of {', '.join(KV_CACHE_DTYPES)} (llama.cpp's {', '.join(KV_CACHE_DTYPE_ALIASES)} too), "
         "or two of them as K,V"
     )
-    parts = [p.strip() for p in value.split(",")]
     if value.strip() == "auto":
         return "auto"
-    names = [KV_CACHE_DTYPE_ALIASES.get(p, p) for p in parts]
+    names = [KV_CACHE_DTYPE_ALIASES.get(p.strip(), p.strip()) for p in value.split(",")]
     if len(names) > 2 or not all(n in KV_CACHE_DTYPES for n in names):
         raise ValueError(f"kv_cache_dtype must be {accepted}; got {value!r}")
     return names[0] if len(names) == 1 or names[0] == names[1] else f"{names[0]},{names[1]}"
@@ -51,14 +50,14 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
     """What the cache stores K/V in: `auto` (the model's dtype; float16 for a float32 model on the
     CPU whose linear layers run quantized, as llama.cpp keeps K/V), `float32`, `bfloat16`, `float16`
-    or `int8`; or `K,V`, two of them, keys first (llama.cpp's `--cache-type-k/-v`), e.g.
-    `int8,float16`. llama.cpp's names `f32`, `bf16`, `f16`, `q8_0` (= int8) are accepted. A 16-bit cache under a float32 model holds twice the tokens in the same memory and
-    halves what decode attention reads; `int8` keeps each token's K and V row per head as int8
-    with a float16 scale per 32 values (llama.cpp's q8_0 blocks), 3.6x the tokens of float32 for
-    64-dim heads. K/V are rounded once, when written (llama.cpp's default cache is float16). Keys
-    take int8 rounding better than values in most models' measurements, hence `int8,float16`
-    (1.6x the tokens of float16 at 64-dim heads). Mixed types run on the torch and cpu attention
-    backends and the fused CPU decoder; the triton backend refuses them."""
+    or `int8`; or `K,V`, two of them, keys first, for keys and values apart (llama.cpp's
+    `--cache-type-k/-v`; its names `f32`, `bf16`, `f16` and `q8_0` = `int8` are read too). A 16-bit
+    cache under a float32 model holds twice the tokens in the same memory and halves what decode
+    attention reads; `int8` keeps each token's K and V row per head as int8 with a float16 scale
+    per 32 values (llama.cpp's q8_0 blocks), 3.6x the tokens of float32 for 64-dim heads;
+    `int8,float16` 2.6x (K's and V's rows each at their own size). K/V are rounded once, when
+    written (llama.cpp's default cache is float16). K and V apart run on the torch and cpu
+    attention backends and in the fused CPU decoder; the triton backend refuses them."""
 
     gpu_memory_utilization: float = 0.9
     """GPU only, vLLM's meaning: the fraction of the GPU's memory this engine may use (weights,
