@@ -155,10 +155,10 @@ def _visible(seq_len, window, bs):  # type: ignore[no-untyped-def]
 
 
 @jit(inline="always", boundscheck=False)
-def _prefetch_rows(flat, block_start, t, D):  # type: ignore[no-untyped-def]
-    """Prefetch rows t .. t + _ROWS - 1 of the block at `flat[block_start]` (past its end when t
-    is not a multiple of _ROWS: a prefetch never faults, so that is harmless)."""
-    for i in range(block_start + t * D, block_start + (t + _ROWS) * D, 64 // flat.itemsize):
+def _prefetch_rows(flat, block_start, t, row_bytes):  # type: ignore[no-untyped-def]
+    """Prefetch rows t .. t + _ROWS - 1 of the block at byte `block_start` of `flat` (bytes; past
+    its end when t is not a multiple of _ROWS: a prefetch never faults, so that is harmless)."""
+    for i in range(block_start + t * row_bytes, block_start + (t + _ROWS) * row_bytes, 64):
         _prefetch(flat, i)  # one per 64-byte line
 
 
@@ -214,24 +214,23 @@ def _attend_one(q, k, v, table, seq_len, window, scale, out, next_k, next_table,
     G, D = q.shape
     bs = k.shape[1]
     start, first, end = _visible(seq_len, window, bs)
-    k_flat, v_flat, next_flat = k.reshape(-1), v.reshape(-1), next_k.reshape(-1)
+    # The prefetch stream runs over K's and V's blocks, which may be of two types (`kv_cache_dtype`
+    # K,V): it addresses them as bytes, so that one variable holds either array.
+    k_bytes, v_bytes = k.reshape(-1).view(np.uint8), v.reshape(-1).view(np.uint8)
+    next_bytes = next_k.reshape(-1).view(np.uint8)
+    k_row, v_row = D * k.itemsize, D * v.itemsize  # bytes of a K row and of a V row
     s = np.empty((G, seq_len - start), np.float32)
 
     # 1. raw scores s[g, t - start] = q[g] . K[t]
-    # (K and V may be arrays of two types, `kv_cache_dtype` K,V: numba cannot hold either in one
-    # variable, so the prefetch picks its array by a flag rather than by assignment)
     for i in range(first, end):
         j = i + _AHEAD  # block to prefetch: this pass's, then the V pass's first ones
-        in_v, ahead = j >= end, table[min(j, end - 1)] * bs * D
-        if in_v:
-            ahead = table[min(first + j - end, end - 1)] * bs * D
+        ahead_flat, ahead, row = k_bytes, table[min(j, end - 1)] * bs * k_row, k_row
+        if j >= end:
+            ahead_flat, ahead, row = v_bytes, table[min(first + j - end, end - 1)] * bs * v_row, v_row
         kb = k[table[i]]  # [bs, D]
         t0, t1 = max(start - i * bs, 0), min(seq_len - i * bs, bs)
         for t in range(t0, t1, _ROWS):
-            if in_v:
-                _prefetch_rows(v_flat, ahead, t, D)
-            else:
-                _prefetch_rows(k_flat, ahead, t, D)
+            _prefetch_rows(ahead_flat, ahead, t, row)
             _score_rows(q, kb, t, min(_ROWS, t1 - t), s, i * bs + t - start)
 
     # 2. probabilities in place: exp(scale * (s - max)) / sum
@@ -252,16 +251,14 @@ def _attend_one(q, k, v, table, seq_len, window, scale, out, next_k, next_table,
     out[:, :] = 0.0
     for i in range(first, end):
         j = i + _AHEAD  # this pass's blocks, then the next work item's first K blocks
-        in_next, ahead = j >= end, table[min(j, end - 1)] * bs * D
-        if in_next:
-            ahead = next_table[min(next_first + j - end, next_end - 1)] * bs * D
+        ahead_flat, ahead, row = v_bytes, table[min(j, end - 1)] * bs * v_row, v_row
+        if j >= end:
+            ahead = next_table[min(next_first + j - end, next_end - 1)] * bs * k_row
+            ahead_flat, row = next_bytes, k_row
         vb = v[table[i]]
         t0, t1 = max(start - i * bs, 0), min(seq_len - i * bs, bs)
         for t in range(t0, t1, _ROWS):
-            if in_next:
-                _prefetch_rows(next_flat, ahead, t, D)
-            else:
-                _prefetch_rows(v_flat, ahead, t, D)
+            _prefetch_rows(ahead_flat, ahead, t, row)
             _accumulate_rows(s, i * bs + t - start, vb, t, min(_ROWS, t1 - t), out)
 
 
@@ -344,18 +341,20 @@ def _decode_work(metadata: AttentionMetadata, num_kv_heads: int, window: int) ->
     return work
 
 
-def _kernel_applies(query: torch.Tensor, kv_cache: LayerKVCache) -> bool:
+def _kernel_applies(query: torch.Tensor, k_half: torch.Tensor, v_half: torch.Tensor) -> bool:
     """The kernel takes each half in its own storage type (numba compiles one specialisation per
     pair of K and V types: float16 keys with bfloat16 values run as they are); an int8 half sends
     the layer to the reference path."""
     return (
         query.device.type == "cpu"
         and query.dtype in _KERNEL_CACHE_DTYPES
-        and all(
-            h.device.type == "cpu" and h.dtype in _KERNEL_CACHE_DTYPES and h.is_contiguous()
-            for h in (kv_cache[0], kv_cache[1])
-        )
+        and _kernel_takes(k_half)
+        and _kernel_takes(v_half)
     )
+
+
+def _kernel_takes(half: torch.Tensor) -> bool:
+    return half.device.type == "cpu" and half.dtype in _KERNEL_CACHE_DTYPES and half.is_contiguous()
 
 
 class CpuPagedAttentionBackend(TorchAttentionBackend):
@@ -392,8 +391,11 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
     ) -> torch.Tensor:
         self._write_kv(params, key, value, kv_cache, metadata)
         window = int(params.sliding_window or 0)
+        k_half, v_half = kv_cache[0].detach(), kv_cache[1].detach()
         work = (
-            _decode_work(metadata, params.num_kv_heads, window) if _kernel_applies(query, kv_cache) else None
+            _decode_work(metadata, params.num_kv_heads, window)
+            if _kernel_applies(query, k_half, v_half)
+            else None
         )
         if work is None:  # no decodes, or tensors the kernel does not take
             return self._attend_batch(params, query, key, value, kv_cache, metadata)
@@ -404,8 +406,8 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
         out = torch.empty((T, H, D), dtype=torch.float32)
         _paged_decode(
             query.detach().to(torch.float32).contiguous().numpy().reshape(T, H_kv, H // H_kv, D),
-            _cache_view(kv_cache[0].detach()),
-            _cache_view(kv_cache[1].detach()),
+            _cache_view(k_half),
+            _cache_view(v_half),
             work.block_tables,
             work.decodes,
             work.bounds,

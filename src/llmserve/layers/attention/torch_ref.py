@@ -333,9 +333,9 @@ class TorchAttentionBackend:
     ) -> None:
         """Scatter the batch's new K/V rows into the cache at `slot_mapping`."""
         H_kv, D = params.num_kv_heads, params.head_dim
-        rows = _write_rows(metadata, H_kv, kv_cache[0].shape[1] * kv_cache[0].shape[2])
-        for half, x in ((0, key), (1, value)):
-            cache = kv_cache[half]
+        k_half, v_half = kv_cache[0], kv_cache[1]  # [H_kv, num_blocks, bs, R] each, own dtypes
+        rows = _write_rows(metadata, H_kv, k_half.shape[1] * k_half.shape[2])
+        for cache, x in ((k_half, key), (v_half, value)):
             dtype, R = cache.dtype, cache.shape[-1]  # a narrower KV-cache dtype rounds here
             x = x.transpose(0, 1).reshape(-1, D)
             cache.view(-1, R).index_copy_(0, rows, quantize_rows(x) if dtype == torch.int8 else x.to(dtype))
