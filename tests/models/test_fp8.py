@@ -132,7 +132,7 @@ def test_load_report_names_the_fp8_groups(tiny):
     assert groups[("embedding", "float32")] == groups[("lm_head", "float32")] == 512 * 64 * 4
     assert "fp8 on float32 reference" in loaded.linear_kernel
     assert "attention fp8" in loaded.summary() and "mlp fp8" in loaded.summary()
-    assert loaded.kv_cache_dtype() == torch.float32  # the reference path keeps the model's K/V
+    assert loaded.kv_cache_dtype().k == torch.float32  # the reference path keeps the model's K/V
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3", "gpt2", "llama3-rope-tied"])

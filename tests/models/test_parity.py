@@ -9,6 +9,7 @@ import torch
 
 from llmserve.config import ModelConfig
 from llmserve.layers import onednn
+from llmserve.layers.attention import KVDtypes
 from llmserve.model_executor.forward_runner import ForwardRunner, SequenceBatchEntry
 from llmserve.model_executor.greedy import generate_greedy
 from llmserve.model_executor.model_loader import load_model
@@ -95,7 +96,18 @@ def test_chunked_prefill_through_the_cache(pair):
 # Tolerances follow the cache's relative step: 2^-11 (float16), 2^-8 (bfloat16), and for int8 up
 # to 1/127 of a 32-value group's largest |value|, about twice bfloat16's.
 @pytest.mark.parametrize(
-    "kv_cache_dtype,tol", [(torch.float16, 5e-3), (torch.bfloat16, 4e-2), (torch.int8, 1e-1)]
+    "kv_cache_dtype,tol",
+    [
+        (torch.float16, 5e-3),
+        (torch.bfloat16, 4e-2),
+        (torch.int8, 1e-1),
+        # K and V apart, the coarser one's tolerance. int8 keys (with float16 or even float32
+        # values) move one routing choice of the random qwen3-moe at one position by 0.57, a
+        # discontinuity, not drift: int8 keys are covered by the hand-rounded reference
+        # (tests/unit/test_kv_dtypes.py) and the fused-decoder test instead
+        (KVDtypes(torch.float16, torch.int8), 1e-1),
+        (KVDtypes(torch.float16, torch.bfloat16), 4e-2),
+    ],
 )
 def test_16_bit_kv_cache_tracks_transformers(pair, kv_cache_dtype, tol):
     """A float32 model over a 16-bit (or int8: 32-value groups with a float16 scale) KV cache: a
@@ -104,7 +116,8 @@ def test_16_bit_kv_cache_tracks_transformers(pair, kv_cache_dtype, tol):
     hf, ours = pair
     prompt = PROMPTS[1] + PROMPTS[0]
     runner = ForwardRunner(ours.model, num_blocks=16, block_size=4, kv_cache_dtype=kv_cache_dtype)
-    assert runner.kv_caches[0].dtype == kv_cache_dtype
+    want = KVDtypes.of(kv_cache_dtype)
+    assert (runner.kv_caches[0][0].dtype, runner.kv_caches[0][1].dtype) == (want.k, want.v)
     blocks = [9, 3, 12, 0, 5, 7, 1, 14, 2, 8]
     pieces = [runner.execute([SequenceBatchEntry(prompt[:6], 6, blocks)], all_logits=True)]
     for pos in range(6, len(prompt)):

@@ -206,7 +206,7 @@ def test_load_report_and_layers(pair):
     fmt = "fp8" if kind is Fp8Linear else "q4"
     assert {("attention", fmt), ("mlp", fmt), ("embedding", "float32")} <= fmts  # embeddings stay float
     # q4 weights take the CPU's 16-bit KV cache by default; fp8's reference path keeps float32
-    assert loaded.kv_cache_dtype() == (torch.float32 if fmt == "fp8" else torch.float16)
+    assert loaded.kv_cache_dtype().k == (torch.float32 if fmt == "fp8" else torch.float16)
 
 
 def test_exact_formats_hold_the_dequantized_weights(pair):

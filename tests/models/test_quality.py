@@ -15,6 +15,7 @@ import torch
 
 from llmserve.bench.quality import evaluate
 from llmserve.config import ModelConfig
+from llmserve.layers.attention import KVDtypes
 from llmserve.layers.quantization import cpu_kernels
 from llmserve.model_executor.model_loader import load_model
 from tests.models.tiny import make_tiny_model
@@ -96,9 +97,10 @@ def test_int8_activations_cost_divergence(tiny):
     assert auto.kld == int16.kld
 
 
-def test_int8_kv_cache_is_measured_too(tiny):
+@pytest.mark.parametrize("kv_cache_dtype", [torch.int8, KVDtypes(torch.int8, torch.float16)])
+def test_int8_kv_cache_is_measured_too(tiny, kv_cache_dtype):
     model = _load(tiny[0], quantization="none")
-    result = evaluate(model, TEXT_IDS, N_CTX, reference=model, kv_cache_dtype=torch.int8)
+    result = evaluate(model, TEXT_IDS, N_CTX, reference=model, kv_cache_dtype=kv_cache_dtype)
     assert 0 < result.kld < 0.05  # only the cache is rounded
 
 
@@ -117,12 +119,14 @@ def test_cli_writes_its_report(tiny, tmp_path):
     text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
     report = tmp_path / "out.json"
     cmd = [sys.executable, "-m", "llmserve.cli.main", "eval", "perplexity", "--model", str(tiny[0]),
-           "--quantization", "int8", "--kv-cache-dtype", "int8", "--cpu-activations", "int8", "--text", str(text), "--ctx", "64",
+           "--quantization", "int8", "--kv-cache-dtype", "q8_0,f16", "--cpu-activations", "int8", "--text", str(text), "--ctx", "64",
            "--json", str(report)]  # fmt: skip
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "PPL" in run.stdout and "mean KLD" in run.stdout
     data = json.loads(report.read_text())
-    assert data["quantization"] == "int8" and data["kv_cache_dtype"] == "int8"
+    assert (
+        data["quantization"] == "int8" and data["kv_cache_dtype"] == "int8,float16"
+    )  # llama.cpp's names read
     assert data["n_ctx"] == 64 and data["text_tokens"] >= 64
     assert data["kld"] > 0 and data["ppl"] > 1

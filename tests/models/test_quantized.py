@@ -17,6 +17,7 @@ import transformers
 from gguf import GGMLQuantizationType as Q
 
 from llmserve.config import ModelConfig
+from llmserve.layers.attention import KVDtypes
 from llmserve.layers.quantization import QuantizedLinear, cpu_kernels
 from llmserve.layers.quantization.formats import PackedWeight, quantize
 from llmserve.model_executor.forward_runner import ForwardRunner, SequenceBatchEntry
@@ -155,7 +156,16 @@ def test_weights_take_their_quantized_size(pair):
 # -- the fused decode step ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kv_cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "kv_cache_dtype",
+    [
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+        KVDtypes(torch.int8, torch.float16),
+        KVDtypes(torch.float16, torch.bfloat16),
+    ],
+)
 @pytest.mark.parametrize("name", LLAMA_FAMILY + MOE)
 def test_fused_decode_matches_layer_by_layer(tmp_path, name, kv_cache_dtype):
     """Three sequences of different lengths decode 12 steps (past the sliding window of the
@@ -190,11 +200,15 @@ def test_fused_decode_matches_layer_by_layer(tmp_path, name, kv_cache_dtype):
     # can land on the other side of a rounding boundary: the same TOL as against transformers. A
     # prompt chunk's attention in the layer path uses its own K/V unrounded, the fused path reads
     # them back from the 16-bit cache: plus that rounding (2^-11 for float16, 2^-8 for bfloat16).
-    tol = {torch.float32: TOL, torch.float16: 2 * TOL, torch.bfloat16: 10 * TOL}[kv_cache_dtype]
+    # K and V apart (the C++ side reads each half in its own type): int8 keys' steps are 1/127 of
+    # a group's largest value, so an activation on a rounding boundary moves a key by one step.
+    tol = {torch.float32: TOL, torch.float16: 2 * TOL, torch.bfloat16: 10 * TOL}.get(kv_cache_dtype, 10 * TOL)
     torch.testing.assert_close(logits[True], logits[False], rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "kv_cache_dtype", [torch.float32, torch.float16, KVDtypes(torch.int8, torch.float16)]
+)
 @pytest.mark.parametrize("cpu_activations", ["int16", "int8"])
 @pytest.mark.parametrize("name", ["llama", "mistral-sliding", "qwen3", "qwen2-moe"])
 def test_fused_rows_do_not_depend_on_the_batch(tmp_path, name, cpu_activations, kv_cache_dtype):

@@ -67,7 +67,7 @@ def test_quantized_greedy_matches_llamacpp_f32(smollm2_quantized, llamacpp_refer
     cases = _f32_cases(llamacpp_reference)
     eos = frozenset({llamacpp_reference_eos(smollm2_quantized)})
     kv_dtype = smollm2_quantized.kv_cache_dtype(kv)
-    assert kv_dtype == (torch.float16 if kv == "auto" else torch.float32)
+    assert kv_dtype.k == kv_dtype.v == (torch.float16 if kv == "auto" else torch.float32)
     runner = ForwardRunner(smollm2_quantized.model, num_blocks=64, block_size=16, kv_cache_dtype=kv_dtype)
     runner.use_fused(fused)
     assert (runner.fused is not None) == fused  # the fused step is built and used when asked

@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
 
 from llmserve.config import ModelConfig
 from llmserve.engine.llm import LLM
+from llmserve.layers.attention import KVDtypes
 from llmserve.model_executor.cuda_graph import capture_sizes
 from llmserve.model_executor.device import build_profile
 from llmserve.model_executor.forward_runner import ForwardRunner, SequenceBatchEntry
@@ -146,9 +147,10 @@ def test_profile_decisions_by_device() -> None:
     cpu = build_profile(torch.device("cpu"))
     assert cpu.is_cpu and cpu.fused_cpu_decoder and not cpu.cuda_graphs and cpu.keep_freed_memory
     assert cpu.model_dtype("auto", None) == torch.float32
-    assert cpu.kv_cache_dtype("auto", torch.float32, quantized=True) == torch.float16
-    assert cpu.kv_cache_dtype("auto", torch.float32, quantized=False) == torch.float32
-    assert cpu.kv_cache_dtype("int8", torch.float32) == torch.int8
+    assert cpu.kv_cache_dtype("auto", torch.float32, quantized=True) == KVDtypes.of(torch.float16)
+    assert cpu.kv_cache_dtype("auto", torch.float32, quantized=False) == KVDtypes.of(torch.float32)
+    assert cpu.kv_cache_dtype("int8", torch.float32) == KVDtypes.of(torch.int8)
+    assert cpu.kv_cache_dtype("q8_0,f16", torch.float32) == KVDtypes(torch.int8, torch.float16)
 
 
 def test_triton_backend_off_cuda_is_refused(monkeypatch) -> None:

@@ -381,7 +381,15 @@ def test_estimate_size_from_the_kv_budget(tmp_path):
     )
 
 
-@pytest.mark.parametrize(("kv_dtype", "kv_bytes"), [("float16", KV_BYTES // 2), ("bfloat16", KV_BYTES // 2)])
+@pytest.mark.parametrize(
+    ("kv_dtype", "kv_bytes"),
+    [
+        ("float16", KV_BYTES // 2),
+        ("bfloat16", KV_BYTES // 2),
+        ("float16,float32", KV_BYTES * 3 // 4),  # K and V apart: each half at its own width
+        ("q8_0,f16", KV_BYTES * (1.125 + 2) // 8),
+    ],
+)
 def test_estimate_size_with_a_16_bit_kv_cache(tmp_path, kv_dtype, kv_bytes):
     options = {**BLOCKS, "kv_cache_dtype": kv_dtype}
     assert (

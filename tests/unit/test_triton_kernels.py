@@ -27,7 +27,7 @@ pytest.importorskip("triton")
 from llmserve.layers import triton_ops
 from llmserve.layers.activation import get_activation
 from llmserve.layers.attention.backend import AttentionParams
-from llmserve.layers.attention.metadata import AttentionMetadata, KVCacheSpec
+from llmserve.layers.attention.metadata import AttentionMetadata, KVCacheSpec, KVDtypes
 from llmserve.layers.attention.torch_ref import TorchAttentionBackend
 from llmserve.layers.attention.triton_backend import TritonAttentionBackend
 from llmserve.layers.attention.triton_cache_ops import rope_and_write_kv_cache, write_kv_cache
@@ -270,6 +270,17 @@ def test_unsupported_cache_dtype_refused(dtype: torch.dtype) -> None:
         backend.forward(b.params, b.q, b.k, b.v, b.cache.to(dtype), b.metadata)
     for attr, value in (("name", "triton"), ("fuses_rope", True), ("supports_cuda_graphs", True)):
         assert getattr(TritonAttentionBackend, attr) == value
+
+
+def test_k_and_v_of_two_types_refused() -> None:
+    """The kernels take one cache tensor of one type per layer: `kv_cache_dtype` K,V is refused
+    at start-up, naming the pair and where it runs; K == V is the single type."""
+    backend = TritonAttentionBackend()
+    with pytest.raises(
+        ValueError, match="one KV cache type for K and V; got kv_cache_dtype 'float16,bfloat16'"
+    ):
+        backend.prepare(KVDtypes(torch.float16, torch.bfloat16))
+    backend.prepare(KVDtypes(torch.float16, torch.float16))
 
 
 @pytest.mark.parametrize(

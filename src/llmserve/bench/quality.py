@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from llmserve.layers.attention import KVDtypes
 from llmserve.model_executor.forward_runner import ForwardRunner, SequenceBatchEntry
 from llmserve.model_executor.model_loader import LoadedModel
 
@@ -60,7 +61,9 @@ def _chunk_logprobs(runner: ForwardRunner, chunk: list[int], first: int) -> torc
     return torch.log_softmax(logits[first:-1].double(), dim=-1)
 
 
-def _runner(loaded: LoadedModel, n_ctx: int, kv_cache_dtype: torch.dtype | None = None) -> ForwardRunner:
+def _runner(
+    loaded: LoadedModel, n_ctx: int, kv_cache_dtype: torch.dtype | KVDtypes | None = None
+) -> ForwardRunner:
     return ForwardRunner(
         loaded.model, num_blocks=-(-n_ctx // 16), block_size=16, kv_cache_dtype=kv_cache_dtype
     )
@@ -72,7 +75,7 @@ def evaluate(
     n_ctx: int = 512,
     reference: LoadedModel | None = None,
     progress: Callable[[int, int], None] | None = None,
-    kv_cache_dtype: torch.dtype | None = None,
+    kv_cache_dtype: torch.dtype | KVDtypes | None = None,
 ) -> QualityResult:
     """PPL of `model` over `token_ids` in chunks of `n_ctx` (and the KL divergence from
     `reference`'s distributions, which sees the very same chunks). `kv_cache_dtype`: the model

@@ -5,7 +5,15 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from llmserve.config.cache import parse_bytes
+from llmserve.config.cache import parse_bytes, parse_kv_cache_dtype
+
+
+def _kv_cache_dtype(text: str) -> str:
+    """`--kv-cache-dtype`, checked by the config's own parser (argparse shows its message)."""
+    try:
+        return parse_kv_cache_dtype(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -86,10 +94,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=["auto", "float32", "bfloat16", "float16", "int8"],
-        help="what the KV cache stores K/V in (auto: the model's dtype, but float16 for quantized "
-        "weights on the CPU, as llama.cpp); 16 bits hold twice the float32 tokens, int8 (a float16 "
-        "scale per 32 values) 3.6x",
+        type=_kv_cache_dtype,
+        help="what the KV cache stores K/V in: auto|float32|bfloat16|float16|int8, or K,V for keys "
+        "and values apart (e.g. int8,float16; llama.cpp's f32, bf16, f16, q8_0 also read) "
+        "(auto: the model's dtype, but float16 for quantized weights on the CPU, as llama.cpp); "
+        "16 bits hold twice the float32 tokens, int8 (a float16 scale per 32 values) 3.6x",
     )
     g.add_argument(
         "--pooling", default="auto", choices=["auto", "last", "mean", "cls"],

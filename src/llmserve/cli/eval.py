@@ -86,10 +86,7 @@ def run_perplexity(args: argparse.Namespace) -> int:
     def progress(done: int, total: int) -> None:
         bar.update(done - bar.n)
 
-    from llmserve.config import CacheConfig
-
-    kv_name = CacheConfig(kv_cache_dtype=args.kv_cache_dtype).kv_cache_dtype  # validated
-    kv_dtype = loaded.kv_cache_dtype(kv_name)
+    kv_dtype = loaded.kv_cache_dtype(args.kv_cache_dtype)  # checked there (parse_kv_cache_dtype)
     with bar:
         result = evaluate(loaded, ids, args.ctx, reference, progress, kv_cache_dtype=kv_dtype)
     print(result.summary())
@@ -97,7 +94,7 @@ def run_perplexity(args: argparse.Namespace) -> int:
         report = {
             "model": str(loaded.source.path),
             "quantization": loaded.quantization,
-            "kv_cache_dtype": str(kv_dtype).removeprefix("torch."),
+            "kv_cache_dtype": kv_dtype.name,
             "reference": None if reference is None else str(reference.source.path),
             "reference_dtype": None if reference is None else str(reference.dtype).removeprefix("torch."),
             "n_ctx": args.ctx,

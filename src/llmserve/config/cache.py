@@ -8,6 +8,25 @@ DEFAULT_KV_CACHE_MEMORY = 2 * 2**30
 KV_CACHE_DTYPES = ("float32", "bfloat16", "float16", "int8")
 """The names `kv_cache_dtype` takes besides `auto` (torch dtypes of the same names; config/ does
 not import torch: model_executor resolves them)."""
+KV_CACHE_DTYPE_ALIASES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "q8_0": "int8"}
+"""llama.cpp's `--cache-type-k/-v` spellings of the same formats (our int8 rows are its q8_0
+blocks: 32 int8 values and a float16 scale). Its other types (q4_0, q4_1, iq4_nl, q5_0, q5_1)
+have no counterpart here and are refused."""
+
+
+def parse_kv_cache_dtype(value: str) -> str:
+    """`kv_cache_dtype` checked and spelled canonically: `auto`, one type, or `K,V` (two types,
+    keys first; an alias becomes its full name, and `T,T` becomes `T`, the same cache)."""
+    accepted = (
+        f"'auto' or one of {', '.join(KV_CACHE_DTYPES)} (llama.cpp's {', '.join(KV_CACHE_DTYPE_ALIASES)} too), "
+        "or two of them as K,V"
+    )
+    if value.strip() == "auto":
+        return "auto"
+    names = [KV_CACHE_DTYPE_ALIASES.get(p.strip(), p.strip()) for p in value.split(",")]
+    if len(names) > 2 or not all(n in KV_CACHE_DTYPES for n in names):
+        raise ValueError(f"kv_cache_dtype must be {accepted}; got {value!r}")
+    return names[0] if len(names) == 1 or names[0] == names[1] else f"{names[0]},{names[1]}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,10 +50,14 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
     """What the cache stores K/V in: `auto` (the model's dtype; float16 for a float32 model on the
     CPU whose linear layers run quantized, as llama.cpp keeps K/V), `float32`, `bfloat16`, `float16`
-    or `int8`. A 16-bit cache under a float32 model holds twice the tokens in the same memory and
-    halves what decode attention reads; `int8` keeps each token's K and V row per head as int8
-    with a float16 scale per 32 values (llama.cpp's q8_0 blocks), 3.6x the tokens of float32 for
-    64-dim heads. K/V are rounded once, when written (llama.cpp's default cache is float16)."""
+    or `int8`; or `K,V`, two of them, keys first, for keys and values apart (llama.cpp's
+    `--cache-type-k/-v`; its names `f32`, `bf16`, `f16` and `q8_0` = `int8` are read too). A 16-bit
+    cache under a float32 model holds twice the tokens in the same memory and halves what decode
+    attention reads; `int8` keeps each token's K and V row per head as int8 with a float16 scale
+    per 32 values (llama.cpp's q8_0 blocks), 3.6x the tokens of float32 for 64-dim heads;
+    `int8,float16` 2.6x (K's and V's rows each at their own size). K/V are rounded once, when
+    written (llama.cpp's default cache is float16). K and V apart run on the torch and cpu
+    attention backends and in the fused CPU decoder; the triton backend refuses them."""
 
     gpu_memory_utilization: float = 0.9
     """GPU only, vLLM's meaning: the fraction of the GPU's memory this engine may use (weights,
@@ -50,10 +73,8 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory must be > 0 bytes; got {self.kv_cache_memory}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1; got {self.num_kv_blocks}")
-        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(
-                f"kv_cache_dtype must be 'auto' or one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}"
-            )
+        # canonical spelling, so that every later reader sees `K,V` only when the types differ
+        object.__setattr__(self, "kv_cache_dtype", parse_kv_cache_dtype(self.kv_cache_dtype))
 
     @property
     def sized_by_user(self) -> bool:

@@ -348,7 +348,8 @@ inline void with_rows(int64_t nr, F&& f) {
 void attend_chunk(const Decoder& dec, const float* q, int64_t q_stride, int64_t R, const int64_t* lo,
                   const int64_t* hi, int64_t G, const char* k_head, const char* v_head, const int64_t* table,
                   int64_t p0, float* o, float* mx, float* l, float* s, float* buf) {
-  const int64_t D = dec.D, bs = dec.block_size, rb = row_bytes(dec.cache_type, D);
+  const int64_t D = dec.D, bs = dec.block_size;
+  const int64_t rk = row_bytes(dec.cache_type, D), rv = row_bytes(dec.v_cache_type, D);  // K's and V's rows
   const bool simd = D % 8 == 0;
   // the tokens with positions here (their rows j: row (us[j / G], j % G) = us[j / G] * G + j % G),
   // and the span [first, last) any of them sees
@@ -362,13 +363,14 @@ void attend_chunk(const Decoder& dec, const float* q, int64_t q_stride, int64_t 
   auto row = [&](int64_t j) { return us[j / G] * G + j % G; };
   // float16 rows that only one group of rows reads are converted in registers as they are loaded;
   // otherwise each block is converted once into `buf` for all the groups
-  const bool direct = dec.cache_type == kCacheF16 && simd && n <= kRowTile;
+  const bool direct_k = dec.cache_type == kCacheF16 && simd && n <= kRowTile;
+  const bool direct_v = dec.v_cache_type == kCacheF16 && simd && n <= kRowTile;
   auto row_lo = [&](int64_t r) { return lo[r / G]; };
   auto row_hi = [&](int64_t r) { return hi[r / G]; };
   // 1. scores, s[r kChunk + p - p0] for row r and position p
   for (int64_t i = first / bs; i * bs < last; ++i) {
-    const char* k_block = k_head + table[i] * bs * rb;
-    const float* K = direct ? nullptr : load_rows(dec.cache_type, k_block, bs, D, buf);
+    const char* k_block = k_head + table[i] * bs * rk;
+    const float* K = direct_k ? nullptr : load_rows(dec.cache_type, k_block, bs, D, buf);
     for (int64_t r0 = 0; r0 < n; r0 += kRowTile) {
       const int64_t nr = std::min<int64_t>(kRowTile, n - r0);
       int64_t t0 = INT64_MAX, t1 = 0;  // the positions of this block that any of the rows sees
@@ -382,7 +384,7 @@ void attend_chunk(const Decoder& dec, const float* q, int64_t q_stride, int64_t 
         sr[j] = s + r * kChunk + i * bs - p0;
       }
       if (t1 <= t0) continue;
-      if (direct) {
+      if (direct_k) {
         const uint16_t* Kh = reinterpret_cast<const uint16_t*>(k_block);
         with_rows(nr, [&](auto NR) { score_rows<NR>(qr, Kh, D, t0, t1, sr); });
       } else if (simd) {
@@ -410,8 +412,8 @@ void attend_chunk(const Decoder& dec, const float* q, int64_t q_stride, int64_t 
   // 3. weighted sums of V rows
   for (int64_t j = 0; j < n; ++j) std::fill(o + row(j) * D, o + (row(j) + 1) * D, 0.f);
   for (int64_t i = first / bs; i * bs < last; ++i) {
-    const char* v_block = v_head + table[i] * bs * rb;
-    const float* V = direct ? nullptr : load_rows(dec.cache_type, v_block, bs, D, buf);
+    const char* v_block = v_head + table[i] * bs * rv;
+    const float* V = direct_v ? nullptr : load_rows(dec.v_cache_type, v_block, bs, D, buf);
     for (int64_t r0 = 0; r0 < n; r0 += kRowTile) {
       const int64_t nr = std::min<int64_t>(kRowTile, n - r0);
       int64_t t0 = INT64_MAX, t1 = 0;
@@ -427,7 +429,7 @@ void attend_chunk(const Decoder& dec, const float* q, int64_t q_stride, int64_t 
       if (t1 <= t0) continue;
       const uint16_t* Vh = reinterpret_cast<const uint16_t*>(v_block);
       with_rows(nr, [&](auto NR) {
-        if (direct)
+        if (direct_v)
           value_rows<NR>(pr, Vh, D, t0, t1, orow);
         else
           value_rows<NR>(pr, V, D, t0, t1, orow);
@@ -539,8 +541,10 @@ void Decoder::forward(const float* x, int64_t M, const int64_t* positions, const
     }
     // 2. q, k, v; per-head norms (Qwen3); rotary embedding of q and k
     linear(L.qkv, h_, M, qkv_);
-    char* kv = static_cast<char*>(L.kv_cache);
-    const int64_t rb = row_bytes(cache_type, D), head_bytes = num_blocks * block_size * rb;  // one head's blocks
+    char* kv = static_cast<char*>(L.kv_cache);  // K's half; V's at v_offset
+    char* kv_v = kv + v_offset;
+    const int64_t rk = row_bytes(cache_type, D), rv = row_bytes(v_cache_type, D);
+    const int64_t k_head_bytes = num_blocks * block_size * rk, v_head_bytes = num_blocks * block_size * rv;  // one head's blocks
 #pragma omp parallel for schedule(static) if (M >= kParallelTokens)
     for (int64_t m = 0; m < M; ++m) {
       const float* cs = cos_sin + positions[m] * rot;
@@ -556,8 +560,8 @@ void Decoder::forward(const float* x, int64_t M, const int64_t* positions, const
       for (int64_t kh = 0; kh < Hkv; ++kh) {
         const float* k = qkv_ + m * qkv_n + (Hq + kh) * D;
         const float* v = qkv_ + m * qkv_n + (Hq + Hkv + kh) * D;
-        store_row(cache_type, k, D, kv + kh * head_bytes + row * rb);
-        store_row(cache_type, v, D, kv + (Hkv + kh) * head_bytes + row * rb);
+        store_row(cache_type, k, D, kv + kh * k_head_bytes + row * rk);
+        store_row(v_cache_type, v, D, kv_v + kh * v_head_bytes + row * rv);
       }
     }
     // 4. attention, split into work items of (run of a sequence's tokens, KV head, grid chunk),
@@ -576,8 +580,8 @@ void Decoder::forward(const float* x, int64_t M, const int64_t* positions, const
         const int64_t R = w.m1 - w.m0;
         for (int64_t u = 0; u < R; ++u)
           clo[u] = std::max(lo[w.m0 + u], w.p0), chi[u] = std::min(hi[w.m0 + u], w.p1);
-        attend_chunk(*this, qkv_ + w.m0 * qkv_n + w.kh * G * D, qkv_n, R, clo, chi, G, kv + w.kh * head_bytes,
-                     kv + (Hkv + w.kh) * head_bytes, block_tables + token_seqs[w.m0] * max_blocks, w.p0,
+        attend_chunk(*this, qkv_ + w.m0 * qkv_n + w.kh * G * D, qkv_n, R, clo, chi, G, kv + w.kh * k_head_bytes,
+                     kv_v + w.kh * v_head_bytes, block_tables + token_seqs[w.m0] * max_blocks, w.p0,
                      po + w.slot * G * D, pm + w.slot * G, pl + w.slot * G, s.data(), buf.data());
       }
     }

@@ -42,7 +42,8 @@ struct Layer {
   const float* post_norm = nullptr;
   QuantLinear gate_up;  // [gate | up] rows
   QuantLinear down;
-  void* kv_cache = nullptr;  // [2, Hkv, num_blocks, block_size, row] of the cache type (int8 rows: D + 2 ceil(D/32) bytes)
+  void* kv_cache = nullptr;  // [2, Hkv, num_blocks, block_size, row] of the cache type (int8 rows: D + 2 ceil(D/32) bytes);
+                             // K and V of two types: [Hkv, num_blocks, block_size, row_k], V's half at v_offset
   int64_t window = 0;        // sliding window, 0 = full attention
   Moe moe;
 };
@@ -63,7 +64,9 @@ struct Decoder {
   int64_t H = 0, Hq = 0, Hkv = 0, D = 0, rot = 0, I = 0;
   int64_t num_blocks = 0, block_size = 0, max_position = 0;
   float eps = 1e-6f, scale = 1.0f;
-  int cache_type = kCacheF32;
+  int cache_type = kCacheF32;    // K's type
+  int v_cache_type = kCacheF32;  // V's: the same, unless K and V are kept apart (`--kv-cache-dtype int8,float16`)
+  int64_t v_offset = 0;          // bytes from a layer's kv_cache to its V half (Hkv x K's head bytes when one type)
   const float* cos_sin = nullptr;  // [max_position, rot]: cos halves then sin halves
   const float* final_norm = nullptr;
   std::vector<Layer> layers;

@@ -181,31 +181,35 @@ void free_decoder(PyObject* capsule) {
 }
 
 // decoder_new(config, layers, cos_sin, final_norm) -> capsule
-// config = (H, Hq, Hkv, D, rot, I, num_blocks, block_size, max_position, eps, scale, cache_type)
+// config = (H, Hq, Hkv, D, rot, I, num_blocks, block_size, max_position, eps, scale, cache_type,
+//           v_cache_type, v_offset): K's cache type, V's, and the bytes from a layer's cache to its V half
 PyObject* py_decoder_new(PyObject*, PyObject* args) {
   PyObject *config, *layers, *cos_sin, *final_norm;
   if (!PyArg_ParseTuple(args, "O!O!OO", &PyTuple_Type, &config, &PyList_Type, &layers, &cos_sin, &final_norm))
     return nullptr;
-  if (PyTuple_GET_SIZE(config) != 12) {
-    PyErr_SetString(PyExc_TypeError, "config is a tuple of 12 entries");
+  if (PyTuple_GET_SIZE(config) != 14) {
+    PyErr_SetString(PyExc_TypeError, "config is a tuple of 14 entries");
     return nullptr;
   }
   auto dec = new Decoder();
-  int64_t cache_type = 0;
+  int64_t cache_type = 0, v_cache_type = 0;
   bool ok = item_ll(config, 0, &dec->H) && item_ll(config, 1, &dec->Hq) && item_ll(config, 2, &dec->Hkv) &&
             item_ll(config, 3, &dec->D) && item_ll(config, 4, &dec->rot) && item_ll(config, 5, &dec->I) &&
             item_ll(config, 6, &dec->num_blocks) && item_ll(config, 7, &dec->block_size) &&
             item_ll(config, 8, &dec->max_position) && item_float(config, 9, &dec->eps) &&
-            item_float(config, 10, &dec->scale) && item_ll(config, 11, &cache_type);
+            item_float(config, 10, &dec->scale) && item_ll(config, 11, &cache_type) &&
+            item_ll(config, 12, &v_cache_type) && item_ll(config, 13, &dec->v_offset);
   dec->cos_sin = static_cast<const float*>(PyLong_AsVoidPtr(cos_sin));
   dec->final_norm = static_cast<const float*>(PyLong_AsVoidPtr(final_norm));
   ok = ok && !PyErr_Occurred();
-  if (ok && (cache_type < kCacheF32 || cache_type > kCacheI8 || dec->Hkv <= 0 || dec->Hq % dec->Hkv ||
+  if (ok && (cache_type < kCacheF32 || cache_type > kCacheI8 || v_cache_type < kCacheF32 ||
+             v_cache_type > kCacheI8 || dec->v_offset <= 0 || dec->Hkv <= 0 || dec->Hq % dec->Hkv ||
              dec->rot > dec->D || dec->rot % 2)) {
     PyErr_SetString(PyExc_ValueError, "decoder_new: inconsistent config");
     ok = false;
   }
   dec->cache_type = static_cast<int>(cache_type);
+  dec->v_cache_type = static_cast<int>(v_cache_type);
   for (Py_ssize_t i = 0; ok && i < PyList_GET_SIZE(layers); ++i) {
     dec->layers.emplace_back();
     ok = parse_layer(PyList_GET_ITEM(layers, i), &dec->layers.back());

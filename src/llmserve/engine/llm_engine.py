@@ -132,7 +132,7 @@ class LLMEngine:
         kv_dtype = self.loaded.kv_cache_dtype(self.cache_config.kv_cache_dtype)
         bytes_per_token = (
             shape.num_layers
-            * KVCacheSpec(1, 1, shape.num_kv_heads, shape.head_dim, kv_dtype).bytes_per_token()
+            * KVCacheSpec.build(1, 1, shape.num_kv_heads, shape.head_dim, kv_dtype).bytes_per_token()
         )
         k = speculative_config.num_speculative_tokens if speculative_config is not None else 0
         sched = self.scheduler_config
@@ -161,7 +161,7 @@ class LLMEngine:
             num_blocks,
             self.cache_config.block_size,
             self.max_model_len,
-            str(kv_dtype).removeprefix("torch."),
+            kv_dtype.name,  # "int8,float16" when K and V differ
             why,
         )
         logger.info(self.kv_info.summary())

@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from llmserve.layers.attention import get_attention_backend
+from llmserve.config.cache import parse_kv_cache_dtype
+from llmserve.layers.attention import KVDtypes, get_attention_backend
 from llmserve.sample.metadata import SamplingDevicePolicy
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -75,18 +76,21 @@ class DeviceProfile:
             ckpt = _DTYPES.get(ckpt)
         return ckpt if ckpt in (torch.float16, torch.bfloat16) else torch.bfloat16
 
-    def kv_cache_dtype(self, name: str, model_dtype: torch.dtype, quantized: bool = False) -> torch.dtype:
-        """`CacheConfig.kv_cache_dtype` resolved. `auto` is the model's dtype, except for a float32
+    def kv_cache_dtype(self, name: str, model_dtype: torch.dtype, quantized: bool = False) -> KVDtypes:
+        """`CacheConfig.kv_cache_dtype` resolved, K's and V's (the same unless the name is `K,V`).
+        `auto` is the model's dtype, except for a float32
         model on the CPU whose linear layers run quantized (a GGUF quant file, or
         `--quantization int8|int4`): its K/V are kept in float16, llama.cpp's default cache type.
         Its weights are already rounded to 8 or 4 bits, and decode attention at a batch of 16
         reads K/V for about a third of a step: half the bytes make the step 1.2x faster and the
         cache hold twice the tokens (docs/benchmarks.md)."""
+        name = parse_kv_cache_dtype(name)
         if name != "auto":
-            return getattr(torch, name)
+            k, _, v = name.partition(",")
+            return KVDtypes(getattr(torch, k), getattr(torch, v or k))
         if quantized and model_dtype == torch.float32 and self.is_cpu:
-            return torch.float16
-        return model_dtype
+            return KVDtypes.of(torch.float16)
+        return KVDtypes.of(model_dtype)
 
 
 def build_profile(

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-from llmserve.layers.attention import Attention, KVCacheSpec
+from llmserve.layers.attention import Attention, KVCacheSpec, KVDtypes, KVPair, LayerKVCache
 from llmserve.layers.quantization.fused_decoder import FusedDecoder, unsupported_reason
 from llmserve.model_executor.cpu_memory import keep_freed_memory
 from llmserve.model_executor.cuda_graph import GraphRunner
@@ -44,13 +44,14 @@ class ForwardRunner:
         model: CausalLM,
         num_blocks: int,
         block_size: int = 16,
-        kv_cache_dtype: torch.dtype | None = None,
+        kv_cache_dtype: torch.dtype | KVDtypes | None = None,
         profile: DeviceProfile | None = None,
         max_num_tokens: int = 256,
         max_num_seqs: int = 16,
         max_model_len: int | None = None,
     ) -> None:
-        """`kv_cache_dtype`: what the cache stores K/V in (default: the model's dtype). `profile`:
+        """`kv_cache_dtype`: what the cache stores K/V in (default: the model's dtype; a
+        `KVDtypes` with K and V apart makes each layer's cache a `KVPair`). `profile`:
         the device's decisions (default: built for the model's device). The sizes are the input
         buffers' first allocation (they grow when a batch needs more)."""
         shape = model.kv_cache_shape()
@@ -64,14 +65,17 @@ class ForwardRunner:
         self.num_blocks = num_blocks
         """Blocks the scheduler hands out (ids 0 .. num_blocks - 1)."""
         self.pad_block = num_blocks  # the extra block past the scheduler's
-        self.spec = KVCacheSpec(num_blocks + 1, block_size, shape.num_kv_heads, shape.head_dim, kv_dtype)
-        # One [2, num_kv_heads, num_blocks + 1, block_size, head_dim] tensor per layer.
-        self.kv_caches = _allocate_kv_caches(self.spec, shape.num_layers, self.device)
+        self.spec = KVCacheSpec.build(
+            num_blocks + 1, block_size, shape.num_kv_heads, shape.head_dim, kv_dtype
+        )
+        # One [2, num_kv_heads, num_blocks + 1, block_size, head_dim] tensor per layer (a KVPair of
+        # two [num_kv_heads, ...] halves in one buffer when K and V have types of their own).
+        self.kv_caches: list[LayerKVCache] = _allocate_kv_caches(self.spec, shape.num_layers, self.device)
         attention = [m for m in model.modules() if isinstance(m, Attention)]
         self.backends = list({id(m.backend): m.backend for m in attention}.values())
         self.layer_params = list({m.params: None for m in attention})  # distinct, in layer order
         for backend in self.backends:
-            backend.prepare(kv_dtype)
+            backend.prepare(self.spec.dtypes)
         max_blocks = -(-(max_model_len or 2048) // block_size)
         self.buffers = InputBuffers(
             self.device, block_size, self.pad_block, max_num_tokens, max_num_seqs, max_blocks,
@@ -154,13 +158,15 @@ class ForwardRunner:
         return self.model.compute_logits(out.hidden if all_logits else out.rows())
 
 
-def _allocate_kv_caches(spec: KVCacheSpec, num_layers: int, device: torch.device) -> list[torch.Tensor]:
+def _allocate_kv_caches(spec: KVCacheSpec, num_layers: int, device: torch.device) -> list[LayerKVCache]:
     """Zeroed per-layer caches. On the CPU they are views of one anonymous memory map: the OS
     maps zero pages and commits each 4 KiB page when it is first written, so the resident memory
     follows the blocks in use, not the budget (torch.zeros writes every byte: a 2 GiB cache was
     2 GiB of RSS from start-up; numpy's zeros asks for huge pages, which commit 2 MiB per layer,
     head and half at the first block written: +360 MiB for one short request on the embedded
     model). The tensors keep the map alive."""
+    if spec.dtypes.mixed:
+        return _allocate_kv_pairs(spec, num_layers, device)
     if device.type != "cpu":
         return [torch.zeros(spec.shape(), dtype=spec.dtype, device=device) for _ in range(num_layers)]
     per_layer = math.prod(spec.shape())
@@ -168,3 +174,37 @@ def _allocate_kv_caches(spec: KVCacheSpec, num_layers: int, device: torch.device
     buffer = mmap.mmap(-1, max(1, num_layers * per_layer * width))  # anonymous: zero-filled, lazily
     flat = torch.frombuffer(buffer, dtype=torch.uint8).view(spec.dtype)
     return [flat[i * per_layer : (i + 1) * per_layer].view(spec.shape()) for i in range(num_layers)]
+
+
+_HALF_ALIGN = 64
+"""Bytes each half of a `KVPair` starts on: a dtype view needs its element's alignment (an int8
+K half of 68-byte rows may end on any byte), and 64 keeps rows of either half cache-line aligned
+as the single tensor's are."""
+
+
+def _allocate_kv_pairs(spec: KVCacheSpec, num_layers: int, device: torch.device) -> list[LayerKVCache]:
+    """K and V of their own dtypes: per layer, K's bytes then V's in one buffer (one anonymous
+    map for all layers on the CPU, as above), each half viewed in its dtype and shape.
+
+        layer l: [ K half: H_kv x blocks x bs x row_k (dtype k) | pad | V half (dtype v) | pad ]
+    """
+    d = spec.dtypes
+    sizes = [math.prod(spec.half_shape(h)) * dt.itemsize for h, dt in enumerate((d.k, d.v))]
+    padded = [-(-n // _HALF_ALIGN) * _HALF_ALIGN for n in sizes]
+    per_layer = sum(padded)
+    if device.type == "cpu":
+        raw = torch.frombuffer(mmap.mmap(-1, max(1, num_layers * per_layer)), dtype=torch.uint8)
+    else:
+        raw = torch.zeros(num_layers * per_layer, dtype=torch.uint8, device=device)
+    caches: list[LayerKVCache] = []
+    for i in range(num_layers):
+        k0, v0 = i * per_layer, i * per_layer + padded[0]
+        k = raw[k0 : k0 + sizes[0]].view(d.k).view(spec.half_shape(0))
+        v = raw[v0 : v0 + sizes[1]].view(d.v).view(spec.half_shape(1))
+        caches.append(KVPair(k, v))
+    return caches
+
+
+def kv_cache_nbytes(cache: LayerKVCache) -> int:
+    """Bytes of one layer's cache (both halves)."""
+    return cache.nbytes() if isinstance(cache, KVPair) else cache.numel() * cache.element_size()

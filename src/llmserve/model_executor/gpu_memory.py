@@ -17,7 +17,8 @@ import logging
 
 import torch
 
-from llmserve.model_executor.forward_runner import ForwardRunner, SequenceBatchEntry
+from llmserve.layers.attention import KVDtypes
+from llmserve.model_executor.forward_runner import ForwardRunner, SequenceBatchEntry, kv_cache_nbytes
 from llmserve.models import CausalLM
 
 logger = logging.getLogger("llmserve")
@@ -37,7 +38,11 @@ def kv_cache_budget(total: int, in_use: int, activation_peak: int, utilization: 
 
 
 def profile_step(
-    model: CausalLM, kv_cache_dtype: torch.dtype, block_size: int, max_num_tokens: int, max_num_seqs: int
+    model: CausalLM,
+    kv_cache_dtype: torch.dtype | KVDtypes,
+    block_size: int,
+    max_num_tokens: int,
+    max_num_seqs: int,
 ) -> int:
     """Peak bytes allocated by one forward of the largest step (beyond what was allocated
     before it), with a throwaway KV cache just large enough for it."""
@@ -53,7 +58,7 @@ def profile_step(
         model, S * blocks_per_seq, block_size, kv_cache_dtype, max_num_tokens=S * per_seq, max_num_seqs=S,
         max_model_len=per_seq,
     )  # fmt: skip
-    kv_bytes = sum(c.numel() * c.element_size() for c in runner.kv_caches)
+    kv_bytes = sum(kv_cache_nbytes(c) for c in runner.kv_caches)
     batch = [
         SequenceBatchEntry([1] * per_seq, per_seq, list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)))
         for i in range(S)
@@ -68,7 +73,7 @@ def profile_step(
 
 def measure_kv_budget(
     model: CausalLM,
-    kv_cache_dtype: torch.dtype,
+    kv_cache_dtype: torch.dtype | KVDtypes,
     block_size: int,
     max_num_tokens: int,
     max_num_seqs: int,

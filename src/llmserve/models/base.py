@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from llmserve.layers.attention import AttentionMetadata
+from llmserve.layers.attention import AttentionMetadata, LayerKVCache
 from llmserve.layers.linear import Linear
 from llmserve.layers.quantization.fused_decoder import DecoderSpec
 from llmserve.layers.vocab_embedding import LMHead, VocabEmbedding
@@ -67,7 +67,7 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: list[torch.Tensor],  # one per layer
+        kv_caches: list[LayerKVCache],  # one per layer
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
         return getattr(self, self.backbone_name)(input_ids, positions, kv_caches, attn_metadata)

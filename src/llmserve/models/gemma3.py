@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmserve.layers.attention import Attention, AttentionBackend, AttentionMetadata
+from llmserve.layers.attention import Attention, AttentionBackend, AttentionMetadata, LayerKVCache
 from llmserve.layers.layernorm import RMSNorm
 from llmserve.layers.linear import Linear
 from llmserve.layers.mlp import GatedMLP
@@ -88,7 +88,7 @@ class Gemma3Attention(nn.Module):
         self,
         x: torch.Tensor,  # [T, H]
         rotary: RotaryInputs,
-        kv_cache: torch.Tensor,
+        kv_cache: LayerKVCache,
         md: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H]
         T = x.shape[0]
@@ -115,7 +115,7 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(H, eps, weight_offset=1.0)
 
     def forward(
-        self, x: torch.Tensor, rotary: RotaryInputs, kv_cache: torch.Tensor, md: AttentionMetadata
+        self, x: torch.Tensor, rotary: RotaryInputs, kv_cache: LayerKVCache, md: AttentionMetadata
     ) -> torch.Tensor:
         # Gemma normalises both the input and the output of each sublayer ("sandwich" norms).
         h = self.self_attn(self.input_layernorm(x), rotary, kv_cache, md)
@@ -151,7 +151,7 @@ class Gemma3Model(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: list[torch.Tensor],
+        kv_caches: list[LayerKVCache],
         md: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H]
         x = self.embed_tokens(input_ids)

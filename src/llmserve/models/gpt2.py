@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from llmserve.layers.activation import get_activation
-from llmserve.layers.attention import Attention, AttentionBackend, AttentionMetadata
+from llmserve.layers.attention import Attention, AttentionBackend, AttentionMetadata, LayerKVCache
 from llmserve.layers.layernorm import LayerNorm
 from llmserve.layers.linear import Linear
 from llmserve.layers.vocab_embedding import LMHead, VocabEmbedding
@@ -62,7 +62,7 @@ class GPT2Attention(nn.Module):
         # the math is the same, so it needs nothing here.
         self.attn = Attention(n_head, D, n_head, scale=scale, backend=backend)
 
-    def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache: LayerKVCache, md: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.c_attn(x).split(self.hidden_size, dim=-1)  # [T, 3H] -> 3 x [T, H]
         return self.c_proj(self.attn(q, k, v, kv_cache, md))
 
@@ -89,7 +89,7 @@ class GPT2Block(nn.Module):
         self.ln_2 = LayerNorm(H, eps)
         self.mlp = GPT2MLP(config)
 
-    def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache: LayerKVCache, md: AttentionMetadata) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), kv_cache, md)
         return x + self.mlp(self.ln_2(x))
 
@@ -108,7 +108,7 @@ class GPT2Model(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: list[torch.Tensor],
+        kv_caches: list[LayerKVCache],
         md: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H]
         x = self.wte(input_ids) + self.wpe(positions)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmserve.layers.attention import Attention, AttentionBackend, AttentionMetadata
+from llmserve.layers.attention import Attention, AttentionBackend, AttentionMetadata, LayerKVCache
 from llmserve.layers.layernorm import RMSNorm
 from llmserve.layers.linear import Linear
 from llmserve.layers.mlp import GatedMLP
@@ -99,7 +99,7 @@ class LlamaAttention(nn.Module):
         self,
         x: torch.Tensor,  # [T, H]
         rotary: RotaryInputs,
-        kv_cache: torch.Tensor,
+        kv_cache: LayerKVCache,
         md: AttentionMetadata,
     ) -> torch.Tensor:
         T = x.shape[0]

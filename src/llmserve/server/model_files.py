@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from llmserve.config.cache import DEFAULT_KV_CACHE_MEMORY
+from llmserve.config.cache import DEFAULT_KV_CACHE_MEMORY, parse_kv_cache_dtype
 from llmserve.config.engine_args import EngineArgs
 from llmserve.config.models import ModelSpec
 
@@ -92,8 +92,11 @@ def estimate_size(source: str | None, file_bytes: int, args: EngineArgs) -> int:
     heads = text.get("num_attention_heads") or text.get("n_head") or 1
     kv_heads = text.get("num_key_value_heads") or heads
     head_dim = text.get("head_dim") or (text.get("hidden_size") or text.get("n_embd") or 0) // heads
-    width = {"float16": 2, "bfloat16": 2, "int8": 1.125}.get(args.kv_cache_dtype, 4)
-    return weights + int(blocks * args.block_size * 2 * layers * kv_heads * head_dim * width)
+    # bytes per value of K and of V (int8: a float16 scale per 32 values); `K,V` names each apart
+    widths = {"float16": 2, "bfloat16": 2, "int8": 1.125}
+    k, _, v = parse_kv_cache_dtype(args.kv_cache_dtype).partition(",")
+    width = widths.get(k, 4) + widths.get(v or k, 4)
+    return weights + int(blocks * args.block_size * layers * kv_heads * head_dim * width)
 
 
 def release_memory() -> None:

@@ -27,6 +27,7 @@ import torch
 from llmserve.config import ModelConfig
 from llmserve.core.kv_cache.manager import KVCacheManager
 from llmserve.core.request import Request
+from llmserve.layers.attention import KVDtypes
 from llmserve.model_executor.forward_runner import ForwardRunner, SequenceBatchEntry
 from llmserve.model_executor.model_loader import LoadedModel, load_model
 from llmserve.sampling_params import SamplingParams
@@ -52,7 +53,7 @@ class DraftModelProposer:
         quantization: str,
         num_blocks: int,
         block_size: int,
-        kv_cache_dtype: torch.dtype | None = None,
+        kv_cache_dtype: torch.dtype | KVDtypes | None = None,
     ) -> None:
         """Load the draft `model` on the target's device; its KV cache holds `num_blocks` blocks."""
         self.loaded = load_model(

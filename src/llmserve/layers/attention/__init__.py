@@ -11,13 +11,16 @@ from llmserve.layers.attention.backend import (
     register_attention_backend,
 )
 from llmserve.layers.attention.layer import Attention
-from llmserve.layers.attention.metadata import AttentionMetadata, KVCacheSpec
+from llmserve.layers.attention.metadata import AttentionMetadata, KVCacheSpec, KVDtypes, KVPair, LayerKVCache
 
 __all__ = [
     "Attention",
     "AttentionBackend",
     "AttentionMetadata",
     "KVCacheSpec",
+    "KVDtypes",
+    "KVPair",
+    "LayerKVCache",
     "get_attention_backend",
     "register_attention_backend",
 ]

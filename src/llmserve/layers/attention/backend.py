@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from llmserve.layers.attention.metadata import AttentionMetadata, KVCacheSpec
+from llmserve.layers.attention.metadata import AttentionMetadata, KVCacheSpec, KVDtypes, LayerKVCache
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,14 +41,15 @@ class AttentionBackend(Protocol):
         query: torch.Tensor,  # [T, num_heads, head_dim]
         key: torch.Tensor,  # [T, num_kv_heads, head_dim]
         value: torch.Tensor,  # [T, num_kv_heads, head_dim]
-        kv_cache: torch.Tensor,  # [2, num_kv_heads, num_blocks, block_size, head_dim]
+        kv_cache: LayerKVCache,  # [2, num_kv_heads, num_blocks, block_size, head_dim] or a KVPair
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         ...
 
-    def prepare(self, kv_cache_dtype: torch.dtype) -> None:
-        """Called once the KV cache exists (its dtype may differ from the model's): compile or
-        set up whatever the first forward would otherwise pay for."""
+    def prepare(self, kv_cache_dtype: torch.dtype | KVDtypes) -> None:
+        """Called once the KV cache exists (its dtype may differ from the model's, and V's from
+        K's): compile or set up whatever the first forward would otherwise pay for; raise
+        ValueError for a cache this backend cannot take."""
         ...
 
     def build_metadata(

@@ -37,7 +37,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from llmserve.layers.attention.backend import AttentionParams, register_attention_backend
-from llmserve.layers.attention.metadata import AttentionMetadata, KVCacheSpec
+from llmserve.layers.attention.metadata import AttentionMetadata, KVCacheSpec, KVDtypes, LayerKVCache
 from llmserve.layers.attention.torch_ref import TorchAttentionBackend, _write_rows
 from llmserve.layers.numba_jit import FASTMATH, jit
 
@@ -155,10 +155,10 @@ def _visible(seq_len, window, bs):  # type: ignore[no-untyped-def]
 
 
 @jit(inline="always", boundscheck=False)
-def _prefetch_rows(flat, block_start, t, D):  # type: ignore[no-untyped-def]
-    """Prefetch rows t .. t + _ROWS - 1 of the block at `flat[block_start]` (past its end when t
-    is not a multiple of _ROWS: a prefetch never faults, so that is harmless)."""
-    for i in range(block_start + t * D, block_start + (t + _ROWS) * D, 64 // flat.itemsize):
+def _prefetch_rows(flat, block_start, t, row_bytes):  # type: ignore[no-untyped-def]
+    """Prefetch rows t .. t + _ROWS - 1 of the block at byte `block_start` of `flat` (bytes; past
+    its end when t is not a multiple of _ROWS: a prefetch never faults, so that is harmless)."""
+    for i in range(block_start + t * row_bytes, block_start + (t + _ROWS) * row_bytes, 64):
         _prefetch(flat, i)  # one per 64-byte line
 
 
@@ -214,19 +214,23 @@ def _attend_one(q, k, v, table, seq_len, window, scale, out, next_k, next_table,
     G, D = q.shape
     bs = k.shape[1]
     start, first, end = _visible(seq_len, window, bs)
-    k_flat, v_flat, next_flat = k.reshape(-1), v.reshape(-1), next_k.reshape(-1)
+    # The prefetch stream runs over K's and V's blocks, which may be of two types (`kv_cache_dtype`
+    # K,V): it addresses them as bytes, so that one variable holds either array.
+    k_bytes, v_bytes = k.reshape(-1).view(np.uint8), v.reshape(-1).view(np.uint8)
+    next_bytes = next_k.reshape(-1).view(np.uint8)
+    k_row, v_row = D * k.itemsize, D * v.itemsize  # bytes of a K row and of a V row
     s = np.empty((G, seq_len - start), np.float32)
 
     # 1. raw scores s[g, t - start] = q[g] . K[t]
     for i in range(first, end):
         j = i + _AHEAD  # block to prefetch: this pass's, then the V pass's first ones
-        ahead_flat, ahead = k_flat, table[min(j, end - 1)] * bs * D
+        ahead_flat, ahead, row = k_bytes, table[min(j, end - 1)] * bs * k_row, k_row
         if j >= end:
-            ahead_flat, ahead = v_flat, table[min(first + j - end, end - 1)] * bs * D
+            ahead_flat, ahead, row = v_bytes, table[min(first + j - end, end - 1)] * bs * v_row, v_row
         kb = k[table[i]]  # [bs, D]
         t0, t1 = max(start - i * bs, 0), min(seq_len - i * bs, bs)
         for t in range(t0, t1, _ROWS):
-            _prefetch_rows(ahead_flat, ahead, t, D)
+            _prefetch_rows(ahead_flat, ahead, t, row)
             _score_rows(q, kb, t, min(_ROWS, t1 - t), s, i * bs + t - start)
 
     # 2. probabilities in place: exp(scale * (s - max)) / sum
@@ -247,13 +251,14 @@ def _attend_one(q, k, v, table, seq_len, window, scale, out, next_k, next_table,
     out[:, :] = 0.0
     for i in range(first, end):
         j = i + _AHEAD  # this pass's blocks, then the next work item's first K blocks
-        ahead_flat, ahead = v_flat, table[min(j, end - 1)] * bs * D
+        ahead_flat, ahead, row = v_bytes, table[min(j, end - 1)] * bs * v_row, v_row
         if j >= end:
-            ahead_flat, ahead = next_flat, next_table[min(next_first + j - end, next_end - 1)] * bs * D
+            ahead = next_table[min(next_first + j - end, next_end - 1)] * bs * k_row
+            ahead_flat, row = next_bytes, k_row
         vb = v[table[i]]
         t0, t1 = max(start - i * bs, 0), min(seq_len - i * bs, bs)
         for t in range(t0, t1, _ROWS):
-            _prefetch_rows(ahead_flat, ahead, t, D)
+            _prefetch_rows(ahead_flat, ahead, t, row)
             _accumulate_rows(s, i * bs + t - start, vb, t, min(_ROWS, t1 - t), out)
 
 
@@ -336,29 +341,37 @@ def _decode_work(metadata: AttentionMetadata, num_kv_heads: int, window: int) ->
     return work
 
 
-def _kernel_applies(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+def _kernel_applies(query: torch.Tensor, k_half: torch.Tensor, v_half: torch.Tensor) -> bool:
+    """The kernel takes each half in its own storage type (numba compiles one specialisation per
+    pair of K and V types: float16 keys with bfloat16 values run as they are); an int8 half sends
+    the layer to the reference path."""
     return (
         query.device.type == "cpu"
-        and kv_cache.device.type == "cpu"
         and query.dtype in _KERNEL_CACHE_DTYPES
-        and kv_cache.dtype in _KERNEL_CACHE_DTYPES
-        and kv_cache.is_contiguous()
+        and _kernel_takes(k_half)
+        and _kernel_takes(v_half)
     )
+
+
+def _kernel_takes(half: torch.Tensor) -> bool:
+    return half.device.type == "cpu" and half.dtype in _KERNEL_CACHE_DTYPES and half.is_contiguous()
 
 
 class CpuPagedAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
-    def prepare(self, kv_cache_dtype: torch.dtype) -> None:
-        if kv_cache_dtype in _KERNEL_CACHE_DTYPES:
-            _warm_up(kv_cache_dtype)
+    def prepare(self, kv_cache_dtype: torch.dtype | KVDtypes) -> None:
+        dtypes = KVDtypes.of(kv_cache_dtype)
+        if dtypes.k in _KERNEL_CACHE_DTYPES and dtypes.v in _KERNEL_CACHE_DTYPES:
+            _warm_up(dtypes)
 
     def build_metadata(
         self, metadata: AttentionMetadata, layers: Sequence[AttentionParams], spec: KVCacheSpec
     ) -> None:
         """The kernel's decode work per layer geometry, and the reference's values for what the
         kernel does not run (prefill chunks; caches it does not take)."""
-        if spec.dtype not in _KERNEL_CACHE_DTYPES or metadata.slot_mapping.device.type != "cpu":
+        kernel_types = spec.dtypes.k in _KERNEL_CACHE_DTYPES and spec.dtypes.v in _KERNEL_CACHE_DTYPES
+        if not kernel_types or metadata.slot_mapping.device.type != "cpu":
             return super().build_metadata(metadata, layers, spec)
         for p in layers:
             _write_rows(metadata, p.num_kv_heads, spec.num_blocks * spec.block_size)
@@ -373,13 +386,16 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
         query: torch.Tensor,  # [T, H, D]
         key: torch.Tensor,
         value: torch.Tensor,
-        kv_cache: torch.Tensor,  # [2, H_kv, num_blocks, block_size, D]
+        kv_cache: LayerKVCache,  # [2, H_kv, num_blocks, block_size, D], or a KVPair
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         self._write_kv(params, key, value, kv_cache, metadata)
         window = int(params.sliding_window or 0)
+        k_half, v_half = kv_cache[0].detach(), kv_cache[1].detach()
         work = (
-            _decode_work(metadata, params.num_kv_heads, window) if _kernel_applies(query, kv_cache) else None
+            _decode_work(metadata, params.num_kv_heads, window)
+            if _kernel_applies(query, k_half, v_half)
+            else None
         )
         if work is None:  # no decodes, or tensors the kernel does not take
             return self._attend_batch(params, query, key, value, kv_cache, metadata)
@@ -388,11 +404,10 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
         T, H, D = query.shape
         H_kv = params.num_kv_heads
         out = torch.empty((T, H, D), dtype=torch.float32)
-        kv = kv_cache.detach()
         _paged_decode(
             query.detach().to(torch.float32).contiguous().numpy().reshape(T, H_kv, H // H_kv, D),
-            _cache_view(kv[0]),
-            _cache_view(kv[1]),
+            _cache_view(k_half),
+            _cache_view(v_half),
             work.block_tables,
             work.decodes,
             work.bounds,
@@ -407,14 +422,15 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
         return out
 
 
-def _warm_up(kv_cache_dtype: torch.dtype = torch.float32) -> None:
+def _warm_up(kv_cache_dtype: torch.dtype | KVDtypes = torch.float32) -> None:
     """Compile the kernel for a cache dtype (or load it from numba's cache) on a tiny input with
     the argument types of every real call, so that the cost falls at model load rather than in the
     first request: about 4 s the first time on a machine, 0.3 s from the cache."""
     q = np.zeros((1, 1, 1, 16), np.float32)
-    kv = _cache_view(torch.zeros((2, 1, 1, 1, 16), dtype=kv_cache_dtype))
+    dtypes = KVDtypes.of(kv_cache_dtype)
+    k, v = (_cache_view(torch.zeros((1, 1, 1, 16), dtype=d)) for d in (dtypes.k, dtypes.v))
     decodes, bounds = np.array([[0, 0, 1]], np.int64), np.array([0, 1], np.int64)
-    _paged_decode(q, kv[0], kv[1], np.zeros((1, 1), np.int64), decodes, bounds, 1.0, 0, np.empty_like(q))
+    _paged_decode(q, k, v, np.zeros((1, 1), np.int64), decodes, bounds, 1.0, 0, np.empty_like(q))
 
 
 @register_attention_backend("cpu")

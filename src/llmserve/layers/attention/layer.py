@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from llmserve.layers.attention.backend import AttentionBackend, AttentionParams
-from llmserve.layers.attention.metadata import AttentionMetadata
+from llmserve.layers.attention.metadata import AttentionMetadata, LayerKVCache
 from llmserve.layers.rotary_embedding import RotaryInputs
 
 
@@ -41,7 +41,7 @@ class Attention(nn.Module):
         q: torch.Tensor,  # [T, num_heads * head_dim]
         k: torch.Tensor,  # [T, num_kv_heads * head_dim]
         v: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: LayerKVCache,
         metadata: AttentionMetadata,
         rotary: RotaryInputs | None = None,
     ) -> torch.Tensor:  # [T, num_heads * head_dim]

@@ -15,6 +15,17 @@ blocks, as llama.cpp's q8_0 cache stores them):
     row: [head_dim x int8 q | one float16 scale per 32 values]   value = scale * q,
                                                                   scale = max|its 32 values| / 127
 
+K and V may have types of their own (`kv_cache_dtype` "int8,float16", llama.cpp's
+`--cache-type-k/-v`). Such a layer's cache is a `KVPair`: the same allocation, cut into a K half
+and a V half of their own dtypes and row sizes, each indexed as one half above:
+
+    KVPair.k: [num_kv_heads, num_blocks, block_size, row_k]   |  one buffer per layer,
+    KVPair.v: [num_kv_heads, num_blocks, block_size, row_v]   |  K's bytes then V's
+
+`kv_cache[0]` and `kv_cache[1]` are K and V for both kinds, so a backend that reads each half
+through its own dtype takes either; one type keeps the single tensor (the same tensors and
+outputs as before pairs existed).
+
 A sequence's block table lists its block ids in order; token i of the sequence lives in block
 `block_table[i // block_size]` at offset `i % block_size`.
 """
@@ -63,6 +74,55 @@ def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 @dataclass(frozen=True, slots=True)
+class KVDtypes:
+    """What the cache stores keys and values in (the same type for both, unless asked apart)."""
+
+    k: torch.dtype
+    v: torch.dtype
+
+    @classmethod
+    def of(cls, dtype: torch.dtype | KVDtypes) -> KVDtypes:
+        return dtype if isinstance(dtype, KVDtypes) else cls(dtype, dtype)
+
+    @property
+    def mixed(self) -> bool:
+        return self.k != self.v
+
+    @property
+    def name(self) -> str:
+        """`float16`, or `int8,float16` when K and V differ (the spelling `kv_cache_dtype` takes)."""
+        k, v = (str(d).removeprefix("torch.") for d in (self.k, self.v))
+        return f"{k},{v}" if self.mixed else k
+
+
+@dataclass(frozen=True, slots=True)
+class KVPair:
+    """One layer's cache when K and V have dtypes of their own: `[0]` is K, `[1]` is V, as for
+    the single [2, ...] tensor."""
+
+    k: torch.Tensor  # [num_kv_heads, num_blocks, block_size, row_k]
+    v: torch.Tensor  # [num_kv_heads, num_blocks, block_size, row_v]
+
+    def __getitem__(self, half: int) -> torch.Tensor:
+        return self.v if half else self.k
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    def nbytes(self) -> int:
+        return sum(h.numel() * h.element_size() for h in (self.k, self.v))
+
+
+LayerKVCache = torch.Tensor | KVPair
+"""One layer's cache: [2, num_kv_heads, num_blocks, block_size, row] of one dtype, or a `KVPair`."""
+
+
+def _row_size(dtype: torch.dtype, head_dim: int) -> int:
+    return int8_row_size(head_dim) if dtype == torch.int8 else head_dim
+
+
+@dataclass(frozen=True, slots=True)
 class KVCacheSpec:
     """The shape of one layer's KV cache; the runner allocates, the backend reads and writes."""
 
@@ -71,18 +131,48 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    """K's dtype, and V's unless `v_dtype` is given."""
+    v_dtype: torch.dtype | None = None
+    """V's dtype when it differs from K's (the cache is then a `KVPair` per layer)."""
+
+    @classmethod
+    def build(
+        cls,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtypes: torch.dtype | KVDtypes,
+    ) -> KVCacheSpec:
+        d = KVDtypes.of(dtypes)
+        return cls(num_blocks, block_size, num_kv_heads, head_dim, d.k, d.v if d.mixed else None)
+
+    @property
+    def dtypes(self) -> KVDtypes:
+        return KVDtypes(self.dtype, self.v_dtype or self.dtype)
 
     def shape(self) -> tuple[int, ...]:
+        """The single tensor's shape (K and V of one dtype)."""
+        assert not self.dtypes.mixed, "a mixed cache has a shape per half (half_shape)"
         return (2, self.num_kv_heads, self.num_blocks, self.block_size, self.row_size)
+
+    def half_shape(self, half: int) -> tuple[int, ...]:
+        """[num_kv_heads, num_blocks, block_size, row] of K (0) or V (1)."""
+        dtype = self.dtypes.v if half else self.dtypes.k
+        return (self.num_kv_heads, self.num_blocks, self.block_size, _row_size(dtype, self.head_dim))
 
     @property
     def row_size(self) -> int:
-        """Elements of one cached row: head_dim values (int8: plus their float16 scales)."""
-        return int8_row_size(self.head_dim) if self.dtype == torch.int8 else self.head_dim
+        """Elements of one cached K row: head_dim values (int8: plus their float16 scales)."""
+        return _row_size(self.dtype, self.head_dim)
+
+    def half_bytes_per_token(self, half: int) -> int:
+        dtype = self.dtypes.v if half else self.dtypes.k
+        return self.num_kv_heads * _row_size(dtype, self.head_dim) * dtype.itemsize
 
     def bytes_per_token(self) -> int:
-        """K and V for one token in one layer."""
-        return 2 * self.num_kv_heads * self.row_size * torch.empty((), dtype=self.dtype).element_size()
+        """K and V for one token in one layer (each half at its own dtype's row bytes)."""
+        return self.half_bytes_per_token(0) + self.half_bytes_per_token(1)
 
 
 @dataclass(slots=True)

@@ -10,6 +10,10 @@
 
 Gathers index dim 0 of a flat [H_kv * num_blocks, block_size, D] view: indexing any other dim
 of a multi-GiB cache tensor is an order of magnitude slower in torch.
+
+K and V are read and written as two halves, `kv_cache[0]` and `kv_cache[1]`, each through its
+own dtype and row size, so a `KVPair` (K and V of different types) runs the same code as the
+single tensor.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from llmserve.layers.attention.backend import AttentionParams, register_attentio
 from llmserve.layers.attention.metadata import (
     AttentionMetadata,
     KVCacheSpec,
+    KVDtypes,
+    LayerKVCache,
     dequantize_rows,
     quantize_rows,
 )
@@ -241,7 +247,7 @@ def _derived(metadata: AttentionMetadata, key: tuple, make: Callable[[], torch.T
 
 
 def _decode_batch(
-    params: AttentionParams, query: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodeGroup, ws: _Workspace
+    params: AttentionParams, query: torch.Tensor, kv_cache: LayerKVCache, plan: _DecodeGroup, ws: _Workspace
 ) -> torch.Tensor:
     """One query token per sequence, B sequences at once -> [B, H, D].
 
@@ -250,14 +256,10 @@ def _decode_batch(
     """
     H, H_kv, D = params.num_heads, params.num_kv_heads, params.head_dim
     B = plan.rows.shape[0]
-    numel = plan.block_index.numel() * kv_cache.shape[3] * kv_cache.shape[4]
-    k_buf = ws.get("k", numel, kv_cache.dtype, kv_cache.device)
-    v_buf = ws.get("v", numel, kv_cache.dtype, kv_cache.device)
-    R = kv_cache.shape[-1]  # D, or D + 4 for int8 rows
-    k = _as_values(
-        _gather(kv_cache[0], plan.block_index, k_buf).view(H_kv, B, -1, R), query.dtype
-    )  # [H_kv, B, S, D]
-    v = _as_values(_gather(kv_cache[1], plan.block_index, v_buf).view(H_kv, B, -1, R), query.dtype)
+    k, v = (
+        _gather_values(kv_cache[h], plan.block_index, ws, name, query.dtype) for h, name in enumerate("kv")
+    )
+    k, v = k.reshape(H_kv, B, -1, D), v.reshape(H_kv, B, -1, D)  # [H_kv, B, S, D]
     q = query.index_select(0, plan.rows).view(B, H_kv, H // H_kv, D).transpose(0, 1)  # [H_kv, B, g, D]
     scores = torch.matmul(q, k.transpose(-1, -2)).mul_(params.scale)  # [H_kv, B, g, S]
     scores += plan.bias.to(scores.dtype)[None, :, None, :]
@@ -266,13 +268,23 @@ def _decode_batch(
     return out.transpose(0, 1).reshape(B, H, D)
 
 
+def _gather_values(
+    half: torch.Tensor, flat_index: torch.Tensor, ws: _Workspace, name: str, dtype: torch.dtype
+) -> torch.Tensor:
+    """One cache half [H_kv, num_blocks, bs, R] at `flat_index` [H_kv, n] through a workspace
+    buffer -> values [H_kv, n * bs, D] in `dtype` (R: D, or D + 2 ceil(D / 32) for int8 rows)."""
+    H_kv, _, bs, R = half.shape
+    buf = ws.get(name, flat_index.numel() * bs * R, half.dtype, half.device)
+    return _as_values(_gather(half, flat_index, buf).view(H_kv, -1, R), dtype)
+
+
 class TorchAttentionBackend:
     name = "torch"
 
     def __init__(self) -> None:
         self._workspace = _Workspace()
 
-    def prepare(self, kv_cache_dtype: torch.dtype) -> None:
+    def prepare(self, kv_cache_dtype: torch.dtype | KVDtypes) -> None:
         pass
 
     def build_metadata(
@@ -305,7 +317,7 @@ class TorchAttentionBackend:
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: LayerKVCache,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         self._write_kv(params, key, value, kv_cache, metadata)
@@ -316,18 +328,17 @@ class TorchAttentionBackend:
         params: AttentionParams,
         key: torch.Tensor,
         value: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: LayerKVCache,
         metadata: AttentionMetadata,
     ) -> None:
         """Scatter the batch's new K/V rows into the cache at `slot_mapping`."""
         H_kv, D = params.num_kv_heads, params.head_dim
-        rows = _write_rows(metadata, H_kv, kv_cache.shape[2] * kv_cache.shape[3])
-        dtype, R = kv_cache.dtype, kv_cache.shape[-1]  # a narrower KV-cache dtype rounds here
-        for half, x in ((0, key), (1, value)):
+        k_half, v_half = kv_cache[0], kv_cache[1]  # [H_kv, num_blocks, bs, R] each, own dtypes
+        rows = _write_rows(metadata, H_kv, k_half.shape[1] * k_half.shape[2])
+        for cache, x in ((k_half, key), (v_half, value)):
+            dtype, R = cache.dtype, cache.shape[-1]  # a narrower KV-cache dtype rounds here
             x = x.transpose(0, 1).reshape(-1, D)
-            kv_cache[half].view(-1, R).index_copy_(
-                0, rows, quantize_rows(x) if dtype == torch.int8 else x.to(dtype)
-            )
+            cache.view(-1, R).index_copy_(0, rows, quantize_rows(x) if dtype == torch.int8 else x.to(dtype))
 
     def _attend_batch(
         self,
@@ -335,12 +346,12 @@ class TorchAttentionBackend:
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: LayerKVCache,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """Attention for every sequence of the batch, its new K/V already in the cache."""
         H_kv = params.num_kv_heads
-        plan = _decode_plan(metadata, params.sliding_window, H_kv, kv_cache.shape[2], query.device)
+        plan = _decode_plan(metadata, params.sliding_window, H_kv, kv_cache[0].shape[1], query.device)
         if plan is None:
             outs = [
                 self._sequence(params, i, query, key, value, kv_cache, metadata)
@@ -363,25 +374,24 @@ class TorchAttentionBackend:
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: LayerKVCache,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """Attention output [q_len, H, D] of sequence i."""
         H_kv = params.num_kv_heads
         start, end = metadata.query_start_loc[i], metadata.query_start_loc[i + 1]
         q_len, s_len = metadata.query_lens[i], metadata.seq_lens[i]
-        if q_len == s_len and kv_cache.dtype == query.dtype:
+        if q_len == s_len and kv_cache[0].dtype == kv_cache[1].dtype == query.dtype:
             # The whole context is new: read it from the batch, not the cache. A narrower cache
             # (16-bit or int8 under a float32 model) is read back instead, rounded as decode steps
             # and the fused C++ path see it, so a prompt's logits do not depend on its chunking.
             k_ctx, v_ctx = key[start:end].transpose(0, 1), value[start:end].transpose(0, 1)
         else:
-            idx = _read_index(metadata, i, H_kv, kv_cache.shape[2])
-            R = kv_cache.shape[-1]
-            k_ctx = _as_values(
-                _gather(kv_cache[0], idx).view(H_kv, -1, R)[:, :s_len], query.dtype
-            )  # [H_kv, s_len, D]
-            v_ctx = _as_values(_gather(kv_cache[1], idx).view(H_kv, -1, R)[:, :s_len], query.dtype)
+            idx = _read_index(metadata, i, H_kv, kv_cache[0].shape[1])
+            k_ctx, v_ctx = (
+                _as_values(_gather(h, idx).view(H_kv, -1, h.shape[-1])[:, :s_len], query.dtype)
+                for h in (kv_cache[0], kv_cache[1])
+            )  # [H_kv, s_len, D] each
         mask = _context_mask(metadata, i, params.sliding_window, query.device)
         o = _attend(params, query[start:end].transpose(0, 1), k_ctx, v_ctx, mask)  # q: [H, q_len, D]
         return o.transpose(0, 1)

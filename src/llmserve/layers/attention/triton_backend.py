@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from llmserve.layers.attention.backend import AttentionParams, register_attention_backend
-from llmserve.layers.attention.metadata import AttentionMetadata, KVCacheSpec
+from llmserve.layers.attention.metadata import AttentionMetadata, KVCacheSpec, KVDtypes
 
 SUPPORTED_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -57,8 +57,17 @@ class TritonAttentionBackend:
         self._num_sms: dict[torch.device, int] = {}
         self._workspace: dict[torch.device, torch.Tensor] = {}
 
-    def prepare(self, kv_cache_dtype: torch.dtype) -> None:
-        check_cache_dtype(kv_cache_dtype)
+    def prepare(self, kv_cache_dtype: torch.dtype | KVDtypes) -> None:
+        # The kernels take one cache tensor per layer with K at index 0 and V at 1 (one element
+        # type, one set of strides); K and V of different types would need a second pointer,
+        # stride set and load conversion in every kernel: refused here, at start-up.
+        dtypes = KVDtypes.of(kv_cache_dtype)
+        if dtypes.mixed:
+            raise ValueError(
+                f"the triton attention backend takes one KV cache type for K and V; got kv_cache_dtype "
+                f"{dtypes.name!r} (K and V apart run on the 'torch' and 'cpu' backends)"
+            )
+        check_cache_dtype(dtypes.k)
 
     def build_metadata(
         self, metadata: AttentionMetadata, layers: Sequence[AttentionParams], spec: KVCacheSpec

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmserve.layers.attention import AttentionMetadata
+from llmserve.layers.attention import AttentionMetadata, LayerKVCache
 from llmserve.layers.layernorm import RMSNorm
 from llmserve.layers.linear import Linear
 from llmserve.layers.moe import SparseMoE
@@ -65,7 +65,7 @@ def _norms(layer: DecoderLayerSpec) -> list[RMSNorm]:
     return [n for n in (layer.input_norm, layer.q_norm, layer.k_norm, layer.post_norm) if n is not None]
 
 
-def unsupported_reason(spec: DecoderSpec, kv_caches: list[torch.Tensor]) -> str | None:
+def unsupported_reason(spec: DecoderSpec, kv_caches: list[LayerKVCache]) -> str | None:
     """Why the fused decoder cannot run this stack (None: it can)."""
     if not cpu_kernels.has_native_kernels():
         return f"quantized kernel set is {cpu_kernels.kernels()!r}"
@@ -88,9 +88,18 @@ def unsupported_reason(spec: DecoderSpec, kv_caches: list[torch.Tensor]) -> str 
             if n.weight_offset or n.weight.dtype != torch.float32 or n.weight.device.type != "cpu":
                 return "norm weights are not float32 on the CPU"
     for cache in kv_caches:
-        if cache.device.type != "cpu" or cache.dtype not in _CACHE_TYPES or not cache.is_contiguous():
-            return f"KV cache {cache.dtype} on {cache.device}"
+        for half in (cache[0], cache[1]):
+            if half.device.type != "cpu" or half.dtype not in _CACHE_TYPES or not half.is_contiguous():
+                return f"KV cache {half.dtype} on {half.device}"
+    if len({_v_offset(c) for c in kv_caches}) > 1:
+        return "layers' V halves sit at different offsets from their K halves"
     return None
+
+
+def _v_offset(cache: LayerKVCache) -> int:
+    """Bytes from a layer's K half to its V half: Hkv x K's head bytes in a single tensor, K's
+    bytes rounded up to the pair's alignment in a `KVPair` (K and V of two types)."""
+    return cache[1].data_ptr() - cache[0].data_ptr()
 
 
 def _mlp_linears(layer: DecoderLayerSpec) -> list[Linear]:
@@ -138,12 +147,12 @@ def _linear(m: QuantizedLinear) -> tuple[int, ...]:
 class FusedDecoder:
     """Runs `spec`'s forward over `kv_caches` for a flat batch of tokens."""
 
-    def __init__(self, spec: DecoderSpec, kv_caches: list[torch.Tensor], block_size: int) -> None:
+    def __init__(self, spec: DecoderSpec, kv_caches: list[LayerKVCache], block_size: int) -> None:
         reason = unsupported_reason(spec, kv_caches)
         if reason is not None:
             raise ValueError(f"the fused decoder cannot run this model: {reason}")
         self.spec, self.kv_caches = spec, kv_caches
-        cache = kv_caches[0]
+        k0, v0 = kv_caches[0][0], kv_caches[0][1]  # K and V halves (their own types in a KVPair)
         self._cos_sin = spec.rotary.cos_sin_table(torch.device("cpu")).float().contiguous()  # [max_pos, rot]
         layers = []
         for layer, kv in zip(spec.layers, kv_caches, strict=True):
@@ -158,7 +167,7 @@ class FusedDecoder:
                     addr(layer.post_norm),
                     None if layer.moe is not None else _linear(layer.gate_up),  # type: ignore[arg-type]
                     None if layer.moe is not None else _linear(layer.down),  # type: ignore[arg-type]
-                    kv.data_ptr(),
+                    kv[0].data_ptr(),
                     int(layer.sliding_window or 0),
                     _moe(layer.moe),
                 )
@@ -170,17 +179,19 @@ class FusedDecoder:
             spec.head_dim,
             spec.rotary.rotary_dim,
             spec.intermediate_size,
-            cache.shape[2],  # num_blocks
+            k0.shape[1],  # num_blocks
             block_size,
             self._cos_sin.shape[0],
             float(spec.eps),
             float(spec.scale),
-            _CACHE_TYPES[cache.dtype],
+            _CACHE_TYPES[k0.dtype],
+            _CACHE_TYPES[v0.dtype],
+            _v_offset(kv_caches[0]),
         )
         self._decoder = cpu_kernels.decoder_new(
             config, layers, self._cos_sin.data_ptr(), spec.final_norm.weight.data_ptr()
         )
-        self.cache_ptr = cache.data_ptr()
+        self.cache_ptr = k0.data_ptr()
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         """x [T, hidden] float32 (the batch's new tokens, embedded), positions [T] int64 -> final

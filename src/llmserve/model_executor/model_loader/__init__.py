@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from llmserve.config import ModelConfig
 from llmserve.layers import onednn
-from llmserve.layers.attention import get_attention_backend
+from llmserve.layers.attention import KVDtypes, get_attention_backend
 from llmserve.layers.linear import Linear
 from llmserve.layers.moe import describe_moe
 from llmserve.layers.quantization import (
@@ -88,7 +88,7 @@ class LoadedModel:
     moe: str = ""
     """Mixture-of-experts models: layers, experts and active parameters (`layers.moe.describe_moe`)."""
 
-    def kv_cache_dtype(self, name: str = "auto") -> torch.dtype:
+    def kv_cache_dtype(self, name: str = "auto") -> KVDtypes:
         """`CacheConfig.kv_cache_dtype` for this model (see `DeviceProfile.kv_cache_dtype`)."""
         # q4/q8 weights (the CPU kernels) take a 16-bit cache by default; fp8's CPU path is a
         # reference for its GPU numbers: its K/V stay in the model's dtype, as float models' do
