@@ -74,6 +74,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     defaults = ServerConfig()
     s.add_argument("--host", default=defaults.host)
     s.add_argument("--port", type=int, default=defaults.port)
+    s.add_argument(
+        "--grpc-port", type=int, default=None,
+        help="also serve the Open Inference Protocol v2 over gRPC on this port (needs llmserve[grpc])",
+    )  # fmt: skip
     s.add_argument("--served-model-name", default=None, help="the name clients use (default: MODEL)")
     s.add_argument(
         "--api-key",
@@ -142,6 +146,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         host=args.host,
         port=args.port,
+        grpc_port=args.grpc_port,
         served_model_name=args.served_model_name,
         api_key=args.api_key or None,
         allowed_origins=tuple(args.allowed_origins),

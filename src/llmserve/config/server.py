@@ -10,6 +10,9 @@ from dataclasses import dataclass
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
+    grpc_port: int | None = None
+    """Also serve the Open Inference Protocol v2 over gRPC on this port (needs `grpcio`: the
+    `grpc` extra); None: HTTP only."""
     served_model_name: str | None = None
     """The name clients put in `model` (default: the model's own name)."""
     api_key: str | None = None
@@ -80,6 +83,10 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535]; got {self.port}")
+        if self.grpc_port is not None and not 0 <= self.grpc_port < 65536:
+            raise ValueError(f"grpc_port must be in [0, 65535]; got {self.grpc_port}")
+        if self.grpc_port is not None and self.grpc_port == self.port and self.port:
+            raise ValueError(f"grpc_port must differ from port; both are {self.port}")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0; got {self.max_queued_requests}")
         if self.max_body_bytes < 1024:

@@ -71,8 +71,19 @@ def build_app(
     async def lifespan(app: FastAPI):
         models.start()
         batches.start()
+        grpc_server = None
+        if config.grpc_port is not None:
+            try:
+                from llmserve.server.oip.service import start_grpc_server  # grpcio: an optional extra
+            except ImportError as e:
+                raise RuntimeError(f"--grpc-port needs grpcio: pip install 'llmserve[grpc]' ({e})") from e
+            grpc_server = await start_grpc_server(state)
         yield
         state.draining = True
+        if grpc_server is not None:
+            # refuses new calls at once; the ones in flight finish or are aborted with the rest
+            # at --shutdown-timeout (serve.py), so the grace only bounds the wait
+            await grpc_server.stop(grace=config.shutdown_timeout + 1.0)
         await batches.close()  # lines in flight run again after a restart
         active = models.num_active
         if active:

@@ -118,9 +118,7 @@ class Gate:
         """The key as a bearer token or in `x-api-key`; both compared in constant time (the scheme
         is case-insensitive, RFC 9110)."""
         assert self._expected is not None
-        scheme, _, given = headers.get(b"authorization", b"").partition(b" ")
-        bearer = hmac.compare_digest(given.strip(), self._expected) and scheme.lower() == b"bearer"
-        return hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), self._expected) or bearer
+        return key_matches(self._expected, headers.get(b"authorization", b""), headers.get(b"x-api-key", b""))
 
     def _counting(self, send: Send) -> Send:
         """`send`, counting a refused request (by its status) in the metrics."""
@@ -133,6 +131,14 @@ class Gate:
             await send(message)
 
         return counting_send
+
+
+def key_matches(expected: bytes, authorization: bytes, api_key: bytes) -> bool:
+    """Whether a request carries the key, as `Bearer <key>` in `authorization` or bare in
+    `api_key`: the one check HTTP (this gate) and gRPC (server/oip/) make."""
+    scheme, _, given = authorization.partition(b" ")
+    bearer = hmac.compare_digest(given.strip(), expected) and scheme.lower() == b"bearer"
+    return hmac.compare_digest(api_key.strip(), expected) or bearer
 
 
 def _upload(path: str, content_type: bytes) -> bool:

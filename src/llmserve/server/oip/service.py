@@ -1,0 +1,187 @@
+"""The gRPC server (`--grpc-port`): the Open Inference Protocol v2's `GRPCInferenceService`
+(inference.proto) on grpc.aio, in the HTTP server's process and event loop (app.py's lifespan
+starts and stops it), on the same `ServerState`: the same models, key, caps and metrics.
+
+    ModelInfer / ModelGenerateStream
+      -> admit: UNAVAILABLE while loading or draining, UNAUTHENTICATED without the key
+      -> tensors.completion_request: the /v1/completions request it means (INVALID_ARGUMENT)
+      -> ModelManager.lease(model_name) (NOT_FOUND) -> the answer as pieces (serving/pieces.py),
+         from a native engine (RESOURCE_EXHAUSTED on a full queue) or a remote upstream
+      -> ModelInferResponse(s) with `text_output`
+
+A cancelled call cancels its handler task; leaving the pieces' generator aborts the engine
+request (`RequestStream.__aexit__`), whose KV blocks the next step frees. `ServerLive` and
+`ServerReady` are open like HTTP's /health (they are the probes); every other RPC needs the key.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager
+from pathlib import Path
+
+import grpc
+
+from llmserve import __version__
+from llmserve.engine.async_engine import EngineDeadError, RequestAbortedError
+from llmserve.server.errors import APIError
+from llmserve.server.middleware import REJECT_REASONS, key_matches
+from llmserve.server.models import LOADED, ModelSlot
+from llmserve.server.oip import inference_pb2 as pb
+from llmserve.server.oip import inference_pb2_grpc as pb_grpc
+from llmserve.server.oip.tensors import completion_request, infer_response, model_metadata
+from llmserve.server.protocol import CompletionRequest
+from llmserve.server.serving.inputs import check_caps, sampling_params
+from llmserve.server.serving.pieces import Piece, gather, openai_sampling, relay_pieces, start_answer
+from llmserve.server.state import ServerState
+
+logger = logging.getLogger("llmserve.server")
+
+# HTTP status of an APIError -> the gRPC status it is answered with
+STATUS_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT, 413: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED, 404: grpc.StatusCode.NOT_FOUND,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE,
+}  # fmt: skip
+
+
+class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
+    """`GRPCInferenceService` over the server's models."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        key = state.config.api_key
+        self._expected = key.encode() if key else None
+
+    # -- health and metadata ------------------------------------------------------------------------
+
+    async def ServerLive(self, request: pb.ServerLiveRequest, context: grpc.aio.ServicerContext):
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request: pb.ServerReadyRequest, context: grpc.aio.ServicerContext):
+        return pb.ServerReadyResponse(ready=self.state.ready)
+
+    async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: grpc.aio.ServicerContext):
+        await self._admit(context)
+        return pb.ServerMetadataResponse(name="llmserve", version=__version__)
+
+    async def ModelReady(self, request: pb.ModelReadyRequest, context: grpc.aio.ServicerContext):
+        await self._admit(context)
+        slot = await self._call(context, self.state.models.resolve, request.name or None)
+        return pb.ModelReadyResponse(ready=slot.state == LOADED)
+
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: grpc.aio.ServicerContext):
+        await self._admit(context)
+        slot = await self._call(context, self.state.models.resolve, request.name or None)
+        return model_metadata(slot.name, slot.engine)
+
+    # -- generation ---------------------------------------------------------------------------------
+
+    async def ModelInfer(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext):
+        await self._admit(context)
+        try:
+            req = completion_request(request)
+            async with self._answer(req) as (slot, pieces):
+                answer = await gather(pieces)
+            return infer_response(slot.name, request.id, answer.content, answer.end)
+        except (APIError, EngineDeadError, RequestAbortedError) as e:
+            await self._abort(context, e)
+
+    async def ModelGenerateStream(
+        self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ModelInferResponse]:
+        await self._admit(context)
+        try:
+            req = completion_request(request)
+            async with self._answer(req) as (slot, pieces):
+                async for piece in pieces:
+                    if piece.content or piece.end is not None:
+                        yield infer_response(slot.name, request.id, piece.content, piece.end)
+        except (APIError, EngineDeadError, RequestAbortedError) as e:
+            await self._abort(context, e)
+
+    @asynccontextmanager
+    async def _answer(self, req: CompletionRequest) -> AsyncIterator[tuple[ModelSlot, AsyncIterator[Piece]]]:
+        """The model `req` names, leased while its answer streams; leaving the block closes the
+        pieces at once (`aclosing`), so a cancelled call aborts its engine request then, not when
+        the generator is collected."""
+        async with (
+            self.state.models.lease(req.model) as slot,
+            aclosing(await self._pieces(slot, req)) as pieces,
+        ):
+            yield slot, pieces
+
+    async def _pieces(self, slot: ModelSlot, req: CompletionRequest) -> AsyncIterator[Piece]:
+        """The answer to `req` as pieces: a native engine's (checked and queued here, so a bad
+        value or a full queue fails before the first response) or a remote upstream's."""
+        assert isinstance(req.prompt, str), "text_input is one string"
+        if slot.remote is not None:
+            body = {"prompt": req.prompt, **openai_sampling(sampling_params(req, req.max_tokens, None, None))}
+            return relay_pieces(slot.remote, "/v1/completions", body)
+        ctx = slot.ctx
+        assert ctx is not None, "a leased local model is loaded"
+        check_caps(ctx, req, None, "logprobs")
+        params = sampling_params(req, req.max_tokens, None, None)
+        answer = await start_answer(ctx, req.prompt, params, "grpc", split=False)
+        return answer.pieces
+
+    # -- admission and errors -----------------------------------------------------------------------
+
+    async def _admit(self, context: grpc.aio.ServicerContext) -> None:
+        """What HTTP's gate checks before any route: the key, then whether requests can be served."""
+        state = self.state
+        if self._expected is not None:
+            metadata = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
+            auth, key = metadata.get("authorization", ""), metadata.get("x-api-key", "")
+            if not key_matches(self._expected, auth.encode(), key.encode()):
+                await self._abort(context, APIError(401, "missing or wrong API key: send the metadata "
+                                                    "'authorization: Bearer <key>'"))  # fmt: skip
+        if state.draining:
+            await self._abort(context, APIError(503, "the server is shutting down"))
+        if not state.models.started_up:
+            await self._abort(context, APIError(503, "the model is still loading; retry shortly"))
+
+    async def _call(self, context: grpc.aio.ServicerContext, fn, *args):
+        try:
+            return fn(*args)
+        except APIError as e:
+            await self._abort(context, e)
+
+    async def _abort(self, context: grpc.aio.ServicerContext, e: BaseException) -> None:
+        """End the call with the gRPC status `e` means; the message names the field at fault.
+        Refusals are counted in the metrics as HTTP's are."""
+        if isinstance(e, APIError):
+            code = STATUS_CODES.get(e.status, grpc.StatusCode.INTERNAL)
+            message = e.message
+            if e.param and e.param not in message:
+                message = f"{e.param}: {message}"
+            reason = REJECT_REASONS.get(e.status)
+            if reason is not None:
+                self.state.record_rejected(reason)
+        elif isinstance(e, EngineDeadError):
+            code, message = grpc.StatusCode.UNAVAILABLE, str(e)
+        else:  # RequestAbortedError: the server aborted it (shutting down)
+            code, message = grpc.StatusCode.ABORTED, str(e)
+        await context.abort(code, message)
+
+
+async def start_grpc_server(state: ServerState) -> grpc.aio.Server:
+    """Listen on `--grpc-port` (TLS with the HTTP server's certificate when it has one)."""
+    config = state.config
+    server = grpc.aio.server()
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(state), server)
+    address = f"{config.host}:{config.grpc_port}"
+    if config.ssl_certfile is not None:
+        chain = Path(config.ssl_certfile).read_bytes()
+        key = Path(config.ssl_keyfile).read_bytes() if config.ssl_keyfile else chain
+        roots = Path(config.ssl_ca_certs).read_bytes() if config.ssl_ca_certs else None
+        credentials = grpc.ssl_server_credentials(
+            [(key, chain)], root_certificates=roots, require_client_auth=config.ssl_cert_reqs == 2
+        )
+        server.add_secure_port(address, credentials)
+    else:
+        server.add_insecure_port(address)
+    await server.start()
+    logger.info("gRPC (Open Inference Protocol v2) listening on %s", address)
+    return server
