@@ -1,0 +1,30 @@
+"""`LoRAConfig`: how many LoRA adapters an engine serves and how large they may be (vLLM's names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAConfig:
+    """LoRA adapters on top of the base model (`enable_lora`); absent when LoRA is off."""
+
+    max_loras: int = 4
+    """Adapters one step may mix (the scheduler keeps the rest of the adapters' requests waiting)."""
+    max_lora_rank: int = 16
+    """The largest rank an adapter may have; a larger one is refused when it loads."""
+    max_cpu_loras: int | None = None
+    """Adapters kept loaded (least recently used dropped first, reloaded from their folder when
+    asked again); default `max_loras`."""
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1; got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1; got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+
+    @property
+    def num_cached(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
