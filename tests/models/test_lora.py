@@ -198,3 +198,32 @@ def test_bad_adapters_are_clear_errors(base, tmp_path):
         manager.add(LoRARequest("stranger", 6, str(stranger)))
     config = json.loads((good / "adapter_config.json").read_text())
     assert config["r"] == 8 and arch in ("llama", "qwen2")
+
+
+def test_llm_generate_with_adapters_and_prefix_cache(base):
+    """The offline API: greedy tokens under each adapter equal PEFT's; one prompt under two
+    adapters never shares cached blocks, while a repeat under the same adapter does."""
+    from llmserve.engine.llm import LLM
+    from llmserve.sampling_params import SamplingParams
+
+    _, folder, adapters = base
+    llm = LLM(str(folder), enable_lora=True, max_loras=2, block_size=4, show_progress=False)
+    one, two = (LoRARequest(f"a{i}", i, str(p)) for i, p in enumerate(adapters, start=1))
+    prompt = list(range(30, 50))  # 5 full blocks of 4
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    outs = llm.generate([prompt, prompt, prompt], params, lora_request=[one, two, None], use_tqdm=False)
+    for out, adapter in zip(outs, [*adapters, None], strict=True):
+        ref = peft_reference(folder, adapter, "none")
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            expected = ref.generate(ids, max_new_tokens=6, do_sample=False)[0, len(prompt) :].tolist()
+        assert out.outputs[0].token_ids == expected
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 3, "the adapters should change the output"
+    # the prompt is cached under three identities now: a repeat hits only its own adapter's blocks
+    again = llm.generate(prompt, params, lora_request=two, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 16 and again.outputs[0].token_ids == outs[1].outputs[0].token_ids
+    three = LoRARequest("a3", 3, str(adapters[0]))  # the same folder under a new id: its own blocks
+    fresh = llm.generate(prompt, params, lora_request=three, use_tqdm=False)[0]
+    assert fresh.num_cached_tokens == 0 and fresh.outputs[0].token_ids == outs[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="LoRA is off"):
+        LLM(str(folder), block_size=4, show_progress=False).generate(prompt, params, lora_request=one)

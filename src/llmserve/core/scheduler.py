@@ -309,6 +309,7 @@ class Scheduler:
                 block_ids=kv.get_block_ids(request.request_id),
                 num_computed_tokens=num_computed,
                 pooling_params=request.pooling_params,
+                lora_id=request.lora_id,
             )
         )
         plan.num_tokens[request.request_id] = num_new
