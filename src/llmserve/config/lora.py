@@ -10,7 +10,8 @@ class LoRAConfig:
     """LoRA adapters on top of the base model (`enable_lora`); absent when LoRA is off."""
 
     max_loras: int = 4
-    """Adapters one step may mix (the scheduler keeps the rest of the adapters' requests waiting)."""
+    """Adapters served at once: today the default of `max_cpu_loras`. (vLLM also caps the
+    adapters one step mixes with it; our scheduler does not yet, so a step may mix more.)"""
     max_lora_rank: int = 16
     """The largest rank an adapter may have; a larger one is refused when it loads."""
     max_cpu_loras: int | None = None
