@@ -10,8 +10,8 @@ class LoRAConfig:
     """LoRA adapters on top of the base model (`enable_lora`); absent when LoRA is off."""
 
     max_loras: int = 4
-    """Adapters served at once: today the default of `max_cpu_loras`. (vLLM also caps the
-    adapters one step mixes with it; our scheduler does not yet, so a step may mix more.)"""
+    """Adapters one step may mix: a waiting request whose adapter would be one more waits until
+    the running requests of another adapter end."""
     max_lora_rank: int = 16
     """The largest rank an adapter may have; a larger one is refused when it loads."""
     max_cpu_loras: int | None = None

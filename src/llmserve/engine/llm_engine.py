@@ -173,8 +173,9 @@ class LLMEngine:
         logger.info(self.kv_info.summary())
 
         self.scheduler: Scheduler = make_scheduler(
-            self.scheduler_config, self.cache_config, num_blocks, self.max_model_len, k
-        )
+            self.scheduler_config, self.cache_config, num_blocks, self.max_model_len, k,
+            None if lora_config is None else lora_config.max_loras,
+        )  # fmt: skip
         self.proposer: NgramProposer | DraftModelProposer | None = None
         if speculative_config is not None and speculative_config.method == "draft_model":
             assert speculative_config.model is not None
