@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from llmserve.config.cache import CacheConfig, parse_bytes
-from llmserve.config.lora import LoRAConfig
+from llmserve.config.lora import LoRAConfig, parse_lora_modules
 from llmserve.config.model import ModelConfig
 from llmserve.config.scheduler import SchedulerConfig
 from llmserve.config.speculative import SpeculativeConfig
@@ -64,6 +64,7 @@ class EngineArgs:
     max_loras: int = 4
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    lora_modules: str | None = None
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -125,9 +126,12 @@ class EngineArgs:
 
     def lora_config(self) -> LoRAConfig | None:
         """The LoRA config when `enable_lora`, else None."""
+        modules = parse_lora_modules(self.lora_modules)
         if not self.enable_lora:
+            if modules:
+                raise ValueError("lora_modules needs enable_lora")
             return None
-        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras, modules)
 
 
 def _convert(name: str, value: Any, hint: Any, where: str) -> Any:

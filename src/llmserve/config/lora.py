@@ -17,6 +17,9 @@ class LoRAConfig:
     max_cpu_loras: int | None = None
     """Adapters kept loaded (least recently used dropped first, reloaded from their folder when
     asked again); default `max_loras`."""
+    modules: tuple[tuple[str, str], ...] = ()
+    """(name, PEFT folder) of the adapters the engine serves by name from the start (ids 1, 2, ...
+    in this order; loaded and checked when the engine starts): `--lora-modules name=path ...`."""
 
     def __post_init__(self) -> None:
         if self.max_loras < 1:
@@ -26,6 +29,23 @@ class LoRAConfig:
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
 
+        names = [name for name, _ in self.modules]
+        if len(set(names)) != len(names) or not all(names):
+            raise ValueError(f"lora_modules: names must be non-empty and distinct; got {names}")
+
     @property
     def num_cached(self) -> int:
         return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
+def parse_lora_modules(text: str | None) -> tuple[tuple[str, str], ...]:
+    """`name=path,name2=path2` (the command line's space-separated pairs joined by commas)."""
+    if not text:
+        return ()
+    pairs = []
+    for item in text.split(","):
+        name, sep, path = item.strip().partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ValueError(f"lora_modules: expected name=path; got {item.strip()!r}")
+        pairs.append((name.strip(), path.strip()))
+    return tuple(pairs)

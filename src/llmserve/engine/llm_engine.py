@@ -26,7 +26,7 @@ from llmserve.core.scheduler import Scheduler, make_scheduler
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.errors import ParameterError
 from llmserve.layers.attention import KVCacheSpec
-from llmserve.lora import LoRARequest
+from llmserve.lora import LoRARequest, module_requests
 from llmserve.lora.manager import LoRAManager
 from llmserve.metrics.stats import IterationStats, SchedulerStats
 from llmserve.model_executor.forward_runner import ForwardRunner
@@ -215,6 +215,8 @@ class LLMEngine:
                 raise ValueError("LoRA adapters need the native model implementation (model_impl native)")
             self.lora = LoRAManager(self.loaded.model, lora_config)
             self.runner.runner.use_lora(self.lora)
+            for request in module_requests(lora_config):  # a bad folder fails start-up
+                self.lora.add(request)
         if self.loaded.profile.cuda_graphs:
             self.runner.capture_cuda_graphs(
                 sched.max_num_seqs, self.max_model_len, model_config.show_progress

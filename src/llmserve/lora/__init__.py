@@ -8,6 +8,6 @@
 Models stay architecture only: the runner installs the wrappers around their layers.
 """
 
-from llmserve.lora.request import LoRARequest
+from llmserve.lora.request import LoRARequest, module_requests
 
-__all__ = ["LoRARequest"]
+__all__ = ["LoRARequest", "module_requests"]

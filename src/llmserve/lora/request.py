@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmserve.config.lora import LoRAConfig
+
 
 @dataclass(frozen=True, slots=True)
 class LoRARequest:
@@ -20,3 +22,9 @@ class LoRARequest:
             raise ValueError(
                 f"LoRARequest {self.lora_name!r}: lora_int_id must be >= 1; got {self.lora_int_id}"
             )
+
+
+def module_requests(config: LoRAConfig) -> list[LoRARequest]:
+    """The adapters `config.modules` names, with ids 1, 2, ... in order (the engine and the
+    server's model manager both derive them here, so they agree)."""
+    return [LoRARequest(name, i, path) for i, (name, path) in enumerate(config.modules, start=1)]
