@@ -227,3 +227,16 @@ def test_llm_generate_with_adapters_and_prefix_cache(base):
     assert fresh.num_cached_tokens == 0 and fresh.outputs[0].token_ids == outs[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="LoRA is off"):
         LLM(str(folder), block_size=4, show_progress=False).generate(prompt, params, lora_request=one)
+
+
+def test_least_recently_used_adapter_is_dropped_and_reloaded(base):
+    _, folder, adapters = base
+    runner, manager = make_runner(folder, "none", max_loras=1, max_cpu_loras=1)
+    for i, path in enumerate(adapters, start=1):
+        manager.add(LoRARequest(f"a{i}", i, str(path)))
+    assert manager.loaded_ids == [2]  # adding the second dropped the first
+    first = run_mixed(runner, [1, 1, 1], steps=1)  # reloaded from its folder for the step
+    assert manager.loaded_ids == [1]
+    with torch.no_grad():
+        ref = peft_reference(folder, adapters[0], "none")(torch.tensor([[*PROMPTS[0], 7]])).logits[0]
+    torch.testing.assert_close(first[0], ref, rtol=TOL, atol=TOL)

@@ -42,6 +42,11 @@ class LoRAManager:
             self.num_layers,
         )
 
+    @property
+    def loaded_ids(self) -> list[int]:
+        """Ids of the adapters loaded now, least recently used first."""
+        return list(self._loaded)
+
     def add(self, request: LoRARequest) -> LoRAAdapter:
         """Register `request`'s adapter and load it now (so a bad folder fails the request that
         names it); an id already registered must name the same folder."""
