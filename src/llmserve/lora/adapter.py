@@ -60,13 +60,16 @@ class LoRAAdapter:
 
 
 def read_adapter_config(folder: Path, max_rank: int) -> tuple[int, float]:
-    """(rank, scale) from `adapter_config.json`; ValueError naming the file for what we cannot run."""
+    """(rank, scale) from `adapter_config.json`; ValueError naming the file for what we cannot run.
+    `target_modules` is not read: the tensors present say which layers the adapter changes."""
     path = folder / CONFIG_FILE
     try:
         config = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: cannot read the LoRA adapter's config: {e}") from None
-    if not isinstance(config, dict) or config.get("peft_type", "LORA") != "LORA":
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: not a LoRA adapter config (a JSON object)")
+    if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{path}: not a LoRA adapter config (peft_type {config.get('peft_type')!r})")
     r, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
     if not isinstance(r, int) or r < 1 or not isinstance(alpha, int | float):

@@ -78,19 +78,16 @@ class LoRAManager:
         """The wrappers apply these adapters while the block runs: sequence j's `num_tokens[j]`
         flat-batch rows take adapter `lora_ids[j]` (0: the base model)."""
         assert self.step.batch is None, "LoRAManager.activate does not nest"
-        rows: dict[int, list[int]] = {}
+        spans: dict[int, list[torch.Tensor]] = {}  # adapter -> its sequences' row ranges
         start = 0
         for lora_id, n in zip(lora_ids, num_tokens, strict=True):
             if lora_id:
-                rows.setdefault(lora_id, []).extend(range(start, start + n))
+                spans.setdefault(lora_id, []).append(torch.arange(start, start + n))
             start += n
         groups = []
-        for lora_id, ids in rows.items():
-            index = (
-                None
-                if len(ids) == start
-                else torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
-            )
+        for lora_id, ranges in spans.items():
+            rows = torch.cat(ranges)
+            index = None if len(rows) == start else rows.to(self.device, non_blocking=True)
             groups.append((self.get(lora_id), index))
         self.step.batch = LoRABatch(tuple(groups))
         try:
