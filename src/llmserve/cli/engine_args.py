@@ -128,6 +128,23 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "without prompt padding",
     )
 
+    g = p.add_argument_group("LoRA adapters")
+    g.add_argument(
+        "--enable-lora", action="store_true", help="serve LoRA adapters (PEFT folders) on the base model"
+    )
+    g.add_argument("--max-loras", type=int, default=4, help="most adapters one step mixes (default 4)")
+    g.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted (default 16)")
+    g.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=None,
+        help="adapters kept loaded, least recently used dropped (default --max-loras)",
+    )
+    g.add_argument(
+        "--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+        help="adapters served by name: a request whose `model` is NAME runs on the base model with it",
+    )  # fmt: skip
+
 
 def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {
@@ -156,4 +173,9 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "speculative_config": args.speculative_config,
         "pooling": args.pooling,
         "normalize_embeddings": args.normalize_embeddings,
+        "enable_lora": args.enable_lora,
+        "max_loras": args.max_loras,
+        "max_lora_rank": args.max_lora_rank,
+        "max_cpu_loras": args.max_cpu_loras,
+        "lora_modules": ",".join(args.lora_modules) if args.lora_modules else None,
     }

@@ -20,6 +20,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from llmserve.config.cache import CacheConfig, parse_bytes
+from llmserve.config.lora import LoRAConfig, parse_lora_modules
 from llmserve.config.model import ModelConfig
 from llmserve.config.scheduler import SchedulerConfig
 from llmserve.config.speculative import SpeculativeConfig
@@ -59,6 +60,11 @@ class EngineArgs:
     admission_policy: str = "optimistic"
     batching_mode: str = "continuous"
     speculative_config: SpeculativeConfig | None = None
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_modules: str | None = None
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -77,6 +83,7 @@ class EngineArgs:
         values = {name: _convert(name, value, hints[name], where) for name, value in options.items()}
         args = cls(**values)
         args.configs()  # every range and choice checked now, not at the first load
+        args.lora_config()
         return args
 
     def replace(self, **changes: Any) -> EngineArgs:
@@ -116,6 +123,15 @@ class EngineArgs:
             mode=self.batching_mode,  # type: ignore[arg-type]
         )
         return model, cache, scheduler, self.speculative_config
+
+    def lora_config(self) -> LoRAConfig | None:
+        """The LoRA config when `enable_lora`, else None."""
+        modules = parse_lora_modules(self.lora_modules)
+        if not self.enable_lora:
+            if modules:
+                raise ValueError("lora_modules needs enable_lora")
+            return None
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras, modules)
 
 
 def _convert(name: str, value: Any, hint: Any, where: str) -> Any:

@@ -79,6 +79,9 @@ class Request:
     pooling_params: PoolingParams | None = None
     """An embedding request: its prompt is pooled into one vector and it ends when its prefill
     does (nothing sampled, `max_tokens` 0)."""
+    lora_id: int = 0
+    """The LoRA adapter it runs with (`LoRARequest.lora_int_id`; 0: the base model). Part of its
+    block hashes: the same tokens under two adapters have different K/V."""
 
     @property
     def num_prompt_tokens(self) -> int:

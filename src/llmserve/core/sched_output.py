@@ -30,6 +30,8 @@ class NewRequestData:
     """Tokens whose K/V are already in the cache (a prefix-cache hit), not to be recomputed."""
     pooling_params: PoolingParams | None = None
     """An embedding request: pool its prompt's hidden states instead of sampling."""
+    lora_id: int = 0
+    """The LoRA adapter it runs with (0: the base model)."""
 
 
 @dataclass(slots=True)

@@ -81,9 +81,11 @@ class Scheduler:
         num_kv_blocks: int,
         max_model_len: int,
         num_speculative_tokens: int = 0,
+        max_loras: int | None = None,
     ) -> None:
         """`num_speculative_tokens`: the most tokens a request may verify per step beyond its own
-        (speculative decoding; 0: off)."""
+        (speculative decoding; 0: off). `max_loras`: the most LoRA adapters running requests may
+        use at once (None: LoRA is off, no cap)."""
         if scheduler_config.is_static and type(self) is Scheduler:
             raise ValueError(
                 f"mode {scheduler_config.mode!r} is run by StaticBatchScheduler (make_scheduler)"
@@ -99,6 +101,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_steps = 0  # steps whose outputs came back (update_from_output calls)
         self.max_spec_tokens = num_speculative_tokens
+        self.max_loras = max_loras
         # speculative decoding's cumulative counts (the record is built by `spec_stats`)
         self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
         self.spec_accepted_per_pos = [0] * num_speculative_tokens
@@ -271,7 +274,7 @@ class Scheduler:
             if len(self.waiting) == 0 or self._num_members() >= self.config.max_num_seqs:
                 break
             request = self.waiting.peek()
-            if not self._may_admit(request):
+            if not self._may_admit(request) or not self._adapter_fits(request):
                 break
             # Prompt logprobs, mean and cls pooling need every prompt position computed: no
             # prefix-cache hit then (`last` pooling reads the last token, which a hit never covers).
@@ -284,6 +287,15 @@ class Scheduler:
                 break
             self.waiting.pop()
             self._admitted(request)
+
+    def _adapter_fits(self, request: Request) -> bool:
+        """Whether `request`'s LoRA adapter may join the running ones: every step runs all
+        running requests, so their distinct adapters are the step's. One that does not fit waits
+        at the head of the queue (as a request waits for blocks) until an adapter's requests end."""
+        if not request.lora_id or self.max_loras is None:
+            return True
+        in_use = {r.lora_id for r in self.running if r.lora_id}
+        return request.lora_id in in_use or len(in_use) < self.max_loras
 
     def _admit(self, request: Request, plan: _StepPlan, computed_blocks: list, num_computed: int) -> bool:
         """Start running a request (its first chunk in this step) if the KV pool allows."""
@@ -309,6 +321,7 @@ class Scheduler:
                 block_ids=kv.get_block_ids(request.request_id),
                 num_computed_tokens=num_computed,
                 pooling_params=request.pooling_params,
+                lora_id=request.lora_id,
             )
         )
         plan.num_tokens[request.request_id] = num_new
@@ -435,11 +448,18 @@ def make_scheduler(
     num_kv_blocks: int,
     max_model_len: int,
     num_speculative_tokens: int = 0,
+    max_loras: int | None = None,
 ) -> Scheduler:
     """The scheduler for `scheduler_config.mode`: continuous batching (with speculative decoding
     when `num_speculative_tokens` > 0), or a static mode (never speculative)."""
     if scheduler_config.is_static:
         from llmserve.core.static_scheduler import StaticBatchScheduler
 
+        if max_loras is not None:
+            raise ValueError(
+                f"LoRA adapters need continuous batching; batching mode is {scheduler_config.mode!r}"
+            )
         return StaticBatchScheduler(scheduler_config, cache_config, num_kv_blocks, max_model_len)
-    return Scheduler(scheduler_config, cache_config, num_kv_blocks, max_model_len, num_speculative_tokens)
+    return Scheduler(
+        scheduler_config, cache_config, num_kv_blocks, max_model_len, num_speculative_tokens, max_loras
+    )

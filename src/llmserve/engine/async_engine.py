@@ -30,6 +30,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
 from llmserve.engine.llm_engine import LLMEngine, ProcessedPrompt
+from llmserve.lora import LoRARequest
 from llmserve.metrics.loggers import StatLogger
 from llmserve.metrics.stats import IterationStats, SchedulerStats
 from llmserve.outputs import RequestOutput
@@ -216,8 +217,15 @@ class AsyncEngine:
         """Tokenize and check a prompt off the event loop (long prompts take milliseconds)."""
         return await asyncio.to_thread(self.engine.process_inputs, prompt, params)
 
-    def add_request(self, request_id: str, prompt: ProcessedPrompt, priority: int = 0) -> RequestStream:
-        """Queue a checked prompt; raises `QueueFullError` when the waiting queue is full."""
+    def add_request(
+        self,
+        request_id: str,
+        prompt: ProcessedPrompt,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
+    ) -> RequestStream:
+        """Queue a checked prompt (under `lora_request`'s adapter, if any); raises
+        `QueueFullError` when the waiting queue is full."""
         n = prompt.params.n
         self.check_queue(n)
         stream = RequestStream(self, request_id, prompt)
@@ -229,7 +237,9 @@ class AsyncEngine:
             # still counted as pending until a snapshot counts it as waiting (see _publish)
             self._num_added += n
             try:
-                self.engine.add_request(request_id, prompt, priority=priority, delta=True)
+                self.engine.add_request(
+                    request_id, prompt, priority=priority, delta=True, lora_request=lora_request
+                )
             except ValueError as e:
                 # A check only the engine makes (a derived per-sample seed, say) failed: fail this
                 # request alone, undoing a partial add; the step loop must live on.

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from llmserve.config.engine_args import EngineArgs
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.errors import ParameterError
+from llmserve.lora import LoRARequest
 from llmserve.outputs import EmbeddingOutput, RequestOutput
 from llmserve.pooling_params import PoolingParams
 from llmserve.sampling_params import SamplingParams
@@ -41,7 +42,7 @@ def build_engine(model: str | None = None, **options: Any) -> LLMEngine:
 
 def engine_from_args(args: EngineArgs) -> LLMEngine:
     model, cache, scheduler, speculative = args.configs()
-    return LLMEngine(model, cache, scheduler, speculative_config=speculative)
+    return LLMEngine(model, cache, scheduler, speculative_config=speculative, lora_config=args.lora_config())
 
 
 def _is_token_ids(x: object) -> bool:
@@ -84,7 +85,7 @@ class LLM:
         cpu_activations, max_model_len, block_size, kv_cache_memory, num_kv_blocks,
         enable_prefix_caching, kv_cache_dtype, max_num_batched_tokens, max_num_seqs,
         scheduling_policy, admission_policy, batching_mode, model_impl, speculative_config,
-        show_progress), with the command line's values: `kv_cache_memory="4GiB"` as
+        show_progress, enable_lora, max_loras, max_lora_rank, max_cpu_loras), with the command line's values: `kv_cache_memory="4GiB"` as
         `--kv-cache-memory 4GiB`. `speculative_config`: vLLM's dict (or its JSON), e.g.
         {"method": "ngram", "num_speculative_tokens": 4}."""
         self.engine = build_engine(model, **engine_options)
@@ -99,9 +100,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Completions for a prompt or a list of prompts, in order. A prompt is a string, a list
-        of token ids, or (vLLM's forms) {"prompt": text} or {"prompt_token_ids": ids}."""
+        of token ids, or (vLLM's forms) {"prompt": text} or {"prompt_token_ids": ids}.
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base
+        model); the engine needs `enable_lora=True`."""
         if _is_single_prompt(prompts):
             prompts = [prompts]  # type: ignore[list-item]
         if not isinstance(prompts, Iterable):
@@ -110,7 +114,13 @@ class LLM:
         params = self._params_list(sampling_params, len(prompt_list))
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts")
-        return self._run(prompt_list, params, priority, use_tqdm)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompt_list)
+        elif len(lora_request) != len(prompt_list):
+            raise ValueError(f"lora_request has {len(lora_request)} entries for {len(prompt_list)} prompts")
+        else:
+            loras = list(lora_request)
+        return self._run(prompt_list, params, priority, use_tqdm, loras)
 
     def chat(
         self,
@@ -176,12 +186,16 @@ class LLM:
         params: list[SamplingParams],
         priority: Sequence[int] | None,
         use_tqdm: bool,
+        loras: Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         engine = self.engine
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
         try:
             for i, (req_id, prompt, p) in enumerate(zip(ids, prompts, params, strict=True)):
-                engine.add_request(req_id, prompt, p, priority=priority[i] if priority else 0)
+                lora = loras[i] if loras else None
+                engine.add_request(
+                    req_id, prompt, p, priority=priority[i] if priority else 0, lora_request=lora
+                )
         except ValueError as e:
             engine.abort_request(ids)  # nothing half-queued stays behind
             raise ParameterError(f"prompt {i}: {e}", param=getattr(e, "param", None)) from None

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from llmserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from llmserve.config.cache import default_kv_cache_memory
+from llmserve.config.lora import LoRAConfig
 from llmserve.config.speculative import SpeculativeConfig
 from llmserve.core.request import Request, RequestStatus
 from llmserve.core.sched_output import SchedulerOutput
@@ -25,7 +26,10 @@ from llmserve.core.scheduler import Scheduler, make_scheduler
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.errors import ParameterError
 from llmserve.layers.attention import KVCacheSpec
+from llmserve.lora import LoRARequest, module_requests
+from llmserve.lora.manager import LoRAManager
 from llmserve.metrics.stats import IterationStats, SchedulerStats
+from llmserve.model_executor.forward_runner import ForwardRunner
 from llmserve.model_executor.model_loader import LoadedModel, load_model
 from llmserve.model_executor.model_runner import ModelRunner
 from llmserve.model_executor.pooler import default_pooling_params
@@ -99,10 +103,12 @@ class LLMEngine:
         loaded: LoadedModel | None = None,
         log_stats: bool = False,
         speculative_config: SpeculativeConfig | None = None,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         """`log_stats`: keep each step's `IterationStats` until `take_stats()` collects them (a
         server's metrics); otherwise they are dropped at the next step. `speculative_config`:
-        speculative decoding (config/speculative.py), off when None."""
+        speculative decoding (config/speculative.py), off when None. `lora_config`: serve LoRA
+        adapters (`add_request(..., lora_request=...)`), off when None."""
         self.model_config = model_config
         self.cache_config = cache_config or CacheConfig()
         self.scheduler_config = scheduler_config or SchedulerConfig()
@@ -167,8 +173,9 @@ class LLMEngine:
         logger.info(self.kv_info.summary())
 
         self.scheduler: Scheduler = make_scheduler(
-            self.scheduler_config, self.cache_config, num_blocks, self.max_model_len, k
-        )
+            self.scheduler_config, self.cache_config, num_blocks, self.max_model_len, k,
+            None if lora_config is None else lora_config.max_loras,
+        )  # fmt: skip
         self.proposer: NgramProposer | DraftModelProposer | None = None
         if speculative_config is not None and speculative_config.method == "draft_model":
             assert speculative_config.model is not None
@@ -202,6 +209,14 @@ class LLMEngine:
             max_num_seqs=sched.max_num_seqs,
             max_model_len=self.max_model_len,
         )
+        self.lora: LoRAManager | None = None
+        if lora_config is not None:
+            if not isinstance(self.runner.runner, ForwardRunner):
+                raise ValueError("LoRA adapters need the native model implementation (model_impl native)")
+            self.lora = LoRAManager(self.loaded.model, lora_config)
+            self.runner.runner.use_lora(self.lora)
+            for request in module_requests(lora_config):  # a bad folder fails start-up
+                self.lora.add(request)
         if self.loaded.profile.cuda_graphs:
             self.runner.capture_cuda_graphs(
                 sched.max_num_seqs, self.max_model_len, model_config.show_progress
@@ -279,14 +294,22 @@ class LLMEngine:
         params: SamplingParams | None = None,
         priority: int = 0,
         delta: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Validate and queue a request; raises ValueError (nothing queued) for bad input.
 
         `prompt` may be the result of `process_inputs`. `delta`: each step's output for this
         request carries only the new tokens and text (streaming); otherwise it accumulates.
+        `lora_request`: the adapter it runs with (loaded now the first time, so a bad one fails here).
         """
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
+        if lora_request is not None:
+            if self.lora is None:
+                raise ValueError(
+                    f"request {request_id!r} names LoRA adapter {lora_request.lora_name!r}; LoRA is off (enable_lora)"
+                )
+            self.lora.add(lora_request)
         if not isinstance(prompt, ProcessedPrompt):
             assert params is not None, "add_request needs sampling params with a raw prompt"
             prompt = self.process_inputs(prompt, params)
@@ -317,6 +340,7 @@ class LLMEngine:
                     arrival_time=arrival,
                     max_tokens=prompt.max_tokens,
                     pooling_params=prompt.pooling,
+                    lora_id=0 if lora_request is None else lora_request.lora_int_id,
                 )
             )
 

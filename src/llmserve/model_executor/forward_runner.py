@@ -9,7 +9,8 @@ metadata, and runs the stack the way this device runs it:
                         call (layers/quantization/fused_decoder.py), chosen here, not by the model
     CUDA graph          decode steps on CUDA, replayed from graphs captured at start-up
                         (cuda_graph.py wraps this runner)
-    eager               the model's layer-by-layer forward, anything else
+    eager               the model's layer-by-layer forward, anything else; also every step
+                        with a LoRA adapter in it (`use_lora`: the other two take none)
 
 It returns logits for the last new token of each sequence (or for every new token when asked,
 for prompt logprobs and parity tests).
@@ -24,6 +25,7 @@ import itertools
 import math
 import mmap
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,6 +36,9 @@ from llmserve.model_executor.cuda_graph import GraphRunner
 from llmserve.model_executor.device import DeviceProfile, build_profile
 from llmserve.model_executor.input_buffers import ForwardOutput, InputBuffers, SequenceBatchEntry, StepInputs
 from llmserve.models import CausalLM
+
+if TYPE_CHECKING:
+    from llmserve.lora.manager import LoRAManager
 
 __all__ = ["ForwardOutput", "ForwardRunner", "SequenceBatchEntry"]
 
@@ -87,6 +92,13 @@ class ForwardRunner:
             self.use_fused(True)
         self.graphs: GraphRunner | None = None
         """Decode steps padded to fixed sizes (replayed from CUDA graphs where captured)."""
+        self.lora: LoRAManager | None = None
+        """LoRA adapters (`use_lora`); steps whose sequences all run the base model ignore it."""
+
+    def use_lora(self, manager: LoRAManager) -> None:
+        """Serve LoRA adapters from now on. The manager wraps the model's linear layers, so this
+        comes after the fused decoder took the bare layers' weights (it keeps running base-only steps)."""
+        self.lora = manager
 
     def use_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool) -> GraphRunner:
         """Run decode batches padded to the capture sizes from now on; `capture`: record CUDA
@@ -122,11 +134,12 @@ class ForwardRunner:
         batch: list[SequenceBatchEntry],
         width: int | None = None,
         logits_rows: Sequence[int] | None = None,
+        layered: bool = False,
     ) -> StepInputs:
         """The step's inputs in the persistent buffers, with every backend's metadata built (none
-        for the fused decoder, which attends in C++)."""
+        for the fused decoder, which attends in C++, unless `layered`: the model's layers run)."""
         inputs = self.buffers.fill(batch, width, logits_rows)
-        if self.fused is None:
+        if self.fused is None or layered:
             for backend in self.backends:
                 backend.build_metadata(inputs.metadata, self.layer_params, self.spec)
         return inputs
@@ -144,6 +157,12 @@ class ForwardRunner:
         """Run the model over the flat batch: hidden states [num_new_tokens, hidden], the
         metadata (of the padded step, for a batch the graph runner takes) and `logits_rows` (flat
         rows the caller projects to the vocabulary) on the device."""
+        if self.lora is not None and any(e.lora_id for e in batch):
+            # adapters: the model's layers, whose wrappers add each adapter group's delta
+            inputs = self.prepare(batch, logits_rows=logits_rows, layered=True)
+            with self.lora.activate([e.lora_id for e in batch], [len(e.new_token_ids) for e in batch]):
+                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+            return ForwardOutput(hidden, inputs.metadata, inputs.logits_rows)
         if self.graphs is not None and self.graphs.applies(batch):
             return self.graphs.forward(batch, logits_rows)
         inputs = self.prepare(batch, logits_rows=logits_rows)

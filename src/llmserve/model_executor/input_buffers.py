@@ -43,6 +43,8 @@ class SequenceBatchEntry:
     """Cache blocks holding this sequence, in order; enough for `seq_len` tokens."""
     req_id: str = ""
     """The request it belongs to (runners that keep per-request state use it)."""
+    lora_id: int = 0
+    """The LoRA adapter its tokens run with (0: the base model)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,6 +54,8 @@ class CachedRequestState:
     its prompt, but must not return them twice)."""
     pooler: PoolingState | None = None
     """An embedding request's accumulator (fresh after a preemption: the prompt is recomputed)."""
+    lora_id: int = 0
+    """Its LoRA adapter (0: the base model)."""
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -153,6 +155,7 @@ class ModelRunner:
             None
             if new.pooling_params is None
             else PoolingState(new.pooling_params, len(new.prompt_token_ids)),
+            new.lora_id,
         )
 
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -192,13 +195,15 @@ class ModelRunner:
                 start = state.num_computed_tokens
                 assert start + 1 == state.num_tokens and n == 1 + len(drafts), req_id
                 batch.append(SequenceBatchEntry([*state.token_slice(start, start + 1), *drafts], start + n,
-                                                state.block_ids, req_id))  # fmt: skip
+                                                state.block_ids, req_id, state.lora_id))  # fmt: skip
                 verifiers.append(Verification(pos, state, row, drafts))
                 state.num_computed_tokens = start + 1  # and the accepted ones, once verified
                 row += n
                 continue
             start, end = state.num_computed_tokens, state.num_computed_tokens + n
-            batch.append(SequenceBatchEntry(state.token_slice(start, end), end, state.block_ids, req_id))
+            batch.append(
+                SequenceBatchEntry(state.token_slice(start, end), end, state.block_ids, req_id, state.lora_id)
+            )
             if state.pooler is not None:  # an embedding request: pooled, never sampled
                 pooled.append((state, row, n, start))
                 state.num_computed_tokens = end

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -31,6 +32,7 @@ from llmserve.config.engine_args import EngineArgs
 from llmserve.config.models import ModelSpec, check_specs, split_tag
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.llm import engine_from_args
+from llmserve.lora import LoRARequest, module_requests
 from llmserve.metrics.loggers import LoggingStatLogger
 from llmserve.metrics.prometheus import MetricFamilies, PrometheusStatLogger
 from llmserve.server.errors import APIError
@@ -154,6 +156,8 @@ class ModelManager:
         base.pop("model", None)
         self.slots = [ModelSlot(s, engine_args(s, base)) for s in specs]
         self._by_name = {name: slot for slot in self.slots for name in slot.spec.names}
+        self.adapters = _adapters(self.slots, self._by_name)
+        """LoRA adapter name -> (its base model's slot, the adapter): `--lora-modules`."""
         self.default = self.slots[0]
         self._lock = asyncio.Lock()
         self._tasks: list[asyncio.Task[Any]] = []
@@ -249,10 +253,16 @@ class ModelManager:
     ) -> T:  # fmt: skip
         """Run a request on the model `name` names, leased while `remote` or `native` runs: the
         one place that decides whether a request goes to an upstream or to a local engine."""
-        async with self.lease(name, keep_alive) as slot:
+        adapter = self.adapters.get(name) if name is not None else None
+        async with self.lease(adapter[0].name if adapter else name, keep_alive) as slot:
             if slot.remote is not None:
                 return await remote(slot.remote)
             assert slot.ctx is not None, "a leased local model is loaded"
+            if adapter is not None:  # the base model's engine, the adapter's name in responses
+                lora = adapter[1]
+                return await native(
+                    dataclasses.replace(slot.ctx, model_name=lora.lora_name, lora_request=lora)
+                )
             return await native(slot.ctx)
 
     @contextlib.asynccontextmanager
@@ -507,6 +517,19 @@ class ModelManager:
 
     # -- descriptions -----------------------------------------------------------------------------------
 
+    def adapter_card(self, name: str, created: float) -> dict[str, Any]:
+        """A LoRA adapter in /v1/models: `parent` is its base model, `root` its folder."""
+        slot, request = self.adapters[name]
+        return {
+            "id": name,
+            "object": "model",
+            "created": int(created),
+            "owned_by": "llmserve",
+            "parent": slot.name,
+            "root": request.lora_path,
+            "state": slot.state,
+        }
+
     def card(self, slot: ModelSlot, created: float) -> dict[str, Any]:
         """The model in /v1/models: OpenAI's fields, then llmserve's."""
         card: dict[str, Any] = {
@@ -530,3 +553,19 @@ class ModelManager:
         if expires is not None:
             card["expires_at"] = int(expires)
         return card
+
+
+def _adapters(
+    slots: list[ModelSlot], by_name: dict[str, ModelSlot]
+) -> dict[str, tuple[ModelSlot, LoRARequest]]:
+    """Every local model's `lora_modules` by name; a name that is also a model's is refused."""
+    adapters: dict[str, tuple[ModelSlot, LoRARequest]] = {}
+    for slot in slots:
+        config = slot.args.lora_config() if slot.args is not None else None
+        for request in module_requests(config) if config is not None else []:
+            if request.lora_name in by_name or request.lora_name in adapters:
+                raise ValueError(
+                    f"LoRA adapter name {request.lora_name!r} is already a model's or an adapter's name"
+                )
+            adapters[request.lora_name] = (slot, request)
+    return adapters

@@ -82,12 +82,20 @@ def _native(slot: ModelSlot) -> ServingContext:
 
 @openai.get("/v1/models")
 async def list_models(state: State) -> dict[str, Any]:
-    """Every configured model, loaded or not, with its state, size and weights digest."""
-    return {"object": "list", "data": [state.models.card(slot, state.started) for slot in state.models.slots]}
+    """Every configured model, loaded or not, with its state, size and weights digest; then the
+    LoRA adapters, each with its base model as `parent` (vLLM's shape)."""
+    models = state.models
+    cards = [models.card(slot, state.started) for slot in models.slots]
+    return {
+        "object": "list",
+        "data": cards + [models.adapter_card(n, state.started) for n in models.adapters],
+    }
 
 
 @openai.get("/v1/models/{model:path}")
 async def get_model(model: str, state: State) -> dict[str, Any]:
+    if model in state.models.adapters:
+        return state.models.adapter_card(model, state.started)
     return state.models.card(state.models.resolve(model), state.started)
 
 

@@ -55,8 +55,12 @@ def request_block_hashes(request: Request, block_size: int) -> list[BlockHash]:
     hashes = request.block_hashes
     num_full_blocks = request.num_tokens // block_size
     parent = hashes[-1] if hashes else None
+    # An adapter changes every layer's K/V: its id joins each block's identity (the chain alone
+    # would carry it from the first block; every block keeps it so no block is ever ambiguous).
+    extra = (("lora", request.lora_id),) if request.lora_id else ()
     for i in range(len(hashes), num_full_blocks):
-        parent = hash_block_tokens(parent, _token_slice(request, i * block_size, (i + 1) * block_size))
+        tokens = _token_slice(request, i * block_size, (i + 1) * block_size)
+        parent = hash_block_tokens(parent, tokens, extra)
         hashes.append(parent)
     return hashes
 

@@ -8,6 +8,7 @@ from functools import cached_property
 
 from llmserve.config import ServerConfig
 from llmserve.engine.async_engine import AsyncEngine
+from llmserve.lora import LoRARequest
 from llmserve.outputs import PositionLogprobs
 from llmserve.server.serving.tools import ToolFormat, tool_format
 
@@ -20,6 +21,8 @@ class ServingContext:
     config: ServerConfig
     model_name: str
     _token_strs: dict[int, str] = field(default_factory=dict)
+    lora_request: LoRARequest | None = None
+    """The LoRA adapter the request's `model` named (then `model_name` is the adapter's name)."""
 
     @property
     def tokenizer(self):

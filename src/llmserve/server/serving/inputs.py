@@ -125,7 +125,9 @@ def start_requests(
         raise APIError(429, str(e), code="queue_full", headers={"Retry-After": str(e.retry_after)}) from None
     except EngineDeadError as e:
         raise APIError(503, str(e), code="engine_dead") from None
-    streams = [engine.add_request(engine.new_request_id(prefix), p, priority) for p in prompts]
+    streams = [
+        engine.add_request(engine.new_request_id(prefix), p, priority, ctx.lora_request) for p in prompts
+    ]
     for stream in streams:
         p = stream.prompt
         logger.info(
