@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# Triton decides at `@triton.jit` time whether a kernel runs under its interpreter, from
+# TRITON_INTERPRET as it is then. Without CUDA the kernel tests set it before importing llmserve's
+# kernels, but a test module collected earlier that imports triton (peft does) would have fixed
+# the mode first: so it is set here, before any test module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 TESTDATA = REPO.parent / "shared" / "testdata" / "smollm2-135m-llamacpp.json"
