@@ -107,6 +107,33 @@ def test_batch_bodies_equal_online_and_bad_line_goes_to_error_file(batch_server:
         assert comparable(out[line["custom_id"]]["response"]["body"]) == comparable(online)
 
 
+def test_embedding_lines_equal_online_embeddings(batch_server: ServerProcess) -> None:
+    """`/v1/embeddings` lines (text, several texts, token ids): the online endpoint's vectors (to
+    float rounding: a line may share its forward pass with another) and usage."""
+    client = batch_server.client()
+    inputs = ["once upon a time", ["the lazy dog", "a quick brown fox"], [5, 17, 99, 3]]
+    lines = [
+        {
+            "custom_id": f"emb-{i}",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": MODEL_NAME, "input": x},
+        }
+        for i, x in enumerate(inputs)
+    ]
+    batch = run_batch(client, lines, "/v1/embeddings")
+    assert batch.status == "completed" and batch.request_counts.completed == 3, batch
+    out = results(client, batch.output_file_id)
+    for i, x in enumerate(inputs):
+        got = out[f"emb-{i}"]["response"]
+        assert got["status_code"] == 200
+        online = client.embeddings.create(model=MODEL_NAME, input=x).model_dump()
+        assert got["body"]["usage"] == online["usage"] and len(got["body"]["data"]) == len(online["data"])
+        for a, b in zip(got["body"]["data"], online["data"], strict=True):
+            dot = sum(p * q for p, q in zip(a["embedding"], b["embedding"], strict=True))
+            assert a["index"] == b["index"] and dot > 0.99999  # both normalised: the cosine
+
+
 def test_cancel_and_list(batch_server: ServerProcess) -> None:
     client = batch_server.client()
     file = client.files.create(
@@ -137,7 +164,7 @@ def test_bad_requests(batch_server: ServerProcess) -> None:
         client.files.create(file=("in.jsonl", b"{}\n"), purpose="fine-tune")
     assert e.value.body["param"] == "purpose"
     file = client.files.create(file=("in.jsonl", jsonl([chat_line(0)])), purpose="batch")
-    for endpoint, window in (("/v1/embeddings", "24h"), ("/v1/responses", "24h"), (CHAT, "1h")):
+    for endpoint, window in (("/v1/moderations", "24h"), ("/v1/responses", "24h"), (CHAT, "1h")):
         with pytest.raises(openai.BadRequestError):
             client.batches.create(input_file_id=file.id, endpoint=endpoint, completion_window=window)  # type: ignore[arg-type]
     with pytest.raises(openai.NotFoundError):

@@ -1,7 +1,7 @@
 """One batch line: read (`parse_lines`), run through the online endpoint's own serving code
 (`run_line`), and written in OpenAI's batch output format (`result_line`). The server's batch
 runner and the offline `llmserve run-batch` share these, so a line's body is exactly what
-`POST /v1/chat/completions` or `/v1/completions` answers for the same request.
+`POST /v1/chat/completions`, `/v1/completions` or `/v1/embeddings` answers for the same request.
 
 An input line:  {"custom_id": "...", "method": "POST", "url": "/v1/chat/completions", "body": {...}}
 An output line: {"id": "batch_req_...", "custom_id": "...",
@@ -24,8 +24,9 @@ from starlette.types import Message
 from llmserve.server.batches.store import new_id
 from llmserve.server.errors import APIError, error_body
 from llmserve.server.models import ModelManager
-from llmserve.server.protocol import ChatCompletionRequest, CompletionRequest, parse
+from llmserve.server.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, parse
 from llmserve.server.serving import ChatServing, CompletionServing, ServingContext
+from llmserve.server.serving.embeddings import create_embeddings
 
 logger = logging.getLogger("llmserve.server")
 
@@ -50,7 +51,8 @@ ENDPOINTS = {
     "/v1/completions": Endpoint(
         CompletionRequest, lambda ctx, req, raw: CompletionServing(ctx).create(req, raw)
     ),
-}  # /v1/embeddings joins once that route exists
+    "/v1/embeddings": Endpoint(EmbeddingRequest, create_embeddings),
+}
 RETRY_STATUSES = frozenset({429, 503})
 """A line refused for now (full queue, model loading) is tried again, not written as failed."""
 
@@ -123,7 +125,9 @@ async def run_line(models: ModelManager, line: BatchLine) -> tuple[int, dict[str
         if body.get("stream"):
             raise APIError(400, "stream is not supported in a batch", param="stream")
         route = ENDPOINTS[endpoint]
-        req = parse(route.schema, body).model_copy(update={"priority": BATCH_PRIORITY})
+        req = parse(route.schema, body)
+        if "priority" in route.schema.model_fields:  # generation requests; embeddings have none
+            req = req.model_copy(update={"priority": BATCH_PRIORITY})
         response = await models.serve(
             req.model, remote=_no_remote, native=lambda ctx: route.serve(ctx, req, _request_stub(endpoint))
         )
