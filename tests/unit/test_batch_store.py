@@ -83,7 +83,7 @@ def test_run_batch_refuses_a_file_that_cannot_run_before_loading_a_model(tmp_pat
     from llmserve.cli.main import main
 
     src = tmp_path / "in.jsonl"
-    src.write_text('{"custom_id": "a", "url": "/v1/embeddings", "body": {}}\n')
+    src.write_text('{"custom_id": "a", "url": "/v1/moderations", "body": {}}\n')
     assert (
         main(["run-batch", "-i", str(src), "-o", str(tmp_path / "out.jsonl"), "--model", "/no/such/model"])
         == 2
