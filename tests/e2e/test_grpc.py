@@ -190,3 +190,65 @@ def test_full_queue_is_resource_exhausted(tiny_model_dir: Path) -> None:
         assert "busy" in err.value.details()
     finally:
         proc.stop()
+
+
+def _by_id(responses) -> dict[str, list[pb.ModelStreamInferResponse]]:
+    out: dict[str, list] = {}
+    for r in responses:
+        out.setdefault(r.infer_response.id, []).append(r)
+    return out
+
+
+def test_stream_infer_many_requests_on_one_call(grpc_server) -> None:
+    """Triton's ModelStreamInfer: three requests on one call, answered concurrently; each one's
+    text equals /v1/completions' greedy text, its last response (and only that one) is marked
+    final; one bad request gets an error response naming the field and the others still finish."""
+    proc, stub = grpc_server
+    prompts = {"a": ("Hello there, how", 12, True), "b": ("The capital of France is", 6, False)}
+    requests = []
+    for rid, (prompt, n, stream) in prompts.items():
+        request = infer_request(prompt, max_tokens=n, temperature=0.0, stream=stream)
+        request.id = rid
+        requests.append(request)
+    bad = infer_request(max_tokens=-1)
+    bad.id = "bad"
+    requests.insert(1, bad)
+    got = _by_id(stub.ModelStreamInfer(iter(requests), metadata=AUTH))
+    assert set(got) == {"a", "b", "bad"}
+    (error,) = got.pop("bad")
+    assert "max_tokens" in error.error_message and not error.infer_response.outputs
+    for rid, (prompt, n, stream) in prompts.items():
+        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": n, "temperature": 0}
+        expected = http(proc, "POST", "/v1/completions", json=body).json()["choices"][0]
+        responses = got[rid]
+        assert not any(r.error_message for r in responses)
+        assert "".join(text_of(r.infer_response) for r in responses) == expected["text"]
+        final = [r.infer_response.parameters["triton_final_response"].bool_param for r in responses]
+        assert final == [False] * (len(responses) - 1) + [True]
+        assert (
+            responses[-1].infer_response.parameters["finish_reason"].string_param == expected["finish_reason"]
+        )
+        assert (len(responses) > 1) if stream else (len(responses) == 1)
+
+
+def test_stream_infer_needs_the_key_and_a_bool_stream(grpc_server) -> None:
+    _, stub = grpc_server
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.ModelStreamInfer(iter([infer_request(max_tokens=1)])))
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    (only,) = stub.ModelStreamInfer(iter([infer_request(max_tokens=1, stream="yes")]), metadata=AUTH)
+    assert "parameters.stream" in only.error_message
+
+
+def test_cancelled_stream_infer_frees_its_requests(grpc_server) -> None:
+    proc, stub = grpc_server
+    long = infer_request(max_tokens=200, ignore_eos=True, temperature=0.0)
+    call = stub.ModelStreamInfer(iter([long, long]), metadata=AUTH)
+    for seen, _ in enumerate(call):
+        if seen == 3:
+            break
+    call.cancel()
+    deadline = time.monotonic() + 10
+    while (s := _stats(proc))["num_active_requests"] or s["kv_blocks_used"]:
+        assert time.monotonic() < deadline, s
+        time.sleep(0.05)

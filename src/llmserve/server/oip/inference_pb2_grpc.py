@@ -69,6 +69,11 @@ class GRPCInferenceServiceStub:
                 request_serializer=llmserve_dot_server_dot_oip_dot_inference__pb2.ModelInferRequest.SerializeToString,
                 response_deserializer=llmserve_dot_server_dot_oip_dot_inference__pb2.ModelInferResponse.FromString,
                 _registered_method=True)
+        self.ModelStreamInfer = channel.stream_stream(
+                '/inference.GRPCInferenceService/ModelStreamInfer',
+                request_serializer=llmserve_dot_server_dot_oip_dot_inference__pb2.ModelInferRequest.SerializeToString,
+                response_deserializer=llmserve_dot_server_dot_oip_dot_inference__pb2.ModelStreamInferResponse.FromString,
+                _registered_method=True)
 
 
 class GRPCInferenceServiceServicer:
@@ -122,6 +127,16 @@ class GRPCInferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ModelStreamInfer(self, request_iterator, context):
+        """Triton's bidirectional stream: any number of requests in, each request's responses out
+        (interleaved, told apart by `id`). A request's parameter `stream` (default true) chooses
+        deltas or one whole answer; its last response carries `triton_final_response = true`. A
+        request that fails gets one response with `error_message` set; the stream goes on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GRPCInferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -159,6 +174,11 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     servicer.ModelGenerateStream,
                     request_deserializer=llmserve_dot_server_dot_oip_dot_inference__pb2.ModelInferRequest.FromString,
                     response_serializer=llmserve_dot_server_dot_oip_dot_inference__pb2.ModelInferResponse.SerializeToString,
+            ),
+            'ModelStreamInfer': grpc.stream_stream_rpc_method_handler(
+                    servicer.ModelStreamInfer,
+                    request_deserializer=llmserve_dot_server_dot_oip_dot_inference__pb2.ModelInferRequest.FromString,
+                    response_serializer=llmserve_dot_server_dot_oip_dot_inference__pb2.ModelStreamInferResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -350,6 +370,33 @@ class GRPCInferenceService:
             '/inference.GRPCInferenceService/ModelGenerateStream',
             llmserve_dot_server_dot_oip_dot_inference__pb2.ModelInferRequest.SerializeToString,
             llmserve_dot_server_dot_oip_dot_inference__pb2.ModelInferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ModelStreamInfer(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/inference.GRPCInferenceService/ModelStreamInfer',
+            llmserve_dot_server_dot_oip_dot_inference__pb2.ModelInferRequest.SerializeToString,
+            llmserve_dot_server_dot_oip_dot_inference__pb2.ModelStreamInferResponse.FromString,
             options,
             channel_credentials,
             insecure,

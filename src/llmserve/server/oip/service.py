@@ -2,7 +2,7 @@
 (inference.proto) on grpc.aio, in the HTTP server's process and event loop (app.py's lifespan
 starts and stops it), on the same `ServerState`: the same models, key, caps and metrics.
 
-    ModelInfer / ModelGenerateStream
+    ModelInfer / ModelGenerateStream / ModelStreamInfer (Triton's, many requests on one call)
       -> admit: UNAVAILABLE while loading or draining, UNAUTHENTICATED without the key
       -> tensors.completion_request: the /v1/completions request it means (INVALID_ARGUMENT)
       -> ModelManager.lease(model_name) (NOT_FOUND) -> the answer as pieces (serving/pieces.py),
@@ -16,6 +16,7 @@ request (`RequestStream.__aexit__`), whose KV blocks the next step frees. `Serve
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
@@ -30,7 +31,12 @@ from llmserve.server.middleware import REJECT_REASONS, key_matches
 from llmserve.server.models import LOADED, ModelSlot
 from llmserve.server.oip import inference_pb2 as pb
 from llmserve.server.oip import inference_pb2_grpc as pb_grpc
-from llmserve.server.oip.tensors import completion_request, infer_response, model_metadata
+from llmserve.server.oip.tensors import (
+    completion_request,
+    infer_response,
+    model_metadata,
+    stream_flag,
+)
 from llmserve.server.protocol import CompletionRequest
 from llmserve.server.serving.inputs import check_caps, sampling_params
 from llmserve.server.serving.pieces import Piece, gather, openai_sampling, relay_pieces, start_answer
@@ -101,6 +107,57 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         except (APIError, EngineDeadError, RequestAbortedError) as e:
             await self._abort(context, e)
 
+    async def ModelStreamInfer(
+        self, requests: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        """Triton's bidirectional stream: each request read is answered concurrently, its
+        responses sent as they come (told apart by `id`), the last one marked
+        `triton_final_response`; a failed request is one `error_message` response and the stream
+        goes on. The call ends when the client has closed its side and every answer is sent; a
+        cancelled call cancels the answers still running (their engine requests are aborted)."""
+        await self._admit(context)
+        out: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        running: set[asyncio.Task] = set()
+
+        async def answer(request: pb.ModelInferRequest) -> None:
+            try:
+                stream = stream_flag(request)
+                req = completion_request(request)
+                async with self._answer(req) as (slot, pieces):
+                    if stream:
+                        async for piece in pieces:
+                            if piece.content or piece.end is not None:
+                                response = infer_response(slot.name, request.id, piece.content, piece.end)
+                                out.put_nowait(_final(response, piece.end is not None))
+                    else:
+                        whole = await gather(pieces)
+                        response = infer_response(slot.name, request.id, whole.content, whole.end)
+                        out.put_nowait(_final(response, True))
+            except (APIError, EngineDeadError, RequestAbortedError) as e:
+                _, message = self._status(e)
+                failed = pb.ModelInferResponse(model_name=request.model_name, id=request.id)
+                out.put_nowait(pb.ModelStreamInferResponse(error_message=message, infer_response=failed))
+
+        async def read() -> None:
+            try:
+                async for request in requests:
+                    task = asyncio.create_task(answer(request))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+                while running:
+                    await asyncio.gather(*running)
+            finally:
+                out.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (response := await out.get()) is not None:
+                yield response
+            await reader  # its errors (a broken client stream) end the call
+        finally:
+            for task in (reader, *running):
+                task.cancel()
+
     @asynccontextmanager
     async def _answer(self, req: CompletionRequest) -> AsyncIterator[tuple[ModelSlot, AsyncIterator[Piece]]]:
         """The model `req` names, leased while its answer streams; leaving the block closes the
@@ -149,8 +206,12 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             await self._abort(context, e)
 
     async def _abort(self, context: grpc.aio.ServicerContext, e: BaseException) -> None:
-        """End the call with the gRPC status `e` means; the message names the field at fault.
-        Refusals are counted in the metrics as HTTP's are."""
+        """End the call with the gRPC status `e` means."""
+        await context.abort(*self._status(e))
+
+    def _status(self, e: BaseException) -> tuple[grpc.StatusCode, str]:
+        """The gRPC status `e` means and its message, which names the field at fault. Refusals
+        are counted in the metrics as HTTP's are."""
         if isinstance(e, APIError):
             code = STATUS_CODES.get(e.status, grpc.StatusCode.INTERNAL)
             message = e.message
@@ -163,7 +224,14 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             code, message = grpc.StatusCode.UNAVAILABLE, str(e)
         else:  # RequestAbortedError: the server aborted it (shutting down)
             code, message = grpc.StatusCode.ABORTED, str(e)
-        await context.abort(code, message)
+        return code, message
+
+
+def _final(response: pb.ModelInferResponse, final: bool) -> pb.ModelStreamInferResponse:
+    """`response` as a stream response, marked as its request's last when `final` (Triton's
+    `triton_final_response` parameter, which Triton's clients wait for)."""
+    response.parameters["triton_final_response"].bool_param = final
+    return pb.ModelStreamInferResponse(infer_response=response)
 
 
 async def start_grpc_server(state: ServerState) -> grpc.aio.Server:

@@ -93,6 +93,22 @@ def _unpack_bytes(raw: bytes) -> list[bytes]:
     return out
 
 
+STREAM = "stream"
+
+
+def stream_flag(request: pb.ModelInferRequest) -> bool:
+    """ModelStreamInfer's parameter `stream` (Triton's: deltas when true, the default, else one
+    whole answer), taken out of the request's parameters."""
+    if STREAM not in request.parameters:
+        return True
+    p = request.parameters[STREAM]
+    if p.WhichOneof("parameter_choice") != "bool_param":
+        raise APIError(400, f"parameters.{STREAM} must be a bool_param", param=f"parameters.{STREAM}")
+    stream = p.bool_param
+    del request.parameters[STREAM]
+    return stream
+
+
 def completion_request(request: pb.ModelInferRequest) -> CompletionRequest:
     """The /v1/completions request a `ModelInferRequest` means (400s name the field at fault)."""
     prompt = _prompt(request)
