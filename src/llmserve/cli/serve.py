@@ -97,6 +97,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--max-n", type=int, default=defaults.max_n)
     s.add_argument("--disable-metrics", action="store_true", help="no Prometheus metrics at /metrics")
     s.add_argument(
+        "--otlp-traces-endpoint", default=None,
+        help="send an OpenTelemetry span per request to this OTLP/gRPC collector, e.g. localhost:4317 "
+        "(a `traceparent` header makes it a child of the caller's span; needs llmserve[otel])",
+    )  # fmt: skip
+    s.add_argument(
         "--stats-log-interval", type=float, default=defaults.stats_log_interval,
         help="seconds between engine stats log lines while busy (0: off)",
     )  # fmt: skip
@@ -156,6 +161,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         log_requests=args.log_requests,
         max_n=args.max_n,
         enable_metrics=not args.disable_metrics,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
         stats_log_interval=args.stats_log_interval,
         enable_response_timings=args.enable_response_timings,
         reasoning_parser=args.reasoning_parser,

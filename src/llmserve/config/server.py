@@ -79,6 +79,9 @@ class ServerConfig:
     batch_max_concurrency: int = 2
     """Batch lines in flight at once: the bound that keeps online requests first (a line also
     goes in at the lowest priority, which counts under `--scheduling-policy priority`)."""
+    otlp_traces_endpoint: str | None = None
+    """Send an OpenTelemetry span per request to this OTLP/gRPC collector (`host:port`, vLLM's
+    `--otlp-traces-endpoint`; needs the `otel` extra); None: no tracing."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -127,5 +130,7 @@ class ServerConfig:
             )
         if self.batch_max_concurrency < 1:
             raise ValueError(f"batch_max_concurrency must be >= 1; got {self.batch_max_concurrency}")
+        if self.otlp_traces_endpoint == "":
+            raise ValueError("otlp_traces_endpoint must not be empty (leave it unset to disable tracing)")
         if self.api_key == "":
             raise ValueError("api_key must not be empty (leave it unset to disable authentication)")

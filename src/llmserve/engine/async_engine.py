@@ -16,6 +16,8 @@ already wait for a slot.
 Statistics: the engine thread takes each step's `IterationStats` (plain numbers gathered while the
 outputs were processed) and hands them over with the outputs; the stat loggers (Prometheus, the
 periodic log line) record them on the event loop, so metrics add no work to the step loop itself.
+Traces likewise: with a `tracer` (metrics/tracing.py), each request keeps its caller's trace
+context from `add_request`, and its span is made on the event loop from its last output.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from llmserve.engine.llm_engine import LLMEngine, ProcessedPrompt
 from llmserve.lora import LoRARequest
@@ -35,6 +38,9 @@ from llmserve.metrics.loggers import StatLogger
 from llmserve.metrics.stats import IterationStats, SchedulerStats
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from llmserve.metrics.tracing import RequestTracer
 
 logger = logging.getLogger("llmserve")
 
@@ -68,6 +74,8 @@ class RequestStream:
         self._engine = engine
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.finished = False
+        self.trace_context: Any = None
+        """The caller's OpenTelemetry context when the engine traces requests (its span's parent)."""
 
     def _put(self, item: RequestOutput | BaseException) -> None:
         self._queue.put_nowait(item)
@@ -123,6 +131,8 @@ class AsyncEngine:
         self.on_dead: Callable[[BaseException], None] | None = None
         """Called on the event loop once the step loop has died and every stream has failed (the
         server uses it to exit non-zero, so that a supervisor restarts it)."""
+        self.tracer: RequestTracer | None = None
+        """Makes each finished request's span (`--otlp-traces-endpoint`); None: no tracing."""
 
     def add_stat_logger(self, stat_logger: StatLogger) -> None:
         """Record every step's statistics with `stat_logger` from now on (call on the event loop)."""
@@ -229,6 +239,8 @@ class AsyncEngine:
         n = prompt.params.n
         self.check_queue(n)
         stream = RequestStream(self, request_id, prompt)
+        if self.tracer is not None:
+            stream.trace_context = self.tracer.current_context()
         self._streams[request_id] = stream
         with self._pending_lock:
             self._pending_adds += n
@@ -326,11 +338,20 @@ class AsyncEngine:
             stream._put(out)
             if out.finished:
                 del self._streams[out.request_id]
+                if self.tracer is not None:
+                    self._trace(stream, out)
                 if out.metrics is not None:
                     latency = now - out.metrics.arrival_time
                     self._mean_latency = (
                         0.9 * self._mean_latency + 0.1 * latency if self._mean_latency else latency
                     )
+
+    def _trace(self, stream: RequestStream, out: RequestOutput) -> None:
+        assert self.tracer is not None
+        try:
+            self.tracer.record(out, stream.prompt, stream.trace_context)
+        except Exception:  # a tracing bug must not take requests down with it
+            logger.exception("tracing request %s failed", out.request_id)
 
     def _fail(self, request_id: str, error: BaseException) -> None:
         stream = self._streams.pop(request_id, None)

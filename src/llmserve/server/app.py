@@ -21,12 +21,13 @@ from llmserve import __version__
 from llmserve.config import ServerConfig
 from llmserve.config.models import ModelSpec
 from llmserve.metrics.prometheus import MetricFamilies, new_registry
+from llmserve.metrics.tracing import make_tracer_provider
 from llmserve.server import routes
 from llmserve.server.batches import routes as batch_routes
 from llmserve.server.batches.runner import BatchRunner
 from llmserve.server.batches.store import BatchStore, default_batch_dir
 from llmserve.server.errors import install_error_handlers
-from llmserve.server.middleware import Gate
+from llmserve.server.middleware import Gate, TraceContext
 from llmserve.server.models import ModelManager, ModelSlot
 from llmserve.server.serving.response_store import ResponseStore
 from llmserve.server.state import ServerState
@@ -47,7 +48,10 @@ def build_app(
     if config.enable_metrics:
         max_len = (engine_options or {}).get("max_model_len") if len(specs) == 1 else None
         families = MetricFamilies(new_registry(), max_len or TOKEN_HISTOGRAM_MAX)
-    models = ModelManager(specs, config, engine_options, families)
+    tracer_provider = None
+    if config.otlp_traces_endpoint is not None:
+        tracer_provider = make_tracer_provider(config.otlp_traces_endpoint)
+    models = ModelManager(specs, config, engine_options, families, tracer_provider)
     store = BatchStore(Path(config.batch_dir) if config.batch_dir else default_batch_dir())
     batches = BatchRunner(store, models, config.batch_max_concurrency)
     state = ServerState(config, models, families, ResponseStore(config.responses_store_size), batches=batches)
@@ -89,12 +93,16 @@ def build_app(
         if active:
             logger.info("shutdown: aborting %d unfinished request(s)", active)
         await models.close()
+        if tracer_provider is not None:
+            tracer_provider.shutdown()  # exports the spans still batched
         await asyncio.sleep(0)
 
     app = FastAPI(title="llmserve", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state
     install_error_handlers(app)
     app.add_middleware(Gate, state=state)
+    if tracer_provider is not None:  # outside the gate: a refused request's context is not needed,
+        app.add_middleware(TraceContext)  # but the routes' tasks must inherit the caller's
     if config.allowed_origins:
         app.add_middleware(
             CORSMiddleware,

@@ -17,6 +17,7 @@ import hmac
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from llmserve.metrics.tracing import extract_context
 from llmserve.server.errors import APIError, error_response
 from llmserve.server.state import ServerState
 
@@ -131,6 +132,27 @@ class Gate:
             await send(message)
 
         return counting_send
+
+
+class TraceContext:
+    """Pure ASGI middleware, installed only with `--otlp-traces-endpoint`: an HTTP request's W3C
+    `traceparent` becomes the OpenTelemetry context its route runs in, so the engine's span for
+    the request (metrics/tracing.py) is a child of the caller's (a Ray Serve ingress, a gateway)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        from opentelemetry import context
+
+        token = context.attach(extract_context(scope["headers"]))
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            context.detach(token)
 
 
 def key_matches(expected: bytes, authorization: bytes, api_key: bytes) -> bool:

@@ -35,6 +35,7 @@ from llmserve.engine.llm import engine_from_args
 from llmserve.lora import LoRARequest, module_requests
 from llmserve.metrics.loggers import LoggingStatLogger
 from llmserve.metrics.prometheus import MetricFamilies, PrometheusStatLogger
+from llmserve.metrics.tracing import RequestTracer
 from llmserve.server.errors import APIError
 from llmserve.server.model_files import (
     engine_args,
@@ -146,12 +147,16 @@ class ModelManager:
         config: ServerConfig,
         engine_options: dict[str, Any] | None = None,
         families: MetricFamilies | None = None,
+        tracer_provider: Any = None,
     ) -> None:
+        """`tracer_provider`: an OpenTelemetry `TracerProvider` that every loaded engine traces
+        its requests through (metrics/tracing.py); None: no tracing."""
         if not specs:
             raise ValueError("a server needs at least one model")
         check_specs(specs)
         self.config = config
         self.families = families
+        self.tracer_provider = tracer_provider
         base = dict(engine_options or {})
         base.pop("model", None)
         self.slots = [ModelSlot(s, engine_args(s, base)) for s in specs]
@@ -402,6 +407,8 @@ class ModelManager:
             self.families.model_loaded.labels(slot.name, slot.engine).set(1)  # type: ignore[union-attr]
         if self.config.stats_log_interval > 0:
             engine.add_stat_logger(LoggingStatLogger(self.config.stats_log_interval))
+        if self.tracer_provider is not None:
+            engine.tracer = RequestTracer(self.tracer_provider, slot.name)
         engine.on_dead = lambda e: self._engine_died(slot, e)
         slot.state, slot.error = LOADED, None
         slot.loaded_at, slot.last_used = time.time(), time.monotonic()
