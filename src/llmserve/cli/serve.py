@@ -82,7 +82,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument(
         "--api-key",
         default=os.environ.get("LLMSERVE_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on every route but /health (default: $LLMSERVE_API_KEY)",
+        help="require 'Authorization: Bearer KEY' on every route but /health and /livez (default: $LLMSERVE_API_KEY)",
     )
     s.add_argument("--allowed-origins", nargs="*", default=[], help="CORS origins (default: CORS off)")
     s.add_argument(

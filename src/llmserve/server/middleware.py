@@ -7,7 +7,7 @@
         -> routes (server/routes.py) -> serving layer -> AsyncEngine
 
 The gate is deny-by-default: it runs before routing, so every route, including one added later and
-unknown paths, needs the key; only /health is open. The key comes as `Authorization: Bearer <key>`
+unknown paths, needs the key; only the probes, /health and /livez, are open. The key comes as `Authorization: Bearer <key>`
 (OpenAI's clients) or `x-api-key: <key>` (Anthropic's), and is compared in constant time.
 """
 
@@ -21,7 +21,8 @@ from llmserve.metrics.tracing import extract_context
 from llmserve.server.errors import APIError, error_response
 from llmserve.server.state import ServerState
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/livez"})
+"""Probes' routes: no key (a kubelet sends none), and answered while loading or draining."""
 
 # HTTP status of a refused request -> the `reason` label of llmserve:request_rejected
 REJECT_REASONS = {

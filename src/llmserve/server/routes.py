@@ -2,7 +2,7 @@
 
     openai     /v1/models, /v1/models/{model}, /v1/completions, /v1/chat/completions, /v1/embeddings
     tokenizer  /tokenize, /detokenize, /tokenizer_info                    (vLLM's extras)
-    ops        /health, /version, /stats, and /metrics when enabled
+    ops        /health, /livez, /version, /stats, and /metrics when enabled
     ollama     /api/generate, /api/chat, /api/embed, /api/embeddings, /api/tags, /api/ps, /api/show, /api/version (Ollama's API)
     anthropic  /v1/messages, /v1/messages/count_tokens (Anthropic's API; its error shape, errors.py)
     responses  /v1/responses, GET and DELETE /v1/responses/{id} (OpenAI's Responses API)
@@ -163,6 +163,14 @@ async def health(state: State) -> Any:
     return {"status": "ok"}
 
 
+@ops.get("/livez")
+async def livez() -> Any:
+    """200 whenever the server answers at all: while the models load and while it drains too.
+    A liveness probe's route (deploy/kubernetes/deployment.yaml): /health is the readiness one,
+    and its 503 while a large model loads must not get the process restarted. Open, like /health."""
+    return {"status": "ok"}
+
+
 @ops.get("/version")
 async def version() -> dict[str, str]:
     return {"version": __version__}
@@ -194,7 +202,7 @@ async def prometheus_metrics(state: State) -> Response:
     return Response(body, media_type=content_type)
 
 
-# -- admin: load and unload models (behind the API key, like every route but /health) -----------
+# -- admin: load and unload models (behind the API key, like every route but the probes) --------
 
 
 class _ModelAction(BaseModel):
