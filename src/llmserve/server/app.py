@@ -101,8 +101,8 @@ def build_app(
     app.state.server = state
     install_error_handlers(app)
     app.add_middleware(Gate, state=state)
-    if tracer_provider is not None:  # outside the gate: a refused request's context is not needed,
-        app.add_middleware(TraceContext)  # but the routes' tasks must inherit the caller's
+    if tracer_provider is not None:  # outermost: the routes run in the caller's trace context
+        app.add_middleware(TraceContext)
     if config.allowed_origins:
         app.add_middleware(
             CORSMiddleware,

@@ -25,7 +25,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from llmserve.config import ServerConfig
 from llmserve.config.engine_args import EngineArgs
@@ -46,6 +46,9 @@ from llmserve.server.model_files import (
 )
 from llmserve.server.remote import RemoteModel
 from llmserve.server.serving import ServingContext
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider  # the optional `otel` extra
 
 logger = logging.getLogger("llmserve.server")
 
@@ -147,7 +150,7 @@ class ModelManager:
         config: ServerConfig,
         engine_options: dict[str, Any] | None = None,
         families: MetricFamilies | None = None,
-        tracer_provider: Any = None,
+        tracer_provider: TracerProvider | None = None,
     ) -> None:
         """`tracer_provider`: an OpenTelemetry `TracerProvider` that every loaded engine traces
         its requests through (metrics/tracing.py); None: no tracing."""
