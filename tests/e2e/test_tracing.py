@@ -184,3 +184,45 @@ def test_a_bad_traceparent_is_ignored(traced_server, collector):
         time.sleep(0.05)
     roots = [s for _, s in receiver.spans[before:] if s.name == "llm_request"]
     assert len(roots) == 1 and roots[0].parent_span_id == b""
+
+
+def test_a_grpc_call_is_a_child_of_its_traceparent_metadata(tiny_model_dir: Path, collector):
+    """`--grpc-port`: the call's `traceparent` metadata is the span's parent; a later call
+    without one is a root again (the context ends with its call)."""
+    from llmserve.server.oip import inference_pb2 as pb
+    from llmserve.server.oip import inference_pb2_grpc as pb_grpc
+    from tests.e2e.conftest import free_port
+
+    receiver, port = collector
+    grpc_port = free_port()
+    proc = ServerProcess(
+        tiny_model_dir, "--grpc-port", str(grpc_port), "--otlp-traces-endpoint", f"127.0.0.1:{port}",
+        env={"OTEL_BSP_SCHEDULE_DELAY": "50"},
+    ).start()  # fmt: skip
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+
+            def infer(metadata: tuple[tuple[str, str], ...]) -> None:
+                request = pb.ModelInferRequest(model_name=MODEL_NAME, id="r")
+                tensor = request.inputs.add(name="text_input", datatype="BYTES", shape=[1])
+                tensor.contents.bytes_contents.append(b"Hello")
+                request.parameters["max_tokens"].int64_param = 3
+                stub.ModelInfer(request, metadata=metadata)
+
+            trace_id, caller_span, header = _traceparent()
+            infer((("traceparent", header),))
+            spans = {s.name: s for s in receiver.wait_for(trace_id, 4)}
+            request = spans["llm_request"]
+            assert request.parent_span_id == caller_span
+            assert _attrs(request)["gen_ai.usage.completion_tokens"] == 3
+
+            before = len(receiver.spans)
+            infer(())
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and len(receiver.spans) < before + 4:
+                time.sleep(0.05)
+            (root,) = [s for _, s in receiver.spans[before:] if s.name == "llm_request"]
+            assert root.parent_span_id == b"" and root.trace_id != trace_id
+    finally:
+        proc.stop()

@@ -3,7 +3,8 @@ request, exported over OTLP/gRPC, so a request can be followed from whatever cal
 (a Ray Serve ingress, a gateway) into the engine.
 
     HTTP request with `traceparent`  (W3C trace context; server/middleware.py's `TraceContext`
-        |                             makes it the current OpenTelemetry context of the request)
+        |                             makes it the current OpenTelemetry context of the request;
+        |                             a gRPC call's metadata likewise)
     AsyncEngine.add_request          captures the current context with the request
         |
     the request's last output        `RequestTracer.record`: the span, started at arrival
@@ -19,8 +20,8 @@ latencies the Prometheus histograms already measure (metrics/stats.py), read fro
 `RequestMetrics` (monotonic seconds, turned into wall-clock nanoseconds when the span is made).
 The phase spans are llmserve's addition: the same intervals, drawn on the trace's timeline.
 
-A request aborted (a client that went away, shutdown) leaves no span; neither does a gRPC call's
-(no context is read from gRPC metadata yet). The SDK and the exporter are the optional `otel`
+A gRPC call's `traceparent` metadata is read the same way (server/oip/service.py). A request
+aborted (a client that went away, shutdown) leaves no span. The SDK and the exporter are the optional `otel`
 extra; without the flag nothing here is imported and requests pay nothing.
 """
 

@@ -26,6 +26,7 @@ import grpc
 
 from llmserve import __version__
 from llmserve.engine.async_engine import EngineDeadError, RequestAbortedError
+from llmserve.metrics.tracing import extract_context
 from llmserve.server.errors import APIError
 from llmserve.server.middleware import REJECT_REASONS, key_matches
 from llmserve.server.models import LOADED, ModelSlot
@@ -186,10 +187,17 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     # -- admission and errors -----------------------------------------------------------------------
 
     async def _admit(self, context: grpc.aio.ServicerContext) -> None:
-        """What HTTP's gate checks before any route: the key, then whether requests can be served."""
+        """What HTTP's gate checks before any route: the key, then whether requests can be served.
+        With tracing on, the call's `traceparent` metadata becomes its OpenTelemetry context, as
+        HTTP's `TraceContext` middleware does: grpc.aio runs each call in a task of its own, so
+        the context ends with the call."""
         state = self.state
+        metadata = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
+        if state.models.tracer_provider is not None:
+            from opentelemetry import context as otel_context
+
+            otel_context.attach(extract_context((k.encode(), v.encode()) for k, v in metadata.items()))
         if self._expected is not None:
-            metadata = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
             auth, key = metadata.get("authorization", ""), metadata.get("x-api-key", "")
             if not key_matches(self._expected, auth.encode(), key.encode()):
                 await self._abort(context, APIError(401, "missing or wrong API key: send the metadata "
