@@ -216,3 +216,13 @@ def test_the_metrics_page_draws(page, server: ServerProcess) -> None:
     # two models loaded: one KV line each, and both throughput lines
     points = int(page.find_element(By.ID, "chart-kv").get_attribute("data-points"))
     assert points >= 2 * 2
+
+
+def test_no_script_errors(page) -> None:
+    """Nothing the pages ran threw (the console keeps the refused requests: 401, 400)."""
+    logs = page.get_log("browser")
+    assert any("401" in e["message"] for e in logs), logs  # the console was read
+    errors = [
+        e["message"] for e in logs if e["level"] == "SEVERE" and "Failed to load resource" not in e["message"]
+    ]
+    assert errors == [], errors
