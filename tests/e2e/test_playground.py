@@ -2,8 +2,8 @@
 selenium) against a real server of two models behind an API key: the pages open without the key
 and a missing key shows the API's 401; a streamed answer is the API's greedy answer, drawn as it
 streams, with TTFT and tokens/s; switching to a thinking model shows its reasoning apart; a bad
-parameter shows the API's 400 and the turn can be sent again; JSON-schema output and a forced tool
-call; the metrics page draws its charts and agrees with prometheus_client's reading of /metrics."""
+parameter shows the API's 400 and the turn can be sent again; JSON-schema output; a forced tool
+call and its result sent back; the metrics page draws its charts and agrees with prometheus_client's reading of /metrics."""
 
 from __future__ import annotations
 
@@ -174,9 +174,7 @@ def test_a_bad_parameter_shows_the_apis_error(page) -> None:
     assert len(page.find_elements(By.CSS_SELECTOR, ".message.assistant")) == 1
 
 
-def test_json_schema_output_and_a_tool_call(page, server: ServerProcess) -> None:
-    from selenium.webdriver.support.ui import Select
-
+def test_json_schema_output(page, server: ServerProcess) -> None:
     clear(page)
     set_value(page, "max_tokens", "40")
     set_value(page, "response-format", "json_schema")
@@ -188,15 +186,45 @@ def test_json_schema_output_and_a_tool_call(page, server: ServerProcess) -> None
                         response_format={"type": "json_schema", "json_schema": {"name": "output", "schema": SCHEMA, "strict": True}})  # fmt: skip
     assert reply["content"] == expected["choices"][0]["message"]["content"]
 
+
+def test_a_tool_call_and_its_result(page, server: ServerProcess) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
     clear(page)
     set_value(page, "response-format", "text")
+    set_value(page, "tools", "[{not json")
+    assert send(page, "What is the weather in Paris?")["error"].startswith("tools: not valid JSON")
+    assert page.find_element(By.ID, "prompt").get_attribute("value") == "What is the weather in Paris?"
+    page.find_element(By.ID, "prompt").clear()
     set_value(page, "tools", json.dumps(TOOLS))
-    Select(page.find_element("id", "tool-choice")).select_by_value("required")
-    reply = send(page, "What is the weather in Paris?")
-    set_value(page, "tools", "")
+    Select(page.find_element(By.ID, "tool-choice")).select_by_value("required")
+    question = "What is the weather in Paris?"
+    reply = send(page, question)
     assert len(reply["calls"]) == 1 and reply["calls"][0].startswith("get_weather("), reply
-    jsonschema.validate(json.loads(reply["calls"][0].removeprefix("get_weather(")[:-1]), WEATHER)
+    arguments = reply["calls"][0].removeprefix("get_weather(")[:-1]
+    jsonschema.validate(json.loads(arguments), WEATHER)
     assert "finish: tool_calls" in reply["stats"]
+
+    # the result goes back as a tool message (the page switched to it) and the model answers
+    call_id = page.find_element(By.CSS_SELECTOR, ".tool-call").get_attribute("data-id")
+    assert call_id and Select(page.find_element(By.ID, "role")).first_selected_option.text == "as tool result"
+    Select(page.find_element(By.ID, "tool-choice")).select_by_value("none")
+    answer = send(page, "18 degrees and sunny")
+    set_value(page, "tools", "")
+    messages = [
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": call_id, "content": "18 degrees and sunny"},
+    ]  # fmt: skip
+    expected = api_chat(server, model="smollm2", messages=messages, tools=TOOLS, tool_choice="none",
+                        temperature=0, max_tokens=40)["choices"][0]["message"]  # fmt: skip
+    assert answer["content"] == expected["content"] and answer["content"] and answer["calls"] == [], answer
+    assert (
+        page.find_element(By.CSS_SELECTOR, ".message.tool .role").text.lower() == "tool result · get_weather"
+    )
+    assert Select(page.find_element(By.ID, "role")).first_selected_option.text == "as user"
 
 
 def test_the_metrics_page_draws(page, server: ServerProcess) -> None:

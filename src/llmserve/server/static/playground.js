@@ -119,8 +119,11 @@ class ReplyView {
   }
 
   showCalls(calls) {
-    this.tools.replaceChildren(...calls.map((c) =>
-      element("pre", "tool-call", `${c.function.name}(${c.function.arguments})`)));
+    this.tools.replaceChildren(...calls.map((c) => {
+      const node = element("pre", "tool-call", `${c.function.name}(${c.function.arguments})`);
+      node.title = node.dataset.id = c.id || "";
+      return node;
+    }));
   }
 }
 
@@ -186,19 +189,42 @@ class Reply {
   }
 }
 
+/** The first tool call of the last assistant turn that has no result yet (undefined: none). */
+function pendingCall() {
+  const last = history.findLastIndex((m) => m.role === "assistant");
+  const answered = new Set(history.slice(last + 1).map((m) => m.tool_call_id));
+  return history[last]?.tool_calls?.find((call) => !answered.has(call.id));
+}
+
+/** The next turn: the user's message, or (sent "as tool result") the result of the pending call. */
+function nextTurn(text) {
+  if ($("role").value === "user") return { message: { role: "user", content: text }, label: "user" };
+  const call = pendingCall();
+  if (call === undefined) throw new APIError(0, "no tool call waits for a result", "role");
+  return { message: { role: "tool", tool_call_id: call.id, content: text },
+    label: `tool result · ${call.function.name}` };
+}
+
 async function send(text) {
   let body;
-  const messages = [...history, { role: "user", content: text }];
+  let turn;
   try {
-    body = buildRequest(messages);
-  } catch (e) {
+    turn = nextTurn(text);
+    body = buildRequest([...history, turn.message]);
+  } catch (e) { // a field the page could not read: nothing was sent
+    $("prompt").value = text;
     showError(e);
     return;
   }
+  const messages = [...history, turn.message];
   showError(null);
-  const userNode = element("div", "message user");
-  userNode.append(element("div", "role", "user"), element("div", "content", text));
-  $("messages").append(userNode);
+  const turnNode = element("div", `message ${turn.message.role}`);
+  turnNode.append(element("div", "role", turn.label), element("div", "content", text));
+  $("messages").append(turnNode);
+  if (turn.message.role === "tool") {
+    history = messages;
+    if (pendingCall()) return; // the model answers once every call of its turn has its result
+  }
   const view = new ReplyView($("messages"), body.model);
   const reply = new Reply(view);
   scrollToEnd();
@@ -209,12 +235,15 @@ async function send(text) {
     for await (const chunk of sseData(response)) reply.add(chunk);
     view.stats.textContent = reply.summary(false);
     history = [...messages, reply.message()];
+    $("role").value = pendingCall() ? "tool" : "user"; // calls made: their results come next
   } catch (e) {
     if (e.name === "AbortError") { // a stopped reply stays, as far as it came
       view.stats.textContent = reply.summary(true);
       history = [...messages, reply.message()];
     } else { // the turn is taken back: fix the setting and send again
-      userNode.remove();
+      history = messages.slice(0, -1);
+      $("role").value = turn.message.role;
+      turnNode.remove();
       view.node.remove();
       $("prompt").value = text;
       showError(e);
@@ -278,6 +307,7 @@ function main() {
   $("stop-button").addEventListener("click", () => controller?.abort());
   $("clear").addEventListener("click", () => {
     history = [];
+    $("role").value = "user";
     $("messages").replaceChildren();
     showError(null);
   });
