@@ -2,6 +2,9 @@
 // call), OpenAI-shaped error bodies turned into one message, and a streamed reply's SSE events.
 
 const KEY_ITEM = "llmserve.apiKey";
+// The server's root, from this file's address (<root>/playground/static/api.js): the pages keep
+// working behind a proxy that serves the server under a path prefix.
+const ROOT = new URL("../../", import.meta.url);
 
 export function getKey() {
   return localStorage.getItem(KEY_ITEM) || "";
@@ -38,7 +41,8 @@ async function errorOf(response) {
   return new APIError(response.status, text || response.statusText);
 }
 
-/** fetch() with the key; resolves to the response, or throws an APIError (an abort passes through). */
+/** fetch() of `path` (from the server's root: "/v1/models") with the key; resolves to the
+ * response, or throws an APIError (an abort passes through). */
 export async function api(path, { body, signal } = {}) {
   const headers = {};
   const key = getKey();
@@ -46,7 +50,7 @@ export async function api(path, { body, signal } = {}) {
   if (body !== undefined) headers["Content-Type"] = "application/json";
   let response;
   try {
-    response = await fetch(path, {
+    response = await fetch(new URL(path.replace(/^\//, ""), ROOT), {
       method: body === undefined ? "GET" : "POST",
       headers,
       body: body === undefined ? undefined : JSON.stringify(body),
