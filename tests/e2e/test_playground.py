@@ -2,7 +2,8 @@
 selenium) against a real server of two models behind an API key: the pages open without the key
 and a missing key shows the API's 401; a streamed answer is the API's greedy answer, drawn as it
 streams, with TTFT and tokens/s; switching to a thinking model shows its reasoning apart; a bad
-parameter shows the API's 400 and the turn can be sent again; JSON-schema output; a forced tool
+parameter shows the API's 400 and the turn can be sent again; Stop aborts the request on the
+server; JSON-schema output; a forced tool
 call and its result sent back; the metrics page draws its charts and agrees with prometheus_client's reading of /metrics."""
 
 from __future__ import annotations
@@ -172,6 +173,34 @@ def test_a_bad_parameter_shows_the_apis_error(page) -> None:
     reply = send(page, "Hello")
     assert reply["error"] is None and reply["content"], reply  # the server kept serving
     assert len(page.find_elements(By.CSS_SELECTOR, ".message.assistant")) == 1
+
+
+def test_stop_aborts_the_reply(page, server: ServerProcess) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    clear(page)
+    set_value(page, "max_tokens", "1000")  # greedy (temperature 0): a story of hundreds of tokens
+    aborted = aborts(server)
+    page.find_element(By.ID, "prompt").send_keys("Tell me a very long story.", Keys.ENTER)
+    wait(
+        page,
+        lambda d: d.execute_script(
+            "return document.querySelector('.message.assistant .content')?.textContent"
+        ),
+        "the first words",
+    )
+    page.find_element(By.ID, "stop-button").click()
+    wait(page, lambda d: d.execute_script("return document.body.dataset.busy") == "false", "the stop")
+    stats = page.find_element(By.CSS_SELECTOR, ".message.assistant .stats").text
+    assert stats.startswith("TTFT ") and stats.endswith("stopped"), stats
+    wait(page, lambda d: aborts(server) == aborted + 1, "the server's abort")  # the request ended there too
+
+
+def aborts(server: ServerProcess) -> float:
+    r = httpx.get(f"{server.url}/metrics", headers=AUTH, timeout=10)
+    return sum(s.value for f in text_string_to_metric_families(r.text) for s in f.samples
+               if s.name == "llmserve:request_success_total" and s.labels["finished_reason"] == "abort")  # fmt: skip
 
 
 def test_json_schema_output(page, server: ServerProcess) -> None:
