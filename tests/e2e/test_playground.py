@@ -3,8 +3,8 @@ selenium) against a real server of two models behind an API key: the pages open 
 and a missing key shows the API's 401; a streamed answer is the API's greedy answer, drawn as it
 streams, with TTFT and tokens/s; switching to a thinking model shows its reasoning apart; a bad
 parameter shows the API's 400 and the turn can be sent again; Stop aborts the request on the
-server; JSON-schema output; a forced tool
-call and its result sent back; the metrics page draws its charts and agrees with prometheus_client's reading of /metrics."""
+server; JSON-schema output; a forced tool call and its result sent back; the metrics page draws
+its charts and agrees with prometheus_client's reading of /metrics. No script error on the way."""
 
 from __future__ import annotations
 
