@@ -270,6 +270,16 @@ def test_the_metrics_page_draws(page, server: ServerProcess) -> None:
     assert generated > 0
     assert page.find_element(By.ID, "tile-tokens").text == str(int(generated))
     assert page.find_element(By.ID, "tile-running").text == "0"
+    # the page's parser reads every sample of /metrics as prometheus_client does
+    parsed = page.execute_async_script(
+        "const done = arguments[arguments.length - 1];"
+        "import(new URL('static/metrics.js', location)).then((m) => done(m.parsePrometheus(arguments[0])))",
+        r.text,
+    )
+    reference = [
+        (s.name, s.labels, s.value) for f in text_string_to_metric_families(r.text) for s in f.samples
+    ]
+    assert [(s["name"], s["labels"], s["value"]) for s in parsed] == reference
     # two models loaded: one KV line each, and both throughput lines
     points = int(page.find_element(By.ID, "chart-kv").get_attribute("data-points"))
     assert points >= 2 * 2

@@ -25,7 +25,8 @@ export function parsePrometheus(text) {
     for (const [, key, value] of (match[2] || "").matchAll(label)) {
       labels[key] = value.replace(/\\n/g, "\n").replace(/\\(.)/g, "$1");
     }
-    samples.push({ name: match[1], labels, value: Number(match[3]) });
+    const value = { "+Inf": Infinity, "-Inf": -Infinity }[match[3]] ?? Number(match[3]);
+    samples.push({ name: match[1], labels, value });
   }
   return samples;
 }
