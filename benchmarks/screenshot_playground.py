@@ -61,6 +61,9 @@ def main() -> None:
     log_dir = Path(tempfile.mkdtemp(prefix="llmserve-screenshot-"))
     server = ServerProcess(["smollm2-135m-instruct"], log_dir=log_dir, served_name=None).start()
     try:
+        # one request first: the answer on the page should not carry start-up's one-time costs
+        body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8}
+        httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120).raise_for_status()
         with chromium(width=1280, height=900) as driver:
             driver.get(f"{server.url}/")
             WebDriverWait(driver, 30).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#model option"))
