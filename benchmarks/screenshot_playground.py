@@ -10,6 +10,7 @@ tests/e2e/test_playground.py, whose browser helper it uses.
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import tempfile
 import threading
@@ -87,6 +88,7 @@ def main() -> None:
             traffic.join()
     finally:
         server.stop()
+        shutil.rmtree(log_dir, ignore_errors=True)  # a failed start raised with the log's text
     print(f"wrote {args.out / 'playground.png'} and {args.out / 'playground_metrics.png'}")
 
 
