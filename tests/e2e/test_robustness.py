@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from llmserve.server.middleware import OPEN_PATHS
+from llmserve.server.playground import is_playground_path
 from tests.e2e.conftest import MODEL_NAME, ServerProcess
 
 pytestmark = pytest.mark.e2e
@@ -393,7 +394,7 @@ def bad_credentials(key: str) -> dict[str, dict[str, str]]:
 def assert_auth(server: ServerProcess, key: str, method: str, path: str) -> None:
     body = {} if method in ("POST", "PUT", "PATCH") else None
     with httpx.Client(base_url=server.url, timeout=30) as client:
-        if path in OPEN_PATHS:  # the probes: open, and 200 once the model is loaded
+        if path in OPEN_PATHS or is_playground_path(path):  # open: the probes, the playground's pages
             assert client.get(path).status_code == 200
             return
         for name, headers in bad_credentials(key).items():

@@ -96,6 +96,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--log-requests", action="store_true", help="log prompts and outputs (off by default)")
     s.add_argument("--max-n", type=int, default=defaults.max_n)
     s.add_argument("--disable-metrics", action="store_true", help="no Prometheus metrics at /metrics")
+    s.add_argument("--disable-playground", action="store_true", help="no web playground at /")
     s.add_argument(
         "--otlp-traces-endpoint", default=None,
         help="send an OpenTelemetry span per request to this OTLP/gRPC collector, e.g. localhost:4317 "
@@ -162,6 +163,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         max_n=args.max_n,
         enable_metrics=not args.disable_metrics,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
+        enable_playground=not args.disable_playground,
         stats_log_interval=args.stats_log_interval,
         enable_response_timings=args.enable_response_timings,
         reasoning_parser=args.reasoning_parser,

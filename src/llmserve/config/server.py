@@ -39,6 +39,9 @@ class ServerConfig:
     """Cap on the number of prompts in one completions request."""
     enable_metrics: bool = True
     """Serve Prometheus metrics at /metrics."""
+    enable_playground: bool = True
+    """Serve the web playground at / and its metrics charts at /playground/metrics (pages without
+    the key; their API calls carry it)."""
     stats_log_interval: float = 5.0
     """Seconds between the engine's periodic log lines while busy (0: no such lines)."""
     enable_response_timings: bool = False

@@ -22,7 +22,7 @@ from llmserve.config import ServerConfig
 from llmserve.config.models import ModelSpec
 from llmserve.metrics.prometheus import MetricFamilies, new_registry
 from llmserve.metrics.tracing import make_tracer_provider
-from llmserve.server import routes
+from llmserve.server import playground, routes
 from llmserve.server.batches import routes as batch_routes
 from llmserve.server.batches.runner import BatchRunner
 from llmserve.server.batches.store import BatchStore, default_batch_dir
@@ -121,4 +121,7 @@ def build_app(
     app.include_router(routes.admin)
     if config.enable_metrics:
         app.include_router(routes.metrics)
+    if config.enable_playground:
+        app.include_router(playground.router)
+        app.mount(playground.STATIC_PREFIX, playground.static_files)
     return app

@@ -7,7 +7,8 @@
         -> routes (server/routes.py) -> serving layer -> AsyncEngine
 
 The gate is deny-by-default: it runs before routing, so every route, including one added later and
-unknown paths, needs the key; only the probes, /health and /livez, are open. The key comes as `Authorization: Bearer <key>`
+unknown paths, needs the key; only the probes (/health and /livez) and the playground's pages
+(server/playground.py: static files whose API calls carry the key) are open. The key comes as `Authorization: Bearer <key>`
 (OpenAI's clients) or `x-api-key: <key>` (Anthropic's), and is compared in constant time.
 """
 
@@ -19,6 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llmserve.metrics.tracing import extract_context
 from llmserve.server.errors import APIError, error_response
+from llmserve.server.playground import is_playground_path
 from llmserve.server.state import ServerState
 
 OPEN_PATHS = frozenset({"/health", "/livez"})
@@ -51,16 +53,18 @@ class Gate:
         self.state = state
         key = state.config.api_key
         self._expected = key.encode() if key else None
+        self._playground = state.config.enable_playground
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         path: str = scope["path"]
-        if path not in OPEN_PATHS:  # a health probe's 503 is an answer, not a refused request
+        is_open = path in OPEN_PATHS or (self._playground and is_playground_path(path))
+        if not is_open:  # a health probe's 503 is an answer, not a refused request
             send = self._counting(send)
         headers = dict(scope["headers"])
-        if path not in OPEN_PATHS:
+        if not is_open:
             if self._expected is not None and not self._authorized(headers):
                 await send_error(send, path, 401, "missing or wrong API key: send 'Authorization: Bearer <key>' "
                                  "or 'x-api-key: <key>'", {"WWW-Authenticate": "Bearer"})  # fmt: skip
