@@ -50,21 +50,14 @@ from llmserve.server.protocol_responses import (
     ResponsesRequest,
     parse_item,
 )
-from llmserve.server.serving.anthropic import json_body
 from llmserve.server.serving.chat import render_chat
+from llmserve.server.serving.chat_bridge import json_body, renamed, start_chat, whole
 from llmserve.server.serving.context import ServingContext
-from llmserve.server.serving.pieces import (
-    Piece,
-    gather,
-    relay_pieces,
-    start_answer,
-    thinks,
-    upstream_chat_body,
-)
+from llmserve.server.serving.pieces import Piece, relay_pieces, upstream_chat_body
 from llmserve.server.serving.response_store import ResponseStore, StoredResponse, listed_input_items, page
 from llmserve.server.serving.responses_events import ResponseEvents, sse
 from llmserve.server.serving.streaming import engine_error, run_unless_disconnected, sse_with_errors
-from llmserve.server.serving.tools import ToolPlan, plan_tools, with_tools
+from llmserve.server.serving.tools import ToolPlan, plan_tools
 
 if TYPE_CHECKING:
     from llmserve.engine.async_engine import RequestStream
@@ -124,11 +117,7 @@ def sampling_params(req: ResponsesRequest) -> SamplingParams:
             structured_outputs=structured,
         )
     except ValueError as e:  # the engine's own checks, in the Responses field names
-        param = getattr(e, "param", None)
-        field = {"structured_outputs": "text.format", "max_tokens": "max_output_tokens"}.get(
-            param or "", param
-        )
-        raise APIError(400, f"{field}: {e}" if field else str(e), param=field) from None
+        raise renamed(e, {"structured_outputs": "text.format", "max_tokens": "max_output_tokens"}) from None
 
 
 def tool_plan(ctx: ServingContext, req: ResponsesRequest) -> ToolPlan:
@@ -224,15 +213,7 @@ class ResponsesServing:
             plan = tool_plan(ctx, req)
             ids = render_chat(ctx, messages, add_generation_prompt=True, extra=template_kwargs(req),
                               tools=plan.tools, fmt=plan.fmt)  # fmt: skip
-            split = thinks(ctx) and template_kwargs(req) != {"enable_thinking": False}
-            try:
-                answer = await start_answer(ctx, ids, with_tools(params, plan), "resp", split,
-                                            plan.fmt if plan.active else None)  # fmt: skip
-            except APIError as e:  # a bad constraint: name the field it came in
-                if e.param == "structured_outputs":
-                    field = "tools" if plan.constraint is not None else "text.format"
-                    raise APIError(400, f"{field}: {e.message}", param=field) from None
-                raise
+            answer = await start_chat(ctx, ids, params, plan, "resp", template_kwargs(req), "text.format")
             return await self._respond(
                 req, raw, events, kept, answer.pieces, answer.streams, answer.num_prompt_tokens
             )
@@ -290,7 +271,7 @@ class ResponsesServing:
         if req.background:
             events.response["status"] = "in_progress"
             try:
-                events.piece(await gather(pieces))
+                events.piece(await whole(pieces))
             finally:
                 for stream in streams:
                     stream.abort()
@@ -317,15 +298,9 @@ class ResponsesServing:
             return StreamingResponse(sse_with_errors(lines(), error_event=error, last=""),
                                      media_type="text/event-stream")  # fmt: skip
 
-        async def whole() -> JSONResponse:
-            try:
-                answer = await gather(pieces)
-            except APIError:
-                raise
-            except Exception as e:  # the engine failed under the request
-                raise engine_error(e) from None
-            events.piece(answer)
+        async def reply() -> JSONResponse:
+            events.piece(await whole(pieces))
             keep()
             return JSONResponse(events.response)
 
-        return await run_unless_disconnected(raw, whole, streams)
+        return await run_unless_disconnected(raw, reply, streams)
