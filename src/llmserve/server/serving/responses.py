@@ -235,7 +235,8 @@ class ResponsesServing:
     ) -> JSONResponse:
         """Store the response `queued`, run it in a task, answer it now. The task's end (failure
         and cancel included) is written into the stored object, which GET reads."""
-        self.models.resolve(model)  # an unknown model is a 404 now, not a failed response later
+        if model not in self.models.adapters:  # an unknown model is a 404 now, not a failed response later
+            self.models.resolve(model)
         response, response_id = kept.response, kept.response["id"]
         response["status"] = "queued"
         self.store.put(kept)
