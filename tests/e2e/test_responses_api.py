@@ -8,6 +8,7 @@ and bad requests are 4xx in OpenAI's error shape while the server keeps serving.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import get_args
@@ -273,3 +274,109 @@ def test_bad_requests(
     assert client.responses.create(
         model=MODEL_NAME, input=USER, max_output_tokens=2
     ).output_text  # still serving
+
+
+def test_input_items_listed_as_given_with_pagination(client: openai.OpenAI) -> None:
+    given = [
+        {"type": "message", "role": "developer", "content": "Be brief."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": USER}], "id": "msg_mine"},
+        {"type": "message", "role": "assistant", "content": "jumps"},
+        {"role": "user", "content": "over"},
+    ]  # fmt: skip
+    r = client.responses.create(model=MODEL_NAME, input=given, max_output_tokens=2, instructions="x")
+    newest_first = client.responses.input_items.list(r.id)
+    assert [i.role for i in newest_first.data] == ["user", "assistant", "user", "developer"]
+    assert newest_first.data[2].id == "msg_mine" and not newest_first.has_more
+    asc = client.responses.input_items.list(r.id, order="asc")
+    assert [i.id for i in asc.data] == [i.id for i in reversed(newest_first.data)]
+    assert len({i.id for i in asc.data}) == 4 and all(i.type == "message" for i in asc.data)
+    texts = [[p.text for p in i.content] for i in asc.data]
+    assert texts == [["Be brief."], [USER], ["jumps"], ["over"]]  # the instructions are not an input item
+    assert [p.type for i in asc.data for p in i.content] == [
+        "input_text",
+        "input_text",
+        "output_text",
+        "input_text",
+    ]
+    first = client.responses.input_items.list(r.id, order="asc", limit=3)
+    assert first.has_more and [i.id for i in first.data] == [i.id for i in asc.data[:3]]
+    assert first.first_id == asc.data[0].id and first.last_id == asc.data[2].id
+    rest = client.responses.input_items.list(r.id, order="asc", limit=3, after=first.last_id)
+    assert [i.id for i in rest.data] == [asc.data[3].id] and not rest.has_more
+    # the client's auto-pagination walks every page
+    assert [i.id for i in client.responses.input_items.list(r.id, order="asc", limit=1)] == [
+        i.id for i in asc.data
+    ]
+    # a continuation lists its own input only
+    more = client.responses.create(
+        model=MODEL_NAME, input="again", previous_response_id=r.id, max_output_tokens=2
+    )
+    (only,) = client.responses.input_items.list(more.id).data
+    assert only.role == "user" and only.content[0].text == "again"
+
+
+@pytest.mark.parametrize(
+    ("query", "named"),
+    [({"limit": 0}, "limit"), ({"order": "up"}, "order"), ({"after": "msg_nope"}, "after")],
+)
+def test_input_items_bad_queries(
+    client: openai.OpenAI, server: ServerProcess, query: dict, named: str
+) -> None:
+    r = client.responses.create(model=MODEL_NAME, input=USER, max_output_tokens=1)
+    resp = httpx.get(f"{server.url}/v1/responses/{r.id}/input_items", params=query)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == named
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_nope")
+
+
+def wait_for(client: openai.OpenAI, response_id: str) -> Response:
+    for _ in range(600):
+        got = client.responses.retrieve(response_id)
+        if got.status not in ("queued", "in_progress"):
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"{response_id} still {got.status}")
+
+
+def test_background_response_is_polled_to_the_foreground_answer(client: openai.OpenAI) -> None:
+    fg = client.responses.create(model=MODEL_NAME, input=USER, max_output_tokens=12, temperature=0)
+    bg = client.responses.create(
+        model=MODEL_NAME, input=USER, max_output_tokens=12, temperature=0, background=True
+    )
+    assert bg.status == "queued" and bg.background is True and bg.output == []
+    done = wait_for(client, bg.id)
+    assert done.status == fg.status and done.output_text == fg.output_text
+    assert done.usage is not None and done.usage.output_tokens == fg.usage.output_tokens
+    assert [i.content[0].text for i in client.responses.input_items.list(bg.id).data] == [USER]
+    # a response that ended is answered as it is
+    assert client.responses.cancel(bg.id).status == fg.status
+
+
+def test_background_response_cancelled(client: openai.OpenAI, server: ServerProcess) -> None:
+    """Cancelled while it runs (a 200-token answer takes longer than the cancel's round trip;
+    a few tries in case one finishes first): `cancelled`, no output, its engine request aborted."""
+    for _ in range(5):
+        bg = client.responses.create(model=MODEL_NAME, input=USER, max_output_tokens=200, background=True)
+        cancelled = client.responses.cancel(bg.id)
+        if cancelled.status == "cancelled":
+            break
+    assert cancelled.status == "cancelled" and cancelled.output == []
+    assert client.responses.retrieve(bg.id).status == "cancelled"
+    assert client.responses.cancel(bg.id).status == "cancelled"
+    for _ in range(100):  # the engine holds nothing of it
+        if httpx.get(f"{server.url}/stats").json()["num_active_requests"] == 0:
+            break
+        time.sleep(0.05)
+    assert httpx.get(f"{server.url}/stats").json()["num_active_requests"] == 0
+
+
+def test_background_refusals(client: openai.OpenAI, server: ServerProcess) -> None:
+    fg = client.responses.create(model=MODEL_NAME, input=USER, max_output_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="background: true"):
+        client.responses.cancel(fg.id)
+    for change in ({"stream": True}, {"store": False}):
+        body = {"model": MODEL_NAME, "input": USER, "background": True, **change}
+        resp = httpx.post(f"{server.url}/v1/responses", json=body)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "background"
+    resp = httpx.post(f"{server.url}/v1/responses", json={"model": "nope", "input": USER, "background": True})
+    assert resp.status_code == 404

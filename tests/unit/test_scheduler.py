@@ -344,3 +344,25 @@ def test_embedding_request_chunks_ends_with_its_prefill_and_uses_the_prefix_cach
     assert out.embedding == [1.0, 0.0] and out.finish_reason == "stop" and out.new_token_ids == []
     assert out.num_cached_tokens == cached
     assert sched.kv_cache_manager.get_num_free_blocks() == sched.kv_cache_manager.num_blocks
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_budget_that_holds_it_whole():
+    """An encoder's scheduler (`chunked_prefill=False`): b (7 tokens) does not fit the 4 left
+    after a (6) in a 10-token step, so it waits (c behind it too: queue order) and runs whole
+    in the next step instead of as 4 + 3."""
+    sched = build_scheduler(
+        SchedulerConfig(max_num_batched_tokens=10),
+        CacheConfig(block_size=4, enable_prefix_caching=False),
+        num_kv_blocks=64,
+        max_model_len=10,
+        chunked_prefill=False,
+    )
+    for rid, n in [("a", 6), ("b", 7), ("c", 2)]:
+        sched.add_request(_embedding_request(rid, n, "mean"))
+    so = sched.schedule()
+    assert so.num_scheduled_tokens == {"a": 6}
+    sched.update_from_output(so, _pooled_run(so, sched))
+    so = sched.schedule()
+    assert so.num_scheduled_tokens == {"b": 7, "c": 2}
+    outs = sched.update_from_output(so, _pooled_run(so, sched))
+    assert {o.req_id for o in outs} == {"b", "c"} and not sched.has_unfinished_requests()

@@ -105,6 +105,39 @@ def test_hf_folder_add_bos_follows_post_processor_when_config_is_silent(
     assert (tok.encode("hi")[0] == 0) is expected
 
 
+def test_hf_folder_padding_and_truncation_in_tokenizer_json_are_off(tmp_path: Path) -> None:
+    """A tokenizer.json saved with padding and truncation on (all-MiniLM-L6-v2's: 128) must not
+    pad one text's ids or cut them: the engine checks lengths itself."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    backend = _byte_level_backend(bos_post_processor=False)
+    backend.enable_padding(pad_id=2, pad_token="<pad>", length=8)
+    backend.enable_truncation(max_length=2)
+    backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(BASE_CONFIG))
+    tok = load_tokenizer(ModelSource("hf", "tiny", folder))
+    hi, space_hi = tok.backend.token_to_id("hi"), tok.backend.token_to_id("Ġhi")
+    assert tok.encode("hi hi hi", add_special_tokens=False) == [hi, space_hi, space_hi]  # not 2, not 8
+
+
+def test_hf_folder_bert_post_processor_wraps_in_cls_and_sep(tmp_path: Path) -> None:
+    """A BERT tokenizer (no BOS; [CLS]/[SEP] named in the config, added by the post-processor):
+    `encode` wraps the text as the post-processor says; without special tokens it does not."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    backend = _byte_level_backend(bos_post_processor=False)
+    backend.post_processor = processors.BertProcessing(("</s>", 1), ("<|im_start|>", 3))
+    backend.save(str(folder / "tokenizer.json"))
+    config = {"cls_token": "<|im_start|>", "sep_token": "</s>", "pad_token": "<pad>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = load_tokenizer(ModelSource("hf", "tiny", folder))
+    hi = tok.backend.token_to_id("hi")
+    assert tok.wraps_cls_sep and not tok.add_bos_token
+    assert tok.encode("hi") == [3, hi, 1]
+    assert tok.encode("hi", add_special_tokens=False) == [hi]
+    assert not _hf_folder(tmp_path / "decoder", BASE_CONFIG).wraps_cls_sep
+
+
 def test_hf_chat_template_renders_like_hf(tmp_path: Path) -> None:
     tok = _hf_folder(tmp_path, BASE_CONFIG)
     messages = [{"role": "user", "content": "hi"}, {"role": "skip", "content": "x"}]

@@ -82,10 +82,13 @@ class Scheduler:
         max_model_len: int,
         num_speculative_tokens: int = 0,
         max_loras: int | None = None,
+        chunked_prefill: bool = True,
     ) -> None:
         """`num_speculative_tokens`: the most tokens a request may verify per step beyond its own
         (speculative decoding; 0: off). `max_loras`: the most LoRA adapters running requests may
-        use at once (None: LoRA is off, no cap)."""
+        use at once (None: LoRA is off, no cap). `chunked_prefill=False`: a prompt is admitted
+        only when all of it fits the step's budget (an encoder's bidirectional attention needs
+        the whole sequence in one forward pass; the caller makes sure the budget holds the longest)."""
         if scheduler_config.is_static and type(self) is Scheduler:
             raise ValueError(
                 f"mode {scheduler_config.mode!r} is run by StaticBatchScheduler (make_scheduler)"
@@ -102,6 +105,7 @@ class Scheduler:
         self.num_steps = 0  # steps whose outputs came back (update_from_output calls)
         self.max_spec_tokens = num_speculative_tokens
         self.max_loras = max_loras
+        self.chunked_prefill = chunked_prefill
         # speculative decoding's cumulative counts (the record is built by `spec_stats`)
         self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
         self.spec_accepted_per_pos = [0] * num_speculative_tokens
@@ -303,6 +307,8 @@ class Scheduler:
         if self.config.admission == "reserve" and not self._fits_reservation(request):
             return False
         num_new = min(request.num_tokens - num_computed, plan.budget)
+        if not self.chunked_prefill and num_new < request.num_tokens - num_computed:
+            return False  # waits for a step whose budget holds its whole prompt
         new_blocks = kv.allocate_slots(request, num_new, computed_blocks, num_computed)
         if new_blocks is None:
             return False
@@ -449,6 +455,7 @@ def make_scheduler(
     max_model_len: int,
     num_speculative_tokens: int = 0,
     max_loras: int | None = None,
+    chunked_prefill: bool = True,
 ) -> Scheduler:
     """The scheduler for `scheduler_config.mode`: continuous batching (with speculative decoding
     when `num_speculative_tokens` > 0), or a static mode (never speculative)."""
@@ -461,5 +468,11 @@ def make_scheduler(
             )
         return StaticBatchScheduler(scheduler_config, cache_config, num_kv_blocks, max_model_len)
     return Scheduler(
-        scheduler_config, cache_config, num_kv_blocks, max_model_len, num_speculative_tokens, max_loras
+        scheduler_config,
+        cache_config,
+        num_kv_blocks,
+        max_model_len,
+        num_speculative_tokens,
+        max_loras,
+        chunked_prefill,
     )

@@ -25,7 +25,7 @@ from llmserve.core.sched_output import SchedulerOutput
 from llmserve.core.scheduler import Scheduler, make_scheduler
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.errors import ParameterError
-from llmserve.layers.attention import KVCacheSpec
+from llmserve.layers.attention import KVCacheSpec, KVDtypes
 from llmserve.lora import LoRARequest, module_requests
 from llmserve.lora.manager import LoRAManager
 from llmserve.metrics.stats import IterationStats, SchedulerStats
@@ -85,6 +85,8 @@ class KVCacheInfo:
         return self.num_tokens / self.max_model_len
 
     def summary(self) -> str:
+        if self.bytes_per_token == 0:
+            return f"no KV cache ({self.sized_by}); max_model_len {self.max_model_len}"
         return (
             f"KV cache ({self.dtype}): {self.bytes_per_token / 1024:.1f} KiB per token, {self.num_blocks} blocks of "
             f"{self.block_size} tokens = {self.num_tokens} tokens "
@@ -134,47 +136,23 @@ class LLMEngine:
         )
         """Embedding requests' pooling when they name none (config/model.py `pooling`)."""
 
-        shape = self.loaded.model.kv_cache_shape()
-        kv_dtype = self.loaded.kv_cache_dtype(self.cache_config.kv_cache_dtype)
-        bytes_per_token = (
-            shape.num_layers
-            * KVCacheSpec.build(1, 1, shape.num_kv_heads, shape.head_dim, kv_dtype).bytes_per_token()
-        )
+        self.is_encoder = getattr(self.loaded.model, "is_encoder", False)
+        """An encoder-only model (BERT): embeddings only, each sequence run whole, no KV cache."""
+        if self.is_encoder:
+            self._check_encoder(speculative_config, lora_config)
         k = speculative_config.num_speculative_tokens if speculative_config is not None else 0
         sched = self.scheduler_config
         max_num_tokens = sched.max_num_batched_tokens + k * sched.max_num_seqs
-        if self.cache_config.sized_by_user:  # the user's bytes or blocks
-            budget, why = None, "num_kv_blocks" if self.cache_config.num_kv_blocks else "kv_cache_memory"
-        elif self.loaded.profile.is_cpu:
-            budget, why = default_kv_cache_memory(
-                bytes_per_token,
-                sched.max_num_seqs,
-                self.max_model_len,
-                self.cache_config.block_size,
-                _physical_memory(),
-            )
-        else:
-            from llmserve.model_executor.gpu_memory import measure_kv_budget
-
-            budget = measure_kv_budget(
-                self.loaded.model, kv_dtype, self.cache_config.block_size, max_num_tokens,
-                sched.max_num_seqs, self.cache_config.gpu_memory_utilization,
-            )  # fmt: skip
-            why = f"gpu_memory_utilization {self.cache_config.gpu_memory_utilization}"
-        num_blocks = self.cache_config.num_blocks(bytes_per_token, budget)
-        self.kv_info = KVCacheInfo(
-            bytes_per_token,
-            num_blocks,
-            self.cache_config.block_size,
-            self.max_model_len,
-            kv_dtype.name,  # "int8,float16" when K and V differ
-            why,
+        kv_dtype = self.loaded.kv_cache_dtype(self.cache_config.kv_cache_dtype)
+        self.kv_info = (
+            self._encoder_blocks() if self.is_encoder else self._size_kv_cache(kv_dtype, max_num_tokens)
         )
+        num_blocks = self.kv_info.num_blocks
         logger.info(self.kv_info.summary())
 
         self.scheduler: Scheduler = make_scheduler(
             self.scheduler_config, self.cache_config, num_blocks, self.max_model_len, k,
-            None if lora_config is None else lora_config.max_loras,
+            None if lora_config is None else lora_config.max_loras, chunked_prefill=not self.is_encoder,
         )  # fmt: skip
         self.proposer: NgramProposer | DraftModelProposer | None = None
         if speculative_config is not None and speculative_config.method == "draft_model":
@@ -217,16 +195,83 @@ class LLMEngine:
             self.runner.runner.use_lora(self.lora)
             for request in module_requests(lora_config):  # a bad folder fails start-up
                 self.lora.add(request)
-        if self.loaded.profile.cuda_graphs:
+        if self.loaded.profile.cuda_graphs and not self.is_encoder:
             self.runner.capture_cuda_graphs(
                 sched.max_num_seqs, self.max_model_len, model_config.show_progress
             )
-        if self.runner.device.type == "cuda":
+        if self.runner.device.type == "cuda" and not self.is_encoder:
             self.runner.warm_up_sampler()
         self.output_processor = OutputProcessor(self.tokenizer)
         self.last_stats: SchedulerStats | None = None
         self.log_stats = log_stats
         self._stats = IterationStats(time.monotonic())
+
+    def _size_kv_cache(self, kv_dtype: KVDtypes, max_num_tokens: int) -> KVCacheInfo:
+        """The KV cache's blocks: the user's bytes or blocks, else the CPU default or what the
+        GPU has left after a profiling forward."""
+        shape = self.loaded.model.kv_cache_shape()
+        bytes_per_token = (
+            shape.num_layers
+            * KVCacheSpec.build(1, 1, shape.num_kv_heads, shape.head_dim, kv_dtype).bytes_per_token()
+        )
+        sched = self.scheduler_config
+        if self.cache_config.sized_by_user:  # the user's bytes or blocks
+            budget, why = None, "num_kv_blocks" if self.cache_config.num_kv_blocks else "kv_cache_memory"
+        elif self.loaded.profile.is_cpu:
+            budget, why = default_kv_cache_memory(
+                bytes_per_token,
+                sched.max_num_seqs,
+                self.max_model_len,
+                self.cache_config.block_size,
+                _physical_memory(),
+            )
+        else:
+            from llmserve.model_executor.gpu_memory import measure_kv_budget
+
+            budget = measure_kv_budget(
+                self.loaded.model, kv_dtype, self.cache_config.block_size, max_num_tokens,
+                sched.max_num_seqs, self.cache_config.gpu_memory_utilization,
+            )  # fmt: skip
+            why = f"gpu_memory_utilization {self.cache_config.gpu_memory_utilization}"
+        return KVCacheInfo(
+            bytes_per_token,
+            self.cache_config.num_blocks(bytes_per_token, budget),
+            self.cache_config.block_size,
+            self.max_model_len,
+            kv_dtype.name,  # "int8,float16" when K and V differ
+            why,
+        )
+
+    def _encoder_blocks(self) -> KVCacheInfo:
+        """An encoder keeps no cache: the scheduler's blocks are bookkeeping only, enough for
+        `max_num_seqs` sequences at full length, so only `max_num_seqs` and the step's token
+        budget limit a batch (encoder_runner.py)."""
+        block_size = self.cache_config.block_size
+        num_blocks = self.scheduler_config.max_num_seqs * -(-self.max_model_len // block_size)
+        return KVCacheInfo(0, num_blocks, block_size, self.max_model_len, "none", "an encoder-only model")
+
+    def _check_encoder(
+        self, speculative_config: SpeculativeConfig | None, lora_config: LoRAConfig | None
+    ) -> None:
+        """What an encoder cannot run, refused at start-up; prefix caching turned off (a token's
+        state depends on the tokens after it, so no prefix is ever shared)."""
+        name = type(self.loaded.model).__name__
+        if self.scheduler_config.is_static:
+            raise ValueError(
+                f"{name} serves embeddings, which need continuous batching; mode is {self.scheduler_config.mode!r}"
+            )
+        if speculative_config is not None or lora_config is not None:
+            raise ValueError(
+                f"{name} serves embeddings only: speculative decoding and LoRA adapters do not apply"
+            )
+        budget = self.scheduler_config.max_num_batched_tokens
+        if budget < self.max_model_len:
+            raise ValueError(
+                f"{name} runs each input whole in one step: max_num_batched_tokens ({budget}) must be >= "
+                f"max_model_len ({self.max_model_len})"
+            )
+        if self.cache_config.enable_prefix_caching:
+            self.cache_config = dataclasses.replace(self.cache_config, enable_prefix_caching=False)
 
     # -- input processing ------------------------------------------------------------------------
 
@@ -251,6 +296,8 @@ class LLMEngine:
 
         Safe to call from another thread than the one that runs `step()`.
         """
+        if self.is_encoder:
+            raise ParameterError(self.embedding_only_message(), param="model")
         text, ids = self.encode_prompt(prompt)
         if not ids:
             raise ParameterError("the prompt is empty after tokenization", param="prompt")
@@ -265,6 +312,13 @@ class LLMEngine:
                 param="max_tokens" if params.max_tokens is not None else "prompt",
             )
         return ProcessedPrompt(text, ids, params, max_tokens)
+
+    def embedding_only_message(self, api: str = "text generation") -> str:
+        """Why an encoder model refuses a generation request (vLLM: "does not support ... API")."""
+        return (
+            f"model {self.loaded.source.name!r} ({type(self.loaded.model).__name__}) is an embedding model: it does "
+            f"not support {api}; send its inputs to /v1/embeddings (LLM.embed)"
+        )
 
     def process_embedding_inputs(
         self, prompt: str | Sequence[int], pooling: PoolingParams | None = None

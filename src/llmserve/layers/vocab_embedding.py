@@ -97,3 +97,15 @@ class LMHead(nn.Module):
 
     def load(self, name: str, loaded: torch.Tensor) -> None:
         _load_table(self.weight_t, name, loaded, self.vocab_size, self.hidden_size)
+
+
+class PositionEmbedding(nn.Module):
+    """A table read by row: learned absolute positions (GPT-2, BERT), BERT's token types.
+    ids [T] -> [T, hidden]."""
+
+    def __init__(self, max_positions: int, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(max_positions, hidden_size), requires_grad=False)
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        return self.weight.index_select(0, positions)

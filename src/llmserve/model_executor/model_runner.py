@@ -31,6 +31,7 @@ import torch
 
 from llmserve.core.sched_output import Logprobs, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from llmserve.model_executor.device import DeviceProfile, build_profile
+from llmserve.model_executor.encoder_runner import EncoderForwardRunner
 from llmserve.model_executor.forward_runner import ForwardRunner, SequenceBatchEntry
 from llmserve.model_executor.pooler import PoolingState, finish
 from llmserve.model_executor.transformers_runner import TransformersCausalLM, TransformersForwardRunner
@@ -90,8 +91,11 @@ class ModelRunner:
         """`structured_outputs`: makes the grammar state of requests that constrain their output.
         `profile`: the device's decisions (default: built for the model's device); the sizes are
         the scheduler's limits, which size the runner's input buffers."""
+        self.runner: ForwardRunner | TransformersForwardRunner | EncoderForwardRunner
         if isinstance(model, TransformersCausalLM):  # the transformers fallback: its own caches
-            self.runner: ForwardRunner | TransformersForwardRunner = TransformersForwardRunner(model)
+            self.runner = TransformersForwardRunner(model)
+        elif model.is_encoder:  # no cache: whole sequences, pooled (encoder_runner.py)
+            self.runner = EncoderForwardRunner(model)
         else:
             self.runner = ForwardRunner(
                 model,

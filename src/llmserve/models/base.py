@@ -59,6 +59,10 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
 
+    is_encoder: ClassVar[bool] = False
+    """An encoder-only model (BERT): bidirectional attention, no KV cache, no LM head; the engine
+    runs it through `EncoderForwardRunner` and serves embeddings only."""
+
     backbone_name: ClassVar[str] = "model"
     """The attribute holding the decoder stack (its name is the checkpoint's prefix)."""
     lm_head: LMHead

@@ -27,21 +27,10 @@ from llmserve.layers.activation import get_activation
 from llmserve.layers.attention import Attention, AttentionBackend, AttentionMetadata, LayerKVCache
 from llmserve.layers.layernorm import LayerNorm
 from llmserve.layers.linear import Linear
-from llmserve.layers.vocab_embedding import LMHead, VocabEmbedding
+from llmserve.layers.vocab_embedding import LMHead, PositionEmbedding, VocabEmbedding
 from llmserve.models.base import CausalLM, KVCacheShape
 
 _CONV1D = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")
-
-
-class PositionEmbedding(nn.Module):
-    """Learned absolute position embeddings: positions [T] -> [T, hidden]."""
-
-    def __init__(self, max_positions: int, hidden_size: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(max_positions, hidden_size), requires_grad=False)
-
-    def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        return self.weight.index_select(0, positions)
 
 
 class GPT2Attention(nn.Module):

@@ -232,8 +232,9 @@ class ResponsesRequest(_Strict):
     include: list[StrictStr] | None = None
     top_logprobs: StrictInt | None = None
     stream_options: dict[str, Any] | None = None
-    background: Literal[False] | None = None
-    """Background responses are not served: only `false`."""
+    background: StrictBool | None = None
+    """Answer at once (`queued`) and run in the background: GET polls it, cancel stops it
+    (needs `store`; not streamed)."""
 
     @field_validator("tools", mode="before")
     @classmethod

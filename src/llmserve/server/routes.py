@@ -5,7 +5,7 @@
     ops        /health, /livez, /version, /stats, and /metrics when enabled
     ollama     /api/generate, /api/chat, /api/embed, /api/embeddings, /api/tags, /api/ps, /api/show, /api/version (Ollama's API)
     anthropic  /v1/messages, /v1/messages/count_tokens (Anthropic's API; its error shape, errors.py)
-    responses  /v1/responses, GET and DELETE /v1/responses/{id} (OpenAI's Responses API)
+    responses  /v1/responses, GET and DELETE /v1/responses/{id}, its input_items and cancel (OpenAI's Responses API)
     admin      /admin/models/load, /admin/models/unload
 
 Routes reach the server through `ServerState` (app.state.server); a route that serves a model
@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt, StrictStr
@@ -333,6 +333,20 @@ async def responses_create(raw: Request, state: State) -> Any:
 @responses.get("/v1/responses/{response_id}")
 async def responses_retrieve(response_id: str, state: State) -> Any:
     return ResponsesServing(state.models, state.responses).retrieve(response_id)
+
+
+@responses.get("/v1/responses/{response_id}/input_items")
+async def responses_input_items(
+    response_id: str, state: State, after: str | None = None, limit: int = 20, order: str = "desc",
+    include: Annotated[list[str] | None, Query()] = None,
+) -> Any:  # fmt: skip
+    """`include` (extra fields of some item types) changes nothing for text items: accepted."""
+    return ResponsesServing(state.models, state.responses).input_items(response_id, after, limit, order)
+
+
+@responses.post("/v1/responses/{response_id}/cancel")
+async def responses_cancel(response_id: str, state: State) -> Any:
+    return await ResponsesServing(state.models, state.responses).cancel(response_id)
 
 
 @responses.delete("/v1/responses/{response_id}")

@@ -2,7 +2,8 @@
 
 Owns: reading `tokenizer.json` (or, when a folder only has the older "slow" files such as
 `tokenizer.model` or `vocab.json` + `merges.txt`, converting them with transformers, offline),
-the special tokens and `add_bos_token` from `tokenizer_config.json`, the chat template from
+the special tokens and `add_bos_token` from `tokenizer_config.json` (BERT's [CLS]/[SEP] from
+its post-processor), the chat template from
 `chat_template.jinja`, `chat_template.json` or `tokenizer_config.json` (first found wins, as in
 transformers), and extra end-of-generation ids from `generation_config.json`.
 Does not know: weights or `config.json` model fields.
@@ -36,9 +37,15 @@ def _load_backend(folder: Path) -> tokenizers.Tokenizer:
     fast = folder / "tokenizer.json"
     if fast.is_file():
         try:
-            return tokenizers.Tokenizer.from_file(str(fast))
+            backend = tokenizers.Tokenizer.from_file(str(fast))
         except Exception as e:  # the Rust side raises a bare Exception on a malformed file
             raise ValueError(f"cannot read {fast}: {e}") from e
+        # A file saved after batched encoding may switch on padding and truncation (all-MiniLM-L6-v2:
+        # pad to 128, cut at 128): one text's ids would carry pad ids or lose their end silently.
+        # The engine checks lengths itself, so both are off.
+        backend.no_padding()
+        backend.no_truncation()
+        return backend
     # Only slow files: transformers knows how to convert each kind (sentencepiece, vocab+merges,
     # wordpiece). Imported here because it takes seconds and most folders do not need it.
     from transformers import AutoTokenizer
@@ -95,6 +102,14 @@ def _prepends_bos(backend: tokenizers.Tokenizer, bos_id: int | None) -> bool:
     return bool(with_special) and with_special[0] == bos_id and (not without or without[0] != bos_id)
 
 
+def _wraps_cls_sep(backend: tokenizers.Tokenizer, cls_id: int | None, sep_id: int | None) -> bool:
+    """Whether the post-processor wraps a text as `[CLS] text [SEP]` (BERT's tokenizers)."""
+    if cls_id is None or sep_id is None:
+        return False
+    ids = backend.encode("a", add_special_tokens=True).ids
+    return len(ids) >= 2 and ids[0] == cls_id and ids[-1] == sep_id
+
+
 def load_hf_tokenizer(folder: Path, name: str) -> Tokenizer:
     """The tokenizer of an HF model folder."""
     config = _read_json(folder / "tokenizer_config.json")
@@ -121,4 +136,6 @@ def load_hf_tokenizer(folder: Path, name: str) -> Tokenizer:
         chat_template=_chat_template(folder, config),
         # e.g. Llama 3 Instruct: [<|end_of_text|>, <|eom_id|>, <|eot_id|>]; Gemma 3: [<eos>, <end_of_turn>]
         extra_eos_token_ids=_ids(generation.get("eos_token_id")),
+        wraps_cls_sep=bos_id is None
+        and _wraps_cls_sep(backend, special_id("cls_token"), special_id("sep_token")),
     )

@@ -41,6 +41,7 @@ class Tokenizer:
         add_bos_token: bool,
         chat_template: str | None,
         extra_eos_token_ids: Iterable[int] = (),
+        wraps_cls_sep: bool = False,
     ) -> None:
         self.name: str = name
         """What the user called the model; used in error messages."""
@@ -53,6 +54,9 @@ class Tokenizer:
         self.pad_token_id: int | None = pad_token_id
         self.add_bos_token: bool = add_bos_token and bos_token_id is not None
         self.chat_template: str | None = chat_template
+        self.wraps_cls_sep: bool = wraps_cls_sep
+        """BERT-style: `encode` lets the tokenizer.json post-processor wrap the text as
+        `[CLS] text [SEP]` (what an encoder was trained on) instead of the BOS rule."""
         self._backend = backend
         # the backend with special tokens spelled as text; built on first use (a clone of a 262k
         # vocabulary costs memory and most deployments never ask for it)
@@ -68,12 +72,15 @@ class Tokenizer:
     # ---- encode / decode -------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
-        """Token ids of `text`, with BOS first when `add_special_tokens` and the model asks for it.
+        """Token ids of `text`, with BOS first when `add_special_tokens` and the model asks for it
+        (an encoder's [CLS] ... [SEP] when `wraps_cls_sep`).
 
         BOS is added here rather than by the backend's post-processor so that HF folders and GGUF
         files behave the same and `add_bos_token` is the single source of truth.
         """
         backend = self._backend if parse_special else self._text_only()
+        if add_special_tokens and self.wraps_cls_sep:
+            return backend.encode(text, add_special_tokens=True).ids
         ids: list[int] = backend.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.add_bos_token:
             assert self.bos_token_id is not None

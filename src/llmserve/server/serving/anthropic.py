@@ -41,18 +41,12 @@ from llmserve.server.protocol_anthropic import (
 )
 from llmserve.server.serving.anthropic_events import MessageEvents, message, new_message_id
 from llmserve.server.serving.chat import render_chat
+from llmserve.server.serving.chat_bridge import json_body, renamed, start_chat, whole
 from llmserve.server.serving.context import ServingContext
 from llmserve.server.serving.inputs import check_stop
-from llmserve.server.serving.pieces import (
-    Piece,
-    gather,
-    relay_pieces,
-    start_answer,
-    thinks,
-    upstream_chat_body,
-)
-from llmserve.server.serving.streaming import engine_error, run_unless_disconnected, sse_with_errors
-from llmserve.server.serving.tools import ToolPlan, plan_tools, with_tools
+from llmserve.server.serving.pieces import Piece, relay_pieces, upstream_chat_body
+from llmserve.server.serving.streaming import run_unless_disconnected, sse_with_errors
+from llmserve.server.serving.tools import ToolPlan, plan_tools
 
 if TYPE_CHECKING:
     from llmserve.engine.async_engine import RequestStream
@@ -156,17 +150,7 @@ def sampling_params(req: MessagesRequest) -> SamplingParams:
             structured_outputs=StructuredOutputsParams(json=fmt.schema_) if fmt is not None else None,
         )
     except ValueError as e:  # the engine's own checks, in Anthropic's field names
-        field = {"stop": "stop_sequences", "structured_outputs": "output_config.format"}.get(
-            getattr(e, "param", None) or "", getattr(e, "param", None)
-        )
-        raise APIError(400, f"{field}: {e}" if field else str(e), param=field) from None
-
-
-async def json_body(raw: Request) -> Any:
-    try:
-        return await raw.json()
-    except ValueError as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+        raise renamed(e, {"stop": "stop_sequences", "structured_outputs": "output_config.format"}) from None
 
 
 class AnthropicServing:
@@ -194,15 +178,9 @@ class AnthropicServing:
             check_stop(ctx, params.stop, "stop_sequences")
             plan = tool_plan(ctx, req)
             ids = render(ctx, req, messages, plan)
-            split = thinks(ctx) and template_kwargs(req) != {"enable_thinking": False}
-            try:
-                answer = await start_answer(ctx, ids, with_tools(params, plan), "msg", split,
-                                            plan.fmt if plan.active else None)  # fmt: skip
-            except APIError as e:  # a bad constraint: name the field it came in
-                if e.param == "structured_outputs":
-                    field = "tools" if plan.constraint is not None else "output_config.format"
-                    raise APIError(400, f"{field}: {e.message}", param=field) from None
-                raise
+            answer = await start_chat(
+                ctx, ids, params, plan, "msg", template_kwargs(req), "output_config.format"
+            )
             return await _respond(req, raw, answer.pieces, answer.streams, answer.num_prompt_tokens)
 
         def remote(up: RemoteModel) -> Awaitable[Any]:
@@ -246,13 +224,7 @@ async def _respond(req: MessagesRequest, raw: Request, pieces: AsyncIterator[Pie
         body = sse_with_errors(lines(), error_event=anthropic_error_sse, last="")
         return StreamingResponse(body, media_type="text/event-stream")
 
-    async def whole() -> JSONResponse:
-        try:
-            answer = await gather(pieces)
-        except APIError:
-            raise
-        except Exception as e:  # the engine failed under the request
-            raise engine_error(e) from None
-        return JSONResponse(message(message_id, req.model, answer, stop_sequences))
+    async def reply() -> JSONResponse:
+        return JSONResponse(message(message_id, req.model, await whole(pieces), stop_sequences))
 
-    return await run_unless_disconnected(raw, whole, streams)
+    return await run_unless_disconnected(raw, reply, streams)

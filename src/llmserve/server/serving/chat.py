@@ -65,6 +65,7 @@ def render_chat(ctx: ServingContext, messages: list[ChatMessage], add_generation
                 tools: list[dict[str, Any]] | None = None, fmt: ToolFormat | None = None) -> list[int]:  # fmt: skip
     """Chat template -> token ids; a template that refuses the conversation is a 400. `tools` reach
     the template as its `tools` variable, or a system message in `fmt` where the template has none."""
+    ctx.check_generates()
     if continue_final_message and add_generation_prompt:
         raise APIError(
             400, "continue_final_message and add_generation_prompt cannot both be true",

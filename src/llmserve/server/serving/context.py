@@ -10,6 +10,7 @@ from llmserve.config import ServerConfig
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.lora import LoRARequest
 from llmserve.outputs import PositionLogprobs
+from llmserve.server.errors import APIError
 from llmserve.server.serving.tools import ToolFormat, tool_format
 
 
@@ -36,6 +37,13 @@ class ServingContext:
     @property
     def max_model_len(self) -> int:
         return self.engine.engine.max_model_len
+
+    def check_generates(self) -> None:
+        """A 400 naming the model when it serves embeddings only (an encoder such as BERT): every
+        generation path (completions, chat and the second APIs' chat requests) asks here first."""
+        engine = self.engine.engine
+        if engine.is_encoder:
+            raise APIError(400, engine.embedding_only_message(), param="model")
 
     @cached_property
     def tool_format(self) -> ToolFormat:

@@ -76,6 +76,8 @@ async def embed(
         if truncate:  # Ollama's default: keep the first tokens that fit the context
             ids = engine.tokenizer.encode(x) if isinstance(x, str) else x
             x = ids[: engine.max_model_len]
+            if isinstance(x, list) and len(ids) > len(x) and engine.tokenizer.wraps_cls_sep:
+                x[-1] = ids[-1]  # an encoder's text ends with [SEP], kept as sentence-transformers keeps it
         try:
             return engine.process_embedding_inputs(x, pooling)
         except ValueError as e:

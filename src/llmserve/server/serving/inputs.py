@@ -97,6 +97,7 @@ async def process_prompt(
 ) -> ProcessedPrompt:
     """Tokenize and check one prompt; a prompt that cannot fit is a 400 with both numbers, an
     invalid structured-output constraint a 400 naming the field it came in."""
+    ctx.check_generates()
     try:
         return await ctx.engine.process_inputs(prompt, params)
     except ValueError as e:

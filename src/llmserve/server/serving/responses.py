@@ -1,8 +1,15 @@
 """OpenAI's Responses API on the same port as chat completions:
 
-    POST   /v1/responses         input items -> a response (or its semantic SSE events)
-    GET    /v1/responses/{id}    a stored response
-    DELETE /v1/responses/{id}    forget it
+    POST   /v1/responses                    input items -> a response (or its semantic SSE events)
+    GET    /v1/responses/{id}               a stored response (a background one: as it stands)
+    DELETE /v1/responses/{id}               forget it
+    GET    /v1/responses/{id}/input_items   its input items, OpenAI's cursor list
+    POST   /v1/responses/{id}/cancel        stop a background response
+
+`background: true` answers at once with the response `queued` and runs it in a task (the model
+leased by the task, as a request would lease it); GET shows `in_progress`, then `completed`,
+`incomplete` or `failed`; cancel aborts its engine requests and leaves it `cancelled`. It needs
+`store` (the response is only reachable through the store) and is not streamed.
 
 A request becomes the chat request it means, and runs down /v1/chat/completions' path: the same
 chat template (`render_chat`), tool formats and grammars (`plan_tools`, `with_tools`), reasoning
@@ -23,8 +30,10 @@ the chat request upstream. The conversion:
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -41,21 +50,14 @@ from llmserve.server.protocol_responses import (
     ResponsesRequest,
     parse_item,
 )
-from llmserve.server.serving.anthropic import json_body
 from llmserve.server.serving.chat import render_chat
+from llmserve.server.serving.chat_bridge import json_body, renamed, start_chat, whole
 from llmserve.server.serving.context import ServingContext
-from llmserve.server.serving.pieces import (
-    Piece,
-    gather,
-    relay_pieces,
-    start_answer,
-    thinks,
-    upstream_chat_body,
-)
-from llmserve.server.serving.response_store import ResponseStore, StoredResponse
+from llmserve.server.serving.pieces import Piece, relay_pieces, upstream_chat_body
+from llmserve.server.serving.response_store import ResponseStore, StoredResponse, listed_input_items, page
 from llmserve.server.serving.responses_events import ResponseEvents, sse
 from llmserve.server.serving.streaming import engine_error, run_unless_disconnected, sse_with_errors
-from llmserve.server.serving.tools import ToolPlan, plan_tools, with_tools
+from llmserve.server.serving.tools import ToolPlan, plan_tools
 
 if TYPE_CHECKING:
     from llmserve.engine.async_engine import RequestStream
@@ -115,11 +117,7 @@ def sampling_params(req: ResponsesRequest) -> SamplingParams:
             structured_outputs=structured,
         )
     except ValueError as e:  # the engine's own checks, in the Responses field names
-        param = getattr(e, "param", None)
-        field = {"structured_outputs": "text.format", "max_tokens": "max_output_tokens"}.get(
-            param or "", param
-        )
-        raise APIError(400, f"{field}: {e}" if field else str(e), param=field) from None
+        raise renamed(e, {"structured_outputs": "text.format", "max_tokens": "max_output_tokens"}) from None
 
 
 def tool_plan(ctx: ServingContext, req: ResponsesRequest) -> ToolPlan:
@@ -138,6 +136,7 @@ def _shell(req: ResponsesRequest) -> dict[str, Any]:
     """The response object's request-side fields."""
     fmt = req.text.format if req.text and req.text.format else None
     return {
+        "background": bool(req.background),
         "model": req.model, "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
         "previous_response_id": req.previous_response_id, "store": req.store,
         "temperature": 1.0 if req.temperature is None else req.temperature,
@@ -158,8 +157,30 @@ class ResponsesServing:
     def retrieve(self, response_id: str) -> dict[str, Any]:
         return self._stored(response_id).response
 
+    def input_items(self, response_id: str, after: str | None, limit: int, order: str) -> dict[str, Any]:
+        """`GET /v1/responses/{id}/input_items`: the input items the request gave (not those of
+        the responses it continued), newest first unless `order` is asc."""
+        return page(self._stored(response_id).input_items, after, limit, order)
+
+    async def cancel(self, response_id: str) -> dict[str, Any]:
+        """`POST /v1/responses/{id}/cancel`: a background response still running stops (its
+        engine requests aborted) and is `cancelled`; one that already ended is answered as it is."""
+        stored = self._stored(response_id)
+        if not stored.response.get("background"):
+            raise APIError(400, "Only responses created with background: true can be cancelled.",
+                           param="response_id")  # fmt: skip
+        task = self.store.running.get(response_id)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        return stored.response
+
     def delete(self, response_id: str) -> dict[str, Any]:
         self._stored(response_id)
+        task = self.store.running.get(response_id)
+        if task is not None:  # a background response still running stops (and is not stored again)
+            task.cancel()
         self.store.delete(response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
@@ -172,6 +193,9 @@ class ResponsesServing:
 
     async def create(self, raw: Request) -> Any:
         req: ResponsesRequest = parse(ResponsesRequest, await json_body(raw))
+        if req.background and (req.stream or not req.store):
+            raise APIError(400, "background responses need store: true and are not streamed here "
+                           "(poll GET /v1/responses/{id})", param="background")  # fmt: skip
         before = self._stored(req.previous_response_id, "previous_response_id").conversation if (
             req.previous_response_id) else []  # fmt: skip
         given = (
@@ -182,42 +206,78 @@ class ResponsesServing:
         items = [parse_item(item, f"previous_response_id.{i}") for i, item in enumerate(before)] + req.items()
         messages, params = chat_messages(req.instructions, items), sampling_params(req)
         conversation = [*before, *(given if req.input else [])]
+        events = ResponseEvents(_shell(req), None)
+        kept = StoredResponse(events.response, conversation, listed_input_items(given if req.input else []))
 
         async def native(ctx: ServingContext) -> Any:
             plan = tool_plan(ctx, req)
             ids = render_chat(ctx, messages, add_generation_prompt=True, extra=template_kwargs(req),
                               tools=plan.tools, fmt=plan.fmt)  # fmt: skip
-            split = thinks(ctx) and template_kwargs(req) != {"enable_thinking": False}
-            try:
-                answer = await start_answer(ctx, ids, with_tools(params, plan), "resp", split,
-                                            plan.fmt if plan.active else None)  # fmt: skip
-            except APIError as e:  # a bad constraint: name the field it came in
-                if e.param == "structured_outputs":
-                    field = "tools" if plan.constraint is not None else "text.format"
-                    raise APIError(400, f"{field}: {e.message}", param=field) from None
-                raise
+            answer = await start_chat(ctx, ids, params, plan, "resp", template_kwargs(req), "text.format")
             return await self._respond(
-                req, raw, conversation, answer.pieces, answer.streams, answer.num_prompt_tokens
+                req, raw, events, kept, answer.pieces, answer.streams, answer.num_prompt_tokens
             )
 
         def remote(up: RemoteModel) -> Awaitable[Any]:
             tools = [t.as_openai() for t in req.tools or []]
             body = upstream_chat_body(messages, params, req.text_constraint(), tools, req.choice(),
                                       req.parallel_tool_calls, template_kwargs(req))  # fmt: skip
-            return self._respond(req, raw, conversation, relay_pieces(up, "/chat/completions", body))
+            return self._respond(req, raw, events, kept, relay_pieces(up, "/chat/completions", body))
 
+        if req.background:
+            return self._start_background(
+                req.model, events, kept, lambda: self.models.serve(req.model, remote=remote, native=native)
+            )
         return await self.models.serve(req.model, remote=remote, native=native)
 
-    async def _respond(self, req: ResponsesRequest, raw: Request, conversation: list[dict[str, Any]],
+    def _start_background(
+        self, model: str, events: ResponseEvents, kept: StoredResponse, run: Callable[[], Awaitable[Any]]
+    ) -> JSONResponse:
+        """Store the response `queued`, run it in a task, answer it now. The task's end (failure
+        and cancel included) is written into the stored object, which GET reads."""
+        if model not in self.models.adapters:  # an unknown model is a 404 now, not a failed response later
+            self.models.resolve(model)
+        response, response_id = kept.response, kept.response["id"]
+        response["status"] = "queued"
+        self.store.put(kept)
+
+        async def go() -> None:
+            try:
+                await run()
+            except asyncio.CancelledError:
+                response["status"] = "cancelled"
+            except APIError as e:
+                events.error(e)  # failed, with the error
+            except Exception as e:  # the engine failed under the request
+                events.error(engine_error(e))
+            finally:
+                self.store.running.pop(response_id, None)
+
+        self.store.running[response_id] = asyncio.create_task(go())
+        return JSONResponse(response)
+
+    async def _respond(self, req: ResponsesRequest, raw: Request, events: ResponseEvents, kept: StoredResponse,
                        pieces: AsyncIterator[Piece], streams: list[RequestStream] | None = None,
                        num_prompt_tokens: int | None = None) -> Any:  # fmt: skip
         """The answer as the Responses SSE events (`stream`) or one response object, stored
-        (unless `store: false`) once it has ended; a client that leaves aborts `streams`."""
-        events, streams = ResponseEvents(_shell(req), num_prompt_tokens), streams or []
+        (unless `store: false`) once it has ended; a client that leaves aborts `streams`. A
+        background response is gathered into its stored object (its task is cancelled to stop it)."""
+        events.num_prompt_tokens, streams = num_prompt_tokens, streams or []
 
         def keep() -> None:
             if req.store and events.response["status"] in ("completed", "incomplete"):
-                self.store.put(StoredResponse(events.response, [*conversation, *events.output]))
+                self.store.put(StoredResponse(events.response, [*kept.conversation, *events.output],
+                                              kept.input_items))  # fmt: skip
+
+        if req.background:
+            events.response["status"] = "in_progress"
+            try:
+                events.piece(await whole(pieces))
+            finally:
+                for stream in streams:
+                    stream.abort()
+            keep()
+            return None
 
         if req.stream:
 
@@ -239,15 +299,9 @@ class ResponsesServing:
             return StreamingResponse(sse_with_errors(lines(), error_event=error, last=""),
                                      media_type="text/event-stream")  # fmt: skip
 
-        async def whole() -> JSONResponse:
-            try:
-                answer = await gather(pieces)
-            except APIError:
-                raise
-            except Exception as e:  # the engine failed under the request
-                raise engine_error(e) from None
-            events.piece(answer)
+        async def reply() -> JSONResponse:
+            events.piece(await whole(pieces))
             keep()
             return JSONResponse(events.response)
 
-        return await run_unless_disconnected(raw, whole, streams)
+        return await run_unless_disconnected(raw, reply, streams)

@@ -1,0 +1,62 @@
+"""Bidirectional attention without a KV cache, for encoder-only models (BERT).
+
+An encoder's token attends to every token of its own sequence, before and after it, and nothing
+is kept once the forward pass ends: there is no cache to page, so the paged backends do not apply.
+The flat batch [T] (sequences back to back, as the scheduler sends them) is scattered into a
+padded [B, L] grid, attended with torch's `scaled_dot_product_attention` under a key-padding mask,
+and gathered back:
+
+    flat rows   | a0 a1 a2 | b0 b1 | c0 c1 c2 c3 |          T = 9
+    grid        a0 a1 a2 .            row b * L + i holds token i of sequence b
+                b0 b1 .  .            (`pad_index` [T] says where each flat row goes;
+                c0 c1 c2 c3            `key_mask` [B, 1, 1, L] hides the '.' keys)
+
+Padding rows are computed and dropped; with mixed lengths that costs up to (B * L - T) rows of
+attention, small next to the linear layers at BERT's lengths (<= 512).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True, slots=True)
+class EncoderMetadata:
+    """One forward pass's sequence layout, built by the runner before the model runs."""
+
+    num_seqs: int  # B
+    max_len: int  # L
+    pad_index: torch.Tensor  # [T] int64: flat row -> b * L + i
+    key_mask: torch.Tensor  # [B, 1, 1, L] bool: True where the key is a real token
+
+    @staticmethod
+    def build(seq_lens: Sequence[int], device: torch.device) -> EncoderMetadata:
+        assert seq_lens and min(seq_lens) >= 1, f"empty sequence in an encoder batch: {seq_lens}"
+        B, L = len(seq_lens), max(seq_lens)
+        lens = torch.tensor(seq_lens, dtype=torch.int64)
+        offsets = torch.arange(B, dtype=torch.int64) * L
+        pad_index = torch.cat(
+            [torch.arange(n, dtype=torch.int64) + o for n, o in zip(seq_lens, offsets.tolist(), strict=True)]
+        )
+        key_mask = (torch.arange(L)[None, :] < lens[:, None]).view(B, 1, 1, L)
+        return EncoderMetadata(B, L, pad_index.to(device), key_mask.to(device))
+
+
+def bidirectional_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: EncoderMetadata, scale: float
+) -> torch.Tensor:
+    """q, k, v [T, n_heads, head_dim] -> [T, n_heads * head_dim], each sequence attending to itself."""
+    n_heads, D = q.shape[1:]
+    B, L = md.num_seqs, md.max_len
+
+    def grid(x: torch.Tensor) -> torch.Tensor:  # [T, nh, D] -> [B, nh, L, D]
+        padded = x.new_zeros(B * L, n_heads, D).index_copy_(0, md.pad_index, x)
+        return padded.view(B, L, n_heads, D).transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(grid(q), grid(k), grid(v), attn_mask=md.key_mask, scale=scale)
+    out = out.transpose(1, 2).reshape(B * L, n_heads * D)  # [B*L, nh*D]
+    return out.index_select(0, md.pad_index)
