@@ -63,6 +63,8 @@ class RayServeOptions:
     """How many of the prompt's first KV blocks the routing key hashes."""
     imbalance: int = 4
     """Requests ahead of the least loaded replica that make a prefix's home busy."""
+    server_options: dict[str, Any] = field(default_factory=dict)
+    """`ServerConfig` fields for each replica's app (limits, parsers); the key is the ingress's."""
     engine_options: dict[str, Any] = field(default_factory=dict)
     """Every other argument: the engine's options (those of `llmserve serve`, underscored)."""
 
@@ -80,14 +82,12 @@ class RayServeOptions:
     def from_args(cls, args: dict[str, Any]) -> RayServeOptions:
         """`serve run`'s `key=value` arguments (text) or a dict of typed values."""
         hints = typing.get_type_hints(cls)
-        own = {f.name for f in dataclasses.fields(cls)} - {"engine_options"}
+        own = {f.name for f in dataclasses.fields(cls)} - {"engine_options", "server_options"}
         values: dict[str, Any] = {}
         for name, value in args.items():
             if name in own:
                 values[name] = _convert(name, value, hints[name])
-        engine = {k: v for k, v in args.items() if k not in own}
-        EngineArgs.from_options(engine, where="ray serve arguments")  # unknown names, bad values
-        return cls(**values, engine_options=engine)
+        return cls(**values, engine_options={k: v for k, v in args.items() if k not in own})
 
 
 def _convert(name: str, value: Any, hint: Any) -> Any:
@@ -129,7 +129,7 @@ def build_application(options: RayServeOptions) -> Application:
         **scaling,
     )
     ingress = serve.deployment(Ingress, name="Ingress", ray_actor_options={"num_cpus": options.ingress_cpus})
-    server_options = {"served_model_name": spec.name}
+    server_options = {**options.server_options, "served_model_name": spec.name}
     return ingress.bind(
         replicas.bind(spec, options.engine_options, server_options, options.torch_threads),
         options.model, options.api_key, block_size, options.prefix_blocks,
