@@ -21,6 +21,7 @@ pytest.importorskip("ray.serve")
 
 import openai
 import ray
+from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
 from tests.e2e.conftest import CHAT_TEMPLATE, free_port
@@ -75,13 +76,18 @@ def complete(url: str, prompt: str, **params) -> httpx.Response:
     return r
 
 
-def metric(text: str, name: str, replica: str) -> float:
-    """The sum of `name`'s samples labelled with `replica` in a Prometheus text."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") and f'replica="{replica}"' in line:
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+def metric(text: str, name: str, replica: str, **labels: str) -> float:
+    """The sum of `name`'s samples labelled with `replica` (and `labels`) in a Prometheus text."""
+    want = {"replica": replica, **labels}
+    return sum(
+        s.value for family in text_string_to_metric_families(text) for s in family.samples
+        if s.name == name and want.items() <= s.labels.items()
+    )  # fmt: skip
+
+
+def metric_replicas(text: str) -> set[str]:
+    """The replicas that /metrics has samples of."""
+    return {s.labels["replica"] for f in text_string_to_metric_families(text) for s in f.samples}
 
 
 def running_replicas() -> int:
@@ -121,9 +127,7 @@ def test_shared_prefix_goes_to_the_replica_that_cached_it(url: str) -> None:
     after = httpx.get(f"{url}/metrics", headers=AUTH).text
     hits = "llmserve:prefix_cache_hits_total"
     assert metric(after, hits, home) - metric(before, hits, home) >= sum(cached[1:])
-    others = {
-        line.split('replica="')[1].split('"')[0] for line in after.splitlines() if 'replica="' in line
-    } - {home}
+    others = metric_replicas(after) - {home}
     assert len(others) == 1
     other = others.pop()
     assert metric(after, hits, other) == metric(before, hits, other)
@@ -131,7 +135,7 @@ def test_shared_prefix_goes_to_the_replica_that_cached_it(url: str) -> None:
 
 def test_metrics_are_labelled_by_replica(url: str) -> None:
     text = httpx.get(f"{url}/metrics", headers=AUTH).text
-    replicas = {line.split('replica="')[1].split('"')[0] for line in text.splitlines() if 'replica="' in line}
+    replicas = metric_replicas(text)
     assert len(replicas) == 2
     for replica in replicas:
         assert metric(text, "llmserve:prompt_tokens_total", replica) > 0
@@ -172,13 +176,38 @@ def test_auth_and_bad_requests_answer_as_the_plain_server(url: str) -> None:
     complete(url, "the server keeps serving " * 3)
 
 
-def test_replica_killed_mid_stream(url: str) -> None:
-    body = {
+def long_stream_body() -> dict:
+    return {
         "model": MODEL, "messages": [{"role": "user", "content": "Tell me everything"}], "max_tokens": 1800,
         "ignore_eos": True, "stream": True,
     }  # fmt: skip
+
+
+def test_client_disconnect_aborts_the_request_on_its_replica(url: str) -> None:
+    aborted = {"name": "llmserve:request_success_total", "finished_reason": "abort"}
+    before = httpx.get(f"{url}/metrics", headers=AUTH).text
+    with httpx.stream(
+        "POST", f"{url}/v1/chat/completions", json=long_stream_body(), headers=AUTH, timeout=30
+    ) as r:
+        replica = r.headers["x-llmserve-replica"]
+        for i, _ in enumerate(r.iter_lines()):
+            if i == 4:
+                break
+    deadline, count = time.monotonic() + 20, 0.0
+    while time.monotonic() < deadline:
+        text = httpx.get(f"{url}/metrics", headers=AUTH).text
+        count = metric(text, replica=replica, **aborted) - metric(before, replica=replica, **aborted)
+        if count:
+            break
+        time.sleep(0.3)
+    assert count == 1
+
+
+def test_replica_killed_mid_stream(url: str) -> None:
     events = []
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=AUTH, timeout=30) as r:
+    with httpx.stream(
+        "POST", f"{url}/v1/chat/completions", json=long_stream_body(), headers=AUTH, timeout=30
+    ) as r:
         assert r.status_code == 200
         victim = r.headers["x-llmserve-replica"]
         lines = r.iter_lines()
@@ -205,6 +234,9 @@ def test_replica_killed_mid_stream(url: str) -> None:
     while running_replicas() < 2 and time.monotonic() < deadline:
         time.sleep(1)
     assert running_replicas() == 2
-    text = httpx.get(f"{url}/metrics", headers=AUTH).text
-    replicas = {line.split('replica="')[1].split('"')[0] for line in text.splitlines() if 'replica="' in line}
+    # ... and the ingress reaches it (its handle learns of the new replica shortly after)
+    replicas: set[str] = set()
+    while len(replicas) < 2 and time.monotonic() < deadline + 30:
+        replicas = metric_replicas(httpx.get(f"{url}/metrics", headers=AUTH).text)
+        time.sleep(0.5)
     assert len(replicas) == 2 and victim not in replicas
