@@ -26,9 +26,14 @@ from ray.serve.config import RequestRouterConfig
 
 from llmserve.config.engine_args import EngineArgs
 from llmserve.config.models import ModelSpec
+from llmserve.model_executor.model_loader.source import DEFAULT_MODEL
 from llmserve.ray_serve.ingress import Ingress
 from llmserve.ray_serve.replica import EngineReplica
 from llmserve.ray_serve.router import PrefixAwareRouter
+
+QUIET = {"enable_access_log": False}
+"""No line per request in Ray's logs (the plain server keeps uvicorn's access log off too;
+`--log-requests` still logs each request in the replica's app)."""
 
 
 @dataclass(frozen=True)
@@ -104,10 +109,12 @@ def _convert(name: str, value: Any, hint: Any) -> Any:
 
 def build_application(options: RayServeOptions) -> Application:
     """The ingress bound to the replicas' deployment."""
-    spec = ModelSpec(
-        name=options.served_model_name or options.model or "default", source=options.model, preload=True
-    )
-    block_size = EngineArgs.from_options(options.engine_options).block_size
+    name = options.served_model_name or options.model or DEFAULT_MODEL
+    spec = ModelSpec(name=name, source=options.model, preload=True)
+    # unknown names and bad values are refused here, before any replica starts
+    block_size = EngineArgs.from_options(
+        options.engine_options, where="the replicas' engine options"
+    ).block_size
     scaling: dict[str, Any] = {"num_replicas": options.num_replicas}
     if options.max_replicas is not None:
         scaling = {
@@ -126,9 +133,12 @@ def build_application(options: RayServeOptions) -> Application:
             request_router_class=PrefixAwareRouter, request_router_kwargs={"imbalance": options.imbalance}
         ),
         health_check_period_s=2.0,
+        logging_config=QUIET,
         **scaling,
     )
-    ingress = serve.deployment(Ingress, name="Ingress", ray_actor_options={"num_cpus": options.ingress_cpus})
+    ingress = serve.deployment(
+        Ingress, name="Ingress", ray_actor_options={"num_cpus": options.ingress_cpus}, logging_config=QUIET
+    )
     server_options = {**options.server_options, "served_model_name": spec.name}
     return ingress.bind(
         replicas.bind(spec, options.engine_options, server_options, options.torch_threads),

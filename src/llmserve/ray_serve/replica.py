@@ -120,12 +120,25 @@ class EngineReplica:
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(asyncio.shield(call), timeout=5.0)
 
+    async def forward_whole(
+        self, request: ForwardedRequest, prefix_key: int | None = None
+    ) -> tuple[int, list, bytes]:
+        """`forward`'s answer in one piece: (status, headers, body)."""
+        head: dict[str, Any] = {}
+        body = []
+        async for item in self.forward(request):
+            if isinstance(item, dict):
+                head = item
+            else:
+                body.append(item)
+        return head["status"], head["headers"], b"".join(body)
+
     async def metrics_text(self) -> tuple[str, str]:
         """(this replica's id, its Prometheus text: the app's own /metrics answer)."""
         if self.state.metrics is None:
             return self.replica_id, ""
-        chunks = [c async for c in self.forward(ForwardedRequest("GET", "/metrics"))]
-        return self.replica_id, b"".join(c for c in chunks if isinstance(c, bytes)).decode()
+        _, _, body = await self.forward_whole(ForwardedRequest("GET", "/metrics"))
+        return self.replica_id, body.decode()
 
     def check_health(self) -> None:
         """Ray's health check: an engine that died makes the replica unhealthy (Ray replaces it)."""
