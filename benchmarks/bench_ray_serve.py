@@ -10,7 +10,7 @@ uvicorn), then `llmserve serve --replicas N` (a local Ray cluster: Ray Serve's p
 the replicas). For each: `--requests` sequential completions of one token from a short prompt
 (median and p90 latency; the difference of the medians is the ingress's cost), then the
 shared-prefix workload: `--groups` long prefixes, `--per-group` requests each with their own
-question, sent round-robin over the groups; hit rate = cached prompt tokens / prompt tokens (from
+question, sent round-robin over the groups, `--concurrency` at a time; hit rate = cached prompt tokens / prompt tokens (from
 each answer's usage). Prints one JSON object.
 """
 
@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -77,19 +78,20 @@ def _prefix(group: int, num_words: int) -> str:
     return " ".join(WORDS[(group * 7 + i * (group + 1)) % len(WORDS)] for i in range(num_words))
 
 
-def _hit_rate(client: httpx.Client, groups: int, per_group: int, prefix_words: int) -> dict[str, float]:
-    cached = prompt = 0
-    for i in range(per_group):
-        for g in range(groups):
-            messages = [{"role": "system", "content": _prefix(g, prefix_words)},
-                        {"role": "user", "content": f"Question {i} about group {g}?"}]  # fmt: skip
-            r = client.post(
-                "/v1/chat/completions", json={"model": "m", "messages": messages, "max_tokens": 1}
-            )
-            r.raise_for_status()
-            usage = r.json()["usage"]
-            prompt += usage["prompt_tokens"]
-            cached += usage["prompt_tokens_details"]["cached_tokens"]
+def _hit_rate(client: httpx.Client, args: argparse.Namespace) -> dict[str, float]:
+    def one(i: int, g: int) -> dict[str, int]:
+        messages = [{"role": "system", "content": _prefix(g, args.prefix_words)},
+                    {"role": "user", "content": f"Question {i} about group {g}?"}]  # fmt: skip
+        r = client.post("/v1/chat/completions", json={"model": "m", "messages": messages, "max_tokens": 1})
+        r.raise_for_status()
+        return r.json()["usage"]
+
+    # round-robin over the groups, `--concurrency` requests in flight (the router's busy rule can act)
+    order = [(i, g) for i in range(args.per_group) for g in range(args.groups)]
+    with ThreadPoolExecutor(args.concurrency) as pool:
+        usages = list(pool.map(lambda ig: one(*ig), order))
+    prompt = sum(u["prompt_tokens"] for u in usages)
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
     return {"prompt_tokens": prompt, "cached_tokens": cached, "hit_rate": cached / prompt}
 
 
@@ -102,7 +104,7 @@ def _run(args: argparse.Namespace, name: str, extra: list[str], logs: Path) -> d
                 "latency_median_ms": 1e3 * statistics.median(lat),
                 "latency_p90_ms": 1e3 * statistics.quantiles(lat, n=10)[-1],
             }
-            result.update(_hit_rate(client, args.groups, args.per_group, args.prefix_words))
+            result.update(_hit_rate(client, args))
             return result
     finally:
         proc.send_signal(2)
@@ -121,6 +123,7 @@ def main() -> None:
     p.add_argument("--groups", type=int, default=8)
     p.add_argument("--per-group", type=int, default=8)
     p.add_argument("--prefix-words", type=int, default=120)
+    p.add_argument("--concurrency", type=int, default=4, help="shared-prefix requests in flight at once")
     p.add_argument("server_args", nargs=argparse.REMAINDER, help="after --: flags for both servers")
     args = p.parse_args()
     args.server_args = [a for a in args.server_args if a != "--"]

@@ -64,6 +64,8 @@ class EngineReplica:
         config = ServerConfig(**{**server_options, "api_key": None})
         self.app = build_app([spec], config, engine_options)
         self.state = self.app.state.server
+        self.engine_error: BaseException | None = None
+        self.state.on_engine_dead = self._engine_died  # the app calls it once every request has failed
         self._lifespan = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()
         while not self.state.models.started_up:  # the preload runs in the background
@@ -140,10 +142,13 @@ class EngineReplica:
         _, _, body = await self.forward_whole(ForwardedRequest("GET", "/metrics"))
         return self.replica_id, body.decode()
 
+    def _engine_died(self, e: BaseException) -> None:
+        self.engine_error = e
+
     def check_health(self) -> None:
-        """Ray's health check: an engine that died makes the replica unhealthy (Ray replaces it)."""
-        if self.state.draining or self.state.load_error is not None:
-            raise RuntimeError("the engine has stopped")
+        """Ray's health check: a replica whose engine died is unhealthy, and Ray replaces it."""
+        if self.engine_error is not None:
+            raise RuntimeError(f"the engine has stopped: {self.engine_error!r}")
 
     async def __del__(self) -> None:
         with contextlib.suppress(Exception):

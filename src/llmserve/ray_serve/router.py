@@ -13,19 +13,15 @@ accepts (queue below `max_ongoing_requests`), else it moves to the next rank:
 A request without a key (a prompt shorter than one KV block, or a route that has no prompt) goes
 straight to 2. The home is a pure function of the key and the live replicas, so every ingress
 replica agrees on it and nothing is stored per prefix; when a replica dies, only its keys move.
+Ray's node-locality and model-multiplexing preferences (its mixins) are not used: one model, and
+where a prefix's blocks are cached matters more than which node a replica is on.
 """
 
 from __future__ import annotations
 
 import random
 
-from ray.serve.request_router import (
-    LocalityMixin,
-    MultiplexMixin,
-    PendingRequest,
-    RequestRouter,
-    RunningReplica,
-)
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from llmserve.ray_serve.prefix import rendezvous_order
 
@@ -33,7 +29,7 @@ PREFIX_KEY = "prefix_key"
 """The keyword argument of `EngineReplica.forward` that carries the routing key."""
 
 
-class PrefixAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
+class PrefixAwareRouter(RequestRouter):
     def initialize_state(self, imbalance: int = 4) -> None:
         """`imbalance`: how many more ongoing requests than the least loaded replica make a
         prefix's home busy (its request then goes by load alone)."""
