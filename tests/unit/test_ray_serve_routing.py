@@ -1,10 +1,12 @@
 """llmserve.ray_serve's pure parts: the routing key is the engine's own hash of the prompt's first
 KV blocks (token ids from transformers' tokenizer and chat template as the reference), rendezvous
 hashing moves only a lost replica's keys, the router's ranks (a prefix's home, then power of two;
-a busy home skipped), the metrics merge (parsed back with prometheus-client), and the options."""
+a busy home skipped), the metrics merge (parsed back with prometheus-client), the options (serve
+run's arguments, `llmserve serve --replicas`'s flags) and what reaches Ray's deployment config."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 from pathlib import Path
@@ -19,6 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray.serve._private.common import DeploymentID, ReplicaID
 from ray.serve._private.request_router.common import ReplicaQueueLengthCache
 
+from llmserve.cli import serve
+from llmserve.cli.serve_ray import ray_serve_options
 from llmserve.core.kv_cache.block_hash import request_block_hashes
 from llmserve.core.request import Request
 from llmserve.model_executor.model_loader.source import resolve_model
@@ -184,3 +188,39 @@ def test_options_from_serve_run_arguments(model_dir: Path) -> None:
         RayServeOptions.from_args({"num_replicas": "two"})
     with pytest.raises(ValueError, match="max_replicas"):
         RayServeOptions(min_replicas=3, max_replicas=2)
+
+
+def test_autoscaling_on_ongoing_requests_and_the_router_reach_the_deployment() -> None:
+    application = build_application(
+        RayServeOptions(min_replicas=2, max_replicas=5, target_ongoing_requests=3)
+    )
+    replicas = application._bound_deployment.init_args[0]._bound_deployment  # Ray's own objects
+    config = replicas._deployment_config
+    scaling = config.autoscaling_config
+    assert (scaling.min_replicas, scaling.max_replicas, scaling.target_ongoing_requests) == (2, 5, 3.0)
+    assert config.request_router_config.request_router_class.endswith("router.PrefixAwareRouter")
+    fixed = (
+        build_application(RayServeOptions(num_replicas=3))._bound_deployment.init_args[0]._bound_deployment
+    )
+    assert fixed.num_replicas == 3 and fixed._deployment_config.autoscaling_config is None
+
+
+def serve_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    serve.add_parser(parser.add_subparsers())
+    return parser.parse_args(["serve", *argv])
+
+
+def test_llmserve_serve_replicas_flags(model_dir: Path) -> None:
+    options = ray_serve_options(
+        serve_args(str(model_dir), "--replicas", "2", "--max-replicas", "4", "--api-key", "k", "--max-n", "3",
+                   "--max-num-seqs", "5")
+    )  # fmt: skip
+    assert (options.num_replicas, options.min_replicas, options.max_replicas) == (2, 2, 4)
+    assert options.api_key == "k" and options.model == str(model_dir)
+    assert options.server_options["max_n"] == 3 and "api_key" not in options.server_options
+    assert options.engine_options["max_num_seqs"] == 5
+    with pytest.raises(ValueError, match="one native model"):
+        ray_serve_options(serve_args(f"a={model_dir}", f"b={model_dir}", "--replicas", "2"))
+    with pytest.raises(ValueError, match="TLS"):
+        ray_serve_options(serve_args(str(model_dir), "--replicas", "2", "--grpc-port", "9000"))

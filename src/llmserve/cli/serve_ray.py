@@ -45,17 +45,13 @@ def add_ray_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--replica-gpus", type=float, default=0.0, help="Ray GPUs per replica")
 
 
-def run(args: argparse.Namespace) -> int:
+def ray_serve_options(args: argparse.Namespace):  # -> RayServeOptions (the ray extra may be absent)
+    """The Ray Serve application's options from `llmserve serve`'s arguments; ValueError for what
+    the replicas cannot serve."""
     from llmserve.cli.engine_args import llm_kwargs
     from llmserve.cli.serve import model_specs, server_config
+    from llmserve.ray_serve import RayServeOptions
 
-    try:
-        import ray
-        from ray import serve
-
-        from llmserve.ray_serve import RayServeOptions, build_application
-    except ImportError as e:
-        raise ValueError(f"--replicas needs Ray Serve: pip install 'llmserve[ray]' ({e})") from None
     specs = model_specs(args)
     if len(specs) != 1 or specs[0].engine != "native":
         raise ValueError("--replicas serves one native model (give one MODEL)")
@@ -65,16 +61,26 @@ def run(args: argparse.Namespace) -> int:
             "--replicas: TLS, --grpc-port and --allowed-origins are not served through Ray Serve"
         )
     server_options = {k: v for k, v in dataclasses.asdict(config).items() if k not in _INGRESS_FIELDS}
-    options = RayServeOptions(
+    return RayServeOptions(
         model=specs[0].source, served_model_name=specs[0].name, num_replicas=args.replicas,
         min_replicas=args.replicas, max_replicas=args.max_replicas,
         target_ongoing_requests=args.target_ongoing_requests, api_key=config.api_key,
         replica_cpus=args.replica_cpus, replica_gpus=args.replica_gpus, server_options=server_options,
         engine_options={k: v for k, v in llm_kwargs(args).items() if k != "model"},
     )  # fmt: skip
-    application = build_application(options)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import ray
+        from ray import serve
+
+        from llmserve.ray_serve import build_application
+    except ImportError as e:
+        raise ValueError(f"--replicas needs Ray Serve: pip install 'llmserve[ray]' ({e})") from None
+    application = build_application(ray_serve_options(args))
     ray.init(address=args.ray_address)
-    serve.start(http_options={"host": config.host, "port": config.port})
+    serve.start(http_options={"host": args.host, "port": args.port})
     try:
         serve.run(application, name=APP_NAME, route_prefix="/", blocking=True)
     except KeyboardInterrupt:  # Ctrl-C (serve.run blocks until then): take the application down
