@@ -99,7 +99,7 @@ def test_requests_spread_over_both_replicas(url: str) -> None:
     # distinct first blocks: distinct keys, homes spread by rendezvous hashing
     served = [
         complete(url, f"{i}: {'abcdefgh'[i % 8] * 3} request {i} " * 4).headers["x-llmserve-replica"]
-        for i in range(12)
+        for i in range(16)
     ]
     assert len(set(served)) == 2, served
     assert min(served.count(r) for r in set(served)) >= 2, served

@@ -21,7 +21,6 @@ starts a new one. The Files and Batches APIs are refused (501): each replica wou
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -43,8 +42,6 @@ from llmserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from llmserve.server.serving.outputs import SSE_DONE
 from llmserve.tokenizer import load_tokenizer
 
-logger = logging.getLogger("llmserve.ray_serve")
-
 FORWARD_ATTEMPTS = 2
 """Tries of a request whose replica died before answering (Ray's router has then dropped it)."""
 METRICS_TIMEOUT = 5.0
@@ -56,7 +53,7 @@ _HOP_HEADERS = frozenset({"content-length", "transfer-encoding", "connection"})
 
 @serve.ingress()
 class Ingress:
-    """A Ray Serve deployment class (ray_serve/__init__.py applies `serve.deployment`); the ASGI
+    """A Ray Serve deployment class (ray_serve/application.py applies `serve.deployment`); the ASGI
     app is built per replica by `__serve_build_asgi_app__`, after the constructor."""
 
     def __init__(

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,8 +30,6 @@ from ray import serve
 from llmserve.config import ServerConfig
 from llmserve.config.models import ModelSpec
 from llmserve.server.app import build_app
-
-logger = logging.getLogger("llmserve.ray_serve")
 
 REPLICA_HEADER = "x-llmserve-replica"
 
@@ -49,7 +46,7 @@ class ForwardedRequest:
 
 
 class EngineReplica:
-    """A Ray Serve deployment class (ray_serve/__init__.py applies `serve.deployment`)."""
+    """A Ray Serve deployment class (ray_serve/application.py applies `serve.deployment`)."""
 
     async def __init__(
         self, spec: ModelSpec, engine_options: dict[str, Any], server_options: dict[str, Any],
