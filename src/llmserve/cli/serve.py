@@ -5,6 +5,7 @@
     LLMSERVE_API_KEY=... llmserve serve model.gguf --max-queued-requests 64
     llmserve serve smollm2:135m=smollm2-135m-instruct gemma3:270m=gemma3-270m --max-loaded-models 1
     llmserve serve --config models.yaml --models-memory 4GiB --keep-alive 10m
+    llmserve serve ./my-model --replicas 2             # on Ray Serve (cli/serve_ray.py)
 
 Several models: the first is the default (a request without `model`) and loads at start-up, the
 others on their first request (`--preload all` loads every one); `--config` lists models with
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from llmserve.cli.engine_args import add_engine_args, llm_kwargs
+from llmserve.cli.serve_ray import add_ray_args
 from llmserve.config import ServerConfig
 from llmserve.config.cache import parse_bytes
 from llmserve.config.models import ModelSpec, check_specs, load_models_file, parse_duration
@@ -144,6 +146,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--batch-max-concurrency", type=int, default=defaults.batch_max_concurrency,
         help="batch lines in flight at once (fewer: online requests wait less behind batch lines)",
     )  # fmt: skip
+    add_ray_args(p)
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -221,6 +224,10 @@ def model_specs(args: argparse.Namespace) -> list[ModelSpec]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.replicas is not None:
+        from llmserve.cli import serve_ray
+
+        return serve_ray.run(args)
     import uvicorn
 
     from llmserve.server.app import build_app

@@ -1,0 +1,146 @@
+"""llmserve on Ray Serve against one plain server of the same model: the latency the ingress adds
+per request (target: <= 3 ms) and the prefix-cache hit rate of a shared-prefix workload over the
+replicas (target: >= 90% of one replica's).
+
+    python benchmarks/bench_ray_serve.py [--model M] [--replicas 2] [--requests 200] [--groups 8]
+        [--per-group 8] [-- SERVER ARGS ...]
+
+Each setup runs in a fresh subprocess: `llmserve serve` (the replica's app served directly by
+uvicorn), then `llmserve serve --replicas N` (a local Ray cluster: Ray Serve's proxy, the ingress,
+the replicas). For each: `--requests` sequential completions of one token from a short prompt
+(median and p90 latency; the difference of the medians is the ingress's cost), then the
+shared-prefix workload: `--groups` long prefixes, `--per-group` requests each with their own
+question, sent round-robin over the groups, `--concurrency` at a time; hit rate = cached prompt tokens / prompt tokens (from
+each answer's usage). Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from bench_serving import wait_healthy  # benchmarks/ is the script's folder, on sys.path
+
+WORDS = [
+    "river",
+    "stone",
+    "lantern",
+    "orchard",
+    "copper",
+    "meadow",
+    "harbor",
+    "violet",
+    "thunder",
+    "pepper",
+    "canyon",
+    "ember",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(args: argparse.Namespace, extra: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "llmserve.cli.main", "serve", *([args.model] if args.model else []),
+           "--port", str(port), "--served-model-name", "m", *extra, *args.server_args]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=os.environ)  # noqa: SIM115
+    return wait_healthy(proc, port, timeout=600), f"http://127.0.0.1:{port}"
+
+
+def _latencies(client: httpx.Client, n: int) -> list[float]:
+    body = {"model": "m", "prompt": "Hi", "max_tokens": 1, "temperature": 0}
+    for _ in range(5):  # warm-up
+        client.post("/v1/completions", json=body).raise_for_status()
+    out = []
+    for _ in range(n):
+        started = time.perf_counter()
+        client.post("/v1/completions", json=body).raise_for_status()
+        out.append(time.perf_counter() - started)
+    return out
+
+
+def _prefix(group: int, num_words: int) -> str:
+    return " ".join(WORDS[(group * 7 + i * (group + 1)) % len(WORDS)] for i in range(num_words))
+
+
+def _hit_rate(client: httpx.Client, args: argparse.Namespace) -> dict[str, float]:
+    def one(i: int, g: int) -> dict[str, int]:
+        messages = [{"role": "system", "content": _prefix(g, args.prefix_words)},
+                    {"role": "user", "content": f"Question {i} about group {g}?"}]  # fmt: skip
+        r = client.post("/v1/chat/completions", json={"model": "m", "messages": messages, "max_tokens": 1})
+        r.raise_for_status()
+        return r.json()["usage"]
+
+    # round-robin over the groups, `--concurrency` requests in flight (the router's busy rule can act)
+    order = [(i, g) for i in range(args.per_group) for g in range(args.groups)]
+    with ThreadPoolExecutor(args.concurrency) as pool:
+        usages = list(pool.map(lambda ig: one(*ig), order))
+    prompt = sum(u["prompt_tokens"] for u in usages)
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    return {"prompt_tokens": prompt, "cached_tokens": cached, "hit_rate": cached / prompt}
+
+
+def _run(args: argparse.Namespace, name: str, extra: list[str], logs: Path) -> dict[str, object]:
+    proc, url = _start(args, extra, logs / f"{name}.log")
+    try:
+        with httpx.Client(base_url=url, timeout=120) as client:
+            lat = _latencies(client, args.requests)
+            result: dict[str, object] = {
+                "latency_median_ms": 1e3 * statistics.median(lat),
+                "latency_p90_ms": 1e3 * statistics.quantiles(lat, n=10)[-1],
+            }
+            result.update(_hit_rate(client, args))
+            return result
+    finally:
+        proc.send_signal(2)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None)
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--replica-cpus", type=float, default=1.0)
+    p.add_argument("--requests", type=int, default=200)
+    p.add_argument("--groups", type=int, default=8)
+    p.add_argument("--per-group", type=int, default=8)
+    p.add_argument("--prefix-words", type=int, default=120)
+    p.add_argument("--concurrency", type=int, default=4, help="shared-prefix requests in flight at once")
+    p.add_argument("server_args", nargs=argparse.REMAINDER, help="after --: flags for both servers")
+    args = p.parse_args()
+    args.server_args = [a for a in args.server_args if a != "--"]
+    logs = Path(tempfile.mkdtemp(prefix="bench-ray-serve-"))
+    plain = _run(args, "plain", [], logs)
+    ray = _run(
+        args, "ray", ["--replicas", str(args.replicas), "--replica-cpus", str(args.replica_cpus)], logs
+    )
+    report = {
+        "plain": plain,
+        "ray": ray,
+        "ingress_added_ms": ray["latency_median_ms"] - plain["latency_median_ms"],  # type: ignore[operator]
+        "hit_rate_ratio": ray["hit_rate"] / plain["hit_rate"] if plain["hit_rate"] else None,  # type: ignore[operator]
+        "logs": str(logs),
+    }
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

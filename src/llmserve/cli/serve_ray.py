@@ -1,0 +1,90 @@
+"""`llmserve serve --replicas N`: the same server as N engine replicas on Ray Serve, behind one
+OpenAI-compatible ingress (llmserve.ray_serve), a thin wrapper over `serve.run`.
+
+    llmserve serve ./model --replicas 2                          # a local Ray cluster
+    llmserve serve ./model --replicas 1 --max-replicas 4 --ray-address auto   # autoscaled, on a cluster
+
+The server flags that shape requests (limits, parsers, metrics) apply in every replica; the
+ingress listens on --host/--port (Ray Serve's HTTP proxy) and checks --api-key. One model only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+APP_NAME = "llmserve"
+
+# each replica's app: these ServerConfig fields are the ingress's (or Ray's) business there
+_INGRESS_FIELDS = {"host", "port", "grpc_port", "api_key", "allowed_origins"} | {
+    "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs",
+}  # fmt: skip
+
+
+def add_ray_args(p: argparse.ArgumentParser) -> None:
+    r = p.add_argument_group("replicas on Ray Serve (pip install 'llmserve[ray]')")
+    r.add_argument(
+        "--replicas", type=int, default=None,
+        help="serve the model as this many engine replicas on Ray Serve behind one ingress "
+        "(prefix-aware routing, /metrics labelled by replica)",
+    )  # fmt: skip
+    r.add_argument(
+        "--max-replicas", type=int, default=None,
+        help="with --replicas: autoscale between --replicas and this many on queue length",
+    )  # fmt: skip
+    r.add_argument(
+        "--target-ongoing-requests", type=float, default=8.0,
+        help="autoscaling's target of requests held per replica (running + queued)",
+    )  # fmt: skip
+    r.add_argument(
+        "--ray-address",
+        default=None,
+        help="the Ray cluster to join (default: start a local one; 'auto': the running one)",
+    )
+    r.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per replica")
+    r.add_argument("--replica-gpus", type=float, default=0.0, help="Ray GPUs per replica")
+
+
+def ray_serve_options(args: argparse.Namespace):  # -> RayServeOptions (the ray extra may be absent)
+    """The Ray Serve application's options from `llmserve serve`'s arguments; ValueError for what
+    the replicas cannot serve."""
+    from llmserve.cli.engine_args import llm_kwargs
+    from llmserve.cli.serve import model_specs, server_config
+    from llmserve.ray_serve import RayServeOptions
+
+    specs = model_specs(args)
+    if len(specs) != 1 or specs[0].engine != "native":
+        raise ValueError("--replicas serves one native model (give one MODEL)")
+    config = server_config(args)
+    if config.ssl_certfile or config.grpc_port is not None or config.allowed_origins:
+        raise ValueError(
+            "--replicas: TLS, --grpc-port and --allowed-origins are not served through Ray Serve"
+        )
+    server_options = {k: v for k, v in dataclasses.asdict(config).items() if k not in _INGRESS_FIELDS}
+    return RayServeOptions(
+        model=specs[0].source, served_model_name=specs[0].name, num_replicas=args.replicas,
+        min_replicas=args.replicas, max_replicas=args.max_replicas,
+        target_ongoing_requests=args.target_ongoing_requests, api_key=config.api_key,
+        replica_cpus=args.replica_cpus, replica_gpus=args.replica_gpus, server_options=server_options,
+        engine_options={k: v for k, v in llm_kwargs(args).items() if k != "model"},
+    )  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import ray
+        from ray import serve
+
+        from llmserve.ray_serve import build_application
+    except ImportError as e:
+        raise ValueError(f"--replicas needs Ray Serve: pip install 'llmserve[ray]' ({e})") from None
+    application = build_application(ray_serve_options(args))
+    ray.init(address=args.ray_address)
+    serve.start(http_options={"host": args.host, "port": args.port})
+    try:
+        serve.run(application, name=APP_NAME, route_prefix="/", blocking=True)
+    except KeyboardInterrupt:  # Ctrl-C (serve.run blocks until then): take the application down
+        serve.delete(APP_NAME)
+    finally:
+        ray.shutdown()
+    return 0

@@ -1,0 +1,194 @@
+"""`Ingress`: the HTTP front of a Ray Serve application, before N engine replicas.
+
+    client -> Ray Serve's proxy -> Ingress (this: the key, the request schemas, the prefix key)
+           -> DeploymentHandle.forward (PrefixAwareRouter picks the replica) -> EngineReplica
+
+The ingress checks what the plain server's gate and routes check first, with the same code, so
+its refusals are the same: the API key (`middleware.key_matches`, the 401 in the path's error
+shape) and, on /v1/chat/completions and /v1/completions, the request schemas (server/protocol.py,
+FastAPI's validation and server/errors.py's handlers: the same 400 naming the field). A valid
+request's prefix key (ray_serve/prefix.py) goes along for the router; the replica's app then
+answers it in full (its own later checks, the engine, the stream), and the ingress relays the
+answer: a stream chunk by chunk, any other answer whole.
+
+A replica that dies (killed, crashed) ends its requests: before the answer began, the request goes
+once more to another replica (then a 503 in the API's error shape); mid-stream, an SSE error event
+and [DONE], so no client waits forever. Ray's router stops sending to a dead replica and Ray
+starts a new one. The Files and Batches APIs are refused (501): each replica would keep its own.
+
+/metrics merges every replica's metrics, labelled by replica (ray_serve/metrics.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from ray import serve
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayError
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from llmserve.model_executor.model_loader.source import resolve_model
+from llmserve.ray_serve.metrics import merge_metrics
+from llmserve.ray_serve.prefix import PrefixKeyer
+from llmserve.ray_serve.replica import ForwardedRequest
+from llmserve.ray_serve.router import PREFIX_KEY
+from llmserve.server.errors import APIError, error_sse, install_error_handlers
+from llmserve.server.middleware import OPEN_PATHS, key_matches, send_error
+from llmserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from llmserve.server.serving.outputs import SSE_DONE
+from llmserve.tokenizer import load_tokenizer
+
+FORWARD_ATTEMPTS = 2
+"""Tries of a request whose replica died before answering (Ray's router has then dropped it)."""
+METRICS_TIMEOUT = 5.0
+"""Seconds /metrics waits for the replicas' texts (one that is later is left out)."""
+
+# headers of the replica's answer that the ingress's own response sets again
+_HOP_HEADERS = frozenset({"content-length", "transfer-encoding", "connection"})
+
+
+@serve.ingress()
+class Ingress:
+    """A Ray Serve deployment class (ray_serve/application.py applies `serve.deployment`); the ASGI
+    app is built per replica by `__serve_build_asgi_app__`, after the constructor."""
+
+    def __init__(
+        self, engine: DeploymentHandle, model_source: str | None, api_key: str | None,
+        block_size: int, prefix_blocks: int,
+    ) -> None:  # fmt: skip
+        self.engine = engine
+        self.streams = engine.options(stream=True)
+        self.api_key = api_key
+        self.keyer = PrefixKeyer(load_tokenizer(resolve_model(model_source)), block_size, prefix_blocks)
+
+    def __serve_build_asgi_app__(self) -> ASGIApp:
+        return build_ingress_app(self)
+
+    async def forward(self, raw: Request, prefix_key: int | None = None, stream: bool = True) -> Response:
+        """`raw` answered by the replica the router picks for `prefix_key`. `stream`: the answer
+        may be a stream (relayed chunk by chunk); False: one call returns it whole (a request
+        that did not ask for a stream: a Ray streaming call costs about a millisecond more)."""
+        request = ForwardedRequest(
+            raw.method, raw.url.path, raw.scope.get("query_string", b""), list(raw.scope["headers"]),
+            await raw.body(),
+        )  # fmt: skip
+        for attempt in range(FORWARD_ATTEMPTS):
+            try:
+                if not stream:
+                    status, headers, body = await self.engine.forward_whole.remote(
+                        request, **{PREFIX_KEY: prefix_key}
+                    )
+                    return Response(body, status_code=status, headers=_headers(headers))
+                chunks: DeploymentResponseGenerator = self.streams.forward.remote(
+                    request, **{PREFIX_KEY: prefix_key}
+                )
+                head = await chunks.__anext__()
+                break
+            except (ActorDiedError, ActorUnavailableError) as e:
+                # nothing reached the client yet: another replica can answer it
+                if attempt + 1 == FORWARD_ATTEMPTS:
+                    raise APIError(503, f"the engine replica failed before answering: {_reason(e)}") from None
+            except RayError as e:
+                raise APIError(500, f"the engine replica failed: {_reason(e)}") from None
+        headers = _headers(head["headers"])
+        if not headers.get("content-type", "").startswith("text/event-stream"):
+            try:
+                body = b"".join([chunk async for chunk in chunks])
+            except RayError as e:
+                raise APIError(503, f"the engine replica failed while answering: {_reason(e)}") from None
+            return Response(body, status_code=head["status"], headers=headers)
+        return StreamingResponse(_relay(chunks), status_code=head["status"], headers=headers)
+
+    async def metrics(self) -> Response:
+        """Every replica's metrics, labelled by replica (ray_serve/metrics.py)."""
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        answers = await self.engine.broadcast("metrics_text").results_async(
+            timeout_s=METRICS_TIMEOUT, return_exceptions=True
+        )
+        texts = dict(a for a in answers if isinstance(a, tuple))
+        return Response(merge_metrics(texts), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _relay(stream: DeploymentResponseGenerator) -> AsyncIterator[bytes | str]:
+    """A replica's SSE answer; a replica that dies mid-stream ends it with an error event. A client
+    that leaves closes this generator, which cancels the replica's call (its request aborts)."""
+    done = False
+    try:
+        async for chunk in stream:
+            yield chunk
+        done = True
+    except RayError as e:
+        done = True
+        yield error_sse(APIError(503, f"the engine replica failed mid-stream: {_reason(e)}"))
+        yield SSE_DONE
+    finally:
+        if not done:
+            stream.cancel()
+
+
+def _headers(headers: list[tuple[str, str]]) -> dict[str, str]:
+    """A replica's answer headers, less those the ingress's own response sets."""
+    return {k: v for k, v in headers if k.lower() not in _HOP_HEADERS}
+
+
+def _reason(e: RayError) -> str:
+    return type(e).__name__ + (f": {str(e).splitlines()[0]}" if str(e) else "")
+
+
+class KeyCheck:
+    """The API key, before routing (as the plain server's gate): every path but /health."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            headers = dict(scope["headers"])
+            if not key_matches(
+                self.expected, headers.get(b"authorization", b""), headers.get(b"x-api-key", b"")
+            ):
+                await send_error(send, scope["path"], 401, "missing or wrong API key: send 'Authorization: "
+                                 "Bearer <key>' or 'x-api-key: <key>'", {"WWW-Authenticate": "Bearer"})  # fmt: skip
+                return
+        await self.app(scope, receive, send)
+
+
+def build_ingress_app(ingress: Ingress) -> FastAPI:
+    """The ingress's routes: the two prompt routes validated and keyed here, /metrics merged
+    here, everything else forwarded as it is (the replica's app answers, or refuses, it)."""
+    api = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    install_error_handlers(api)
+    if ingress.api_key:
+        api.add_middleware(KeyCheck, api_key=ingress.api_key)
+
+    @api.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest, raw: Request) -> Response:
+        return await ingress.forward(raw, ingress.keyer.chat_key(req), stream=req.stream)
+
+    @api.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request) -> Response:
+        return await ingress.forward(raw, ingress.keyer.completion_key(req), stream=req.stream)
+
+    @api.get("/metrics")
+    async def metrics() -> Response:
+        return await ingress.metrics()
+
+    @api.api_route("/v1/files{rest:path}", methods=["GET", "POST", "DELETE"])
+    @api.api_route("/v1/batches{rest:path}", methods=["GET", "POST", "DELETE"])
+    async def batches(rest: str) -> Any:
+        # each replica would keep its own files and batches, and a handle reaches a random one
+        raise APIError(
+            501, "the Files and Batches APIs are not served on Ray Serve: run them on one llmserve serve"
+        )
+
+    @api.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
+    async def other(raw: Request, path: str) -> Any:
+        return await ingress.forward(raw)
+
+    return api

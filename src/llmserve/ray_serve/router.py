@@ -1,0 +1,64 @@
+"""`PrefixAwareRouter`: Ray Serve's request router for the engine replicas.
+
+Runs in the ingress (inside its `DeploymentHandle`). For each request it returns ranks of
+candidates; Ray probes the first rank's queue lengths and takes the least loaded replica that
+accepts (queue below `max_ongoing_requests`), else it moves to the next rank:
+
+    1. the key's home: the replica that rendezvous hashing (ray_serve/prefix.py) picks for the
+       request's prefix key (the hash of its prompt's first KV blocks), which is where earlier
+       requests with that prefix went and left their blocks cached; skipped when it is busy:
+       `imbalance` or more requests ahead of the least loaded replica (Ray's cached queue lengths);
+    2. power of two choices: the less loaded of two random replicas (Ray's default policy).
+
+A request without a key (a prompt shorter than one KV block, or a route that has no prompt) goes
+straight to 2. The home is a pure function of the key and the live replicas, so every ingress
+replica agrees on it and nothing is stored per prefix; when a replica dies, only its keys move.
+Ray's node-locality and model-multiplexing preferences (its mixins) are not used: one model, and
+where a prefix's blocks are cached matters more than which node a replica is on.
+"""
+
+from __future__ import annotations
+
+import random
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from llmserve.ray_serve.prefix import rendezvous_order
+
+PREFIX_KEY = "prefix_key"
+"""The keyword argument of `EngineReplica.forward` that carries the routing key."""
+
+
+class PrefixAwareRouter(RequestRouter):
+    def initialize_state(self, imbalance: int = 4) -> None:
+        """`imbalance`: how many more ongoing requests than the least loaded replica make a
+        prefix's home busy (its request then goes by load alone)."""
+        if imbalance < 1:
+            raise ValueError(f"imbalance must be >= 1, not {imbalance}")
+        self.imbalance = imbalance
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        ranks = []
+        key = pending_request.kwargs.get(PREFIX_KEY) if pending_request is not None else None
+        if key is not None:
+            home = self._home(key, candidate_replicas)
+            if not self._busy(home, candidate_replicas):
+                ranks.append([home])
+        ranks.append(random.sample(candidate_replicas, min(2, len(candidate_replicas))))
+        return ranks
+
+    @staticmethod
+    def _home(key: int, replicas: list[RunningReplica]) -> RunningReplica:
+        by_id = {r.replica_id.unique_id: r for r in replicas}
+        return by_id[rendezvous_order(key, list(by_id))[0]]
+
+    def _busy(self, home: RunningReplica, replicas: list[RunningReplica]) -> bool:
+        """`imbalance` or more ongoing requests ahead of the least loaded replica (unknown queue
+        lengths count as idle: Ray's probe of the rank then gives the real ones)."""
+        cache = self.replica_queue_len_cache
+        lengths = {r.replica_id: cache.get(r.replica_id) or 0 for r in replicas}
+        return lengths[home.replica_id] - min(lengths.values()) >= self.imbalance

@@ -1,0 +1,226 @@
+"""llmserve.ray_serve's pure parts: the routing key is the engine's own hash of the prompt's first
+KV blocks (token ids from transformers' tokenizer and chat template as the reference), rendezvous
+hashing moves only a lost replica's keys, the router's ranks (a prefix's home, then power of two;
+a busy home skipped), the metrics merge (parsed back with prometheus-client), the options (serve
+run's arguments, `llmserve serve --replicas`'s flags) and what reaches Ray's deployment config."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import transformers
+
+pytest.importorskip("ray.serve")
+
+from prometheus_client.parser import text_string_to_metric_families
+from ray.serve._private.common import DeploymentID, ReplicaID
+from ray.serve._private.request_router.common import ReplicaQueueLengthCache
+
+from llmserve.cli import serve
+from llmserve.cli.serve_ray import ray_serve_options
+from llmserve.core.kv_cache.block_hash import request_block_hashes
+from llmserve.core.request import Request
+from llmserve.model_executor.model_loader.source import resolve_model
+from llmserve.ray_serve import RayServeOptions, build_application
+from llmserve.ray_serve.metrics import merge_metrics
+from llmserve.ray_serve.prefix import PrefixKeyer, rendezvous_order
+from llmserve.ray_serve.router import PREFIX_KEY, PrefixAwareRouter
+from llmserve.sampling_params import SamplingParams
+from llmserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from llmserve.tokenizer import load_tokenizer
+from tests.e2e.conftest import CHAT_TEMPLATE
+from tests.models.tiny import make_tiny_model
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-llama-routing")
+    make_tiny_model("llama", folder)
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    config_path.write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def keyer(model_dir: Path) -> PrefixKeyer:
+    return PrefixKeyer(load_tokenizer(resolve_model(str(model_dir))), BLOCK, num_blocks=3)
+
+
+def engine_hash(ids: list[int], num_blocks: int) -> int:
+    """The hash the engine's prefix cache gives block `num_blocks - 1` of a prompt."""
+    request = Request("r", list(ids), SamplingParams())
+    return request_block_hashes(request, BLOCK)[num_blocks - 1]
+
+
+def test_completion_key_is_the_engines_block_hash(model_dir: Path, keyer: PrefixKeyer) -> None:
+    reference = transformers.AutoTokenizer.from_pretrained(model_dir)
+    prompt = "The quick brown fox jumps over the lazy dog. " * 6
+    ids = reference(prompt)["input_ids"]
+    assert len(ids) > 3 * BLOCK
+    key = keyer.completion_key(CompletionRequest(model="m", prompt=prompt))
+    assert key == engine_hash(ids, 3)
+    # token ids, and a batch's first prompt, give the same key
+    assert keyer.completion_key(CompletionRequest(model="m", prompt=ids)) == key
+    assert keyer.completion_key(CompletionRequest(model="m", prompt=[prompt, "other"])) == key
+    # only the first blocks count: a different tail keeps the key, a different head changes it
+    assert keyer.text_key(prompt + " and then some more") == key
+    assert keyer.text_key("A" + prompt) != key
+
+
+def test_short_prompts_hash_their_full_blocks_only(keyer: PrefixKeyer) -> None:
+    assert keyer.ids_key(list(range(BLOCK - 1))) is None
+    assert keyer.ids_key(list(range(BLOCK + 5))) == engine_hash(list(range(BLOCK + 5)), 1)
+
+
+def test_chat_key_is_the_rendered_conversations_hash(model_dir: Path, keyer: PrefixKeyer) -> None:
+    reference = transformers.AutoTokenizer.from_pretrained(model_dir)
+    messages = [
+        {"role": "system", "content": "You answer questions about geography, briefly. " * 3},
+        {"role": "user", "content": "Where is Lima?"},
+    ]
+    ids = reference.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    key = keyer.chat_key(ChatCompletionRequest(model="m", messages=messages))
+    assert key == engine_hash(list(ids), 3)
+
+
+def test_rendezvous_moves_only_the_lost_replicas_keys() -> None:
+    replicas = ["a", "b", "c"]
+    homes = {key: rendezvous_order(key, replicas)[0] for key in range(300)}
+    assert {homes[k] for k in homes} == set(replicas)
+    after = {key: rendezvous_order(key, ["a", "c"])[0] for key in range(300)}
+    assert all(after[k] == homes[k] for k in homes if homes[k] != "b")
+    # the order does not depend on how the replicas are listed
+    assert all(rendezvous_order(k, ["c", "a", "b"]) == rendezvous_order(k, replicas) for k in range(50))
+
+
+def make_router(queue_lengths: dict[str, int], imbalance: int = 2) -> tuple[PrefixAwareRouter, list]:
+    """The router's policy alone (Ray's routing loop around it is not started)."""
+    router = PrefixAwareRouter.__new__(PrefixAwareRouter)
+    router._replica_queue_len_cache = ReplicaQueueLengthCache()
+    router.initialize_state(imbalance=imbalance)
+    replicas = []
+    for name, length in queue_lengths.items():
+        replica_id = ReplicaID(name, DeploymentID("EngineReplica", "app"))
+        router._replica_queue_len_cache.update(replica_id, length)
+        replicas.append(SimpleNamespace(replica_id=replica_id))
+    return router, replicas
+
+
+def choose(router: PrefixAwareRouter, replicas: list, key: int | None) -> list[list]:
+    pending = SimpleNamespace(kwargs={PREFIX_KEY: key})
+    return asyncio.run(router.choose_replicas(replicas, pending))
+
+
+def test_router_ranks_the_home_first_then_two_choices() -> None:
+    router, replicas = make_router({"a": 0, "b": 0, "c": 0})
+    key = 12345
+    home = rendezvous_order(key, ["a", "b", "c"])[0]
+    ranks = choose(router, replicas, key)
+    assert [r.replica_id.unique_id for r in ranks[0]] == [home]
+    assert len(ranks[1]) == 2 and len({id(r) for r in ranks[1]}) == 2
+    # no key (a prompt shorter than a block): power of two choices only
+    assert len(choose(router, replicas, None)) == 1
+
+
+def test_router_skips_a_busy_home() -> None:
+    key = 777
+    home = rendezvous_order(key, ["a", "b"])[0]
+    other = "b" if home == "a" else "a"
+    router, replicas = make_router({home: 5, other: 3}, imbalance=2)  # 2 ahead: busy
+    ranks = choose(router, replicas, key)
+    assert len(ranks) == 1 and len(ranks[0]) == 2
+    router, replicas = make_router({home: 4, other: 3}, imbalance=2)  # 1 ahead: still the home
+    assert [r.replica_id.unique_id for r in choose(router, replicas, key)[0]] == [home]
+    with pytest.raises(ValueError, match="imbalance"):
+        make_router({"a": 0}, imbalance=0)
+
+
+def test_metrics_merge_labels_every_sample_by_replica() -> None:
+    text = (
+        "# HELP llmserve:prompt_tokens_total Prefill tokens.\n# TYPE llmserve:prompt_tokens_total counter\n"
+        'llmserve:prompt_tokens_total{model_name="m"} 12.0\n'
+        "# HELP llmserve:ttft_seconds TTFT.\n# TYPE llmserve:ttft_seconds histogram\n"
+        'llmserve:ttft_seconds_bucket{le="0.1",model_name="m"} 1.0\n'
+        'llmserve:ttft_seconds_bucket{le="+Inf",model_name="m"} 2.0\n'
+        'llmserve:ttft_seconds_count{model_name="m"} 2.0\nllmserve:ttft_seconds_sum{model_name="m"} 0.5\n'
+    )
+    merged = merge_metrics({"r1": text, "r2": text.replace("12.0", "30.0")}).decode()
+    families = {f.name: f for f in text_string_to_metric_families(merged)}
+    counter = families["llmserve:prompt_tokens"]
+    assert {(s.labels["replica"], s.value) for s in counter.samples} == {("r1", 12.0), ("r2", 30.0)}
+    assert all(s.labels["model_name"] == "m" for s in counter.samples)
+    histogram = families["llmserve:ttft_seconds"]
+    assert len(histogram.samples) == 2 * 4 and {s.labels["replica"] for s in histogram.samples} == {
+        "r1",
+        "r2",
+    }
+    assert merged.count("# TYPE llmserve:ttft_seconds histogram") == 1
+
+
+def test_options_from_serve_run_arguments(model_dir: Path) -> None:
+    options = RayServeOptions.from_args(
+        {
+            "model": str(model_dir),
+            "num_replicas": "2",
+            "max_replicas": "4",
+            "torch_threads": "1",
+            "max_num_seqs": "4",
+        }
+    )
+    assert (options.num_replicas, options.max_replicas, options.torch_threads) == (2, 4, 1)
+    assert options.engine_options == {"max_num_seqs": "4"}
+    application = build_application(options)  # the engine options are checked here
+    assert application is not None
+    with pytest.raises(ValueError, match="no_such_option"):
+        build_application(RayServeOptions.from_args({"model": str(model_dir), "no_such_option": "1"}))
+    with pytest.raises(ValueError, match="num_replicas='two'"):
+        RayServeOptions.from_args({"num_replicas": "two"})
+    with pytest.raises(ValueError, match="max_replicas"):
+        RayServeOptions(min_replicas=3, max_replicas=2)
+
+
+def test_autoscaling_on_ongoing_requests_and_the_router_reach_the_deployment() -> None:
+    application = build_application(
+        RayServeOptions(min_replicas=2, max_replicas=5, target_ongoing_requests=3)
+    )
+    replicas = application._bound_deployment.init_args[0]._bound_deployment  # Ray's own objects
+    config = replicas._deployment_config
+    scaling = config.autoscaling_config
+    assert (scaling.min_replicas, scaling.max_replicas, scaling.target_ongoing_requests) == (2, 5, 3.0)
+    assert config.request_router_config.request_router_class.endswith("router.PrefixAwareRouter")
+    fixed = (
+        build_application(RayServeOptions(num_replicas=3))._bound_deployment.init_args[0]._bound_deployment
+    )
+    assert fixed.num_replicas == 3 and fixed._deployment_config.autoscaling_config is None
+
+
+def serve_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    serve.add_parser(parser.add_subparsers())
+    return parser.parse_args(["serve", *argv])
+
+
+def test_llmserve_serve_replicas_flags(model_dir: Path) -> None:
+    options = ray_serve_options(
+        serve_args(str(model_dir), "--replicas", "2", "--max-replicas", "4", "--api-key", "k", "--max-n", "3",
+                   "--max-num-seqs", "5")
+    )  # fmt: skip
+    assert (options.num_replicas, options.min_replicas, options.max_replicas) == (2, 2, 4)
+    assert options.api_key == "k" and options.model == str(model_dir)
+    assert options.server_options["max_n"] == 3 and "api_key" not in options.server_options
+    assert options.engine_options["max_num_seqs"] == 5
+    with pytest.raises(ValueError, match="one native model"):
+        ray_serve_options(serve_args(f"a={model_dir}", f"b={model_dir}", "--replicas", "2"))
+    with pytest.raises(ValueError, match="TLS"):
+        ray_serve_options(serve_args(str(model_dir), "--replicas", "2", "--grpc-port", "9000"))
