@@ -10,6 +10,7 @@ their structure is checked field by field here.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 from pathlib import Path
@@ -220,6 +221,12 @@ def test_the_rayservice_serves_the_ray_serve_application():
     (application,) = serve_config["applications"]
     assert application["import_path"] == "llmserve.ray_serve:app"
     assert application["route_prefix"] == "/"
+    if importlib.util.find_spec("ray") is not None:  # the args are options the application takes
+        from llmserve.ray_serve.application import RayServeOptions
+
+        options = RayServeOptions.from_args(application["args"])
+        assert options.engine_options == {} and options.model.startswith("/models/")
+        assert options.max_replicas >= options.min_replicas
     cluster = rayservice["spec"]["rayClusterConfig"]
     assert set(cluster) == {"rayVersion", "enableInTreeAutoscaling", "headGroupSpec", "workerGroupSpecs"}
     assert all(isinstance(v, str) for v in cluster["headGroupSpec"]["rayStartParams"].values())
