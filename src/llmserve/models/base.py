@@ -59,6 +59,10 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
 
+    supports_images: ClassVar[bool] = False
+    """Whether it takes images (then it has `embed_images`, `embed_with_images` and
+    `mm_tokens_per_image`; the runner feeds their vectors in, see gemma3_mm.py)."""
+
     backbone_name: ClassVar[str] = "model"
     """The attribute holding the decoder stack (its name is the checkpoint's prefix)."""
     lm_head: LMHead

@@ -144,6 +144,8 @@ def resolve_cpu_gemm(name: str, profile: DeviceProfile, dtype: torch.dtype) -> s
 
 
 def _max_model_len(config: ModelConfig, hf_config: Any) -> int:
+    if hasattr(hf_config, "get_text_config"):  # a multimodal config: its language model's limit
+        hf_config = hf_config.get_text_config()
     limit = int(
         getattr(hf_config, "max_position_embeddings", 0) or getattr(hf_config, "n_positions", 0) or 2048
     )
