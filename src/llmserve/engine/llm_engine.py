@@ -261,7 +261,7 @@ class LLMEngine:
         if not getattr(self.loaded.model, "bidirectional_images", False):
             raise ParameterError(
                 f"images need an attention backend that attends an image's tokens both ways (torch, "
-                f"cpu); this engine runs {self.loaded.profile.attention_backend!r}",
+                f"cpu, triton); this engine runs {self.loaded.profile.attention_backend!r}",
                 param="images",
             )
         n = self.images.tokens_per_image

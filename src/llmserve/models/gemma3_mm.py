@@ -10,7 +10,7 @@ The prompt holds `mm_tokens_per_image` placeholder tokens per image (between <st
 replaced by the image's vectors (unscaled, as transformers does), and the stack runs as usual.
 An image's tokens attend to each other both ways in every layer (within the sliding window on
 sliding layers): the runner passes each image's span in `AttentionMetadata.bidirectional`, so the
-model needs an attention backend that reads it (`bidirectional_spans`: torch, cpu).
+model needs an attention backend that reads it (`bidirectional_spans`: torch, cpu, triton).
 """
 
 from __future__ import annotations
