@@ -119,9 +119,10 @@ FALLBACK_CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
 """Architectures with no native implementation: they run on transformers' modelling code."""
 
 
-def save_tiny_tokenizer(folder: Path, vocab_size: int = 512) -> None:
+def save_tiny_tokenizer(folder: Path, vocab_size: int = 512, special: tuple[str, ...] = ()) -> None:
     """A byte-level BPE tokenizer trained on a few sentences and padded to exactly `vocab_size`
-    ids (every id a sampler can pick decodes), with `<|endoftext|>` = 0 as EOS."""
+    ids (every id a sampler can pick decodes), with `<|endoftext|>` = 0 as EOS; `special`: added
+    special tokens, the last ids in order."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -134,8 +135,9 @@ def save_tiny_tokenizer(folder: Path, vocab_size: int = 512) -> None:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(corpus, trainer)
-    extra = vocab_size - tok.get_vocab_size()
+    extra = vocab_size - len(special) - tok.get_vocab_size()
     tok.add_tokens([f"<extra_{i}>" for i in range(extra)])
+    tok.add_special_tokens(list(special))
     assert tok.get_vocab_size() == vocab_size
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(
@@ -177,3 +179,48 @@ def hf_greedy(hf, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tens
             logits.append(hf(ids).logits[0, -1])
             ids = torch.cat([ids, logits[-1].argmax().view(1, 1)], dim=1)
     return ids[0, len(prompt) :].tolist(), logits
+
+
+IMAGE_TOKENS = ("<image_soft_token>", "<start_of_image>", "<end_of_image>")
+"""The tiny VLM's image placeholder, begin and end tokens (Gemma 3's names), ids 509, 510, 511."""
+GEMMA3_VLM_TEMPLATE = (
+    "{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for part in m['content'] %}"
+    "{% if part['type'] == 'image' %}<start_of_image>{% elif part['type'] == 'text' %}{{ part['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+"""Gemma 3's chat template, cut to what the tiny VLM needs: an image part is `<start_of_image>`."""
+
+
+def make_tiny_gemma3_vlm(folder: Path, seed: int = 0) -> transformers.PreTrainedModel:
+    """A Gemma3ForConditionalGeneration: the tiny Gemma 3 text model and a 2-layer SigLIP tower
+    on 32x32 images (8x8 patches, pooled to 16 image tokens), saved with a tokenizer whose last
+    ids are the image tokens, a chat template with image parts, and a preprocessor_config.json."""
+    torch.manual_seed(seed)
+    text = _gemma3()
+    text.max_position_embeddings = 512
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        image_size=32, patch_size=4, vision_use_head=False,
+    )  # fmt: skip
+    config = transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=16,
+        image_token_index=509, boi_token_index=510, eoi_token_index=511, initializer_range=0.15,
+    )  # fmt: skip
+    config.text_config.eos_token_id = 0
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # HF zero-initialises the projector: random weights, so images matter
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.3)
+    model.save_pretrained(folder)
+    save_tiny_tokenizer(Path(folder), text.vocab_size, IMAGE_TOKENS)
+    path = Path(folder) / "tokenizer_config.json"
+    tok_config = json.loads(path.read_text())
+    tok_config["chat_template"] = GEMMA3_VLM_TEMPLATE
+    path.write_text(json.dumps(tok_config))
+    (Path(folder) / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Gemma3ImageProcessor", "do_resize": True, "size": {"height": 32, "width": 32},
+        "resample": 2, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True,
+    }))  # fmt: skip
+    return model

@@ -61,3 +61,31 @@ def test_profile_of_meta_runs_the_reference_backend_eagerly() -> None:
     profile = build_profile(META)
     assert profile.attention_backend == "torch"
     assert not (profile.fused_cpu_decoder or profile.cuda_graphs or profile.pin_memory)
+
+
+def test_gemma3_vision_on_meta_creates_nothing_on_another_device(tmp_path) -> None:
+    """The image encoder, the projector and a step with an image's rows and span, all on meta."""
+    import transformers
+
+    from llmserve.models.gemma3_mm import Gemma3ForConditionalGeneration
+
+    text = TINY_CONFIGS["gemma3"]()
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        image_size=32,
+        patch_size=4,
+    )
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=16)
+    with torch.device(META):
+        model = Gemma3ForConditionalGeneration(config, get_attention_backend("torch")).eval()
+    assert {p.device for p in model.parameters()} | {b.device for b in model.buffers()} == {META}
+    vectors = model.embed_images(torch.empty(1, 3, 32, 32, device=META))
+    assert vectors.device == META and tuple(vectors.shape) == (1, 16, text.hidden_size)
+    runner = ForwardRunner(model, num_blocks=16, block_size=4, profile=build_profile(META))
+    batch = [SequenceBatchEntry(list(range(1, 21)), 20, [0, 1, 2, 3, 4], image_rows=((2, vectors[0]),),
+                                bidirectional=((2, 18),))]  # fmt: skip
+    logits = runner.execute(batch, all_logits=True)
+    assert logits.device == META and tuple(logits.shape) == (20, text.vocab_size)

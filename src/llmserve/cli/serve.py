@@ -95,6 +95,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     s.add_argument("--max-body-size", type=parse_bytes, default=defaults.max_body_bytes, help="e.g. 8MiB")
     s.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout)
+    s.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        help="images given as file paths or file:// URLs are read only from under this folder (default: none)",
+    )
+    s.add_argument(
+        "--allow-remote-media",
+        action="store_true",
+        help="fetch images given as http(s) URLs (off by default)",
+    )
+    s.add_argument(
+        "--media-max-size",
+        type=parse_bytes,
+        default=defaults.media_max_bytes,
+        help="largest image file, e.g. 20MiB",
+    )
+    s.add_argument(
+        "--media-timeout", type=float, default=defaults.media_timeout, help="seconds a remote image may take"
+    )
     s.add_argument("--log-requests", action="store_true", help="log prompts and outputs (off by default)")
     s.add_argument("--max-n", type=int, default=defaults.max_n)
     s.add_argument("--disable-metrics", action="store_true", help="no Prometheus metrics at /metrics")
@@ -162,6 +181,10 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         max_queued_requests=None if args.max_queued_requests < 0 else args.max_queued_requests,
         max_body_bytes=args.max_body_size,
         shutdown_timeout=args.shutdown_timeout,
+        allowed_local_media_path=args.allowed_local_media_path,
+        allow_remote_media=args.allow_remote_media,
+        media_max_bytes=args.media_max_size,
+        media_timeout=args.media_timeout,
         log_requests=args.log_requests,
         max_n=args.max_n,
         enable_metrics=not args.disable_metrics,

@@ -85,6 +85,15 @@ class ServerConfig:
     otlp_traces_endpoint: str | None = None
     """Send an OpenTelemetry span per request to this OTLP/gRPC collector (`host:port`, vLLM's
     `--otlp-traces-endpoint`; needs the `otel` extra); None: no tracing."""
+    allowed_local_media_path: str | None = None
+    """Images named by a file path or `file://` URL are read only from under this folder (None:
+    no local files; vLLM's `--allowed-local-media-path`)."""
+    allow_remote_media: bool = False
+    """Fetch images named by `http(s)://` URLs (off: only data URLs, local files, base64)."""
+    media_max_bytes: int = 20 * 2**20
+    """Largest image file taken (a data URL's, a local file's or a download's bytes)."""
+    media_timeout: float = 10.0
+    """Seconds a remote image may take to download."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -135,5 +144,9 @@ class ServerConfig:
             raise ValueError(f"batch_max_concurrency must be >= 1; got {self.batch_max_concurrency}")
         if self.otlp_traces_endpoint == "":
             raise ValueError("otlp_traces_endpoint must not be empty (leave it unset to disable tracing)")
+        if self.media_max_bytes < 1:
+            raise ValueError(f"media_max_bytes must be >= 1; got {self.media_max_bytes}")
+        if self.media_timeout <= 0:
+            raise ValueError(f"media_timeout must be > 0 seconds; got {self.media_timeout}")
         if self.api_key == "":
             raise ValueError("api_key must not be empty (leave it unset to disable authentication)")

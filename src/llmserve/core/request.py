@@ -10,6 +10,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from llmserve.core.multimodal import MultiModalInput
 from llmserve.pooling_params import PoolingParams
 from llmserve.sampling_params import SamplingParams
 
@@ -82,6 +83,9 @@ class Request:
     lora_id: int = 0
     """The LoRA adapter it runs with (`LoRARequest.lora_int_id`; 0: the base model). Part of its
     block hashes: the same tokens under two adapters have different K/V."""
+    mm_inputs: tuple[MultiModalInput, ...] = ()
+    """Its images, in prompt order (core/multimodal.py): part of the hashes of the blocks that hold
+    their tokens; a prefill chunk never ends inside one."""
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from llmserve.core.multimodal import MultiModalInput
 from llmserve.pooling_params import PoolingParams
 from llmserve.sampling_params import SamplingParams
 
@@ -32,6 +33,8 @@ class NewRequestData:
     """An embedding request: pool its prompt's hidden states instead of sampling."""
     lora_id: int = 0
     """The LoRA adapter it runs with (0: the base model)."""
+    mm_inputs: tuple[MultiModalInput, ...] = ()
+    """Its images: the runner encodes each when a chunk first reaches its tokens."""
 
 
 @dataclass(slots=True)

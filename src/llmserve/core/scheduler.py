@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from llmserve.config import CacheConfig, SchedulerConfig
 from llmserve.core.kv_cache.manager import KVCacheManager
+from llmserve.core.multimodal import cut_chunk
 from llmserve.core.request import Request, RequestStatus
 from llmserve.core.request_queue import QUEUES, RequestQueue
 from llmserve.core.sched_output import (
@@ -220,6 +221,10 @@ class Scheduler:
                 continue  # preempted or dropped to make room earlier in this loop
             num_new = min(request.num_tokens - request.num_computed_tokens, plan.budget)
             assert num_new > 0, f"running request {request.request_id} has nothing to compute"
+            if request.mm_inputs:  # an image's tokens in one chunk (core/multimodal.py)
+                num_new = cut_chunk(request.mm_inputs, request.num_computed_tokens, num_new)
+                if num_new == 0:
+                    continue  # the rest of an image waits for a step with the budget for it
             drafts = self._drafts(request, num_new, plan.budget)
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new + len(drafts))
             if new_blocks is None and drafts:  # no room to verify: decode plainly instead
@@ -307,6 +312,10 @@ class Scheduler:
         if self.config.admission == "reserve" and not self._fits_reservation(request):
             return False
         num_new = min(request.num_tokens - num_computed, plan.budget)
+        if request.mm_inputs:  # an image's tokens in one chunk (core/multimodal.py)
+            num_new = cut_chunk(request.mm_inputs, num_computed, num_new)
+            if num_new == 0:
+                return False
         if not self.chunked_prefill and num_new < request.num_tokens - num_computed:
             return False  # waits for a step whose budget holds its whole prompt
         new_blocks = kv.allocate_slots(request, num_new, computed_blocks, num_computed)
@@ -328,6 +337,7 @@ class Scheduler:
                 num_computed_tokens=num_computed,
                 pooling_params=request.pooling_params,
                 lora_id=request.lora_id,
+                mm_inputs=request.mm_inputs,
             )
         )
         plan.num_tokens[request.request_id] = num_new

@@ -223,9 +223,21 @@ class AsyncEngine:
             estimate = (waiting / num_slots + 1) * (self._mean_latency or 1.0)
             raise QueueFullError(waiting, retry_after=min(60, max(1, math.ceil(estimate))))
 
-    async def process_inputs(self, prompt: str | Sequence[int], params: SamplingParams) -> ProcessedPrompt:
-        """Tokenize and check a prompt off the event loop (long prompts take milliseconds)."""
-        return await asyncio.to_thread(self.engine.process_inputs, prompt, params)
+    async def process_inputs(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        images: Sequence[Any] = (),
+        add_special_tokens: bool = True,
+    ) -> ProcessedPrompt:
+        """Tokenize and check a prompt (and decode and preprocess its images) off the event loop
+        (long prompts take milliseconds, images more)."""
+        return await asyncio.to_thread(self.engine.process_inputs, prompt, params, images, add_special_tokens)
+
+    @property
+    def takes_images(self) -> bool:
+        """Whether the model takes images (`process_inputs(..., images)`)."""
+        return self.engine.images is not None
 
     def add_request(
         self,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -53,9 +54,35 @@ def _is_single_prompt(x: object) -> bool:
     return isinstance(x, (str, dict)) or _is_token_ids(x)
 
 
-def to_prompt(x: object, index: int) -> Prompt:
-    """One of vLLM's prompt forms as a string or a token-id list; ValueError naming the prompt
-    otherwise. A dict holds exactly one of "prompt" (text) and "prompt_token_ids"."""
+@dataclass(frozen=True, slots=True)
+class ImagePrompt:
+    """A text prompt with images (vLLM's {"prompt": ..., "multi_modal_data": {"image": ...}})."""
+
+    prompt: str
+    images: tuple[Any, ...]
+
+
+def _images_of(data: object, index: int) -> tuple[Any, ...]:
+    """`multi_modal_data` -> its images (one image or a list; PIL images or encoded bytes)."""
+    if not isinstance(data, dict) or set(data) != {"image"}:
+        raise ValueError(f"prompt {index}: 'multi_modal_data' must be a dict with one key, 'image'")
+    images = data["image"]
+    images = tuple(images) if isinstance(images, (list, tuple)) else (images,)
+    if not images:
+        raise ValueError(f"prompt {index}: 'multi_modal_data' has no image")
+    return images
+
+
+def to_prompt(x: object, index: int) -> Prompt | ImagePrompt:
+    """One of vLLM's prompt forms as a string or a token-id list (with images: an `ImagePrompt`);
+    ValueError naming the prompt otherwise. A dict holds exactly one of "prompt" (text) and
+    "prompt_token_ids", and maybe "multi_modal_data" (with a text prompt)."""
+    if isinstance(x, dict) and "multi_modal_data" in x:
+        rest = {k: v for k, v in x.items() if k != "multi_modal_data"}
+        text = to_prompt(rest, index)
+        if not isinstance(text, str):
+            raise ValueError(f"prompt {index}: a prompt with 'multi_modal_data' must be text ('prompt')")
+        return ImagePrompt(text, _images_of(x["multi_modal_data"], index))
     if isinstance(x, dict):
         keys = [k for k in _PROMPT_KEYS if k in x]
         extra = sorted(str(k) for k in x if k not in _PROMPT_KEYS)
@@ -77,6 +104,13 @@ def to_prompt(x: object, index: int) -> Prompt:
         f"prompt {index}: expected a string, a list of token ids, or a dict with 'prompt' or "
         f"'prompt_token_ids'; got {type(x).__name__} {x!r:.80}"
     )
+
+
+def _text_or_ids(x: object, index: int) -> Prompt:
+    prompt = to_prompt(x, index)
+    if isinstance(prompt, ImagePrompt):
+        raise ValueError(f"prompt {index}: embeddings take no images")
+    return prompt
 
 
 class LLM:
@@ -103,7 +137,9 @@ class LLM:
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Completions for a prompt or a list of prompts, in order. A prompt is a string, a list
-        of token ids, or (vLLM's forms) {"prompt": text} or {"prompt_token_ids": ids}.
+        of token ids, or (vLLM's forms) {"prompt": text} or {"prompt_token_ids": ids}; a model that
+        takes images takes {"prompt": text, "multi_modal_data": {"image": a PIL image or a list}},
+        the text holding one image marker per image (Gemma 3: `<start_of_image>`).
         `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base
         model); the engine needs `enable_lora=True`."""
         if _is_single_prompt(prompts):
@@ -154,7 +190,9 @@ class LLM:
         ids = [f"offline-{next(self._ids)}" for _ in prompts]  # type: ignore[union-attr]
         try:
             for i, (req_id, p) in enumerate(zip(ids, prompts, strict=True)):  # type: ignore[arg-type]
-                engine.add_request(req_id, engine.process_embedding_inputs(to_prompt(p, i), pooling_params))
+                engine.add_request(
+                    req_id, engine.process_embedding_inputs(_text_or_ids(p, i), pooling_params)
+                )
         except ValueError as e:
             engine.abort_request(ids)
             raise ParameterError(f"prompt {i}: {e}", param=getattr(e, "param", None)) from None
@@ -182,7 +220,7 @@ class LLM:
 
     def _run(
         self,
-        prompts: list[Prompt],
+        prompts: Sequence[Prompt | ImagePrompt],
         params: list[SamplingParams],
         priority: Sequence[int] | None,
         use_tqdm: bool,
@@ -193,6 +231,8 @@ class LLM:
         try:
             for i, (req_id, prompt, p) in enumerate(zip(ids, prompts, params, strict=True)):
                 lora = loras[i] if loras else None
+                if isinstance(prompt, ImagePrompt):
+                    prompt = engine.process_inputs(prompt.prompt, p, prompt.images)
                 engine.add_request(
                     req_id, prompt, p, priority=priority[i] if priority else 0, lora_request=lora
                 )

@@ -15,11 +15,13 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from llmserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from llmserve.config.cache import default_kv_cache_memory
 from llmserve.config.lora import LoRAConfig
 from llmserve.config.speculative import SpeculativeConfig
+from llmserve.core.multimodal import MultiModalInput
 from llmserve.core.request import Request, RequestStatus
 from llmserve.core.sched_output import SchedulerOutput
 from llmserve.core.scheduler import Scheduler, make_scheduler
@@ -33,6 +35,7 @@ from llmserve.model_executor.forward_runner import ForwardRunner
 from llmserve.model_executor.model_loader import LoadedModel, load_model
 from llmserve.model_executor.model_runner import ModelRunner
 from llmserve.model_executor.pooler import default_pooling_params
+from llmserve.multimodal.processor import ImagePromptProcessor
 from llmserve.outputs import RequestOutput
 from llmserve.pooling_params import PoolingParams
 from llmserve.sampling_params import SamplingParams
@@ -56,6 +59,8 @@ class ProcessedPrompt:
     """Resolved output budget (max_tokens, or what the context leaves); 0 for an embedding."""
     pooling: PoolingParams | None = None
     """An embedding request: how its prompt is pooled (nothing is generated)."""
+    mm_inputs: tuple[MultiModalInput, ...] = ()
+    """Its images, placed in `token_ids` and preprocessed."""
 
 
 # What an embedding request carries as sampling parameters: never used to sample (the runner
@@ -126,8 +131,13 @@ class LLMEngine:
             self.cache_config = dataclasses.replace(self.cache_config, enable_prefix_caching=False)
         self.tokenizer: Tokenizer = load_tokenizer(self.loaded.source)
         self.max_model_len = self.loaded.max_model_len
-        self.vocab_size = int(self.loaded.hf_config.vocab_size)
-        self.hidden_size = int(getattr(self.loaded.hf_config, "hidden_size", 0))
+        text_config = self.loaded.hf_config
+        if hasattr(text_config, "get_text_config"):  # a multimodal checkpoint: its language model's
+            text_config = text_config.get_text_config()
+        self.vocab_size = int(text_config.vocab_size)
+        self.hidden_size = int(getattr(text_config, "hidden_size", 0))
+        self.images = self._image_processor()
+        """Prompts with images (None: the model takes none)."""
         source = self.loaded.source
         self.default_pooling = default_pooling_params(
             model_config.pooling,
@@ -275,9 +285,45 @@ class LLMEngine:
 
     # -- input processing ------------------------------------------------------------------------
 
-    def encode_prompt(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+    def _image_processor(self) -> ImagePromptProcessor | None:
+        model = self.loaded.model
+        if not getattr(model, "supports_images", False):
+            return None
+        source = self.loaded.source
+        return ImagePromptProcessor(
+            self.loaded.hf_config,
+            int(model.mm_tokens_per_image),  # type: ignore[attr-defined]
+            self.tokenizer.id_to_token,
+            source.path if source.kind == "hf" else None,
+        )
+
+    def _check_images(self, images: Sequence[Any]) -> ImagePromptProcessor:
+        """The processor for a prompt with `images`, or a ParameterError saying why there is none."""
+        if self.images is None:
+            raise ParameterError(
+                f"model {self.loaded.source.name} takes no images (text only)", param="images"
+            )
+        if not getattr(self.loaded.model, "bidirectional_images", False):
+            raise ParameterError(
+                f"images need an attention backend that attends an image's tokens both ways (torch, "
+                f"cpu, triton); this engine runs {self.loaded.profile.attention_backend!r}",
+                param="images",
+            )
+        n = self.images.tokens_per_image
+        budget = self.scheduler_config.max_num_batched_tokens
+        if n > budget:  # an image's tokens run in one chunk (core/multimodal.py)
+            raise ParameterError(
+                f"an image is {n} tokens, more than the step's token budget ({budget}, "
+                f"max_num_batched_tokens)",
+                param="images",
+            )
+        return self.images
+
+    def encode_prompt(
+        self, prompt: str | Sequence[int], add_special_tokens: bool = True
+    ) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         ids = list(prompt)
         if not ids:
             raise ParameterError("prompt token ids must not be empty", param="prompt")
@@ -291,14 +337,29 @@ class LLMEngine:
             )
         return None, ids
 
-    def process_inputs(self, prompt: str | Sequence[int], params: SamplingParams) -> ProcessedPrompt:
+    def process_inputs(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        images: Sequence[Any] = (),
+        add_special_tokens: bool = True,
+    ) -> ProcessedPrompt:
         """Tokenize and check a prompt against the model; raises ValueError, changes nothing.
+        `images` (encoded bytes or PIL images): one per image marker of the text prompt (Gemma 3's
+        `<start_of_image>`, which its chat template writes for each image part).
+        `add_special_tokens`: False for a rendered chat template (it holds them already).
 
         Safe to call from another thread than the one that runs `step()`.
         """
         if self.is_encoder:
             raise ParameterError(self.embedding_only_message(), param="model")
-        text, ids = self.encode_prompt(prompt)
+        processor = self._check_images(images) if images else None
+        if processor is not None:
+            if not isinstance(prompt, str):
+                raise ParameterError("a prompt with images must be text", param="prompt")
+            prompt = processor.expand(prompt, len(images))
+        text, ids = self.encode_prompt(prompt, add_special_tokens)
+        mm_inputs = processor.inputs(ids, images) if processor is not None else ()
         if not ids:
             raise ParameterError("the prompt is empty after tokenization", param="prompt")
         params.validate_for_model(self.vocab_size)
@@ -311,7 +372,7 @@ class LLMEngine:
                 f"{self.max_model_len} tokens",
                 param="max_tokens" if params.max_tokens is not None else "prompt",
             )
-        return ProcessedPrompt(text, ids, params, max_tokens)
+        return ProcessedPrompt(text, ids, params, max_tokens, mm_inputs=mm_inputs)
 
     def embedding_only_message(self, api: str = "text generation") -> str:
         """Why an encoder model refuses a generation request (vLLM: "does not support ... API")."""
@@ -395,6 +456,7 @@ class LLMEngine:
                     max_tokens=prompt.max_tokens,
                     pooling_params=prompt.pooling,
                     lora_id=0 if lora_request is None else lora_request.lora_int_id,
+                    mm_inputs=prompt.mm_inputs,
                 )
             )
 

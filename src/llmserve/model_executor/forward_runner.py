@@ -21,6 +21,7 @@ rows (a CUDA graph's batch rounded up) write their K/V without touching a sequen
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import mmap
@@ -157,16 +158,40 @@ class ForwardRunner:
         """Run the model over the flat batch: hidden states [num_new_tokens, hidden], the
         metadata (of the padded step, for a batch the graph runner takes) and `logits_rows` (flat
         rows the caller projects to the vocabulary) on the device."""
-        if self.lora is not None and any(e.lora_id for e in batch):
-            # adapters: the model's layers, whose wrappers add each adapter group's delta
+        adapters = self.lora is not None and any(e.lora_id for e in batch)
+        images = any(e.image_rows for e in batch)
+        if adapters or images:
+            # the model's layers: adapters' wrappers add each group's delta; images' vectors
+            # replace their placeholders' embeddings (neither the fused decoder nor graphs take them)
             inputs = self.prepare(batch, logits_rows=logits_rows, layered=True)
-            with self.lora.activate([e.lora_id for e in batch], [len(e.new_token_ids) for e in batch]):
-                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+            with (
+                self.lora.activate([e.lora_id for e in batch], [len(e.new_token_ids) for e in batch])
+                if adapters and self.lora is not None
+                else contextlib.nullcontext()
+            ):
+                embeds = self._embed_images(inputs, batch) if images else None
+                hidden = self.model(
+                    inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata,
+                    **({} if embeds is None else {"inputs_embeds": embeds}),
+                )  # fmt: skip
             return ForwardOutput(hidden, inputs.metadata, inputs.logits_rows)
         if self.graphs is not None and self.graphs.applies(batch):
             return self.graphs.forward(batch, logits_rows)
         inputs = self.prepare(batch, logits_rows=logits_rows)
         return ForwardOutput(self.run(inputs), inputs.metadata, inputs.logits_rows)
+
+    def _embed_images(self, inputs: StepInputs, batch: list[SequenceBatchEntry]) -> torch.Tensor:
+        """The step's input embeddings [T, hidden] with the images' vectors in their rows."""
+        rows: list[int] = []
+        vectors: list[torch.Tensor] = []
+        first = 0
+        for e in batch:
+            for offset, v in e.image_rows:
+                rows.extend(range(first + offset, first + offset + v.shape[0]))
+                vectors.append(v)
+            first += len(e.new_token_ids)
+        index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+        return self.model.embed_with_images(inputs.input_ids, index, torch.cat(vectors))  # type: ignore[attr-defined]
 
     @torch.inference_mode()
     def execute(self, batch: list[SequenceBatchEntry], all_logits: bool = False) -> torch.Tensor:

@@ -45,6 +45,11 @@ class SequenceBatchEntry:
     """The request it belongs to (runners that keep per-request state use it)."""
     lora_id: int = 0
     """The LoRA adapter its tokens run with (0: the base model)."""
+    image_rows: tuple[tuple[int, torch.Tensor], ...] = ()
+    """Images' vectors for some of its new tokens: (index of the first such token among
+    `new_token_ids`, vectors [n, hidden]); they replace those tokens' embeddings."""
+    bidirectional: tuple[tuple[int, int], ...] = ()
+    """Position spans [start, end) whose tokens attend to each other both ways (its images')."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +173,7 @@ class InputBuffers:
             seq_lens_tensor=dev["seq_lens"],
             query_start_loc_tensor=dev["query_start_loc"],
             max_query_len=max(query_lens),
+            bidirectional={i: list(e.bidirectional) for i, e in enumerate(batch) if e.bidirectional},
         )
         return StepInputs(dev["input_ids"], dev["positions"], md, dev["logits_rows"] if R else None)
 

@@ -33,6 +33,7 @@ from llmserve.core.sched_output import Logprobs, ModelRunnerOutput, NewRequestDa
 from llmserve.model_executor.device import DeviceProfile, build_profile
 from llmserve.model_executor.encoder_runner import EncoderForwardRunner
 from llmserve.model_executor.forward_runner import ForwardRunner, SequenceBatchEntry
+from llmserve.model_executor.image_inputs import RequestImages
 from llmserve.model_executor.pooler import PoolingState, finish
 from llmserve.model_executor.transformers_runner import TransformersCausalLM, TransformersForwardRunner
 from llmserve.models import CausalLM
@@ -57,6 +58,8 @@ class CachedRequestState:
     """An embedding request's accumulator (fresh after a preemption: the prompt is recomputed)."""
     lora_id: int = 0
     """Its LoRA adapter (0: the base model)."""
+    images: RequestImages | None = None
+    """Its images (image_inputs.py): encoded when a chunk reaches them."""
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -160,6 +163,7 @@ class ModelRunner:
             if new.pooling_params is None
             else PoolingState(new.pooling_params, len(new.prompt_token_ids)),
             new.lora_id,
+            RequestImages(new.mm_inputs) if new.mm_inputs else None,
         )
 
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -205,9 +209,15 @@ class ModelRunner:
                 row += n
                 continue
             start, end = state.num_computed_tokens, state.num_computed_tokens + n
-            batch.append(
-                SequenceBatchEntry(state.token_slice(start, end), end, state.block_ids, req_id, state.lora_id)
+            rows, spans = (
+                ((), ())
+                if state.images is None or start >= len(state.prompt_token_ids)
+                else state.images.chunk_rows(self.runner.model, start, end)
             )
+            batch.append(
+                SequenceBatchEntry(state.token_slice(start, end), end, state.block_ids, req_id,
+                                   state.lora_id, rows, spans)
+            )  # fmt: skip
             if state.pooler is not None:  # an embedding request: pooled, never sampled
                 pooled.append((state, row, n, start))
                 state.num_computed_tokens = end

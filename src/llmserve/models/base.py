@@ -62,6 +62,9 @@ class CausalLM(nn.Module):
     is_encoder: ClassVar[bool] = False
     """An encoder-only model (BERT): bidirectional attention, no KV cache, no LM head; the engine
     runs it through `EncoderForwardRunner` and serves embeddings only."""
+    supports_images: ClassVar[bool] = False
+    """Whether it takes images (then it has `embed_images`, `embed_with_images` and
+    `mm_tokens_per_image`; the runner feeds their vectors in, see gemma3_mm.py)."""
 
     backbone_name: ClassVar[str] = "model"
     """The attribute holding the decoder stack (its name is the checkpoint's prefix)."""

@@ -147,15 +147,19 @@ class Gemma3Model(nn.Module):
             }
         )
 
+    def embed_scaled(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
+        x = self.embed_tokens(input_ids)
+        return x * self.embed_scale.to(x.dtype)
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         kv_caches: list[LayerKVCache],
         md: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,  # [T, H]: scaled, images' rows in place
     ) -> torch.Tensor:  # [T, H]
-        x = self.embed_tokens(input_ids)
-        x = x * self.embed_scale.to(x.dtype)
+        x = self.embed_scaled(input_ids) if inputs_embeds is None else inputs_embeds
         # One cos/sin per layer type, shared by every layer of that type.
         in_backend = self.layers[0].self_attn.attn.rope_in_backend
         rotary = {

@@ -110,6 +110,20 @@ class TextPart(_Request):
     text: StrictStr
 
 
+class ImageURL(_Request):
+    url: StrictStr
+    detail: Literal["auto", "low", "high"] | None = None
+    """Accepted and ignored: the model's preprocessing decides the resolution."""
+
+
+class ImageURLPart(_Request):
+    """An image: a data URL, a local file under --allowed-local-media-path, or (with
+    --allow-remote-media) an http(s) URL."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class OtherPart(_Request):
     """Any other content part (images, audio, files): recognized, then refused with a clear 400."""
 
@@ -120,10 +134,12 @@ class OtherPart(_Request):
     def _not_text(cls, value: str) -> str:
         if value == "text":  # a text part that failed TextPart: its `text` is missing or not a string
             raise ValueError("a text content part needs `text`, a string")
+        if value == "image_url":
+            raise ValueError("an image_url content part needs `image_url`, an object with a string `url`")
         return value
 
 
-ContentPart = Annotated[TextPart | OtherPart, Field(union_mode="left_to_right")]
+ContentPart = Annotated[TextPart | ImageURLPart | OtherPart, Field(union_mode="left_to_right")]
 
 
 class ChatMessage(_Request):

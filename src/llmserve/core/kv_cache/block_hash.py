@@ -20,6 +20,7 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
+from llmserve.core.multimodal import block_extra_keys
 from llmserve.core.request import Request
 
 BlockHash = int
@@ -59,8 +60,12 @@ def request_block_hashes(request: Request, block_size: int) -> list[BlockHash]:
     # would carry it from the first block; every block keeps it so no block is ever ambiguous).
     extra = (("lora", request.lora_id),) if request.lora_id else ()
     for i in range(len(hashes), num_full_blocks):
-        tokens = _token_slice(request, i * block_size, (i + 1) * block_size)
-        parent = hash_block_tokens(parent, tokens, extra)
+        start, end = i * block_size, (i + 1) * block_size
+        tokens = _token_slice(request, start, end)
+        # An image's placeholder ids say nothing of the image: its hash joins every block that
+        # holds its tokens (and, through the chain, every block after).
+        keys = extra + block_extra_keys(request.mm_inputs, start, end) if request.mm_inputs else extra
+        parent = hash_block_tokens(parent, tokens, keys)
         hashes.append(parent)
     return hashes
 

@@ -201,6 +201,10 @@ class AttentionMetadata:
     """[num_seqs + 1] int32 on the device: `query_start_loc` for kernels."""
     max_query_len: int = 0
     """Longest `query_lens` entry (1 for a batch of decodes): kernels size their grids by it."""
+    bidirectional: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    """Sequence index -> position spans [start, end) whose tokens attend to each other both ways
+    (a Gemma 3 image's tokens; causal elsewhere). Only the backends with `bidirectional_spans`
+    read it."""
     derived: dict[object, object] = field(default_factory=dict)
     """Backend-private values computed once per forward and shared by every layer (masks, indices)."""
 

@@ -50,8 +50,11 @@ def _context_mask(
     if key in metadata.derived:
         return metadata.derived[key]  # type: ignore[return-value]
     q_len, s_len = metadata.query_lens[seq_idx], metadata.seq_lens[seq_idx]
+    spans = metadata.bidirectional.get(seq_idx)
     mask: torch.Tensor | str | None = None
-    if q_len == s_len > 1 and (sliding_window is None or s_len <= sliding_window):
+    if spans:
+        mask = _span_mask(q_len, s_len, sliding_window, spans, device)
+    elif q_len == s_len > 1 and (sliding_window is None or s_len <= sliding_window):
         mask = CAUSAL  # a fresh prompt: SDPA's own causal kernel, no mask tensor
     elif q_len > 1 or (sliding_window is not None and s_len > sliding_window):
         pos = torch.arange(s_len - q_len, s_len, device=device)[:, None]  # [q_len, 1]
@@ -60,6 +63,21 @@ def _context_mask(
         if sliding_window is not None:
             mask &= keys > pos - sliding_window
     metadata.derived[key] = mask
+    return mask
+
+
+def _span_mask(
+    q_len: int, s_len: int, window: int | None, spans: list[tuple[int, int]], device: torch.device
+) -> torch.Tensor:
+    """[q_len, s_len]: causal, OR both ways inside each span, AND the sliding window (the order
+    transformers composes Gemma 3's image masks in: a window still cuts an image's far tokens)."""
+    pos = torch.arange(s_len - q_len, s_len, device=device)[:, None]  # [q_len, 1]
+    keys = torch.arange(s_len, device=device)[None, :]  # [1, s_len]
+    mask = keys <= pos
+    for start, end in spans:
+        mask |= (pos >= start) & (pos < end) & (keys >= start) & (keys < end)
+    if window is not None:
+        mask &= keys > pos - window
     return mask
 
 
@@ -280,6 +298,8 @@ def _gather_values(
 
 class TorchAttentionBackend:
     name = "torch"
+    bidirectional_spans = True
+    """Reads `AttentionMetadata.bidirectional` (prefill masks are built here, also for "cpu")."""
 
     def __init__(self) -> None:
         self._workspace = _Workspace()
@@ -378,7 +398,6 @@ class TorchAttentionBackend:
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """Attention output [q_len, H, D] of sequence i."""
-        H_kv = params.num_kv_heads
         start, end = metadata.query_start_loc[i], metadata.query_start_loc[i + 1]
         q_len, s_len = metadata.query_lens[i], metadata.seq_lens[i]
         if q_len == s_len and kv_cache[0].dtype == kv_cache[1].dtype == query.dtype:
@@ -386,15 +405,40 @@ class TorchAttentionBackend:
             # (16-bit or int8 under a float32 model) is read back instead, rounded as decode steps
             # and the fused C++ path see it, so a prompt's logits do not depend on its chunking.
             k_ctx, v_ctx = key[start:end].transpose(0, 1), value[start:end].transpose(0, 1)
-        else:
-            idx = _read_index(metadata, i, H_kv, kv_cache[0].shape[1])
-            k_ctx, v_ctx = (
-                _as_values(_gather(h, idx).view(H_kv, -1, h.shape[-1])[:, :s_len], query.dtype)
-                for h in (kv_cache[0], kv_cache[1])
-            )  # [H_kv, s_len, D] each
-        mask = _context_mask(metadata, i, params.sliding_window, query.device)
-        o = _attend(params, query[start:end].transpose(0, 1), k_ctx, v_ctx, mask)  # q: [H, q_len, D]
-        return o.transpose(0, 1)
+            mask = _context_mask(metadata, i, params.sliding_window, query.device)
+            o = _attend(params, query[start:end].transpose(0, 1), k_ctx, v_ctx, mask)  # q: [H, q_len, D]
+            return o.transpose(0, 1)
+        return attend_from_cache(params, i, query, kv_cache, metadata)
+
+
+def attend_from_cache(
+    params: AttentionParams, i: int, query: torch.Tensor, kv_cache: LayerKVCache, metadata: AttentionMetadata
+) -> torch.Tensor:
+    """Attention output [q_len, H, D] of sequence i, its context (new K/V included) read from the
+    cache, with its mask (`AttentionMetadata.bidirectional` spans included). The Triton backend
+    runs the sequences with images through it."""
+    H_kv = params.num_kv_heads
+    start, end = metadata.query_start_loc[i], metadata.query_start_loc[i + 1]
+    s_len = metadata.seq_lens[i]
+    idx = _read_index(metadata, i, H_kv, kv_cache[0].shape[1])
+    k_ctx, v_ctx = (
+        _as_values(_gather(h, idx).view(H_kv, -1, h.shape[-1])[:, :s_len], query.dtype)
+        for h in (kv_cache[0], kv_cache[1])
+    )  # [H_kv, s_len, D] each
+    mask = _context_mask(metadata, i, params.sliding_window, query.device)
+    o = _attend(params, query[start:end].transpose(0, 1), k_ctx, v_ctx, mask)  # q: [H, q_len, D]
+    return o.transpose(0, 1)
+
+
+def build_span_metadata(
+    metadata: AttentionMetadata, layers: Sequence[AttentionParams], num_blocks: int
+) -> None:
+    """The masks and read indices `attend_from_cache` needs for the sequences with spans."""
+    device = metadata.slot_mapping.device
+    for p in layers:
+        for i in metadata.bidirectional:
+            _context_mask(metadata, i, p.sliding_window, device)
+            _read_index(metadata, i, p.num_kv_heads, num_blocks)
 
 
 @register_attention_backend("torch")

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
+from llmserve.layers.attention import torch_ref
 from llmserve.layers.attention.backend import AttentionParams, register_attention_backend
 from llmserve.layers.attention.metadata import AttentionMetadata, KVCacheSpec, KVDtypes
 
@@ -43,6 +44,8 @@ def check_cache_dtype(dtype: torch.dtype) -> None:
 class TritonAttentionBackend:
     name = "triton"
     fuses_rope = True
+    bidirectional_spans = True
+    """Sequences with `AttentionMetadata.bidirectional` spans run on the torch reference."""
     supports_cuda_graphs = True
 
     def __init__(self, decode_splits: int | None = None) -> None:
@@ -76,6 +79,8 @@ class TritonAttentionBackend:
         step, a split-K workspace that fits every layer geometry, so that no layer allocates."""
         device = metadata.slot_mapping.device
         _device_lens(metadata, device)
+        if metadata.bidirectional:
+            torch_ref.build_span_metadata(metadata, layers, spec.num_blocks)
         if (metadata.max_query_len or max(metadata.query_lens)) == 1:
             numel = max(
                 self._workspace_numel(metadata.num_seqs, p.num_heads, p.num_kv_heads, p.head_dim, device)
@@ -137,9 +142,16 @@ class TritonAttentionBackend:
         max_query_len = metadata.max_query_len or max(metadata.query_lens)
         tables, scale, window = metadata.block_tables, params.scale, params.sliding_window
         if max_query_len > 1:
-            return self._kernels.varlen_paged_attention(
+            out = self._kernels.varlen_paged_attention(
                 query, kv_cache, tables, seq_lens, query_start_loc, scale, window
             )
+            # Sequences with images (their tokens attend both ways, which the kernel's causal mask
+            # does not do) rerun on the torch reference, reading the K/V just written: prefill
+            # steps with images only, never a decode or a graph replay.
+            for i in metadata.bidirectional:
+                start, end = metadata.query_start_loc[i], metadata.query_start_loc[i + 1]
+                out[start:end] = torch_ref.attend_from_cache(params, i, query, kv_cache, metadata)
+            return out
         num_seqs, H, D = query.shape  # one token per sequence: query_start_loc is 0, 1, ..., num_seqs
         splits = self._splits(num_seqs, params.num_kv_heads, query.device)
         numel = self._kernels.decode_workspace_numel(num_seqs, H, D, splits)

@@ -146,6 +146,8 @@ def resolve_cpu_gemm(name: str, profile: DeviceProfile, dtype: torch.dtype) -> s
 def _max_model_len(config: ModelConfig, hf_config: Any, source: ModelSource) -> int:
     """The user's `max_model_len` (at most the position table), else the model's own limit: a
     sentence-transformers model's `max_seq_length` where it gives one, else the position table."""
+    if hasattr(hf_config, "get_text_config"):  # a multimodal config: its language model's limit
+        hf_config = hf_config.get_text_config()
     limit = int(
         getattr(hf_config, "max_position_embeddings", 0) or getattr(hf_config, "n_positions", 0) or 2048
     )

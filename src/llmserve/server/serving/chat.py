@@ -13,9 +13,15 @@ from starlette.requests import Request
 
 from llmserve.outputs import CompletionOutput, PositionLogprobs
 from llmserve.server.errors import APIError
-from llmserve.server.protocol import ChatCompletionRequest, ChatMessage, TextPart
+from llmserve.server.protocol import ChatCompletionRequest, ChatMessage, ImageURLPart, TextPart
 from llmserve.server.serving.context import ServingContext
-from llmserve.server.serving.inputs import check_caps, process_prompt, sampling_params, start_requests
+from llmserve.server.serving.inputs import (
+    check_caps,
+    load_images,
+    process_prompt,
+    sampling_params,
+    start_requests,
+)
 from llmserve.server.serving.outputs import Choice
 from llmserve.server.serving.reasoning import (
     ReasoningStreamSplitter,
@@ -36,21 +42,38 @@ from llmserve.server.serving.tools import (
 )
 
 
+def image_urls(messages: list[ChatMessage]) -> list[tuple[str, str]]:
+    """(the field it came in, its URL) of each image part, in the order the template renders them."""
+    return [
+        (f"messages[{i}].content[{j}].image_url", part.image_url.url)
+        for i, m in enumerate(messages)
+        if isinstance(m.content, list)
+        for j, part in enumerate(m.content)
+        if isinstance(part, ImageURLPart)
+    ]
+
+
 def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """The template's view of the messages: text content parts joined, other parts refused."""
+    """The template's view of the messages: text content parts joined, or, in a message with
+    images, the parts as HF's multimodal templates take them ({"type": "text"|"image"}); other
+    parts refused."""
     out = []
     for i, m in enumerate(messages):
         content = m.content
         if isinstance(content, list):
-            texts = []
             for part in content:
-                if not isinstance(part, TextPart):
+                if not isinstance(part, (TextPart, ImageURLPart)):
                     raise APIError(
-                        400, f"messages[{i}]: content parts of type {part.type!r} are not supported (text only)",
+                        400, f"messages[{i}]: content parts of type {part.type!r} are not supported",
                         param="messages",
                     )  # fmt: skip
-                texts.append(part.text)
-            content = "\n".join(texts)
+            if any(isinstance(part, ImageURLPart) for part in content):
+                content = [
+                    {"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"}
+                    for p in content
+                ]
+            else:
+                content = "\n".join(p.text for p in content if isinstance(p, TextPart))
         d: dict[str, Any] = {"role": m.role, "content": content if content is not None else ""}
         for key in ("name", "tool_calls", "tool_call_id"):
             value = getattr(m, key)
@@ -63,7 +86,18 @@ def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 def render_chat(ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool,
                 continue_final_message: bool = False, extra: dict[str, Any] | None = None,
                 tools: list[dict[str, Any]] | None = None, fmt: ToolFormat | None = None) -> list[int]:  # fmt: skip
-    """Chat template -> token ids; a template that refuses the conversation is a 400. `tools` reach
+    """Chat template -> token ids (see `render_chat_text`); a conversation with images is a 400
+    here (the routes that take images render text and pass the images to the engine)."""
+    if image_urls(messages):
+        raise APIError(400, "this endpoint takes no images", param="messages")
+    text = render_chat_text(ctx, messages, add_generation_prompt, continue_final_message, extra, tools, fmt)
+    return ctx.tokenizer.encode(text, add_special_tokens=False)
+
+
+def render_chat_text(ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool,
+                     continue_final_message: bool = False, extra: dict[str, Any] | None = None,
+                     tools: list[dict[str, Any]] | None = None, fmt: ToolFormat | None = None) -> str:  # fmt: skip
+    """Chat template -> text; a template that refuses the conversation is a 400. `tools` reach
     the template as its `tools` variable, or a system message in `fmt` where the template has none."""
     ctx.check_generates()
     if continue_final_message and add_generation_prompt:
@@ -93,13 +127,13 @@ def render_chat(ctx: ServingContext, messages: list[ChatMessage], add_generation
         text = ctx.tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt, **extra)
     except (ValueError, jinja2.TemplateError) as e:
         raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
-    if continue_final_message:
+    if continue_final_message and isinstance(dicts[-1]["content"], str):
         # cut the rendering right after the final message's text, so generation continues it
         final = dicts[-1]["content"]
         cut = text.rfind(final)
         if final and cut >= 0:
             text = text[: cut + len(final)]
-    return ctx.tokenizer.encode(text, add_special_tokens=False)
+    return text
 
 
 class ChatServing:
@@ -117,7 +151,9 @@ class ChatServing:
         param_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         if max_tokens is not None and max_tokens < 1:
             raise APIError(400, f"{param_name} must be >= 1; got {max_tokens}", param=param_name)
-        ids = render_chat(
+        urls = image_urls(req.messages)
+        images = await load_images(ctx, urls, "messages")
+        text = render_chat_text(
             ctx, req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs,
             plan.tools, plan.fmt,
         )  # fmt: skip
@@ -125,12 +161,14 @@ class ChatServing:
             sampling_params(req, max_tokens, (top or 0) if req.logprobs else None, None), plan
         )
         try:
-            prompt = await process_prompt(ctx, ids, params, req)
+            prompt = await process_prompt(
+                ctx, text, params, req, images, add_special_tokens=False, image_fields=[f for f, _ in urls]
+            )
         except APIError as e:
             if plan.constraint is not None and e.param == "structured_outputs":
                 raise APIError(400, f"tools: {e.message}", param="tools") from None  # a bad parameters schema
             raise
-        think = self._reasoning(ids)
+        think = self._reasoning(prompt.token_ids)
         streams = start_requests(ctx, [prompt], req.priority, "chat")
         return await respond(ctx, raw, req, [prompt], streams, _ChatChoices(ctx, req, plan, think))
 

@@ -10,6 +10,7 @@ from llmserve.engine.async_engine import EngineDeadError, QueueFullError, Reques
 from llmserve.engine.llm_engine import ProcessedPrompt
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.errors import APIError
+from llmserve.server.media import load_image
 from llmserve.server.protocol import _SamplingFields
 from llmserve.server.serving.context import ServingContext
 from llmserve.server.serving.structured import structured_outputs
@@ -89,19 +90,36 @@ def sampling_params(
         raise APIError(400, str(e), param=getattr(e, "param", None)) from None
 
 
+async def load_images(ctx: ServingContext, urls: list[tuple[str, str]], field: str) -> list[bytes]:
+    """The encoded images (field, URL) name, within the server's media settings (server/media.py);
+    a model that takes no images answers 400 naming `field`."""
+    if not urls:
+        return []
+    if not ctx.engine.takes_images:
+        raise APIError(400, f"{field}: model {ctx.model_name!r} takes no images (text only)", param=field)
+    return [await load_image(url, ctx.config, param) for param, url in urls]
+
+
 async def process_prompt(
     ctx: ServingContext,
     prompt: str | Sequence[int],
     params: SamplingParams,
     req: _SamplingFields | None = None,
+    images: Sequence[bytes] = (),
+    add_special_tokens: bool = True,
+    image_fields: Sequence[str] = (),
 ) -> ProcessedPrompt:
-    """Tokenize and check one prompt; a prompt that cannot fit is a 400 with both numbers, an
-    invalid structured-output constraint a 400 naming the field it came in."""
+    """Tokenize and check one prompt (with its images: one per image marker of the text); a
+    prompt that cannot fit is a 400 with both numbers, an invalid structured-output constraint a
+    400 naming the field it came in, an image that does not decode a 400 naming it."""
     ctx.check_generates()
     try:
-        return await ctx.engine.process_inputs(prompt, params)
+        return await ctx.engine.process_inputs(prompt, params, images, add_special_tokens)
     except ValueError as e:
         param = getattr(e, "param", None)
+        if param is not None and param.startswith("images[") and image_fields:
+            field = image_fields[int(param[7:-1])]  # the engine's image i: the request's field
+            raise APIError(400, f"{field}: {e}", param=field) from None
         if param == "structured_outputs" and req is not None:
             param = structured_outputs(req)[1] or param
         raise APIError(400, str(e), param=param) from None

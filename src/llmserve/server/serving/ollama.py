@@ -45,10 +45,12 @@ from llmserve.config.models import parse_duration
 from llmserve.engine.async_engine import RequestStream
 from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
 from llmserve.server.errors import APIError
-from llmserve.server.protocol import ChatMessage, parse
-from llmserve.server.serving.chat import render_chat
+from llmserve.server.media import decode_base64
+from llmserve.server.protocol import ChatMessage, ImageURL, ImageURLPart, TextPart, parse
+from llmserve.server.serving.chat import render_chat, render_chat_text
 from llmserve.server.serving.context import ServingContext
 from llmserve.server.serving.pieces import (
+    ImageInputs,
     Piece,
     gather,
     openai_messages,
@@ -139,7 +141,37 @@ def _chat_message(m: OllamaMessage) -> ChatMessage:
             {"type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
             for c in m.tool_calls
         ]
-    return ChatMessage(role=m.role, content=m.content, tool_calls=calls, name=m.tool_name)
+    message = ChatMessage(role=m.role, content=m.content, tool_calls=calls, name=m.tool_name)
+    return _with_images(message, len(m.images or []))
+
+
+def _with_images(message: ChatMessage, num_images: int) -> ChatMessage:
+    """`message` with image parts before its text (the template writes each image's marker)."""
+    if not num_images:
+        return message
+    parts: list[Any] = [
+        ImageURLPart(type="image_url", image_url=ImageURL(url="data:")) for _ in range(num_images)
+    ]
+    return message.model_copy(update={"content": [*parts, TextPart(type="text", text=message.content or "")]})
+
+
+def _decode_images(
+    ctx: ServingContext, images: list[Any], fields: list[str], add_special_tokens: bool
+) -> ImageInputs | None:
+    """Ollama's base64 `images` -> their bytes (None for none); 400s naming the field of a bad one,
+    or `fields[0]`'s when the model takes no images."""
+    if not images:
+        return None
+    if not ctx.engine.takes_images:
+        raise APIError(
+            400, f"{fields[0]}: model {ctx.model_name!r} takes no images (text only)", param=fields[0]
+        )
+    data = []
+    for field, image in zip(fields, images, strict=True):
+        if not isinstance(image, str):
+            raise APIError(400, f"{field}: an image must be a base64 string", param=field)
+        data.append(decode_base64(image, ctx.config, field))
+    return ImageInputs(data, fields, add_special_tokens)
 
 
 def _ollama_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:
@@ -296,16 +328,18 @@ class OllamaServing:
 
     async def generate(self, raw: Request) -> Any:
         req: OllamaGenerateRequest = parse(OllamaGenerateRequest, await raw.json())
-        if req.images:
-            raise APIError(400, "images are not supported (text only)", param="images")
         params = self._params(req)  # bad options are a 400 before anything loads
         if not req.prompt:
             return await self._load_or_unload(req)
-        messages = [ChatMessage(role="user", content=req.prompt)]
+        image_fields = [f"images[{j}]" for j in range(len(req.images or []))]
+        # the images go before the text, as Ollama puts them
+        messages = [_with_images(ChatMessage(role="user", content=req.prompt), len(image_fields))]
         if req.system:
             messages.insert(0, ChatMessage(role="system", content=req.system))
 
         def remote(up: RemoteModel) -> Awaitable[Any]:
+            if image_fields:
+                raise APIError(400, "images go to native models only", param="images")
             if req.raw:
                 return self._relay(req, raw, params, up, "/completions", {"prompt": req.prompt})
             return self._relay(
@@ -313,8 +347,14 @@ class OllamaServing:
             )
 
         async def native(ctx: ServingContext) -> Any:
+            images = _decode_images(ctx, req.images or [], image_fields, add_special_tokens=req.raw)
             if req.raw:  # the prompt as it is: no template, so no thinking to switch or split
-                return await self._run(ctx, req, raw, req.prompt, params, split=False)
+                return await self._run(ctx, req, raw, req.prompt, params, split=False, images=images)
+            if images is not None:
+                text = render_chat_text(
+                    ctx, messages, add_generation_prompt=True, extra=_template_kwargs(req)
+                )
+                return await self._run(ctx, req, raw, text, params, self._split(ctx, req), images=images)
             ids = render_chat(ctx, messages, add_generation_prompt=True, extra=_template_kwargs(req))
             return await self._run(ctx, req, raw, ids, params, split=self._split(ctx, req))
 
@@ -322,14 +362,15 @@ class OllamaServing:
 
     async def chat(self, raw: Request) -> Any:
         req: OllamaChatRequest = parse(OllamaChatRequest, await raw.json())
-        if any(m.images for m in req.messages):
-            raise APIError(400, "images are not supported (text only)", param="messages")
         params = self._params(req)
         if not req.messages:
             return await self._load_or_unload(req)
         messages = [_chat_message(m) for m in req.messages]
+        image_fields = [f"messages[{i}].images[{j}]" for i, m in enumerate(req.messages) for j in range(len(m.images or []))]  # fmt: skip
 
         def remote(up: RemoteModel) -> Awaitable[Any]:
+            if image_fields:
+                raise APIError(400, "images go to native models only", param="messages")
             body: dict[str, Any] = {"messages": openai_messages(messages)}
             if req.tools:
                 body["tools"] = req.tools
@@ -339,18 +380,24 @@ class OllamaServing:
             # tools as on /v1/chat/completions with tool_choice "auto": the model's own call format,
             # read back into Ollama's `tool_calls` (arguments as objects)
             plan = plan_tools(req.tools, None, None, ctx.tool_format) if req.tools else None
+            images = _decode_images(
+                ctx, [b for m in req.messages for b in m.images or []], image_fields, False
+            )
             last = messages[-1].role
-            ids = render_chat(ctx, messages, add_generation_prompt=last != "assistant",
-                              continue_final_message=last == "assistant", extra=_template_kwargs(req),
-                              tools=plan.tools if plan else None, fmt=plan.fmt if plan else None)  # fmt: skip
+            text = render_chat_text(ctx, messages, add_generation_prompt=last != "assistant",
+                                    continue_final_message=last == "assistant", extra=_template_kwargs(req),
+                                    tools=plan.tools if plan else None, fmt=plan.fmt if plan else None)  # fmt: skip
+            # without images, the ids render_chat would give (the template holds its special tokens)
+            prompt = text if images is not None else ctx.tokenizer.encode(text, add_special_tokens=False)
             return await self._run(
                 ctx,
                 req,
                 raw,
-                ids,
+                prompt,
                 with_tools(params, plan) if plan else params,
                 self._split(ctx, req),
                 plan.fmt if plan else None,
+                images,
             )
 
         return await self._serve(req, remote, native)
@@ -365,12 +412,13 @@ class OllamaServing:
 
     @staticmethod
     async def _run(ctx: ServingContext, req: _OllamaRequest, raw: Request, prompt: str | list[int],
-                   params: SamplingParams, split: bool, tools: ToolFormat | None = None) -> Any:  # fmt: skip
+                   params: SamplingParams, split: bool, tools: ToolFormat | None = None,
+                   images: ImageInputs | None = None) -> Any:  # fmt: skip
         """Run one prompt on a native model; `split`: thinking apart from content; `tools`: the
-        call format to read tool calls back in (chat with tools)."""
+        call format to read tool calls back in (chat with tools); `images`: the prompt's images."""
         chat = isinstance(req, OllamaChatRequest)
         answer = await start_answer(ctx, prompt, params, "ollama-chat" if chat else "ollama-gen", split, tools,
-                                    context=not chat)  # fmt: skip
+                                    context=not chat, images=images)  # fmt: skip
         return await _respond(req, raw, answer.pieces, answer.streams)
 
     @staticmethod

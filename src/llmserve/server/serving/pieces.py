@@ -85,15 +85,30 @@ def thinks(ctx: ServingContext) -> bool:
 
 
 async def start_answer(ctx: ServingContext, prompt: str | list[int], params: SamplingParams, prefix: str,
-                       split: bool, tools: ToolFormat | None = None, context: bool = False) -> Answer:  # fmt: skip
+                       split: bool, tools: ToolFormat | None = None, context: bool = False,
+                       images: ImageInputs | None = None) -> Answer:  # fmt: skip
     """Run one prompt on a native model; `split`: thinking apart from content; `tools`: the call
     format to read tool calls back in (`params` made `with_tools`); `context`: the tokens in the end
-    (Ollama's /api/generate)."""
-    processed = await process_prompt(ctx, prompt, params)
+    (Ollama's /api/generate); `images`: the prompt's images (its text then holds their markers)."""
+    if images is None:
+        processed = await process_prompt(ctx, prompt, params)
+    else:
+        processed = await process_prompt(ctx, prompt, params, None, images.data, images.add_special_tokens,
+                                         images.fields)  # fmt: skip
     streams = start_requests(ctx, [processed], 0, prefix)
     opened = prompt_opens_thinking(ctx.tokenizer, processed.token_ids) if split else None
     pieces = _engine_pieces(ctx, streams, processed.token_ids, opened, tools, context)
     return Answer(streams, pieces, len(processed.token_ids))
+
+
+@dataclass(frozen=True, slots=True)
+class ImageInputs:
+    """A prompt's images: their bytes, the request fields they came in (for errors), and whether
+    the prompt text still needs the tokenizer's special tokens (a raw prompt) or not (a template's)."""
+
+    data: list[bytes]
+    fields: list[str]
+    add_special_tokens: bool
 
 
 async def _engine_pieces(ctx: ServingContext, streams: list[RequestStream], prompt_ids: list[int],
