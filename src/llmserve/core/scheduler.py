@@ -265,6 +265,10 @@ class Scheduler:
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         self._open_admission()
         kv = self.kv_cache_manager
+        # Requests whose adapter cannot join this step's (all `max_loras` slots taken) step aside
+        # for the ones behind them, as vLLM's do, and go back to their places afterwards: a
+        # request for a busy adapter must not hold up the base model's or a running adapter's.
+        skipped: list[Request] = []
         while plan.budget > 0:
             pending = self._admit_pending(plan)
             if pending is not None:
@@ -274,7 +278,10 @@ class Scheduler:
             if len(self.waiting) == 0 or self._num_members() >= self.config.max_num_seqs:
                 break
             request = self.waiting.peek()
-            if not self._may_admit(request) or not self._adapter_fits(request):
+            if not self._adapter_fits(request):
+                skipped.append(self.waiting.pop())
+                continue
+            if not self._may_admit(request):
                 break
             # Prompt logprobs, mean and cls pooling need every prompt position computed: no
             # prefix-cache hit then (`last` pooling reads the last token, which a hit never covers).
@@ -287,11 +294,13 @@ class Scheduler:
                 break
             self.waiting.pop()
             self._admitted(request)
+        for request in reversed(skipped):  # back at the head, in their order
+            self.waiting.prepend(request)
 
     def _adapter_fits(self, request: Request) -> bool:
         """Whether `request`'s LoRA adapter may join the running ones: every step runs all
-        running requests, so their distinct adapters are the step's. One that does not fit waits
-        at the head of the queue (as a request waits for blocks) until an adapter's requests end."""
+        running requests, so their distinct adapters are the step's. One that does not fit keeps
+        its place in the queue until an adapter's requests end; the requests behind it may go."""
         if not request.lora_id or self.max_loras is None:
             return True
         in_use = {r.lora_id for r in self.running if r.lora_id}
