@@ -64,3 +64,17 @@ def test_speculative_config_from_json_text() -> None:
 def test_llm_names_a_bad_option_before_loading(options: dict, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         build_engine(**options)
+
+
+@pytest.mark.parametrize(
+    "modules",
+    ["sql=/a/sql,chat=/b/chat", ["sql=/a/sql", "chat=/b/chat"], {"sql": "/a/sql", "chat": "/b/chat"}],
+)
+def test_models_file_names_lora_adapters_as_text_list_or_mapping(modules):
+    args = EngineArgs.from_options({"model": "m", "enable_lora": True, "lora_modules": modules}, "model 'm'")
+    assert args.lora_config().modules == (("sql", "/a/sql"), ("chat", "/b/chat"))
+
+
+def test_bad_lora_modules_name_the_model():
+    with pytest.raises(ValueError, match=r"model 'm': lora_modules: expected name=path"):
+        EngineArgs.from_options({"model": "m", "enable_lora": True, "lora_modules": ["sql"]}, "model 'm'")

@@ -97,6 +97,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--max-n", type=int, default=defaults.max_n)
     s.add_argument("--disable-metrics", action="store_true", help="no Prometheus metrics at /metrics")
     s.add_argument(
+        "--allow-runtime-lora-updating", action="store_true",
+        help="open POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's; behind --api-key)",
+    )  # fmt: skip
+    s.add_argument(
         "--stats-log-interval", type=float, default=defaults.stats_log_interval,
         help="seconds between engine stats log lines while busy (0: off)",
     )  # fmt: skip
@@ -156,6 +160,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         log_requests=args.log_requests,
         max_n=args.max_n,
         enable_metrics=not args.disable_metrics,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         stats_log_interval=args.stats_log_interval,
         enable_response_timings=args.enable_response_timings,
         reasoning_parser=args.reasoning_parser,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,3 +50,14 @@ def parse_lora_modules(text: str | None) -> tuple[tuple[str, str], ...]:
             raise ValueError(f"lora_modules: expected name=path; got {item.strip()!r}")
         pairs.append((name.strip(), path.strip()))
     return tuple(pairs)
+
+
+def lora_modules_text(value: list[Any] | dict[Any, Any]) -> str:
+    """A models file's `lora_modules` as the command line's text: a mapping {name: path} or a
+    list of "name=path" items."""
+    items = [f"{k}={v}" for k, v in value.items()] if isinstance(value, dict) else value
+    if not all(isinstance(i, str) and "," not in i for i in items):
+        raise ValueError(f"lora_modules: expected name=path items or a {{name: path}} mapping; got {value!r}")
+    text = ",".join(items)
+    parse_lora_modules(text)  # the same checks as the command line's
+    return text

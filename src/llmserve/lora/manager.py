@@ -2,8 +2,9 @@
 
 It wraps every linear layer of the model in a `LoRALinear` (once, after the runner has built
 the fused CPU decoder from the bare layers), loads an adapter the first time a request names it,
-keeps `max_cpu_loras` of them (least recently used dropped first; a dropped one is reloaded
-from its folder when a step needs it again), and turns a step's per-sequence adapter ids into
+keeps `max_cpu_loras` of them (least recently used dropped first, but never one an unfinished
+request runs; a dropped one is loaded again from its folder by the next request naming it),
+forgets removed ones once their last request ends, and turns a step's per-sequence adapter ids into
 groups of flat-batch rows that the wrappers read while the forward pass runs.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
 
 import torch
@@ -47,31 +49,51 @@ class LoRAManager:
         """Ids of the adapters loaded now, least recently used first."""
         return list(self._loaded)
 
-    def add(self, request: LoRARequest) -> LoRAAdapter:
-        """Register `request`'s adapter and load it now (so a bad folder fails the request that
-        names it); an id already registered must name the same folder."""
+    def add(self, request: LoRARequest, in_use: AbstractSet[int] = frozenset()) -> LoRAAdapter:
+        """Register `request`'s adapter and load it now if it is not (so a bad folder fails the
+        request that names it); an id already registered must name the same folder. `in_use`:
+        the adapters of unfinished requests, which an eviction this makes leaves loaded."""
         known = self.requests.get(request.lora_int_id)
         if known is not None and (known.lora_path, known.lora_name) != (request.lora_path, request.lora_name):
             raise ValueError(
                 f"lora_int_id {request.lora_int_id} is already {known.lora_name!r} ({known.lora_path}); "
                 f"got {request.lora_name!r} ({request.lora_path})"
             )
-        adapter = self.get(request.lora_int_id, request)
+        adapter = self._loaded.get(request.lora_int_id)
+        if adapter is None:
+            adapter = load_adapter(request, self.model, self.config.max_lora_rank, self.device, self.dtype)
+            self._loaded[request.lora_int_id] = adapter
+        self._loaded.move_to_end(request.lora_int_id)
         self.requests[request.lora_int_id] = request
+        self.trim(in_use | {request.lora_int_id})
         return adapter
 
-    def get(self, lora_id: int, request: LoRARequest | None = None) -> LoRAAdapter:
-        """The loaded adapter `lora_id` (loaded now if it is not), most recently used from now."""
-        adapter = self._loaded.get(lora_id)
-        if adapter is not None:
-            self._loaded.move_to_end(lora_id)
-            return adapter
-        request = request or self.requests[lora_id]
-        adapter = load_adapter(request, self.model, self.config.max_lora_rank, self.device, self.dtype)
-        self._loaded[lora_id] = adapter
-        while len(self._loaded) > self.config.num_cached:
-            self._loaded.popitem(last=False)
-        return adapter
+    def remove(self, lora_id: int, in_use: AbstractSet[int] = frozenset()) -> bool:
+        """Forget adapter `lora_id` (False: it was not registered). Its weights go now, or, while
+        requests in `in_use` still run it, at the first `trim` after they end."""
+        if self.requests.pop(lora_id, None) is None:
+            return False
+        self.trim(in_use)
+        return True
+
+    @property
+    def needs_trim(self) -> bool:
+        """Whether `trim` has weights to drop: more than `max_cpu_loras` loaded, or a removed one."""
+        return len(self._loaded) > self.config.num_cached or len(self._loaded) > len(
+            self._loaded.keys() & self.requests.keys()
+        )
+
+    def trim(self, in_use: AbstractSet[int]) -> None:
+        """Drop removed adapters, then the least recently used beyond `max_cpu_loras`, never one
+        in `in_use` (an unfinished request's: it keeps its adapter to the end, so the cap may be
+        exceeded while every loaded adapter is busy). A dropped registered adapter is loaded
+        again from its folder by the next request that names it."""
+        for lora_id in [i for i in self._loaded if i not in self.requests and i not in in_use]:
+            del self._loaded[lora_id]
+        for lora_id in [i for i in self._loaded if i not in in_use]:
+            if len(self._loaded) <= self.config.num_cached:
+                break
+            del self._loaded[lora_id]
 
     @contextmanager
     def activate(self, lora_ids: Sequence[int], num_tokens: Sequence[int]) -> Iterator[None]:
@@ -88,7 +110,9 @@ class LoRAManager:
         for lora_id, ranges in spans.items():
             rows = torch.cat(ranges)
             index = None if len(rows) == start else rows.to(self.device, non_blocking=True)
-            groups.append((self.get(lora_id), index))
+            adapter = self._loaded[lora_id]  # an unfinished request's adapter is never dropped
+            self._loaded.move_to_end(lora_id)
+            groups.append((adapter, index))
         self.step.batch = LoRABatch(tuple(groups))
         try:
             yield

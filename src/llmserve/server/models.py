@@ -157,7 +157,11 @@ class ModelManager:
         self.slots = [ModelSlot(s, engine_args(s, base)) for s in specs]
         self._by_name = {name: slot for slot in self.slots for name in slot.spec.names}
         self.adapters = _adapters(self.slots, self._by_name)
-        """LoRA adapter name -> (its base model's slot, the adapter): `--lora-modules`."""
+        """LoRA adapter name -> (its base model's slot, the adapter): `--lora-modules`, then
+        those loaded at run time (server/lora_adapters.py)."""
+        self.next_lora_id = 1 + max((r.lora_int_id for _, r in self.adapters.values()), default=0)
+        """The id of the next adapter loaded at run time: ids are never reused, since an id keys
+        the prefix cache's blocks and an engine's loaded weights."""
         self.default = self.slots[0]
         self._lock = asyncio.Lock()
         self._tasks: list[asyncio.Task[Any]] = []
@@ -168,6 +172,11 @@ class ModelManager:
         self.closed = False
 
     # -- names ----------------------------------------------------------------------------------------
+
+    def resolve_base(self, name: str | None) -> ModelSlot:
+        """`resolve`, where a LoRA adapter's name stands for its base model's slot."""
+        adapter = self.adapters.get(name) if name is not None else None
+        return adapter[0] if adapter is not None else self.resolve(name)
 
     def resolve(self, name: str | None) -> ModelSlot:
         """The slot a request's `model` names: a name or alias, `name:latest` for a name without a
