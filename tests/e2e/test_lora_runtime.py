@@ -152,3 +152,20 @@ def test_runtime_updating_is_off_by_default(tiny_model_dir, adapters):
         assert r.status_code == 404 and "--allow-runtime-lora-updating" in r.text
     finally:
         proc.stop()
+
+
+def test_metrics_name_the_adapters(server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    complete(server, "sql")
+    text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    (info,) = families["llmserve:lora_requests_info"].samples
+    assert info.labels["max_lora"] == "4" and info.labels["model_name"] == MODEL_NAME
+    assert info.labels["running_lora_adapters"] == info.labels["waiting_lora_adapters"] == ""  # idle now
+    counts = {
+        (s.labels["lora_name"], s.labels["finished_reason"]): s.value
+        for s in families["llmserve:lora_requests"].samples
+        if s.name.endswith("_total")
+    }
+    assert counts[("sql", "length")] >= 1

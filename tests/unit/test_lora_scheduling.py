@@ -57,3 +57,15 @@ def test_block_hashes_depend_on_the_adapter():
     assert len(hashes[0]) == 2
     assert len({h for hs in hashes.values() for h in hs}) == 6  # no block shared across adapters
     assert request_block_hashes(dataclasses.replace(plain, lora_id=1, block_hashes=[]), 4) == hashes[1]
+
+
+def test_stats_name_the_running_and_waiting_adapters():
+    sched = make_scheduler(SchedulerConfig(), CacheConfig(block_size=4), 64, 256, max_loras=1)
+    for name, lora_id in (("a", 1), ("b", 2), ("c", 0), ("d", 2)):
+        req = make_request(name, 3, max_tokens=4)
+        req.lora_id = lora_id
+        sched.add_request(req)
+    step(sched)
+    lora = sched.stats(lora_names={1: "sql"}).lora
+    assert (lora.max_lora, lora.running, lora.waiting) == (1, ("sql",), ("2",))
+    assert make_scheduler(SchedulerConfig(), CacheConfig(block_size=4), 64, 256).stats().lora is None

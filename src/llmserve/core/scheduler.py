@@ -23,7 +23,7 @@ The scheduler owns the request objects and the KV-cache manager; it never touche
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from llmserve.config import CacheConfig, SchedulerConfig
@@ -37,7 +37,7 @@ from llmserve.core.sched_output import (
     NewRequestData,
     SchedulerOutput,
 )
-from llmserve.metrics.stats import SchedulerStats, SpecDecodingStats
+from llmserve.metrics.stats import LoRAStats, SchedulerStats, SpecDecodingStats
 
 SPEC_DECAY = 0.8
 """Weight of a request's earlier verifications against its latest one (speculative decoding)."""
@@ -434,7 +434,8 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 
-    def stats(self, step_tokens: int = 0) -> SchedulerStats:
+    def stats(self, step_tokens: int = 0, lora_names: Mapping[int, str] | None = None) -> SchedulerStats:
+        """`lora_names`: adapter id -> name, for the LoRA record (ids when absent)."""
         kv = self.kv_cache_manager
         pc = kv.prefix_cache_stats
         return SchedulerStats(
@@ -448,6 +449,17 @@ class Scheduler:
             num_steps=self.num_steps,
             step_tokens=step_tokens,
             spec=self.spec_stats,
+            lora=None if self.max_loras is None else self._lora_stats(lora_names or {}),
+        )
+
+    def _lora_stats(self, names: Mapping[int, str]) -> LoRAStats:
+        assert self.max_loras is not None
+        running = {r.lora_id for r in self.running if r.lora_id}
+        waiting = {r.lora_id for r in self.waiting if r.lora_id} - running
+        return LoRAStats(
+            self.max_loras,
+            tuple(sorted(names.get(i, str(i)) for i in running)),
+            tuple(sorted(names.get(i, str(i)) for i in waiting)),
         )
 
 

@@ -317,7 +317,15 @@ class LLMEngine:
         arrival = time.monotonic()
         child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         self.output_processor.add_request(
-            request_id, prompt.text, ids, params, child_ids, arrival, delta, prompt.max_tokens
+            request_id,
+            prompt.text,
+            ids,
+            params,
+            child_ids,
+            arrival,
+            delta,
+            prompt.max_tokens,
+            None if lora_request is None else lora_request.lora_name,
         )
         for i, child_id in enumerate(child_ids):
             child_params = params
@@ -356,7 +364,7 @@ class LLMEngine:
         if outputs and self.log_stats:
             # Fresh gauges with the aborts: when they leave the engine idle, no step follows to
             # publish them, and running/KV-usage gauges would keep the last step's values.
-            self._stats.scheduler = self.scheduler.stats()
+            self._stats.scheduler = self._scheduler_stats()
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -381,6 +389,10 @@ class LLMEngine:
     def list_loras(self) -> set[int]:
         """Ids of the adapters requests may name."""
         return set() if self.lora is None else set(self.lora.requests)
+
+    def _scheduler_stats(self, step_tokens: int = 0) -> SchedulerStats:
+        """The scheduler's record, its LoRA adapters named."""
+        return self.scheduler.stats(step_tokens, None if self.lora is None else self.lora.names)
 
     def _loras_in_use(self) -> set[int]:
         """The adapters of unfinished requests (waiting or running)."""
@@ -417,7 +429,7 @@ class LLMEngine:
         if stopped:  # stop strings found by the detokenizer end those requests in the scheduler too
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self._trim_loras()
-        self.last_stats = stats.scheduler = self.scheduler.stats(scheduler_output.total_num_scheduled_tokens)
+        self.last_stats = stats.scheduler = self._scheduler_stats(scheduler_output.total_num_scheduled_tokens)
         if self.proposer is not None:
             self._propose()
         if self.controller is not None and self._decode_only(scheduler_output):

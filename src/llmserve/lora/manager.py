@@ -36,6 +36,8 @@ class LoRAManager:
         self.model, self.config = model, config
         self.step = LoRAStep()
         self.requests: dict[int, LoRARequest] = {}
+        self.names: dict[int, str] = {}
+        """Id -> name of every adapter ever added (a removed one's requests may still run)."""
         self._loaded: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self.num_layers = _wrap_linears(model, self.step)
         logger.info(
@@ -65,6 +67,7 @@ class LoRAManager:
             self._loaded[request.lora_int_id] = adapter
         self._loaded.move_to_end(request.lora_int_id)
         self.requests[request.lora_int_id] = request
+        self.names[request.lora_int_id] = request.lora_name
         self.trim(in_use | {request.lora_int_id})
         return adapter
 
