@@ -130,7 +130,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("LoRA adapters")
     g.add_argument(
-        "--enable-lora", action="store_true", help="serve LoRA adapters (PEFT folders) on the base model"
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters (PEFT folders, llama.cpp GGUF LoRA files) on the base model",
     )
     g.add_argument("--max-loras", type=int, default=4, help="most adapters one step mixes (default 4)")
     g.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted (default 16)")
