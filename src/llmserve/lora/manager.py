@@ -90,7 +90,8 @@ class LoRAManager:
         """Drop removed adapters, then the least recently used beyond `max_cpu_loras`, never one
         in `in_use` (an unfinished request's: it keeps its adapter to the end, so the cap may be
         exceeded while every loaded adapter is busy). A dropped registered adapter is loaded
-        again from its folder by the next request that names it."""
+        again from its folder by the next request that names it. (The wrappers keep the last
+        adapter step's weights side by side until the next one: layers.py.)"""
         for lora_id in [i for i in self._loaded if i not in self.requests and i not in in_use]:
             del self._loaded[lora_id]
         for lora_id in [i for i in self._loaded if i not in in_use]:
@@ -103,20 +104,18 @@ class LoRAManager:
         """The wrappers apply these adapters while the block runs: sequence j's `num_tokens[j]`
         flat-batch rows take adapter `lora_ids[j]` (0: the base model)."""
         assert self.step.batch is None, "LoRAManager.activate does not nest"
-        spans: dict[int, list[torch.Tensor]] = {}  # adapter -> its sequences' row ranges
-        start = 0
+        slots: dict[int, int] = {}  # adapter id -> its index in the step's adapters
+        row_slots: list[int] = []
         for lora_id, n in zip(lora_ids, num_tokens, strict=True):
-            if lora_id:
-                spans.setdefault(lora_id, []).append(torch.arange(start, start + n))
-            start += n
-        groups = []
-        for lora_id, ranges in spans.items():
-            rows = torch.cat(ranges)
-            index = None if len(rows) == start else rows.to(self.device, non_blocking=True)
-            adapter = self._loaded[lora_id]  # an unfinished request's adapter is never dropped
+            slot = slots.setdefault(lora_id, len(slots)) if lora_id else -1
+            row_slots += [slot] * n
+        adapters = []
+        for lora_id in slots:
+            adapters.append(self._loaded[lora_id])  # an unfinished request's adapter is never dropped
             self._loaded.move_to_end(lora_id)
-            groups.append((adapter, index))
-        self.step.batch = LoRABatch(tuple(groups))
+        every_row = len(slots) == 1 and -1 not in row_slots  # one adapter, no base rows: no mask
+        index = None if every_row else torch.tensor(row_slots).to(self.device, non_blocking=True)
+        self.step.batch = LoRABatch(tuple(adapters), index)
         try:
             yield
         finally:
