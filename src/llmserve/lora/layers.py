@@ -49,6 +49,14 @@ class LoRABatch:
     every row runs `adapters[0]`."""
     masks: dict[tuple[tuple[int, int], ...], torch.Tensor] = field(default_factory=dict)
     """Column layout ((slot, rank), ...) -> its [T, R] mask, built once per step and layout."""
+    spans: dict[tuple[tuple[int, int], ...], tuple[torch.Tensor, torch.Tensor, int]] = field(
+        default_factory=dict
+    )
+    """Column layout -> (each row's first column [T], its rank [T], the largest rank): the
+    Triton kernels' form of the mask (triton_lora.py)."""
+
+    def __post_init__(self) -> None:
+        assert self.row_slots is not None or len(self.adapters) == 1, "rows of several adapters need row_slots"
 
     def mask(
         self, layout: tuple[tuple[int, int], ...], col_slots: torch.Tensor, dtype: torch.dtype
@@ -59,6 +67,26 @@ class LoRABatch:
             mask = (self.row_slots[:, None] == col_slots[None, :]).to(dtype)  # [T, R]
             self.masks[layout] = mask
         return mask
+
+    def row_spans(
+        self, layout: tuple[tuple[int, int], ...], num_rows: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        spans = self.spans.get(layout)
+        if spans is None:
+            # index slot + 1: slot -1 (a base row) and slots without this layer keep rank 0
+            starts = torch.zeros(len(self.adapters) + 1, dtype=torch.int32)
+            ranks = torch.zeros(len(self.adapters) + 1, dtype=torch.int32)
+            offset = 0
+            for slot, rank in layout:
+                starts[slot + 1], ranks[slot + 1] = offset, rank
+                offset += rank
+            index = (
+                self.row_slots + 1 if self.row_slots is not None else torch.ones(num_rows, dtype=torch.long)
+            )
+            index = index.to(device)
+            spans = (starts.to(device)[index], ranks.to(device)[index], max(r for _, r in layout))
+            self.spans[layout] = spans
+        return spans
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,10 +104,13 @@ class LoRAStep:
     """The per-forward context every wrapper reads: the step's `LoRABatch`, or None. Set only by
     `LoRAManager.activate`, which refuses nesting."""
 
-    __slots__ = ("batch",)
+    __slots__ = ("batch", "use_triton")
 
-    def __init__(self) -> None:
+    def __init__(self, use_triton: bool = False) -> None:
         self.batch: LoRABatch | None = None
+        self.use_triton = use_triton
+        """The wrappers add the deltas with triton_lora.py's kernels (the manager's choice: CUDA
+        with triton installed); otherwise with the masked matmul pair."""
 
 
 class LoRALinear(nn.Module):
@@ -113,6 +144,11 @@ class LoRALinear(nn.Module):
         packed = self._packed_for(batch.adapters)
         if packed is None:  # no adapter of the step changes this layer
             return y
+        if self.step.use_triton:
+            from llmserve.lora.triton_lora import add_lora
+
+            start, rank, max_rank = batch.row_spans(packed.layout, x.shape[0], x.device)
+            return add_lora(y, x, packed.a_t, packed.b_t, start, rank, max_rank)
         h = x @ packed.a_t  # [T, R]
         if batch.row_slots is not None:
             h.mul_(batch.mask(packed.layout, packed.col_slots, h.dtype))

@@ -34,7 +34,7 @@ class LoRAManager:
         # A quantized model computes in float32; its float params are norms in that dtype
         self.device, self.dtype = param.device, param.dtype
         self.model, self.config = model, config
-        self.step = LoRAStep()
+        self.step = LoRAStep(use_triton=self.device.type == "cuda" and _has_triton())
         self.requests: dict[int, LoRARequest] = {}
         self.names: dict[int, str] = {}
         """Id -> name of every adapter ever added (a removed one's requests may still run)."""
@@ -130,3 +130,11 @@ def _wrap_linears(model: CausalLM, step: LoRAStep) -> int:
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, LoRALinear(layer, name, step))
     return len(targets)
+
+
+def _has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
