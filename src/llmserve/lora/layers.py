@@ -56,7 +56,9 @@ class LoRABatch:
     Triton kernels' form of the mask (triton_lora.py)."""
 
     def __post_init__(self) -> None:
-        assert self.row_slots is not None or len(self.adapters) == 1, "rows of several adapters need row_slots"
+        assert self.row_slots is not None or len(self.adapters) == 1, (
+            "rows of several adapters need row_slots"
+        )
 
     def mask(
         self, layout: tuple[tuple[int, int], ...], col_slots: torch.Tensor, dtype: torch.dtype

@@ -104,11 +104,12 @@ class LoRAManager:
         """The wrappers apply these adapters while the block runs: sequence j's `num_tokens[j]`
         flat-batch rows take adapter `lora_ids[j]` (0: the base model)."""
         assert self.step.batch is None, "LoRAManager.activate does not nest"
-        slots: dict[int, int] = {}  # adapter id -> its index in the step's adapters
+        # adapter id -> its index in the step's adapters, in id order: the same set of adapters
+        # is the same tuple from step to step, which the wrappers' packed weights are kept for
+        slots = {lora_id: slot for slot, lora_id in enumerate(sorted({i for i in lora_ids if i}))}
         row_slots: list[int] = []
         for lora_id, n in zip(lora_ids, num_tokens, strict=True):
-            slot = slots.setdefault(lora_id, len(slots)) if lora_id else -1
-            row_slots += [slot] * n
+            row_slots += [slots[lora_id] if lora_id else -1] * n
         adapters = []
         for lora_id in slots:
             adapters.append(self._loaded[lora_id])  # an unfinished request's adapter is never dropped
