@@ -10,7 +10,9 @@ One engine (`LLM(enable_lora=True)`, in this process, no HTTP), two closed loops
   - base:  every request on the base model (the fused CPU decoder runs it where the model
            is quantized on the CPU);
   - loras: request i on adapter i mod N (N = 4 by default): every step mixes the adapters, and
-           runs layer by layer (a step with an adapter in it takes no fused decoder, no CUDA graph).
+           runs layer by layer (a step with an adapter in it takes no fused decoder, no CUDA graph);
+  - where the base ran the fused decoder, the base again with it turned off: what the layer-path
+           fallback costs by itself, apart from the adapters' own matmuls.
 Greedy, EOS ignored: both produce exactly `--output-len` tokens per request. Reported: output
 tokens/s of each, their ratio, whether the fused decoder ran the base loop, and each adapter's
 load time (`LLMEngine.add_lora`: read, check against the base, stack the shards).
@@ -127,10 +129,23 @@ def main() -> None:
         loras = closed_loop(
             engine, prompts, args.concurrency, args.output_len, [requests[i % n] for i in range(len(prompts))]
         )
-    fused = getattr(engine.runner.runner, "fused", None) is not None
+        runner = engine.runner.runner
+        fused = getattr(runner, "fused", None)
+        layered = None
+        if fused is not None:  # the fallback's own cost: the base loop again, the fused decoder off
+            runner.fused = None
+            try:
+                layered = closed_loop(
+                    engine, prompts, args.concurrency, args.output_len, [None] * len(prompts)
+                )
+            finally:
+                runner.fused = fused
     print(f"c={args.concurrency}, {args.requests} requests of {args.prompt_len}+{args.output_len} tokens: "
-          f"base {base:.1f} tok/s ({'fused CPU decoder' if fused else 'layer path'}), "
+          f"base {base:.1f} tok/s ({'fused CPU decoder' if fused is not None else 'layer path'}), "
           f"{n} adapters {loras:.1f} tok/s (layer path): {loras / base:.2f}x the base")  # fmt: skip
+    if layered is not None:
+        print(f"the layer-path fallback alone: base {layered:.1f} tok/s without the fused decoder "
+              f"({layered / base:.2f}x); the adapters' deltas on top: {loras / layered:.2f}x")  # fmt: skip
 
 
 if __name__ == "__main__":
