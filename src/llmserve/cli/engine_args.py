@@ -143,8 +143,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="adapters kept loaded, least recently used dropped (default --max-loras)",
     )
     g.add_argument(
-        "--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
-        help="adapters served by name: a request whose `model` is NAME runs on the base model with it",
+        "--lora-modules", nargs="+", default=None, metavar="NAME=PATH|JSON",
+        help="adapters served by name: a request whose `model` is NAME runs on the base model with it; "
+        'or vLLM\'s JSON, \'{"name": NAME, "path": PATH, "base_model_name": MODEL}\' (the served model it is for)',
     )  # fmt: skip
 
 
@@ -179,5 +180,5 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_loras": args.max_loras,
         "max_lora_rank": args.max_lora_rank,
         "max_cpu_loras": args.max_cpu_loras,
-        "lora_modules": ",".join(args.lora_modules) if args.lora_modules else None,
+        "lora_modules": list(args.lora_modules) if args.lora_modules else None,
     }

@@ -141,7 +141,7 @@ def _convert(name: str, value: Any, hint: Any, where: str) -> Any:
             return SpeculativeConfig.parse(value)
         except (TypeError, ValueError) as e:
             raise ValueError(f"{where}: speculative_config: {e}") from None
-    if name == "lora_modules" and isinstance(value, list | dict):
+    if name == "lora_modules" and value is not None:
         try:
             return lora_modules_text(value)
         except ValueError as e:

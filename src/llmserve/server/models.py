@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 
 from llmserve.config import ServerConfig
 from llmserve.config.engine_args import EngineArgs
+from llmserve.config.lora import lora_module_entries
 from llmserve.config.models import ModelSpec, check_specs, split_tag
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.llm import engine_from_args
@@ -154,6 +155,12 @@ class ModelManager:
         self.families = families
         base = dict(engine_options or {})
         base.pop("model", None)
+        names = {name for s in specs for name in s.names}
+        for adapter, _, model in lora_module_entries(base.get("lora_modules")):
+            if model is not None and model not in names:
+                raise ValueError(
+                    f"lora_modules: {adapter!r} names base_model_name {model!r}, which is no served model"
+                )
         self.slots = [ModelSlot(s, engine_args(s, base)) for s in specs]
         self._by_name = {name: slot for slot in self.slots for name in slot.spec.names}
         self.adapters = _adapters(self.slots, self._by_name)
