@@ -20,8 +20,9 @@ class LoRAConfig:
     """Adapters kept loaded (least recently used dropped first, reloaded from their folder when
     asked again); default `max_loras`."""
     modules: tuple[tuple[str, str], ...] = ()
-    """(name, PEFT folder) of the adapters the engine serves by name from the start (ids 1, 2, ...
-    in this order; loaded and checked when the engine starts): `--lora-modules name=path ...`."""
+    """(name, PEFT folder or GGUF LoRA file) of the adapters the engine serves by name from the
+    start (ids 1, 2, ... in this order; loaded and checked when the engine starts):
+    `--lora-modules name=path ...`."""
 
     def __post_init__(self) -> None:
         if self.max_loras < 1:
