@@ -230,13 +230,50 @@ def test_llm_generate_with_adapters_and_prefix_cache(base):
 
 
 def test_least_recently_used_adapter_is_dropped_and_reloaded(base):
+    """`max_cpu_loras`: the least recently used adapter is dropped, never one an unfinished
+    request runs (`in_use`), and a dropped one is loaded again by the next request naming it."""
     _, folder, adapters = base
     runner, manager = make_runner(folder, "none", max_loras=1, max_cpu_loras=1)
-    for i, path in enumerate(adapters, start=1):
-        manager.add(LoRARequest(f"a{i}", i, str(path)))
-    assert manager.loaded_ids == [2]  # adding the second dropped the first
-    first = run_mixed(runner, [1, 1, 1], steps=1)  # reloaded from its folder for the step
-    assert manager.loaded_ids == [1]
+    one, two = (LoRARequest(f"a{i}", i, str(p)) for i, p in enumerate(adapters, start=1))
+    manager.add(one)
+    manager.add(two, in_use={1})
+    assert manager.loaded_ids == [1, 2] and manager.needs_trim  # 1 is busy: over the cap for now
+    manager.trim(in_use={2})
+    assert manager.loaded_ids == [2]  # 1's requests ended: the least recently used goes
+    manager.add(one)  # a new request for the dropped adapter loads it again
+    assert manager.loaded_ids == [1] and not manager.needs_trim
+    first = run_mixed(runner, [1, 1, 1], steps=1)
     with torch.no_grad():
         ref = peft_reference(folder, adapters[0], "none")(torch.tensor([[*PROMPTS[0], 7]])).logits[0]
     torch.testing.assert_close(first[0], ref, rtol=TOL, atol=TOL)
+    # removing a busy adapter keeps its weights until its requests end
+    assert manager.remove(1, in_use={1}) and manager.loaded_ids == [1] and manager.needs_trim
+    manager.trim(in_use=set())
+    assert manager.loaded_ids == [] and not manager.remove(1)
+
+
+def test_engine_removes_a_busy_adapter_after_its_requests(base):
+    """`LLMEngine.remove_lora` while a request runs with the adapter: the request finishes with
+    it (the same tokens as without the removal), and the weights go once it has ended."""
+    from llmserve.engine.llm import LLM
+    from llmserve.sampling_params import SamplingParams
+
+    _, folder, adapters = base
+    engine = LLM(str(folder), enable_lora=True, max_loras=1, show_progress=False).engine
+    one = LoRARequest("a1", 1, str(adapters[0]))
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+
+    def run(remove_after: int | None) -> list[int]:
+        engine.add_request(f"r{remove_after}", PROMPTS[0], params, lora_request=one)
+        steps, out = 0, None
+        while engine.has_unfinished_requests():
+            out = engine.step() or out
+            steps += 1
+            if steps == remove_after:
+                assert engine.remove_lora(1) and engine.list_loras() == set()
+                assert engine.lora.loaded_ids == [1]  # still running: kept
+        return out[0].outputs[0].token_ids
+
+    expected = run(None)
+    assert run(remove_after=2) == expected
+    assert engine.lora.loaded_ids == [] and not engine.remove_lora(1)

@@ -64,3 +64,56 @@ def test_speculative_config_from_json_text() -> None:
 def test_llm_names_a_bad_option_before_loading(options: dict, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         build_engine(**options)
+
+
+@pytest.mark.parametrize(
+    "modules",
+    ["sql=/a/sql,chat=/b/chat", ["sql=/a/sql", "chat=/b/chat"], {"sql": "/a/sql", "chat": "/b/chat"}],
+)
+def test_models_file_names_lora_adapters_as_text_list_or_mapping(modules):
+    args = EngineArgs.from_options({"model": "m", "enable_lora": True, "lora_modules": modules}, "model 'm'")
+    assert args.lora_config().modules == (("sql", "/a/sql"), ("chat", "/b/chat"))
+
+
+def test_bad_lora_modules_name_the_model():
+    with pytest.raises(ValueError, match=r"model 'm': lora_modules: expected name=path"):
+        EngineArgs.from_options({"model": "m", "enable_lora": True, "lora_modules": ["sql"]}, "model 'm'")
+
+
+def test_cli_lora_modules_take_vllms_json_entries():
+    args = cli_args(
+        "--lora-modules",
+        "sql=/a/sql",
+        '{"name": "chat", "path": "/b/chat", "base_model_name": "m"}',
+        "--enable-lora",
+    )
+    assert args.lora_config().modules == (("sql", "/a/sql"), ("chat", "/b/chat"))
+    with pytest.raises(ValueError, match=r"lora_modules: not valid JSON"):
+        cli_args("--lora-modules", '{"name": "chat",', "--enable-lora")
+    with pytest.raises(ValueError, match=r'lora_modules: expected \{"name"'):
+        cli_args("--lora-modules", '{"name": "chat", "path": "/p", "rank": 4}', "--enable-lora")
+
+
+def test_a_servers_cli_adapters_go_to_the_model_they_name():
+    from llmserve.config.models import ModelSpec
+    from llmserve.server.model_files import engine_args
+
+    base = {
+        "enable_lora": True,
+        "lora_modules": ["any=/p/any", '{"name": "sql", "path": "/p/sql", "base_model_name": "a"}'],
+    }
+    mods = {
+        name: engine_args(ModelSpec(name=name, source=f"/m/{name}"), base).lora_config().modules
+        for name in ("a", "b")
+    }
+    assert mods == {"a": (("any", "/p/any"), ("sql", "/p/sql")), "b": (("any", "/p/any"),)}
+
+
+def test_a_cli_adapter_naming_no_served_model_is_refused():
+    from llmserve.config import ServerConfig
+    from llmserve.config.models import ModelSpec
+    from llmserve.server.models import ModelManager
+
+    base = {"enable_lora": True, "lora_modules": ['{"name": "sql", "path": "/p", "base_model_name": "zzz"}']}
+    with pytest.raises(ValueError, match=r"'sql' names base_model_name 'zzz', which is no served model"):
+        ModelManager([ModelSpec(name="a", source="/m/a")], ServerConfig(), base)

@@ -101,3 +101,37 @@ def test_finished_sequence_intervals() -> None:
 def test_token_buckets_end_at_the_context() -> None:
     assert _token_buckets(2048) == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 2048]
     assert _token_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
+
+
+def test_lora_requests_info_holds_the_current_adapters_and_counts_per_adapter() -> None:
+    """vLLM's lora_requests_info: one series, its labels the running and waiting adapters (the
+    previous series removed when they change); finished requests counted per adapter."""
+    from llmserve.metrics.stats import LoRAStats
+
+    stat_logger = PrometheusStatLogger("m", 64)
+
+    def lora_step(running: tuple[str, ...], waiting: tuple[str, ...], finished: str | None = None):
+        stats = IterationStats(1.0, SchedulerStats(2, 1, lora=LoRAStats(4, running, waiting)))
+        if finished is not None:
+            stats.observe_finished(SequenceTimes(0.0, 3, 8, 1, lora_name=finished), "stop", 1.0)
+        stat_logger.record(stats)
+        families = {f.name: f for f in text_string_to_metric_families(stat_logger.exposition()[0].decode())}
+        info = [s.labels for s in families["llmserve:lora_requests_info"].samples]
+        counts = {
+            s.labels["lora_name"]: s.value
+            for s in families["llmserve:lora_requests"].samples
+            if s.name.endswith("_total")
+        }
+        return info, counts
+
+    info, counts = lora_step(("sql",), ("chat", "math"))
+    assert [(i["max_lora"], i["running_lora_adapters"], i["waiting_lora_adapters"]) for i in info] == [
+        ("4", "sql", "chat,math")
+    ]
+    assert counts == {}
+    info, counts = lora_step(("chat", "sql"), (), finished="sql")
+    assert [(i["running_lora_adapters"], i["waiting_lora_adapters"]) for i in info] == [("chat,sql", "")]
+    assert counts == {"sql": 1.0}
+    stat_logger.set_idle()
+    families = {f.name: f for f in text_string_to_metric_families(stat_logger.exposition()[0].decode())}
+    assert not families["llmserve:lora_requests_info"].samples

@@ -130,7 +130,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("LoRA adapters")
     g.add_argument(
-        "--enable-lora", action="store_true", help="serve LoRA adapters (PEFT folders) on the base model"
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters (PEFT folders, llama.cpp GGUF LoRA files) on the base model",
     )
     g.add_argument("--max-loras", type=int, default=4, help="most adapters one step mixes (default 4)")
     g.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted (default 16)")
@@ -141,8 +143,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="adapters kept loaded, least recently used dropped (default --max-loras)",
     )
     g.add_argument(
-        "--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
-        help="adapters served by name: a request whose `model` is NAME runs on the base model with it",
+        "--lora-modules", nargs="+", default=None, metavar="NAME=PATH|JSON",
+        help="adapters served by name: a request whose `model` is NAME runs on the base model with it; "
+        'or vLLM\'s JSON, \'{"name": NAME, "path": PATH, "base_model_name": MODEL}\' (the served model it is for)',
     )  # fmt: skip
 
 
@@ -177,5 +180,5 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_loras": args.max_loras,
         "max_lora_rank": args.max_lora_rank,
         "max_cpu_loras": args.max_cpu_loras,
-        "lora_modules": ",".join(args.lora_modules) if args.lora_modules else None,
+        "lora_modules": list(args.lora_modules) if args.lora_modules else None,
     }

@@ -124,6 +124,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(a `traceparent` header makes it a child of the caller's span; needs llmserve[otel])",
     )  # fmt: skip
     s.add_argument(
+        "--allow-runtime-lora-updating", action="store_true",
+        help="open POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's; behind --api-key)",
+    )  # fmt: skip
+    s.add_argument(
         "--stats-log-interval", type=float, default=defaults.stats_log_interval,
         help="seconds between engine stats log lines while busy (0: off)",
     )  # fmt: skip
@@ -190,6 +194,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         enable_metrics=not args.disable_metrics,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         enable_playground=not args.disable_playground,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         stats_log_interval=args.stats_log_interval,
         enable_response_timings=args.enable_response_timings,
         reasoning_parser=args.reasoning_parser,

@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from llmserve.config.cache import CacheConfig, parse_bytes
-from llmserve.config.lora import LoRAConfig, parse_lora_modules
+from llmserve.config.lora import LoRAConfig, lora_modules_text, parse_lora_modules
 from llmserve.config.model import ModelConfig
 from llmserve.config.scheduler import SchedulerConfig
 from llmserve.config.speculative import SpeculativeConfig
@@ -141,6 +141,11 @@ def _convert(name: str, value: Any, hint: Any, where: str) -> Any:
             return SpeculativeConfig.parse(value)
         except (TypeError, ValueError) as e:
             raise ValueError(f"{where}: speculative_config: {e}") from None
+    if name == "lora_modules" and value is not None:
+        try:
+            return lora_modules_text(value)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
     optional = isinstance(hint, types.UnionType) and type(None) in hint.__args__
     if value is None:
         if optional:

@@ -37,6 +37,10 @@ class ServerConfig:
     """Cap on one stop string's length (characters)."""
     max_prompts: int = 256
     """Cap on the number of prompts in one completions request."""
+    allow_runtime_lora_updating: bool = False
+    """`POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` (vLLM's routes, which vLLM
+    opens with VLLM_ALLOW_RUNTIME_LORA_UPDATING): they read adapter folders from this machine's
+    disk, so they are off unless asked for, and behind the API key like every route."""
     enable_metrics: bool = True
     """Serve Prometheus metrics at /metrics."""
     enable_playground: bool = True

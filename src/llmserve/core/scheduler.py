@@ -23,7 +23,7 @@ The scheduler owns the request objects and the KV-cache manager; it never touche
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from llmserve.config import CacheConfig, SchedulerConfig
@@ -38,7 +38,7 @@ from llmserve.core.sched_output import (
     NewRequestData,
     SchedulerOutput,
 )
-from llmserve.metrics.stats import SchedulerStats, SpecDecodingStats
+from llmserve.metrics.stats import LoRAStats, SchedulerStats, SpecDecodingStats
 
 SPEC_DECAY = 0.8
 """Weight of a request's earlier verifications against its latest one (speculative decoding)."""
@@ -274,6 +274,10 @@ class Scheduler:
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         self._open_admission()
         kv = self.kv_cache_manager
+        # Requests whose adapter cannot join this step's (all `max_loras` slots taken) step aside
+        # for the ones behind them, as vLLM's do, and go back to their places afterwards: a
+        # request for a busy adapter must not hold up the base model's or a running adapter's.
+        skipped: list[Request] = []
         while plan.budget > 0:
             pending = self._admit_pending(plan)
             if pending is not None:
@@ -283,7 +287,10 @@ class Scheduler:
             if len(self.waiting) == 0 or self._num_members() >= self.config.max_num_seqs:
                 break
             request = self.waiting.peek()
-            if not self._may_admit(request) or not self._adapter_fits(request):
+            if not self._adapter_fits(request):
+                skipped.append(self.waiting.pop())
+                continue
+            if not self._may_admit(request):
                 break
             # Prompt logprobs, mean and cls pooling need every prompt position computed: no
             # prefix-cache hit then (`last` pooling reads the last token, which a hit never covers).
@@ -296,11 +303,13 @@ class Scheduler:
                 break
             self.waiting.pop()
             self._admitted(request)
+        for request in reversed(skipped):  # back at the head, in their order
+            self.waiting.prepend(request)
 
     def _adapter_fits(self, request: Request) -> bool:
         """Whether `request`'s LoRA adapter may join the running ones: every step runs all
-        running requests, so their distinct adapters are the step's. One that does not fit waits
-        at the head of the queue (as a request waits for blocks) until an adapter's requests end."""
+        running requests, so their distinct adapters are the step's. One that does not fit keeps
+        its place in the queue until an adapter's requests end; the requests behind it may go."""
         if not request.lora_id or self.max_loras is None:
             return True
         in_use = {r.lora_id for r in self.running if r.lora_id}
@@ -441,7 +450,8 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 
-    def stats(self, step_tokens: int = 0) -> SchedulerStats:
+    def stats(self, step_tokens: int = 0, lora_names: Mapping[int, str] | None = None) -> SchedulerStats:
+        """`lora_names`: adapter id -> name, for the LoRA record (ids when absent)."""
         kv = self.kv_cache_manager
         pc = kv.prefix_cache_stats
         return SchedulerStats(
@@ -455,6 +465,17 @@ class Scheduler:
             num_steps=self.num_steps,
             step_tokens=step_tokens,
             spec=self.spec_stats,
+            lora=None if self.max_loras is None else self._lora_stats(lora_names or {}),
+        )
+
+    def _lora_stats(self, names: Mapping[int, str]) -> LoRAStats:
+        assert self.max_loras is not None
+        running = {r.lora_id for r in self.running if r.lora_id}
+        waiting = {r.lora_id for r in self.waiting if r.lora_id} - running
+        return LoRAStats(
+            self.max_loras,
+            tuple(sorted(names.get(i, str(i)) for i in running)),
+            tuple(sorted(names.get(i, str(i)) for i in waiting)),
         )
 
 

@@ -30,7 +30,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from llmserve.engine.llm_engine import LLMEngine, ProcessedPrompt
 from llmserve.lora import LoRARequest
@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from llmserve.metrics.tracing import RequestTracer
 
 logger = logging.getLogger("llmserve")
+T = TypeVar("T")
 
 
 class QueueFullError(Exception):
@@ -282,6 +283,43 @@ class AsyncEngine:
             return
         stream._put(RequestAbortedError(reason))
         self._commands.put(lambda: self.engine.abort_request([request_id]))
+
+    # -- LoRA adapters at run time ------------------------------------------------------------------
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load and check an adapter in the engine thread, between steps (ValueError when bad)."""
+        await self._call(lambda: self.engine.add_lora(lora_request))
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        """Forget an adapter between steps; its running and waiting requests finish with it."""
+        return await self._call(lambda: self.engine.remove_lora(lora_id))
+
+    async def _call(self, fn: Callable[[], T]) -> T:
+        """`fn()` run by the engine thread between two steps; its result or exception."""
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine stopped: {self.dead}")
+        assert self._loop is not None, "not started"
+        loop = self._loop
+        done: asyncio.Future[T] = loop.create_future()
+
+        def settle(result: T | None, error: BaseException | None) -> None:
+            if done.done():
+                return
+            if error is not None:
+                done.set_exception(error)
+            else:
+                done.set_result(result)  # type: ignore[arg-type]
+
+        def command() -> None:
+            try:
+                result = fn()
+            except Exception as e:
+                loop.call_soon_threadsafe(settle, None, e)
+            else:
+                loop.call_soon_threadsafe(settle, result, None)
+
+        self._commands.put(command)
+        return await done
 
     # -- the engine thread -------------------------------------------------------------------------
 

@@ -424,7 +424,7 @@ class LLMEngine:
                 raise ValueError(
                     f"request {request_id!r} names LoRA adapter {lora_request.lora_name!r}; LoRA is off (enable_lora)"
                 )
-            self.lora.add(lora_request)
+            self.lora.add(lora_request, self._loras_in_use())
         if not isinstance(prompt, ProcessedPrompt):
             assert params is not None, "add_request needs sampling params with a raw prompt"
             prompt = self.process_inputs(prompt, params)
@@ -432,7 +432,15 @@ class LLMEngine:
         arrival = time.monotonic()
         child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         self.output_processor.add_request(
-            request_id, prompt.text, ids, params, child_ids, arrival, delta, prompt.max_tokens
+            request_id,
+            prompt.text,
+            ids,
+            params,
+            child_ids,
+            arrival,
+            delta,
+            prompt.max_tokens,
+            None if lora_request is None else lora_request.lora_name,
         )
         for i, child_id in enumerate(child_ids):
             child_params = params
@@ -468,14 +476,48 @@ class LLMEngine:
             out = self.output_processor.abort_request(request_id, self._stats)
             if out is not None:
                 outputs.append(out)
+        self._trim_loras()
         if outputs and self.log_stats:
             # Fresh gauges with the aborts: when they leave the engine idle, no step follows to
             # publish them, and running/KV-usage gauges would keep the last step's values.
-            self._stats.scheduler = self.scheduler.stats()
+            self._stats.scheduler = self._scheduler_stats()
         return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    # -- LoRA adapters at run time (vLLM's add_lora / remove_lora / list_loras) -----------------
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load and check an adapter now (ValueError naming the file and the tensor when it is
+        bad); requests may then name it."""
+        if self.lora is None:
+            raise ValueError(
+                f"cannot load LoRA adapter {lora_request.lora_name!r}: LoRA is off (enable_lora)"
+            )
+        self.lora.add(lora_request, self._loras_in_use())
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget an adapter (False: it was not loaded). Requests already running or waiting with
+        it finish with it; its weights are dropped after the last one ends."""
+        return self.lora is not None and self.lora.remove(lora_id, self._loras_in_use())
+
+    def list_loras(self) -> set[int]:
+        """Ids of the adapters requests may name."""
+        return set() if self.lora is None else set(self.lora.requests)
+
+    def _scheduler_stats(self, step_tokens: int = 0) -> SchedulerStats:
+        """The scheduler's record, its LoRA adapters named."""
+        return self.scheduler.stats(step_tokens, None if self.lora is None else self.lora.names)
+
+    def _loras_in_use(self) -> set[int]:
+        """The adapters of unfinished requests (waiting or running)."""
+        return {r.lora_id for r in self.scheduler.requests.values() if r.lora_id}
+
+    def _trim_loras(self) -> None:
+        """Drop the adapter weights that requests ending has freed (removed, or over max_cpu_loras)."""
+        if self.lora is not None and self.lora.needs_trim:
+            self.lora.trim(self._loras_in_use())
 
     # -- one step --------------------------------------------------------------------------------
 
@@ -502,7 +544,8 @@ class LLMEngine:
         outputs, stopped = self.output_processor.process_outputs(core_outputs, stats)
         if stopped:  # stop strings found by the detokenizer end those requests in the scheduler too
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        self.last_stats = stats.scheduler = self.scheduler.stats(scheduler_output.total_num_scheduled_tokens)
+        self._trim_loras()
+        self.last_stats = stats.scheduler = self._scheduler_stats(scheduler_output.total_num_scheduled_tokens)
         if self.proposer is not None:
             self._propose()
         if self.controller is not None and self._decode_only(scheduler_output):

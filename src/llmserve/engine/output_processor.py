@@ -119,6 +119,7 @@ class OutputProcessor:
         arrival_time: float,
         delta: bool = False,
         max_tokens: int = 0,
+        lora_name: str | None = None,
     ) -> None:
         children = {
             cid: _Child(
@@ -130,7 +131,7 @@ class OutputProcessor:
                     cumulative_logprob=0.0 if params.logprobs is not None else None,
                 ),
                 IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
-                SequenceTimes(arrival_time, len(prompt_token_ids), max_tokens, params.n),
+                SequenceTimes(arrival_time, len(prompt_token_ids), max_tokens, params.n, lora_name),
             )
             for i, cid in enumerate(child_ids)
         }

@@ -1,4 +1,5 @@
-"""Loading a PEFT LoRA folder into per-layer weight pairs, checked against the base model.
+"""Loading a PEFT LoRA folder (or a GGUF LoRA file, gguf_adapter.py) into per-layer weight
+pairs, checked against the base model.
 
 A PEFT folder holds `adapter_config.json` (r, lora_alpha, use_rslora, target_modules) and
 `adapter_model.safetensors`, whose tensors are named after the base model's layers:
@@ -99,20 +100,24 @@ def read_adapter_config(folder: Path, max_rank: int) -> tuple[int, float]:
 def load_adapter(
     request: LoRARequest, model: CausalLM, max_rank: int, device: torch.device, dtype: torch.dtype
 ) -> LoRAAdapter:
-    """The adapter of `request`, its tensors checked against `model`'s layers (shape, rank, both
-    halves present); a bad one is a ValueError naming the file and the tensor."""
-    folder = Path(request.lora_path)
-    rank, scale = read_adapter_config(folder, max_rank)
-    path = folder / WEIGHTS_FILE
+    """The adapter of `request` (a PEFT folder, or a llama.cpp GGUF LoRA file), its tensors
+    checked against `model`'s layers (shape, rank, both halves present); a bad one is a
+    ValueError naming the file and the tensor."""
+    source = Path(request.lora_path)
+    if source.suffix == ".gguf":
+        from llmserve.lora.gguf_adapter import read_gguf_adapter
+
+        path = source
+        rank, scale, tensors = read_gguf_adapter(source, model)
+    else:
+        rank, scale = read_adapter_config(source, max_rank)
+        path = source / WEIGHTS_FILE
+        tensors = _read_safetensors(path)
     # (module path, shard) -> {"A": tensor, "B": tensor}
     halves: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open is no dict)
-                module_path, shard, half = _route(model, key, path)
-                halves.setdefault((module_path, shard), {})[half] = f.get_tensor(key)
-    except (OSError, SafetensorError) as e:
-        raise ValueError(f"{path}: cannot read the LoRA adapter's tensors: {e}") from None
+    for key, tensor in tensors.items():
+        module_path, shard, half = _route(model, key, path)
+        halves.setdefault((module_path, shard), {})[half] = tensor
     if not halves:
         raise ValueError(f"{path}: no LoRA tensors (lora_A / lora_B) in the file")
     per_layer: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -124,6 +129,14 @@ def load_adapter(
         for name, shards in per_layer.items()
     }
     return LoRAAdapter(request.lora_int_id, request.lora_name, rank, scale, layers)
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 (safe_open is no dict)
+    except (OSError, SafetensorError) as e:
+        raise ValueError(f"{path}: cannot read the LoRA adapter's tensors: {e}") from None
 
 
 def _route(model: CausalLM, key: str, path: Path) -> tuple[str, int, str]:

@@ -2,8 +2,9 @@
 
 It wraps every linear layer of the model in a `LoRALinear` (once, after the runner has built
 the fused CPU decoder from the bare layers), loads an adapter the first time a request names it,
-keeps `max_cpu_loras` of them (least recently used dropped first; a dropped one is reloaded
-from its folder when a step needs it again), and turns a step's per-sequence adapter ids into
+keeps `max_cpu_loras` of them (least recently used dropped first, but never one an unfinished
+request runs; a dropped one is loaded again from its folder by the next request naming it),
+forgets removed ones once their last request ends, and turns a step's per-sequence adapter ids into
 groups of flat-batch rows that the wrappers read while the forward pass runs.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
 
 import torch
@@ -32,8 +34,10 @@ class LoRAManager:
         # A quantized model computes in float32; its float params are norms in that dtype
         self.device, self.dtype = param.device, param.dtype
         self.model, self.config = model, config
-        self.step = LoRAStep()
+        self.step = LoRAStep(use_triton=self.device.type == "cuda" and _has_triton())
         self.requests: dict[int, LoRARequest] = {}
+        self.names: dict[int, str] = {}
+        """Id -> name of every adapter ever added (a removed one's requests may still run)."""
         self._loaded: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self.num_layers = _wrap_linears(model, self.step)
         logger.info(
@@ -47,49 +51,72 @@ class LoRAManager:
         """Ids of the adapters loaded now, least recently used first."""
         return list(self._loaded)
 
-    def add(self, request: LoRARequest) -> LoRAAdapter:
-        """Register `request`'s adapter and load it now (so a bad folder fails the request that
-        names it); an id already registered must name the same folder."""
+    def add(self, request: LoRARequest, in_use: AbstractSet[int] = frozenset()) -> LoRAAdapter:
+        """Register `request`'s adapter and load it now if it is not (so a bad folder fails the
+        request that names it); an id already registered must name the same folder. `in_use`:
+        the adapters of unfinished requests, which an eviction this makes leaves loaded."""
         known = self.requests.get(request.lora_int_id)
         if known is not None and (known.lora_path, known.lora_name) != (request.lora_path, request.lora_name):
             raise ValueError(
                 f"lora_int_id {request.lora_int_id} is already {known.lora_name!r} ({known.lora_path}); "
                 f"got {request.lora_name!r} ({request.lora_path})"
             )
-        adapter = self.get(request.lora_int_id, request)
+        adapter = self._loaded.get(request.lora_int_id)
+        if adapter is None:
+            adapter = load_adapter(request, self.model, self.config.max_lora_rank, self.device, self.dtype)
+            self._loaded[request.lora_int_id] = adapter
+        self._loaded.move_to_end(request.lora_int_id)
         self.requests[request.lora_int_id] = request
+        self.names[request.lora_int_id] = request.lora_name
+        self.trim(in_use | {request.lora_int_id})
         return adapter
 
-    def get(self, lora_id: int, request: LoRARequest | None = None) -> LoRAAdapter:
-        """The loaded adapter `lora_id` (loaded now if it is not), most recently used from now."""
-        adapter = self._loaded.get(lora_id)
-        if adapter is not None:
-            self._loaded.move_to_end(lora_id)
-            return adapter
-        request = request or self.requests[lora_id]
-        adapter = load_adapter(request, self.model, self.config.max_lora_rank, self.device, self.dtype)
-        self._loaded[lora_id] = adapter
-        while len(self._loaded) > self.config.num_cached:
-            self._loaded.popitem(last=False)
-        return adapter
+    def remove(self, lora_id: int, in_use: AbstractSet[int] = frozenset()) -> bool:
+        """Forget adapter `lora_id` (False: it was not registered). Its weights go now, or, while
+        requests in `in_use` still run it, at the first `trim` after they end."""
+        if self.requests.pop(lora_id, None) is None:
+            return False
+        self.trim(in_use)
+        return True
+
+    @property
+    def needs_trim(self) -> bool:
+        """Whether `trim` has weights to drop: more than `max_cpu_loras` loaded, or a removed one."""
+        return len(self._loaded) > self.config.num_cached or len(self._loaded) > len(
+            self._loaded.keys() & self.requests.keys()
+        )
+
+    def trim(self, in_use: AbstractSet[int]) -> None:
+        """Drop removed adapters, then the least recently used beyond `max_cpu_loras`, never one
+        in `in_use` (an unfinished request's: it keeps its adapter to the end, so the cap may be
+        exceeded while every loaded adapter is busy). A dropped registered adapter is loaded
+        again from its folder by the next request that names it. (The wrappers keep the last
+        adapter step's weights side by side until the next one: layers.py.)"""
+        for lora_id in [i for i in self._loaded if i not in self.requests and i not in in_use]:
+            del self._loaded[lora_id]
+        for lora_id in [i for i in self._loaded if i not in in_use]:
+            if len(self._loaded) <= self.config.num_cached:
+                break
+            del self._loaded[lora_id]
 
     @contextmanager
     def activate(self, lora_ids: Sequence[int], num_tokens: Sequence[int]) -> Iterator[None]:
         """The wrappers apply these adapters while the block runs: sequence j's `num_tokens[j]`
         flat-batch rows take adapter `lora_ids[j]` (0: the base model)."""
         assert self.step.batch is None, "LoRAManager.activate does not nest"
-        spans: dict[int, list[torch.Tensor]] = {}  # adapter -> its sequences' row ranges
-        start = 0
+        # adapter id -> its index in the step's adapters, in id order: the same set of adapters
+        # is the same tuple from step to step, which the wrappers' packed weights are kept for
+        slots = {lora_id: slot for slot, lora_id in enumerate(sorted({i for i in lora_ids if i}))}
+        row_slots: list[int] = []
         for lora_id, n in zip(lora_ids, num_tokens, strict=True):
-            if lora_id:
-                spans.setdefault(lora_id, []).append(torch.arange(start, start + n))
-            start += n
-        groups = []
-        for lora_id, ranges in spans.items():
-            rows = torch.cat(ranges)
-            index = None if len(rows) == start else rows.to(self.device, non_blocking=True)
-            groups.append((self.get(lora_id), index))
-        self.step.batch = LoRABatch(tuple(groups))
+            row_slots += [slots[lora_id] if lora_id else -1] * n
+        adapters = []
+        for lora_id in slots:
+            adapters.append(self._loaded[lora_id])  # an unfinished request's adapter is never dropped
+            self._loaded.move_to_end(lora_id)
+        every_row = len(slots) == 1 and -1 not in row_slots  # one adapter, no base rows: no mask
+        index = None if every_row else torch.tensor(row_slots).to(self.device, non_blocking=True)
+        self.step.batch = LoRABatch(tuple(adapters), index)
         try:
             yield
         finally:
@@ -104,3 +131,11 @@ def _wrap_linears(model: CausalLM, step: LoRAStep) -> int:
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, LoRALinear(layer, name, step))
     return len(targets)
+
+
+def _has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -15,7 +15,8 @@ class LoRARequest:
     """A positive id, unique per adapter: it keys the adapter cache and the prefix cache's hashes
     (0 is the base model)."""
     lora_path: str
-    """A PEFT folder: adapter_config.json and adapter_model.safetensors."""
+    """A PEFT folder (adapter_config.json and adapter_model.safetensors), or a llama.cpp GGUF
+    LoRA file (`*.gguf`)."""
 
     def __post_init__(self) -> None:
         if self.lora_int_id < 1:

@@ -25,7 +25,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from llmserve.metrics.stats import IterationStats, SpecDecodingStats
+from llmserve.metrics.stats import IterationStats, LoRAStats, SpecDecodingStats
 
 PREFIX = "llmserve:"
 
@@ -167,6 +167,14 @@ class MetricFamilies:
         self.spec_accepted_per_pos = counter(
             "spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.", ("position",)
         )
+        self.lora_info = Gauge(
+            PREFIX + "lora_requests_info", "Running stats on lora requests.",
+            [*_LABELS, "max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=r,
+        )  # fmt: skip
+        self.lora_requests = counter(
+            "lora_requests", "Finished requests per LoRA adapter, by reason (llmserve only).",
+            ("lora_name", "finished_reason"),
+        )  # fmt: skip
         self.model_loaded = gauge(
             "model_loaded", "1 while the model is loaded and serving, 0 otherwise (llmserve only)."
         )
@@ -223,6 +231,7 @@ class PrometheusStatLogger:
             f.cache_info.labels(*labels, *(cache_info.get(k, "") for k in CACHE_INFO_KEYS)).set(1)
         self._last_queries = self._last_hits = self._last_preemptions = 0
         self._last_spec: SpecDecodingStats | None = None
+        self._lora_labels: tuple[str, ...] | None = None
 
     def _record_spec(self, spec: SpecDecodingStats) -> None:
         """Speculation's counters are cumulative in the engine: add what changed since the last step."""
@@ -238,10 +247,26 @@ class PrometheusStatLogger:
                 f.spec_accepted_per_pos.labels(*labels, str(pos)).inc(now - before)
         self._last_spec = spec
 
+    def _record_lora(self, lora: LoRAStats) -> None:
+        """vLLM's lora_requests_info: one series whose labels name the adapters running and
+        waiting (comma-separated), its value the time of the last update. The series of the
+        previous labels is removed, so the gauge holds only the current state."""
+        labels = (*self.labels, str(lora.max_lora), ",".join(lora.waiting), ",".join(lora.running))
+        if labels != self._lora_labels:
+            self._remove_lora_info()
+            self._lora_labels = labels
+        self.families.lora_info.labels(*labels).set_to_current_time()
+
+    def _remove_lora_info(self) -> None:
+        if self._lora_labels is not None:
+            self.families.lora_info.remove(*self._lora_labels)
+            self._lora_labels = None
+
     def set_idle(self) -> None:
         """The model was unloaded: its gauges read 0 (counters keep their totals)."""
         for g in (self.running, self.waiting, self.kv_usage):
             g.set(0)
+        self._remove_lora_info()
         self._last_queries = self._last_hits = self._last_preemptions = 0
         self._last_spec = None
 
@@ -261,6 +286,8 @@ class PrometheusStatLogger:
                 self.iteration_tokens.observe(sched.step_tokens)
             if sched.spec is not None:
                 self._record_spec(sched.spec)
+            if sched.lora is not None:
+                self._record_lora(sched.lora)
         if stats.num_prompt_tokens:
             self.prompt_tokens.inc(stats.num_prompt_tokens)
         if stats.num_generation_tokens:
@@ -271,6 +298,8 @@ class PrometheusStatLogger:
             self.itl.observe(itl)
         for f in stats.finished:
             self.success[f.finish_reason].inc()
+            if f.lora_name is not None:
+                self.families.lora_requests.labels(*self.labels, f.lora_name, f.finish_reason).inc()
             self.e2e.observe(f.e2e_latency)
             self.prompt_len.observe(f.num_prompt_tokens)
             self.generation_len.observe(f.num_generation_tokens)

@@ -46,6 +46,16 @@ class SpecDecodingStats:
 
 
 @dataclass(frozen=True, slots=True)
+class LoRAStats:
+    """The LoRA adapters of unfinished requests (vLLM's lora_requests_info): names, sorted."""
+
+    max_lora: int
+    running: tuple[str, ...] = ()
+    waiting: tuple[str, ...] = ()
+    """Adapters with waiting requests and none running."""
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulerStats:
     """The engine's state after a step (or after aborts that left it idle): the one record the
     stat loggers, the server's /stats and its queue check all read. Counters are cumulative."""
@@ -65,6 +75,8 @@ class SchedulerStats:
     """Tokens the step computed (0 for a record taken outside a step)."""
     spec: SpecDecodingStats | None = None
     """Speculative decoding's cumulative counts (None when it is off)."""
+    lora: LoRAStats | None = None
+    """The adapters running and waiting (None when LoRA is off)."""
 
     @property
     def kv_usage(self) -> float:
@@ -81,6 +93,8 @@ class SequenceTimes:
     max_tokens: int
     n: int
     """The `n` of the prompt this sequence belongs to (the request_params_n histogram)."""
+    lora_name: str | None = None
+    """Its LoRA adapter (None: the base model)."""
     first_scheduled: float | None = None
     first_token: float | None = None
     last_token: float | None = None
@@ -100,6 +114,7 @@ class FinishedRequestStats:
     prefill_time: float | None
     decode_time: float | None
     inference_time: float | None
+    lora_name: str | None = None
 
     @property
     def time_per_output_token(self) -> float | None:
@@ -161,5 +176,6 @@ class IterationStats:
                 prefill_time=None if scheduled is None or first is None else first - scheduled,
                 decode_time=None if first is None or last is None else last - first,
                 inference_time=None if scheduled is None or last is None else last - scheduled,
+                lora_name=seq.lora_name,
             )
         )

@@ -15,6 +15,7 @@ from typing import Any
 
 from llmserve.config.cache import DEFAULT_KV_CACHE_MEMORY, parse_kv_cache_dtype
 from llmserve.config.engine_args import EngineArgs
+from llmserve.config.lora import lora_modules_for
 from llmserve.config.models import ModelSpec
 
 DIGEST_CACHE = Path.home() / ".cache" / "llmserve" / "digests.json"
@@ -27,6 +28,8 @@ def engine_args(spec: ModelSpec, base: dict[str, Any]) -> EngineArgs | None:
     if spec.engine == "openai":
         return None
     options = {**base, **spec.options, "model": spec.source}
+    if options.get("lora_modules") is not None:  # adapters that name another base model are its
+        options["lora_modules"] = lora_modules_for(options["lora_modules"], spec.names)
     if spec.engine == "transformers":
         options["model_impl"] = "transformers"
     return EngineArgs.from_options(options, f"model {spec.name!r}")

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from llmserve.config import ServerConfig
 from llmserve.config.engine_args import EngineArgs
+from llmserve.config.lora import lora_module_entries
 from llmserve.config.models import ModelSpec, check_specs, split_tag
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.llm import engine_from_args
@@ -162,10 +163,20 @@ class ModelManager:
         self.tracer_provider = tracer_provider
         base = dict(engine_options or {})
         base.pop("model", None)
+        names = {name for s in specs for name in s.names}
+        for adapter, _, model in lora_module_entries(base.get("lora_modules")):
+            if model is not None and model not in names:
+                raise ValueError(
+                    f"lora_modules: {adapter!r} names base_model_name {model!r}, which is no served model"
+                )
         self.slots = [ModelSlot(s, engine_args(s, base)) for s in specs]
         self._by_name = {name: slot for slot in self.slots for name in slot.spec.names}
         self.adapters = _adapters(self.slots, self._by_name)
-        """LoRA adapter name -> (its base model's slot, the adapter): `--lora-modules`."""
+        """LoRA adapter name -> (its base model's slot, the adapter): `--lora-modules`, then
+        those loaded at run time (server/lora_adapters.py)."""
+        self.next_lora_id = 1 + max((r.lora_int_id for _, r in self.adapters.values()), default=0)
+        """The id of the next adapter loaded at run time: ids are never reused, since an id keys
+        the prefix cache's blocks and an engine's loaded weights."""
         self.default = self.slots[0]
         self._lock = asyncio.Lock()
         self._tasks: list[asyncio.Task[Any]] = []
@@ -176,6 +187,11 @@ class ModelManager:
         self.closed = False
 
     # -- names ----------------------------------------------------------------------------------------
+
+    def resolve_base(self, name: str | None) -> ModelSlot:
+        """`resolve`, where a LoRA adapter's name stands for its base model's slot."""
+        adapter = self.adapters.get(name) if name is not None else None
+        return adapter[0] if adapter is not None else self.resolve(name)
 
     def resolve(self, name: str | None) -> ModelSlot:
         """The slot a request's `model` names: a name or alias, `name:latest` for a name without a

@@ -1,6 +1,7 @@
 """The HTTP routes, thin: each hands its parsed request to the serving layer (server/serving/).
 
-    openai     /v1/models, /v1/models/{model}, /v1/completions, /v1/chat/completions, /v1/embeddings
+    openai     /v1/models, /v1/models/{model}, /v1/completions, /v1/chat/completions, /v1/embeddings,
+               /v1/load_lora_adapter, /v1/unload_lora_adapter (vLLM's, with --allow-runtime-lora-updating)
     tokenizer  /tokenize, /detokenize, /tokenizer_info                    (vLLM's extras)
     ops        /health, /livez, /version, /stats, and /metrics when enabled
     ollama     /api/generate, /api/chat, /api/embed, /api/embeddings, /api/tags, /api/ps, /api/show, /api/version (Ollama's API)
@@ -19,7 +20,7 @@ import dataclasses
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt, StrictStr
 
@@ -27,6 +28,12 @@ from llmserve import __version__
 from llmserve.config.models import parse_duration
 from llmserve.metrics.stats import SchedulerStats
 from llmserve.server.errors import APIError, error_body
+from llmserve.server.lora_adapters import (
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+    load_lora_adapter,
+    unload_lora_adapter,
+)
 from llmserve.server.models import LOADED, ModelManager, ModelSlot
 from llmserve.server.protocol import (
     ChatCompletionRequest,
@@ -97,6 +104,19 @@ async def get_model(model: str, state: State) -> dict[str, Any]:
     if model in state.models.adapters:
         return state.models.adapter_card(model, state.started)
     return state.models.card(state.models.resolve(model), state.started)
+
+
+@openai.post("/v1/load_lora_adapter")
+async def load_lora_adapter_route(raw: Request, models: Models) -> Any:
+    """vLLM's runtime adapter loading (server/lora_adapters.py); its plain-text success reply."""
+    req = parse(LoadLoRAAdapterRequest, await _json(raw))
+    return PlainTextResponse(await load_lora_adapter(models, req))
+
+
+@openai.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter_route(raw: Request, models: Models) -> Any:
+    req = parse(UnloadLoRAAdapterRequest, await _json(raw))
+    return PlainTextResponse(await unload_lora_adapter(models, req))
 
 
 @openai.post("/v1/completions")
@@ -212,12 +232,15 @@ class _ModelAction(BaseModel):
     """load: how long the model stays loaded once idle (as Ollama's keep_alive)."""
 
 
-async def _action(raw: Request) -> _ModelAction:
+async def _json(raw: Request) -> Any:
     try:
-        body = await raw.json()
+        return await raw.json()
     except ValueError as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
-    return parse(_ModelAction, body)
+
+
+async def _action(raw: Request) -> _ModelAction:
+    return parse(_ModelAction, await _json(raw))
 
 
 @admin.post("/admin/models/load")

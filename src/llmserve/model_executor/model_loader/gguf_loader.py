@@ -199,6 +199,18 @@ _GPT2_FIXES: dict[str, Fix] = {
 }
 
 
+def row_order(fix: Fix, num_rows: int, metadata: Any) -> torch.Tensor | None:
+    """The rows' new order when `fix` only reorders rows (llama's q/k), else None: a fix that
+    turns a column of row numbers into a permutation of them is a row reordering. `metadata`:
+    what the fix reads (a checkpoint, or anything with its `require` / `arch_field`)."""
+    index = fix(torch.arange(num_rows, dtype=torch.float32).unsqueeze(1), metadata)
+    if tuple(index.shape) != (num_rows, 1) or not torch.equal(
+        index[:, 0].sort().values, torch.arange(num_rows).float()
+    ):
+        return None
+    return index[:, 0].long()
+
+
 @dataclass(frozen=True, slots=True)
 class _ArchSpec:
     """How one GGUF `general.architecture` maps onto its HF counterpart."""
@@ -305,6 +317,19 @@ class GGUFCheckpoint:
         if value is None:
             raise ModelLoadError(f"{self._file}: GGUF metadata lacks {self.architecture}.{key}")
         return value
+
+    def hf_base_name(self, gguf_base: str) -> tuple[str, Fix | None] | None:
+        """(HF name, the fix that undoes llama.cpp's conversion) of a GGUF tensor's base name,
+        e.g. blk.3.attn_q -> model.layers.3.self_attn.q_proj; None when this architecture has no
+        such tensor (or only a stacked experts one). For LoRA adapters (lora/gguf_adapter.py)."""
+        key, bid = _table_key(gguf_base)
+        hf_base = self._spec.names.get(key)
+        if hf_base is None or "{xid}" in hf_base:
+            return None
+        return hf_base.format(bid=bid), self._spec.fixes.get(key)
+
+    def tensor_names(self) -> list[str]:
+        return list(self._tensors)
 
     def has_tensor(self, gguf_name: str) -> bool:
         return gguf_name in self._tensors
@@ -453,11 +478,5 @@ class GGUFCheckpoint:
         rows = read_rows(np.asarray(data), qtype, int(shape[0]))
         if rows is None or fix is None:
             return rows
-        # A fix that turns a column of row numbers into a permutation of them is a row reordering.
-        n = rows.num_rows
-        index = fix(torch.arange(n, dtype=torch.float32).unsqueeze(1), self)
-        if tuple(index.shape) != (n, 1) or not torch.equal(
-            index[:, 0].sort().values, torch.arange(n).float()
-        ):
-            return None
-        return rows.select_rows(index[:, 0].long())
+        order = row_order(fix, rows.num_rows, self)
+        return None if order is None else rows.select_rows(order)

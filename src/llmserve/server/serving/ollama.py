@@ -276,10 +276,10 @@ class OllamaServing:
 
     async def _load_or_unload(self, req: _OllamaRequest) -> Any:
         """Ollama's way of loading a model (no prompt) or unloading it (no prompt, keep_alive 0)."""
-        if _keep_alive(req) == 0:
-            slot = self.models.resolve(req.model)
+        if _keep_alive(req) == 0:  # an adapter's name unloads its base model
+            slot = self.models.resolve_base(req.model)
             if not slot.is_remote:
-                await self.models.unload(req.model)
+                await self.models.unload(slot.name)
             return self._empty(req, "unload")
 
         async def loaded(_: Any) -> Any:

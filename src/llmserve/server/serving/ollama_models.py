@@ -67,12 +67,22 @@ def _entry(slot: ModelSlot) -> dict[str, Any]:
     }
 
 
+def _adapter_entry(name: str, slot: ModelSlot) -> dict[str, Any]:
+    """A LoRA adapter in /api/tags: its base model's entry under its own name, `parent_model` set."""
+    entry = _entry(slot)
+    entry.update(name=name, model=name)
+    entry["details"]["parent_model"] = slot.name
+    return entry
+
+
 class OllamaModels:
     def __init__(self, models: ModelManager) -> None:
         self.models = models
 
     def tags(self) -> dict[str, Any]:
-        return {"models": [_entry(slot) for slot in self.models.slots]}
+        """Every model, then every LoRA adapter (named as a model, its base as `parent_model`)."""
+        adapters = [_adapter_entry(name, slot) for name, (slot, _) in self.models.adapters.items()]
+        return {"models": [_entry(slot) for slot in self.models.slots] + adapters}
 
     def ps(self) -> dict[str, Any]:
         entries = []
@@ -95,8 +105,13 @@ class OllamaModels:
         name = req.model or req.name
         if not name:
             raise APIError(400, "model is required", param="model")
-        slot = self.models.resolve(name)
+        slot = self.models.resolve_base(name)
+        adapter = self.models.adapters.get(name)
         details = _details(slot)
+        modelfile = f"FROM {slot.spec.source or slot.name}\n"
+        if adapter is not None:  # Ollama's way of naming a model's adapter
+            details["parent_model"] = slot.name
+            modelfile += f"ADAPTER {adapter[1].lora_path}\n"
         info: dict[str, Any] = {"general.architecture": details["family"]}
         template = ""
         capabilities = ["completion"]
@@ -109,7 +124,7 @@ class OllamaModels:
                 capabilities.append("thinking")
         return {
             "license": "",
-            "modelfile": f"# served by llmserve {__version__}\nFROM {slot.spec.source or slot.name}\n",
+            "modelfile": f"# served by llmserve {__version__}\n{modelfile}",
             "parameters": "",
             "template": template,
             "details": details,

@@ -1,0 +1,152 @@
+"""LoRA serving cost: c concurrent requests spread over several adapters against the same load on
+the base model alone (the target: >= 0.8x the base's throughput), and how long an adapter takes
+to load.
+
+    python benchmarks/bench_lora.py [--model M] [--adapters DIR_OR_GGUF ...] [--concurrency 16]
+                                    [--requests 64] [--prompt-len 128] [--output-len 64]
+
+One engine (`LLM(enable_lora=True)`, in this process, no HTTP), two closed loops of
+`--concurrency` requests in flight until `--requests` have finished, on the same random prompts:
+  - base:  every request on the base model (the fused CPU decoder runs it where the model
+           is quantized on the CPU);
+  - loras: request i on adapter i mod N (N = 4 by default): every step mixes the adapters, and
+           runs layer by layer (a step with an adapter in it takes no fused decoder, no CUDA graph);
+  - where the base ran the fused decoder, the base again with it turned off: what the layer-path
+           fallback costs by itself, apart from the adapters' own matmuls.
+Greedy, EOS ignored: both produce exactly `--output-len` tokens per request. Reported: output
+tokens/s of each, their ratio, whether the fused decoder ran the base loop, and each adapter's
+load time (`LLMEngine.add_lora`: read, check against the base, stack the shards).
+
+Without `--adapters`, N random rank-`--rank` PEFT adapters on every attention and MLP projection
+are written to a temporary folder (the values do not change the cost; only their shapes do).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # fmt: skip
+
+
+def write_random_adapter(config, folder: Path, rank: int, seed: int) -> Path:
+    """A PEFT folder with random A and B for every projection of a llama-family `config`."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    shapes = {  # projection -> (in, out)
+        "self_attn.q_proj": (hidden, q), "self_attn.k_proj": (hidden, kv), "self_attn.v_proj": (hidden, kv),
+        "self_attn.o_proj": (q, hidden), "mlp.gate_proj": (hidden, inter), "mlp.up_proj": (hidden, inter),
+        "mlp.down_proj": (inter, hidden),
+    }  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config.num_hidden_layers):
+        for proj, (n_in, n_out) in shapes.items():
+            key = f"base_model.model.model.layers.{layer}.{proj}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, n_in, generator=gen) / n_in**0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, rank, generator=gen) * 0.01
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, folder / "adapter_model.safetensors")
+    config_json = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "target_modules": list(PROJECTIONS),
+    }
+    (folder / "adapter_config.json").write_text(json.dumps(config_json))
+    return folder
+
+
+def closed_loop(engine, prompts: list[list[int]], concurrency: int, output_len: int, loras: list) -> float:
+    """Output tokens per second with `concurrency` requests in flight; request i runs `loras[i]`."""
+    from llmserve.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    pending = list(enumerate(prompts))
+    produced = in_flight = 0
+    start = time.perf_counter()
+    while pending or in_flight:
+        while pending and in_flight < concurrency:
+            i, prompt = pending.pop(0)
+            engine.add_request(f"r{time.monotonic_ns()}-{i}", prompt, params, lora_request=loras[i])
+            in_flight += 1
+        for out in engine.step():
+            if out.finished:
+                in_flight -= 1
+                produced += len(out.outputs[0].token_ids)
+    return produced / (time.perf_counter() - start)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="the base model (default: the embedded SmolLM2-135M)")
+    ap.add_argument("--adapters", nargs="*", default=None, help="PEFT folders or GGUF LoRA files")
+    ap.add_argument("--num-adapters", type=int, default=4, help="random adapters made without --adapters")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    from llmserve.engine.llm import build_engine
+    from llmserve.lora import LoRARequest
+
+    engine = build_engine(
+        args.model, enable_lora=True, max_loras=max(4, args.num_adapters), max_lora_rank=max(16, args.rank),
+        max_num_seqs=args.concurrency, enable_prefix_caching=False, show_progress=False,
+    )  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = args.adapters or [
+            write_random_adapter(engine.loaded.hf_config, Path(tmp) / f"lora{i}", args.rank, args.seed + i)
+            for i in range(args.num_adapters)
+        ]
+        requests = [LoRARequest(f"lora{i}", i + 1, str(p)) for i, p in enumerate(paths)]
+        for request in requests:
+            start = time.perf_counter()
+            engine.add_lora(request)
+            print(
+                f"adapter {request.lora_name} ({request.lora_path}): loaded in {time.perf_counter() - start:.3f} s"
+            )
+        rng = random.Random(args.seed)
+        prompts = [[rng.randrange(100, engine.vocab_size - 100) for _ in range(args.prompt_len)]
+                   for _ in range(args.requests)]  # fmt: skip
+        n = len(requests)
+        closed_loop(
+            engine, prompts[: args.concurrency], args.concurrency, 4, [None] * args.concurrency
+        )  # warm-up
+        base = closed_loop(engine, prompts, args.concurrency, args.output_len, [None] * len(prompts))
+        loras = closed_loop(
+            engine, prompts, args.concurrency, args.output_len, [requests[i % n] for i in range(len(prompts))]
+        )
+        runner = engine.runner.runner
+        fused = getattr(runner, "fused", None)
+        layered = None
+        if fused is not None:  # the fallback's own cost: the base loop again, the fused decoder off
+            runner.fused = None
+            try:
+                layered = closed_loop(
+                    engine, prompts, args.concurrency, args.output_len, [None] * len(prompts)
+                )
+            finally:
+                runner.fused = fused
+    print(f"c={args.concurrency}, {args.requests} requests of {args.prompt_len}+{args.output_len} tokens: "
+          f"base {base:.1f} tok/s ({'fused CPU decoder' if fused is not None else 'layer path'}), "
+          f"{n} adapters {loras:.1f} tok/s (layer path): {loras / base:.2f}x the base")  # fmt: skip
+    if layered is not None:
+        print(f"the layer-path fallback alone: base {layered:.1f} tok/s without the fused decoder "
+              f"({layered / base:.2f}x); the adapters' deltas on top: {loras / layered:.2f}x")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
