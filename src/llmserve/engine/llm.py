@@ -42,7 +42,10 @@ def build_engine(model: str | None = None, **options: Any) -> LLMEngine:
 
 def engine_from_args(args: EngineArgs) -> LLMEngine:
     model, cache, scheduler, speculative = args.configs()
-    return LLMEngine(model, cache, scheduler, speculative_config=speculative, lora_config=args.lora_config())
+    return LLMEngine(
+        model, cache, scheduler, speculative_config=speculative, lora_config=args.lora_config(),
+        parallel_config=args.parallel_config(),
+    )  # fmt: skip
 
 
 def _is_token_ids(x: object) -> bool:

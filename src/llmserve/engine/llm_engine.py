@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from llmserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from llmserve.config.cache import default_kv_cache_memory
 from llmserve.config.lora import LoRAConfig
+from llmserve.config.parallel import ParallelConfig
 from llmserve.config.speculative import SpeculativeConfig
 from llmserve.core.request import Request, RequestStatus
 from llmserve.core.sched_output import SchedulerOutput
@@ -33,6 +34,7 @@ from llmserve.model_executor.forward_runner import ForwardRunner
 from llmserve.model_executor.model_loader import LoadedModel, load_model
 from llmserve.model_executor.model_runner import ModelRunner
 from llmserve.model_executor.pooler import default_pooling_params
+from llmserve.model_executor.tp_executor import MultiprocExecutor
 from llmserve.outputs import RequestOutput
 from llmserve.pooling_params import PoolingParams
 from llmserve.sampling_params import SamplingParams
@@ -104,11 +106,13 @@ class LLMEngine:
         log_stats: bool = False,
         speculative_config: SpeculativeConfig | None = None,
         lora_config: LoRAConfig | None = None,
+        parallel_config: ParallelConfig | None = None,
     ) -> None:
         """`log_stats`: keep each step's `IterationStats` until `take_stats()` collects them (a
         server's metrics); otherwise they are dropped at the next step. `speculative_config`:
         speculative decoding (config/speculative.py), off when None. `lora_config`: serve LoRA
-        adapters (`add_request(..., lora_request=...)`), off when None."""
+        adapters (`add_request(..., lora_request=...)`), off when None. `parallel_config`: tensor
+        parallelism (the model split over worker processes, model_executor/tp_executor.py)."""
         self.model_config = model_config
         self.cache_config = cache_config or CacheConfig()
         self.scheduler_config = scheduler_config or SchedulerConfig()
@@ -117,6 +121,12 @@ class LLMEngine:
             raise ValueError(
                 f"speculative decoding needs continuous batching; batching mode is {self.scheduler_config.mode!r}"
             )
+        self.parallel_config = parallel_config or ParallelConfig()
+        self.executor: MultiprocExecutor | None = None
+        if self.parallel_config.is_parallel:
+            _check_parallel_options(speculative_config, lora_config, loaded)
+            self.executor = MultiprocExecutor(model_config, self.parallel_config)
+            loaded = self.executor.loaded
         self.loaded = loaded or load_model(model_config)
         if self.loaded.model_impl == "transformers" and self.cache_config.enable_prefix_caching:
             # transformers' caches live per request, not in the shared blocks a prefix hit reuses
@@ -197,6 +207,10 @@ class LLMEngine:
         self.structured_outputs = StructuredOutputManager(
             self.tokenizer, self.vocab_size, self.tokenizer.eos_token_ids
         )
+        runner_sizes = dict(
+            num_blocks=num_blocks, block_size=self.cache_config.block_size, kv_cache_dtype=kv_dtype,
+            max_num_tokens=max_num_tokens, max_num_seqs=sched.max_num_seqs, max_model_len=self.max_model_len,
+        )  # fmt: skip
         self.runner = ModelRunner(
             self.loaded.model,
             num_blocks,
@@ -208,6 +222,7 @@ class LLMEngine:
             max_num_tokens=max_num_tokens,
             max_num_seqs=sched.max_num_seqs,
             max_model_len=self.max_model_len,
+            forward_runner=None if self.executor is None else self.executor.init_runner(**runner_sizes),
         )
         self.lora: LoRAManager | None = None
         if lora_config is not None:
@@ -358,6 +373,11 @@ class LLMEngine:
             self._stats.scheduler = self.scheduler.stats()
         return outputs
 
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do for a single-process engine)."""
+        if self.executor is not None:
+            self.executor.close()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
@@ -448,6 +468,18 @@ class LLMEngine:
         """Fraction of allocated KV slots that hold no token right now (0 when nothing is allocated)."""
         allocated, stored = self.scheduler.kv_cache_manager.waste()
         return 0.0 if allocated == 0 else 1.0 - stored / allocated
+
+
+def _check_parallel_options(
+    speculative: SpeculativeConfig | None, lora: LoRAConfig | None, loaded: LoadedModel | None
+) -> None:
+    """What tensor parallelism does not combine with yet: ValueError naming it."""
+    if speculative is not None:
+        raise ValueError("tensor_parallel_size > 1 does not support speculative decoding yet")
+    if lora is not None:
+        raise ValueError("tensor_parallel_size > 1 does not support LoRA adapters yet")
+    if loaded is not None:
+        raise ValueError("a tensor-parallel engine loads its shards itself; it takes no loaded model")
 
 
 def _physical_memory() -> int:
