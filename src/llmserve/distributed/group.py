@@ -84,6 +84,13 @@ class TPGroup:
         flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
         return int(self.all_reduce(flag).item()) == 0
 
+    def close(self) -> None:
+        """Shut the group's connections down (its threads joined: no abort at interpreter exit)."""
+        try:
+            self.pg.shutdown()
+        except RuntimeError:  # a peer already gone
+            pass
+
     def _broadcast(self, t: torch.Tensor) -> None:
         opts = dist.BroadcastOptions()
         opts.rootRank = DRIVER

@@ -386,6 +386,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the outputs of requests that progressed (finished or not)."""
         step_started = time.perf_counter()
+        if self.executor is not None:
+            self.executor.check()  # a dead rank fails every step from then on, before scheduling
         if not self.log_stats:  # nobody collects them: keep only this step's
             self._stats = IterationStats(0.0)
         scheduler_output = self.scheduler.schedule()

@@ -91,10 +91,14 @@ class MultiprocExecutor:
         self.send(("init", kwargs))
         return DriverForwardRunner(self, self.loaded.model, profile=self.loaded.profile, **kwargs)
 
-    def send(self, command: tuple) -> None:
-        """Broadcast a command to the workers (raises `TensorParallelError` once a rank is gone)."""
+    def check(self) -> None:
+        """Raise the `TensorParallelError` of an earlier failure, if there was one."""
         if self._error is not None:
             raise self._error
+
+    def send(self, command: tuple) -> None:
+        """Broadcast a command to the workers (raises `TensorParallelError` once a rank is gone)."""
+        self.check()
         try:
             self.group.broadcast_object(command)
         except RuntimeError as e:
@@ -124,6 +128,7 @@ class MultiprocExecutor:
             except TensorParallelError:
                 pass
         self._finalizer()
+        self.group.close()
 
 
 class DriverForwardRunner(ForwardRunner):

@@ -63,6 +63,7 @@ def run_worker(args: WorkerArgs) -> None:
     except Exception:
         logger.exception("tensor-parallel worker failed")
         sys.exit(1)
+    group.close()
 
 
 @torch.inference_mode()
