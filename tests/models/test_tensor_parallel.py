@@ -24,7 +24,7 @@ from tests.gguf_writer import hf_metadata, write_gguf, write_hf_model
 from tests.models.tiny import make_tiny_model
 
 SHARED = [200, 1, 1, 45, 67, 300, 12, 9, 8, 7, 6, 5, 4, 3, 2, 11, 400, 401]  # > one block of 16
-PROMPTS = [SHARED + [25, 26], SHARED + [30], [5, 17, 99, 3], SHARED + [41, 42, 43]]
+PROMPTS = [[*SHARED, 25, 26], [*SHARED, 30], [5, 17, 99, 3], [*SHARED, 41, 42, 43]]
 # A small step budget splits the prompts into chunks; 5 blocks of 16 cannot hold all four
 # requests at once (each needs 2-3 blocks, 9 in all), so the newest are preempted and recomputed.
 ENGINE = dict(show_progress=False, max_num_batched_tokens=8, num_kv_blocks=5, block_size=16, max_num_seqs=4)
@@ -41,7 +41,9 @@ def _run(model: str, **options) -> tuple[list[list[int]], list[list[float]], int
     finally:
         llm.engine.close()
     tokens = [o.outputs[0].token_ids for o in outs]
-    logprobs = [[lp[t][0] for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs, strict=True)] for o in outs]
+    logprobs = [
+        [lp[t][0] for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs, strict=True)] for o in outs
+    ]
     return tokens, logprobs, preemptions
 
 
@@ -98,17 +100,23 @@ def test_tp2_matches_tp1_q4_1_gguf(tmp_path):
 def test_refusals():
     """Sizes that do not divide the heads, and architectures TP does not split: ValueError
     before any worker starts."""
-    with pytest.raises(ValueError, match=r"tensor_parallel_size 2 does not divide the model's num_attention_heads \(9\)"):
+    with pytest.raises(
+        ValueError, match=r"tensor_parallel_size 2 does not divide the model's num_attention_heads \(9\)"
+    ):
         build_engine(None, show_progress=False, tensor_parallel_size=2)  # embedded SmolLM2: 9 heads
     with pytest.raises(ValueError, match="'ray' is not supported yet"):
         build_engine(None, tensor_parallel_size=2, distributed_executor_backend="ray")
     with pytest.raises(ValueError, match="speculative decoding"):
-        build_engine(None, tensor_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+        build_engine(
+            None, tensor_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}
+        )
 
 
 def test_unsupported_architecture(tmp_path):
     make_tiny_model("gemma3", tmp_path)
-    with pytest.raises(ValueError, match="tensor parallelism does not support the Gemma3ForCausalLM architecture"):
+    with pytest.raises(
+        ValueError, match="tensor parallelism does not support the Gemma3ForCausalLM architecture"
+    ):
         build_engine(str(tmp_path), show_progress=False, tensor_parallel_size=2)
 
 
@@ -122,7 +130,9 @@ def test_dead_worker_stops_the_engine(tmp_path):
         worker = engine.executor.workers[0]
         os.kill(worker.pid, signal.SIGKILL)
         started = time.monotonic()
-        with pytest.raises(TensorParallelError, match=rf"worker rank 1 \(pid {worker.pid}, exit code -9\) died"):
+        with pytest.raises(
+            TensorParallelError, match=rf"worker rank 1 \(pid {worker.pid}, exit code -9\) died"
+        ):
             for _ in range(50):
                 engine.step()
         assert time.monotonic() - started < 30

@@ -31,7 +31,9 @@ class ParallelConfig:
                 f"distributed_executor_backend must be 'mp' or 'ray'; got {self.distributed_executor_backend!r}"
             )
         if self.distributed_executor_backend == "ray" and self.tensor_parallel_size > 1:
-            raise ValueError("distributed_executor_backend 'ray' is not supported yet; use 'mp' (one machine)")
+            raise ValueError(
+                "distributed_executor_backend 'ray' is not supported yet; use 'mp' (one machine)"
+            )
         if self.threads_per_rank is not None and self.threads_per_rank < 1:
             raise ValueError(f"threads_per_rank must be >= 1; got {self.threads_per_rank}")
 

@@ -12,6 +12,7 @@ of the length, one of the bytes.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 from datetime import timedelta
 from typing import Any
@@ -86,10 +87,8 @@ class TPGroup:
 
     def close(self) -> None:
         """Shut the group's connections down (its threads joined: no abort at interpreter exit)."""
-        try:
+        with contextlib.suppress(RuntimeError):  # a peer already gone
             self.pg.shutdown()
-        except RuntimeError:  # a peer already gone
-            pass
 
     def _broadcast(self, t: torch.Tensor) -> None:
         opts = dist.BroadcastOptions()

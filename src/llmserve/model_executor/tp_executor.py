@@ -21,6 +21,7 @@ timeout (group.py).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import weakref
@@ -84,7 +85,9 @@ class MultiprocExecutor:
             raise self.failure(e) from e
         if not ok:
             self.close()
-            raise TensorParallelError("a tensor-parallel worker failed to load its shard (its error is logged above)")
+            raise TensorParallelError(
+                "a tensor-parallel worker failed to load its shard (its error is logged above)"
+            )
 
     def init_runner(self, **kwargs: Any) -> DriverForwardRunner:
         """Every rank's forward runner (and KV cache shard) with the same sizes; the driver's."""
@@ -114,7 +117,9 @@ class MultiprocExecutor:
         dead = [(i + 1, w) for i, w in enumerate(self.workers) if w.exitcode is not None]
         if dead:
             text = ", ".join(f"rank {r} (pid {w.pid}, exit code {w.exitcode})" for r, w in dead)
-            self._error = TensorParallelError(f"tensor-parallel worker {text} died; the engine cannot continue")
+            self._error = TensorParallelError(
+                f"tensor-parallel worker {text} died; the engine cannot continue"
+            )
         else:
             self._error = TensorParallelError(f"a tensor-parallel collective failed: {cause}")
         _stop_processes(self.workers, grace=0.0)  # the others wait on a collective that never comes
@@ -123,10 +128,8 @@ class MultiprocExecutor:
     def close(self) -> None:
         """Stop the workers (politely when they still listen)."""
         if self._error is None and all(w.is_alive() for w in self.workers):
-            try:
+            with contextlib.suppress(TensorParallelError):
                 self.send(("stop",))
-            except TensorParallelError:
-                pass
         self._finalizer()
         self.group.close()
 
@@ -139,7 +142,9 @@ class DriverForwardRunner(ForwardRunner):
         super().__init__(*args, **kwargs)
         self.executor = executor
 
-    def forward(self, batch: list[SequenceBatchEntry], logits_rows: Sequence[int] | None = None) -> ForwardOutput:
+    def forward(
+        self, batch: list[SequenceBatchEntry], logits_rows: Sequence[int] | None = None
+    ) -> ForwardOutput:
         self.executor.send(("forward", batch, None if logits_rows is None else list(logits_rows)))
         try:
             return super().forward(batch, logits_rows)

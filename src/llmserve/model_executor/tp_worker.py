@@ -67,7 +67,7 @@ def run_worker(args: WorkerArgs) -> None:
 
 
 @torch.inference_mode()
-def _serve(group: TPGroup, loaded) -> None:  # noqa: ANN001 (LoadedModel, imported lazily)
+def _serve(group: TPGroup, loaded) -> None:
     from llmserve.model_executor.forward_runner import ForwardRunner
 
     runner: ForwardRunner | None = None

@@ -219,7 +219,9 @@ def load_model(config: ModelConfig, shard: TPShard | None = None) -> LoadedModel
     model_hf_config = hf_config
     if shard is not None:
         if prequantized is not None:
-            raise ValueError(f"tensor parallelism does not split pre-quantized checkpoints ({prequantized.quant.describe()}) yet")
+            raise ValueError(
+                f"tensor parallelism does not split pre-quantized checkpoints ({prequantized.quant.describe()}) yet"
+            )
         sharding.check_supported(model_cls, hf_config, shard.size)
         model_hf_config = sharding.local_config(hf_config, shard.size)
         # the fused C++ decoder runs whole stacks without the shards' all-reduces: the layers run
