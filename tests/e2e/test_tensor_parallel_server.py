@@ -1,0 +1,52 @@
+"""The server with --tensor-parallel-size 2: answers like the single-process engine, refuses bad
+input with a 400, and takes its worker process down with it at shutdown."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import psutil
+import pytest
+
+from llmserve import LLM
+from llmserve.sampling_params import SamplingParams
+from tests.e2e.conftest import MODEL_NAME, ServerProcess
+
+PROMPT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def tp_server(tiny_model_dir: Path) -> Iterator[ServerProcess]:
+    proc = ServerProcess(tiny_model_dir, "--tensor-parallel-size", "2", "--threads-per-rank", "1").start()
+    yield proc
+    proc.stop()
+
+
+def test_tp_server_answers_as_tp1(tp_server, tiny_model_dir):
+    got = tp_server.client().completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=10, temperature=0)
+    llm = LLM(str(tiny_model_dir), show_progress=False)
+    ref = llm.generate(PROMPT, SamplingParams(max_tokens=10, temperature=0.0), use_tqdm=False)[0].outputs[0]
+    assert got.choices[0].text == ref.text
+    assert got.usage.completion_tokens == len(ref.token_ids)
+
+
+def test_tp_server_refuses_bad_input(tp_server):
+    with pytest.raises(openai.BadRequestError):
+        tp_server.client().completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=100_000)
+    ok = tp_server.client().completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, temperature=0)
+    assert ok.usage.completion_tokens == 2
+
+
+def test_tp_server_shutdown_stops_the_worker(tp_server):
+    """Last in the module: it stops the shared server."""
+    proc = tp_server
+    workers = [
+        p for p in psutil.Process(proc.proc.pid).children(recursive=True) if "spawn" in " ".join(p.cmdline())
+    ]
+    assert len(workers) == 1
+    assert proc.stop() == 0
+    psutil.wait_procs(workers, timeout=15)
+    assert not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
+    assert "terminate called" not in proc.log()
