@@ -4,6 +4,7 @@ broadcast of the inputs costs, on a random float32 Llama of SmolLM2-135M's shape
 SmolLM2's 9 / 3 of 64, which TP=2 cannot split.
 
     python benchmarks/bench_tp.py [--batch 1 8] [--steps 32] [--threads N]
+    python benchmarks/bench_tp.py --transport    # the group's collectives alone, two processes
 
 TP=1 runs with N threads (default: all CPUs), TP=2 with N/2 threads per rank. The broadcast cost
 is the driver's time in `MultiprocExecutor.send` per step: the pickled flat batch ("forward") and
@@ -14,15 +15,19 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+import torch.multiprocessing as mp
 import transformers
 
+from llmserve.distributed.group import TPGroup
 from llmserve.engine.llm import build_engine
+from llmserve.model_executor.forward_runner import SequenceBatchEntry
 from llmserve.sampling_params import SamplingParams
 
 
@@ -67,12 +72,56 @@ def _run(folder: Path, tp: int, threads: int, batch: int, steps: int) -> tuple[f
     return statistics.median(times) * 1e3, sent[0] / steps * 1e3
 
 
+def _transport_worker(port: int, iters: int) -> None:
+    torch.set_num_threads(1)
+    group = TPGroup.connect(port, 1, 2)
+    for _ in range(iters):
+        group.broadcast_object()
+        group.all_ok(True)
+
+
+def transport(batches: list[int], iters: int = 300) -> None:
+    """The median cost of broadcasting a decode step's batch of B sequences (each with a
+    20-block table) and of one small all-reduce, between two processes of one thread."""
+    torch.set_num_threads(1)
+    store = TPGroup.create_store(2)
+    worker = mp.get_context("spawn").Process(
+        target=_transport_worker, args=(store.port, iters * len(batches)), daemon=True
+    )
+    worker.start()
+    group = TPGroup(store, 0, 2)
+    print("batch  bytes  broadcast us  all-reduce us")
+    for n in batches:
+        command = (
+            "forward",
+            [SequenceBatchEntry([123], 300 + i, list(range(20)), f"req-{i}") for i in range(n)],
+        )
+        sends, reduces = [], []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            group.broadcast_object(command)
+            t1 = time.perf_counter()
+            group.all_ok(True)
+            sends.append(t1 - t0)
+            reduces.append(time.perf_counter() - t1)
+        size = len(pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL))
+        print(
+            f"{n:5d}  {size:5d}  {statistics.median(sends) * 1e6:12.0f}  {statistics.median(reduces) * 1e6:13.0f}"
+        )
+    worker.join()
+    group.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--transport", action="store_true", help="only the collectives' cost (batches 1, 8, 64)")
     args = ap.parse_args()
+    if args.transport:
+        transport([1, 8, 64])
+        return
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         _model(folder)

@@ -64,6 +64,11 @@ def run_worker(args: WorkerArgs) -> None:
         logger.exception("tensor-parallel worker failed")
         sys.exit(1)
     group.close()
+    # Straight out: the interpreter's teardown would destroy gloo's objects in an arbitrary order,
+    # and one of them aborted the process now and then ("terminate called without an active
+    # exception") after its work was done.
+    logging.shutdown()
+    os._exit(0)
 
 
 @torch.inference_mode()
