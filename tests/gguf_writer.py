@@ -223,6 +223,20 @@ def write_hf_model(
     return write_gguf(path, arch, dict(tensors), hf_metadata(arch, config), num_parts)
 
 
+def requantized(path: Path, qtype_of: Callable[[str, np.ndarray], GGMLQuantizationType]) -> dict[str, Any]:
+    """The tensors of an F32 GGUF file (`write_hf_model`'s), each weight as the type
+    `qtype_of(name, array)` picks (F32: left float) for `write_gguf`; random valid blocks for the
+    types gguf cannot quantize."""
+    tensors: dict[str, Any] = {}
+    for i, t in enumerate(gguf.GGUFReader(path).tensors):
+        arr = np.array(t.data).reshape(list(reversed(t.shape.tolist())))
+        qtype = qtype_of(t.name, arr) if t.name.endswith("weight") else Q.F32
+        if qtype in (Q.Q2_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS):  # gguf has no quantizer for these
+            arr = random_blocks(qtype, *arr.shape, seed=i)
+        tensors[t.name] = arr if qtype == Q.F32 else (arr, qtype)
+    return tensors
+
+
 # -- ggml's reference dequantization, one block at a time ------------------------------------------
 
 

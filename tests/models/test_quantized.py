@@ -10,7 +10,6 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import transformers
@@ -328,18 +327,9 @@ def _llama_gguf(tmp: Path, types: dict[str, Q]) -> Path:
     config.architectures = ["LlamaForCausalLM"]
     path = write_hf_model(tmp / "f32.gguf", "llama", config, hf.state_dict())[0]
     # Re-write with quantized types: read the float tensors back and quantize with gguf.
-    from gguf import GGUFReader
+    from tests.gguf_writer import hf_metadata, requantized, write_gguf
 
-    from tests.gguf_writer import hf_metadata, random_blocks, write_gguf
-
-    tensors = {}
-    for i, t in enumerate(GGUFReader(path).tensors):
-        qtype = types.get(t.name.split(".")[-2], Q.F32)
-        arr = np.array(t.data).reshape(list(reversed(t.shape.tolist())))
-        if qtype in (Q.Q2_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS):  # gguf has no quantizer for these
-            arr = random_blocks(qtype, *arr.shape, seed=i)
-        tensors[t.name] = (arr, qtype) if t.name.endswith("weight") else arr
-
+    tensors = requantized(path, lambda name, _arr: types.get(name.split(".")[-2], Q.F32))
     return write_gguf(tmp / "quantized.gguf", "llama", tensors, hf_metadata("llama", config))[0]
 
 

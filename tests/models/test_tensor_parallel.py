@@ -20,7 +20,7 @@ from llmserve import LLM
 from llmserve.engine.llm import build_engine
 from llmserve.model_executor.tp_executor import TensorParallelError
 from llmserve.sampling_params import SamplingParams
-from tests.gguf_writer import hf_metadata, write_gguf, write_hf_model
+from tests.gguf_writer import hf_metadata, requantized, write_gguf, write_hf_model
 from tests.models.tiny import make_tiny_model
 
 SHARED = [200, 1, 1, 45, 67, 300, 12, 9, 8, 7, 6, 5, 4, 3, 2, 11, 400, 401]  # > one block of 16
@@ -80,12 +80,7 @@ def _q4_1_gguf(tmp: Path) -> Path:
     hf = transformers.LlamaForCausalLM(config).eval()
     config.architectures = ["LlamaForCausalLM"]
     f32 = write_hf_model(tmp / "f32.gguf", "llama", config, hf.state_dict())[0]
-    from gguf import GGUFReader
-
-    tensors = {}
-    for t in GGUFReader(f32).tensors:
-        arr = np.array(t.data).reshape(list(reversed(t.shape.tolist())))
-        tensors[t.name] = (arr, Q.Q4_1) if t.name.endswith("weight") and arr.ndim == 2 else arr
+    tensors = requantized(f32, lambda _name, arr: Q.Q4_1 if arr.ndim == 2 else Q.F32)
     write_model = hf_metadata("llama", config)
 
     def metadata(w) -> None:  # a SentencePiece-style vocabulary: the engine needs a tokenizer
