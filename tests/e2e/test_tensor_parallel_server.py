@@ -1,11 +1,13 @@
 """The server with --tensor-parallel-size 2: answers like the single-process engine, refuses bad
-input with a 400, and takes its worker process down with it at shutdown."""
+input with a 400, takes its worker process down with it at shutdown, and stops with an error
+naming a worker that died."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import psutil
 import pytest
@@ -50,3 +52,22 @@ def test_tp_server_shutdown_stops_the_worker(tp_server):
     psutil.wait_procs(workers, timeout=15)
     assert not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
     assert "terminate called" not in proc.log()
+
+
+def test_tp_worker_death_fails_requests_and_exits(tiny_model_dir):
+    """A killed worker: the next request ends with the engine's error naming the rank (not a
+    hang), and the server exits with status 3 for a supervisor to restart it."""
+    proc = ServerProcess(tiny_model_dir, "--tensor-parallel-size", "2", "--threads-per-rank", "1").start()
+    try:
+        (worker,) = [p for p in psutil.Process(proc.proc.pid).children() if "spawn" in " ".join(p.cmdline())]
+        worker.kill()  # SIGKILL: a zombie until the server reaps it (psutil's wait() would not return)
+        body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 5}
+        r = httpx.post(f"{proc.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 500, r.text
+        assert (
+            f"tensor-parallel worker rank 1 (pid {worker.pid}, exit code -9) died"
+            in r.json()["error"]["message"]
+        )
+        assert proc.proc.wait(60) == 3
+    finally:
+        proc.stop()
