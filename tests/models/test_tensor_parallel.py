@@ -142,3 +142,25 @@ def test_dead_worker_stops_the_engine(tmp_path):
             engine.step()
     finally:
         engine.close()
+
+
+def test_worker_dead_before_joining_fails_start_up(tmp_path):
+    """A worker killed while it starts: start-up names it within seconds (not the group's
+    two-minute timeout)."""
+    import threading
+
+    import psutil
+
+    make_tiny_model("llama", tmp_path)
+
+    def kill_first_worker() -> None:
+        me = psutil.Process()
+        while not (kids := [p for p in me.children() if "spawn" in " ".join(p.cmdline())]):
+            time.sleep(0.01)
+        kids[0].kill()
+
+    threading.Thread(target=kill_first_worker, daemon=True).start()
+    started = time.monotonic()
+    with pytest.raises(TensorParallelError, match=r"worker rank 1 \(pid \d+, exit code -9\) died"):
+        build_engine(str(tmp_path), show_progress=False, tensor_parallel_size=2, threads_per_rank=1)
+    assert time.monotonic() - started < 60

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -40,9 +42,28 @@ class TPGroup:
 
     @classmethod
     def connect(cls, port: int, rank: int, size: int, timeout: timedelta = DEFAULT_TIMEOUT) -> TPGroup:
-        """A worker's side: join the driver's store and the group."""
+        """A worker's side: join the driver's store (saying so: `wait_for_workers`) and the group."""
         store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=timeout)
+        store.set(_joined(rank), "1")
         return cls(store, rank, size, timeout)
+
+    @staticmethod
+    def wait_for_workers(
+        store: dist.Store, size: int, failed: Callable[[], bool], timeout: timedelta = DEFAULT_TIMEOUT
+    ) -> None:
+        """The driver's side, before it joins the group: block until every worker has reached the
+        store; RuntimeError as soon as `failed()` says one never will (its process died) or at the
+        timeout, rather than waiting out the group's own timeout."""
+        keys = [_joined(rank) for rank in range(1, size)]
+        deadline = time.monotonic() + timeout.total_seconds()
+        while not store.check(keys):
+            if failed():
+                raise RuntimeError("a worker process exited before joining the group")
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"the workers did not join the group within {timeout.total_seconds():.0f} s"
+                )
+            time.sleep(0.05)
 
     @property
     def is_driver(self) -> bool:
@@ -94,3 +115,7 @@ class TPGroup:
         opts = dist.BroadcastOptions()
         opts.rootRank = DRIVER
         self.pg.broadcast([t], opts).wait()
+
+
+def _joined(rank: int) -> str:
+    return f"llmserve/joined/{rank}"

@@ -78,6 +78,7 @@ class MultiprocExecutor:
             w.start()
         self._finalizer = weakref.finalize(self, _stop_processes, self.workers)
         try:
+            TPGroup.wait_for_workers(store, size, lambda: any(w.exitcode is not None for w in self.workers))
             self.group = TPGroup(store, 0, size)
             self.shard.group = self.group
             ok = self.group.all_ok(True)
