@@ -93,3 +93,18 @@ def test_parallel_options():
     assert (kwargs["tensor_parallel_size"], kwargs["distributed_executor_backend"], kwargs["threads_per_rank"]) == (
         2, "mp", 1,
     )  # fmt: skip
+
+
+def test_safetensors_slices_read_only_the_shard(tmp_path):
+    """A safetensors slice is cut before it is read: the same rows / columns as the tensor's."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    w = torch.randn(10, 64)
+    save_file({"w": w}, str(tmp_path / "w.safetensors"))
+    with safe_open(str(tmp_path / "w.safetensors"), framework="pt") as sf:
+        lazy = sf.get_slice("w")
+        for r in range(3):  # rows, the last rank's tail padded
+            torch.testing.assert_close(_rows(lazy, r * 4, 4), _rows(w, r * 4, 4), rtol=0, atol=0)
+        torch.testing.assert_close(_columns("w", lazy, 32, 32), w[:, 32:], rtol=0, atol=0)

@@ -14,8 +14,8 @@
 
 A rank builds the model from `local_config` (its heads, KV heads, intermediate slice and
 vocabulary shard), so each layer allocates only its shard and the KV cache is sharded by KV head
-for free; `shard_weights` slices every checkpoint tensor as it streams past (one full tensor in
-memory at a time, never the whole model), and `parallelize` installs the collectives as forward
+for free; `shard_tensor` cuts every checkpoint tensor as it streams past (safetensors: only this
+rank's rows or columns are read from the file; GGUF: one tensor is read at a time, then cut), and `parallelize` installs the collectives as forward
 hooks, so the model's code stays the single-device architecture.
 
 Quantized rows (q8 / q4, blocks of 32 input columns) are split by rows for column-parallel layers
@@ -26,7 +26,6 @@ slices must be multiples of 32 columns.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,11 +96,16 @@ def local_config(hf_config: Any, size: int) -> Any:
 # -- slicing checkpoint tensors --------------------------------------------------------------------
 
 
-def _rows(t: torch.Tensor | QuantizedRows, start: int, n: int) -> torch.Tensor | QuantizedRows:
-    """Rows [start, start + n) of t, padded with zero rows past its end (the vocabulary's tail)."""
-    total = t.num_rows if isinstance(t, QuantizedRows) else t.shape[0]
-    take = max(0, min(n, total - start))
+def _shape(t: Any) -> list[int]:
+    """A tensor's shape, or a safetensors slice's (read from the file's header)."""
+    return list(t.get_shape()) if hasattr(t, "get_shape") else list(t.shape)
+
+
+def _rows(t: Any, start: int, n: int) -> torch.Tensor | QuantizedRows:
+    """Rows [start, start + n) of t, padded with zero rows past its end (the vocabulary's tail).
+    `t`: a tensor, quantized rows, or a safetensors slice (only these rows are read)."""
     if isinstance(t, QuantizedRows):
+        take = max(0, min(n, t.num_rows - start))
 
         def pad(x: torch.Tensor) -> torch.Tensor:
             out = x[start : start + take]
@@ -110,12 +114,15 @@ def _rows(t: torch.Tensor | QuantizedRows, start: int, n: int) -> torch.Tensor |
             return torch.cat([out, x.new_zeros((n - take, *x.shape[1:]))])
 
         return QuantizedRows(t.fmt, pad(t.q), pad(t.d), None if t.m is None else pad(t.m), t.in_features)
-    out = t[start : start + take]
-    return out if take == n else torch.cat([out, t.new_zeros((n - take, *t.shape[1:]))])
+    total = _shape(t)[0]
+    take = max(0, min(n, total - start))
+    out = t[start : start + take] if take else t[0:0]
+    return out if take == n else torch.cat([out, out.new_zeros((n - take, *out.shape[1:]))])
 
 
-def _columns(name: str, t: torch.Tensor | QuantizedRows, start: int, n: int) -> torch.Tensor | QuantizedRows:
-    """Input columns [start, start + n) of a weight [out, in]; quantized rows split on whole blocks."""
+def _columns(name: str, t: Any, start: int, n: int) -> torch.Tensor | QuantizedRows:
+    """Input columns [start, start + n) of a weight [out, in] (a tensor, quantized rows split on
+    whole blocks, or a safetensors slice)."""
     if not isinstance(t, QuantizedRows):
         return t[:, start : start + n]
     end = start + n
@@ -129,13 +136,12 @@ def _columns(name: str, t: torch.Tensor | QuantizedRows, start: int, n: int) -> 
     return QuantizedRows(t.fmt, t.q[:, start : start + nb * BLOCK], t.d[:, b0 : b0 + nb], m, n)
 
 
-def shard_tensor(
-    model: CausalLM, name: str, tensor: torch.Tensor | QuantizedRows, shard: TPShard
-) -> torch.Tensor | QuantizedRows:
-    """This rank's part of checkpoint tensor `name` (as the full model stores it)."""
+def shard_tensor(model: CausalLM, name: str, tensor: Any, shard: TPShard) -> torch.Tensor | QuantizedRows:
+    """This rank's part of checkpoint tensor `name` (as the full model stores it): a tensor,
+    quantized rows, or a safetensors slice, of which only this part is read."""
     route = model.route_weight(name)
     if route is None:
-        return tensor
+        return tensor[:] if hasattr(tensor, "get_shape") else tensor
     module_path, attr, index = route
     module = model.get_submodule(module_path)
     leaf = module_path.rpartition(".")[2]
@@ -147,17 +153,9 @@ def shard_tensor(
         return _rows(tensor, r * n, n)
     if leaf in _ROW:
         if attr == "bias":  # added once, by rank 0, to the summed output
-            return tensor if r == 0 else torch.zeros_like(tensor)  # type: ignore[arg-type]
+            return tensor[:] if r == 0 else torch.zeros(_shape(tensor))
         return _columns(name, tensor, r * module.in_features, module.in_features)
-    return tensor
-
-
-def shard_weights(
-    model: CausalLM, weights: Iterable[tuple[str, Any, str]], shard: TPShard
-) -> Iterator[tuple[str, Any, str]]:
-    """The checkpoint stream with every tensor cut to this rank's part as it passes."""
-    for name, tensor, file in weights:
-        yield name, shard_tensor(model, name, tensor, shard), file
+    return tensor[:] if hasattr(tensor, "get_shape") else tensor
 
 
 # -- collectives as hooks --------------------------------------------------------------------------

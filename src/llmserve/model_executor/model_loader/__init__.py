@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Iterator
@@ -175,8 +176,10 @@ def load_model(config: ModelConfig, shard: TPShard | None = None) -> LoadedModel
         fmt = f"gguf ({', '.join(ckpt.tensor_types())})"
         tensor_types: dict[str, str] | None = ckpt.hf_tensor_types()
 
-        def weights(dtype: torch.dtype, keep_quantized: Any) -> Iterator[tuple[str, Any, str]]:
-            return ckpt.iter_weights(dtype, keep_quantized)
+        def weights(dtype: torch.dtype, keep_quantized: Any, cut: Any) -> Iterator[tuple[str, Any, str]]:
+            stream = ckpt.iter_weights(dtype, keep_quantized)
+            # a GGUF tensor is read whole (one at a time), then cut to the rank's part
+            return stream if cut is None else ((n, cut(n, t), f) for n, t, f in stream)
     else:
         hf_config = hf_folder.load_hf_config(source.path)
         fmt, files = hf_folder.weight_files(source.path)
@@ -184,10 +187,10 @@ def load_model(config: ModelConfig, shard: TPShard | None = None) -> LoadedModel
         tensor_types = None
         prequantized = _prequantized(hf_config, fmt, files)
 
-        def weights(dtype: torch.dtype, keep_quantized: Any) -> Iterator[tuple[str, Any, str]]:
-            if prequantized is not None:
+        def weights(dtype: torch.dtype, keep_quantized: Any, cut: Any) -> Iterator[tuple[str, Any, str]]:
+            if prequantized is not None:  # (never cut: tensor parallelism refuses them)
                 return prequantized.weights(hf_folder.iter_weights(fmt, files, None), target, dtype)
-            return hf_folder.iter_weights(fmt, files, dtype)
+            return hf_folder.iter_weights(fmt, files, dtype, cut)
 
     archs = getattr(hf_config, "architectures", None)
     if config.model_impl == "transformers" or (
@@ -253,11 +256,9 @@ def load_model(config: ModelConfig, shard: TPShard | None = None) -> LoadedModel
     bar = tqdm(
         total=num_tensors, desc=f"Loading {source.name}", unit="tensor", disable=not config.show_progress
     )
-    stream = weights(dtype, keep_quantized)
-    if shard is not None:
-        stream = sharding.shard_weights(model, stream, shard)
+    cut = None if shard is None else functools.partial(sharding.shard_tensor, model, shard=shard)
     with bar:
-        model.load_weights(_tracked(stream, bar))
+        model.load_weights(_tracked(weights(dtype, keep_quantized, cut), bar))
     model.eval()
     if shard is not None:
         sharding.parallelize(model, shard, int(hf_config.vocab_size))
