@@ -8,19 +8,16 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-import transformers
 from gguf import GGMLQuantizationType as Q
 
 from llmserve import LLM
 from llmserve.engine.llm import build_engine
 from llmserve.model_executor.tp_executor import TensorParallelError
 from llmserve.sampling_params import SamplingParams
-from tests.gguf_writer import hf_metadata, requantized, write_gguf, write_hf_model
+from tests.gguf_writer import tiny_llama_gguf
 from tests.models.tiny import make_tiny_model
 
 SHARED = [200, 1, 1, 45, 67, 300, 12, 9, 8, 7, 6, 5, 4, 3, 2, 11, 400, 401]  # > one block of 16
@@ -69,34 +66,14 @@ def test_tp2_matches_tp1_int8_quantized_at_load(tmp_path):
     _compare(str(tmp_path), atol=2e-3, quantization="int8")
 
 
-def _q4_1_gguf(tmp: Path) -> Path:
-    """A tiny Llama whose every matrix (embedding and tied head included) is Q4_1 blocks, as the
-    embedded SmolLM2 file stores them; o_proj / down_proj inputs (128 / 256) split on whole blocks."""
-    config = transformers.LlamaConfig(
-        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.15, tie_word_embeddings=True,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(config).eval()
-    config.architectures = ["LlamaForCausalLM"]
-    f32 = write_hf_model(tmp / "f32.gguf", "llama", config, hf.state_dict())[0]
-    tensors = requantized(f32, lambda _name, arr: Q.Q4_1 if arr.ndim == 2 else Q.F32)
-    write_model = hf_metadata("llama", config)
-
-    def metadata(w) -> None:  # a SentencePiece-style vocabulary: the engine needs a tokenizer
-        write_model(w)
-        w.add_tokenizer_model("llama")
-        w.add_token_scores([0.0] * config.vocab_size)
-        w.add_token_types([1] * config.vocab_size)
-
-    return write_gguf(tmp / "q4_1.gguf", "llama", tensors, metadata)[0]
-
-
 def test_tp2_matches_tp1_q4_1_gguf(tmp_path):
     # q4 matmuls round each token's activations to int16 with one scale per row of the input
     # they see: a row-parallel shard's scale comes from its half of the row, so logprobs move by
     # that rounding (6e-4 seen), more than the float models' summation order (< 1e-5)
-    _compare(str(_q4_1_gguf(tmp_path)), atol=2e-3)
+    # Every matrix Q4_1 (the tied embedding too), as the embedded SmolLM2 file stores them;
+    # o_proj's and down_proj's 128 / 256 input columns per rank split on whole blocks.
+    kinds = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "token_embd")
+    _compare(str(tiny_llama_gguf(tmp_path, dict.fromkeys(kinds, Q.Q4_1), tokenizer=True)), atol=2e-3)
 
 
 def test_refusals():
