@@ -6,7 +6,8 @@ SmolLM2's 9 / 3 of 64, which TP=2 cannot split.
     python benchmarks/bench_tp.py [--batch 1 8] [--steps 32] [--threads N]
     python benchmarks/bench_tp.py --transport    # the group's collectives alone, two processes
 
-TP=1 runs with N threads (default: all CPUs), TP=2 with N/2 threads per rank. The broadcast cost
+TP=1 runs with N threads (default: all CPUs), TP=2 with N/2 threads per rank, each configuration
+in a process of its own. The broadcast cost
 is the driver's time in `MultiprocExecutor.send` per step: the pickled flat batch ("forward") and
 the hidden rows for the LM head ("logits"), the only inputs that cross to the workers.
 """
@@ -17,6 +18,8 @@ import argparse
 import os
 import pickle
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -118,17 +121,24 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--transport", action="store_true", help="only the collectives' cost (batches 1, 8, 64)")
+    ap.add_argument("--one", nargs=3, type=str, metavar=("FOLDER", "TP", "BATCH"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.transport:
         transport([1, 8, 64])
         return
+    if args.one:  # one configuration in a fresh process: numba's thread pool is sized per process
+        folder, tp, batch = args.one
+        print(*_run(Path(folder), int(tp), args.threads, int(batch), args.steps))
+        return
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp)
-        _model(folder)
+        _model(Path(tmp))
         print("batch  TP  step ms  broadcast ms/step")
         for batch in args.batch:
             for tp in (1, 2):
-                step_ms, bcast_ms = _run(folder, tp, args.threads, batch, args.steps)
+                cmd = [sys.executable, __file__, "--one", tmp, str(tp), str(batch)]
+                cmd += ["--steps", str(args.steps), "--threads", str(args.threads)]
+                out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.split()
+                step_ms, bcast_ms = float(out[-2]), float(out[-1])
                 print(f"{batch:5d}  {tp:2d}  {step_ms:7.2f}  {bcast_ms:8.3f}")
 
 

@@ -35,6 +35,7 @@ from llmserve.config import ModelConfig
 from llmserve.config.parallel import ParallelConfig
 from llmserve.distributed.group import TPGroup
 from llmserve.distributed.sharding import TPShard
+from llmserve.layers import numba_jit
 from llmserve.model_executor.device import resolve_device
 from llmserve.model_executor.forward_runner import ForwardOutput, ForwardRunner, SequenceBatchEntry
 from llmserve.model_executor.model_loader import LoadedModel, load_model
@@ -59,6 +60,12 @@ class MultiprocExecutor:
             )
         threads = parallel.resolved_threads_per_rank()
         torch.set_num_threads(threads)  # before loading: linear layers chunk their weights per thread
+        if not numba_jit.limit_threads(threads):
+            logger.warning(
+                "numba's thread pool already runs in this process with more than %d threads per rank: its idle "
+                "threads compete with the ranks for the cores (start tensor-parallel engines before others)",
+                threads,
+            )
         self.shard = TPShard(0, size)
         self.loaded: LoadedModel = load_model(model_config, self.shard)
         self._error: TensorParallelError | None = None

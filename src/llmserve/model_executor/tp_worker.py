@@ -23,6 +23,7 @@ import torch
 from llmserve.config import ModelConfig
 from llmserve.distributed.group import TPGroup
 from llmserve.distributed.sharding import TPShard
+from llmserve.layers import numba_jit
 
 logger = logging.getLogger("llmserve")
 
@@ -46,6 +47,7 @@ def run_worker(args: WorkerArgs) -> None:
     if args.cpus and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, args.cpus)
     torch.set_num_threads(args.threads)
+    numba_jit.limit_threads(args.threads)
     group = TPGroup.connect(args.port, args.rank, args.size)
     try:
         from llmserve.model_executor.model_loader import load_model
