@@ -223,6 +223,48 @@ def write_hf_model(
     return write_gguf(path, arch, dict(tensors), hf_metadata(arch, config), num_parts)
 
 
+def requantized(path: Path, qtype_of: Callable[[str, np.ndarray], GGMLQuantizationType]) -> dict[str, Any]:
+    """The tensors of an F32 GGUF file (`write_hf_model`'s), each weight as the type
+    `qtype_of(name, array)` picks (F32: left float) for `write_gguf`; random valid blocks for the
+    types gguf cannot quantize."""
+    tensors: dict[str, Any] = {}
+    for i, t in enumerate(gguf.GGUFReader(path).tensors):
+        arr = np.array(t.data).reshape(list(reversed(t.shape.tolist())))
+        qtype = qtype_of(t.name, arr) if t.name.endswith("weight") else Q.F32
+        if qtype in (Q.Q2_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS):  # gguf has no quantizer for these
+            arr = random_blocks(qtype, *arr.shape, seed=i)
+        tensors[t.name] = arr if qtype == Q.F32 else (arr, qtype)
+    return tensors
+
+
+def tiny_llama_gguf(tmp: Path, types: dict[str, GGMLQuantizationType], tokenizer: bool = False) -> Path:
+    """A tiny Llama (hidden 256: K-quant super-blocks are 256 wide) as a GGUF file whose weights
+    take `types` by tensor kind ("attn_q", "ffn_down", "token_embd", ...; F32 where not named).
+    `tokenizer`: also a SentencePiece-style vocabulary of placeholder tokens, for an engine."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    config.architectures = ["LlamaForCausalLM"]
+    path = write_hf_model(tmp / "f32.gguf", "llama", config, hf.state_dict())[0]
+    # Re-write with quantized types: read the float tensors back and quantize with gguf.
+    tensors = requantized(path, lambda name, _arr: types.get(name.split(".")[-2], Q.F32))
+    model_metadata = hf_metadata("llama", config)
+
+    def metadata(w: GGUFWriter) -> None:
+        model_metadata(w)
+        if tokenizer:
+            w.add_tokenizer_model("llama")
+            w.add_token_scores([0.0] * config.vocab_size)
+            w.add_token_types([1] * config.vocab_size)
+
+    return write_gguf(tmp / "quantized.gguf", "llama", tensors, metadata)[0]
+
+
 # -- ggml's reference dequantization, one block at a time ------------------------------------------
 
 

@@ -10,7 +10,6 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import transformers
@@ -23,7 +22,7 @@ from llmserve.layers.quantization.formats import PackedWeight, quantize
 from llmserve.model_executor.forward_runner import ForwardRunner, SequenceBatchEntry
 from llmserve.model_executor.greedy import generate_greedy
 from llmserve.model_executor.model_loader import load_model
-from tests.gguf_writer import write_hf_model
+from tests.gguf_writer import tiny_llama_gguf
 from tests.models.tiny import TINY_CONFIGS, hf_greedy, make_tiny_model
 
 _ORDER = ["avx512_vnni", "avx2", "torch"]
@@ -316,43 +315,16 @@ GGUF_TYPES = {"attn_q": Q.Q4_K, "attn_k": Q.Q4_0, "attn_v": Q.Q4_1, "attn_output
               "ffn_gate": Q.Q5_0, "ffn_up": Q.Q5_1, "ffn_down": Q.Q5_K, "token_embd": Q.Q8_0, "output": Q.Q8_0}  # fmt: skip
 
 
-def _llama_gguf(tmp: Path, types: dict[str, Q]) -> Path:
-    """A tiny Llama (hidden 256: K-quant super-blocks are 256 wide) as a GGUF file whose weights
-    take `types` by tensor kind (F32 where not named)."""
-    config = transformers.LlamaConfig(
-        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1, tie_word_embeddings=True,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(config).eval()
-    config.architectures = ["LlamaForCausalLM"]
-    path = write_hf_model(tmp / "f32.gguf", "llama", config, hf.state_dict())[0]
-    # Re-write with quantized types: read the float tensors back and quantize with gguf.
-    from gguf import GGUFReader
-
-    from tests.gguf_writer import hf_metadata, random_blocks, write_gguf
-
-    tensors = {}
-    for i, t in enumerate(GGUFReader(path).tensors):
-        qtype = types.get(t.name.split(".")[-2], Q.F32)
-        arr = np.array(t.data).reshape(list(reversed(t.shape.tolist())))
-        if qtype in (Q.Q2_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS):  # gguf has no quantizer for these
-            arr = random_blocks(qtype, *arr.shape, seed=i)
-        tensors[t.name] = (arr, qtype) if t.name.endswith("weight") else arr
-
-    return write_gguf(tmp / "quantized.gguf", "llama", tensors, hf_metadata("llama", config))[0]
-
-
 @pytest.fixture(scope="module")
 def quantized_gguf(tmp_path_factory):
     """Every type that is read straight into a block format, mixed in one file."""
-    return _llama_gguf(tmp_path_factory.mktemp("qgguf"), GGUF_TYPES)
+    return tiny_llama_gguf(tmp_path_factory.mktemp("qgguf"), GGUF_TYPES)
 
 
 @pytest.fixture(scope="module")
 def q4_0_gguf(tmp_path_factory):
     """Every matrix Q4_0, the tied embedding and the output too."""
-    return _llama_gguf(tmp_path_factory.mktemp("q4_0"), dict.fromkeys(GGUF_TYPES, Q.Q4_0))
+    return tiny_llama_gguf(tmp_path_factory.mktemp("q4_0"), dict.fromkeys(GGUF_TYPES, Q.Q4_0))
 
 
 def test_gguf_served_quantized_matches_dequantized(quantized_gguf):
@@ -394,7 +366,7 @@ TABLE_AND_LOW_BIT_TYPES = {"attn_q": Q.IQ4_NL, "attn_k": Q.IQ4_XS, "attn_v": Q.M
 def low_bit_gguf(tmp_path_factory):
     """The tiny Llama in TABLE_AND_LOW_BIT_TYPES: MXFP4 quantized by gguf from the float weights,
     the others (no quantizer in gguf) random valid blocks."""
-    return _llama_gguf(tmp_path_factory.mktemp("lowbit"), TABLE_AND_LOW_BIT_TYPES)
+    return tiny_llama_gguf(tmp_path_factory.mktemp("lowbit"), TABLE_AND_LOW_BIT_TYPES)
 
 
 def test_low_bit_and_table_gguf_types_run_quantized(low_bit_gguf):

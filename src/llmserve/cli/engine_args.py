@@ -128,6 +128,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "without prompt padding",
     )
 
+    g = p.add_argument_group("tensor parallelism")
+    g.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=1,
+        help="ranks that split the model (attention heads, MLP and vocabulary), one process each, joined "
+        "by a gloo group; Llama, Mistral, Qwen2, Qwen3 models whose heads it divides (default 1)",
+    )  # fmt: skip
+    g.add_argument(
+        "--distributed-executor-backend", default="mp", choices=["mp", "ray"],
+        help="how the ranks start: mp, worker processes on this machine (ray: not yet)",
+    )  # fmt: skip
+    g.add_argument(
+        "--threads-per-rank", type=int, default=None,
+        help="torch threads of each rank (default: CPUs / --tensor-parallel-size; workers pinned to their own)",
+    )  # fmt: skip
+
     g = p.add_argument_group("LoRA adapters")
     g.add_argument(
         "--enable-lora",
@@ -181,4 +196,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_lora_rank": args.max_lora_rank,
         "max_cpu_loras": args.max_cpu_loras,
         "lora_modules": list(args.lora_modules) if args.lora_modules else None,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "distributed_executor_backend": args.distributed_executor_backend,
+        "threads_per_rank": args.threads_per_rank,
     }

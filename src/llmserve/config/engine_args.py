@@ -22,6 +22,7 @@ from typing import Any
 from llmserve.config.cache import CacheConfig, parse_bytes
 from llmserve.config.lora import LoRAConfig, lora_modules_text, parse_lora_modules
 from llmserve.config.model import ModelConfig
+from llmserve.config.parallel import ParallelConfig
 from llmserve.config.scheduler import SchedulerConfig
 from llmserve.config.speculative import SpeculativeConfig
 
@@ -65,6 +66,9 @@ class EngineArgs:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     lora_modules: str | None = None
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
+    threads_per_rank: int | None = None
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -84,6 +88,7 @@ class EngineArgs:
         args = cls(**values)
         args.configs()  # every range and choice checked now, not at the first load
         args.lora_config()
+        args.parallel_config()
         return args
 
     def replace(self, **changes: Any) -> EngineArgs:
@@ -123,6 +128,13 @@ class EngineArgs:
             mode=self.batching_mode,  # type: ignore[arg-type]
         )
         return model, cache, scheduler, self.speculative_config
+
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(
+            self.tensor_parallel_size,
+            self.distributed_executor_backend,  # type: ignore[arg-type]
+            self.threads_per_rank,
+        )
 
     def lora_config(self) -> LoRAConfig | None:
         """The LoRA config when `enable_lora`, else None."""

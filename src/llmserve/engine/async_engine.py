@@ -195,6 +195,7 @@ class AsyncEngine:
         self._commands.put(None)
         if self._thread is not None:
             self._thread.join(timeout=30)
+        self.engine.close()  # tensor-parallel workers, once no step runs
 
     def abort_all(self, reason: str) -> None:
         """Abort every accepted request; their readers get `RequestAbortedError(reason)`."""

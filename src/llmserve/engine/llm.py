@@ -43,7 +43,10 @@ def build_engine(model: str | None = None, **options: Any) -> LLMEngine:
 
 def engine_from_args(args: EngineArgs) -> LLMEngine:
     model, cache, scheduler, speculative = args.configs()
-    return LLMEngine(model, cache, scheduler, speculative_config=speculative, lora_config=args.lora_config())
+    return LLMEngine(
+        model, cache, scheduler, speculative_config=speculative, lora_config=args.lora_config(),
+        parallel_config=args.parallel_config(),
+    )  # fmt: skip
 
 
 def _is_token_ids(x: object) -> bool:
@@ -119,7 +122,8 @@ class LLM:
         cpu_activations, max_model_len, block_size, kv_cache_memory, num_kv_blocks,
         enable_prefix_caching, kv_cache_dtype, max_num_batched_tokens, max_num_seqs,
         scheduling_policy, admission_policy, batching_mode, model_impl, speculative_config,
-        show_progress, enable_lora, max_loras, max_lora_rank, max_cpu_loras), with the command line's values: `kv_cache_memory="4GiB"` as
+        show_progress, enable_lora, max_loras, max_lora_rank, max_cpu_loras, tensor_parallel_size,
+        distributed_executor_backend, threads_per_rank), with the command line's values: `kv_cache_memory="4GiB"` as
         `--kv-cache-memory 4GiB`. `speculative_config`: vLLM's dict (or its JSON), e.g.
         {"method": "ngram", "num_speculative_tokens": 4}."""
         self.engine = build_engine(model, **engine_options)

@@ -11,23 +11,22 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from llmserve.config import CacheConfig, ModelConfig, SchedulerConfig
-from llmserve.config.cache import default_kv_cache_memory
 from llmserve.config.lora import LoRAConfig
+from llmserve.config.parallel import ParallelConfig
 from llmserve.config.speculative import SpeculativeConfig
 from llmserve.core.multimodal import MultiModalInput
 from llmserve.core.request import Request, RequestStatus
 from llmserve.core.sched_output import SchedulerOutput
 from llmserve.core.scheduler import Scheduler, make_scheduler
+from llmserve.engine.kv_sizing import encoder_blocks, size_kv_cache
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.errors import ParameterError
-from llmserve.layers.attention import KVCacheSpec, KVDtypes
 from llmserve.lora import LoRARequest, module_requests
 from llmserve.lora.manager import LoRAManager
 from llmserve.metrics.stats import IterationStats, SchedulerStats
@@ -35,6 +34,7 @@ from llmserve.model_executor.forward_runner import ForwardRunner
 from llmserve.model_executor.model_loader import LoadedModel, load_model
 from llmserve.model_executor.model_runner import ModelRunner
 from llmserve.model_executor.pooler import default_pooling_params
+from llmserve.model_executor.tp_executor import MultiprocExecutor
 from llmserve.multimodal.processor import ImagePromptProcessor
 from llmserve.outputs import RequestOutput
 from llmserve.pooling_params import PoolingParams
@@ -68,39 +68,6 @@ class ProcessedPrompt:
 _EMBEDDING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0)
 
 
-@dataclass(frozen=True, slots=True)
-class KVCacheInfo:
-    """What start-up found out about the KV cache (discovered values, not configuration)."""
-
-    bytes_per_token: int
-    num_blocks: int
-    block_size: int
-    max_model_len: int
-    dtype: str = "float32"
-    sized_by: str = ""
-    """Why the cache has this size (the option given, or the default's reasoning)."""
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_blocks * self.block_size
-
-    @property
-    def max_concurrency(self) -> float:
-        """Requests that fit at once if each used the full context."""
-        return self.num_tokens / self.max_model_len
-
-    def summary(self) -> str:
-        if self.bytes_per_token == 0:
-            return f"no KV cache ({self.sized_by}); max_model_len {self.max_model_len}"
-        return (
-            f"KV cache ({self.dtype}): {self.bytes_per_token / 1024:.1f} KiB per token, {self.num_blocks} blocks of "
-            f"{self.block_size} tokens = {self.num_tokens} tokens "
-            f"({self.num_tokens * self.bytes_per_token / 2**30:.2f} GiB); "
-            f"max concurrency at full context ({self.max_model_len} tokens): {self.max_concurrency:.2f}x"
-            + (f" ({self.sized_by})" if self.sized_by else "")
-        )
-
-
 class LLMEngine:
     def __init__(
         self,
@@ -111,11 +78,13 @@ class LLMEngine:
         log_stats: bool = False,
         speculative_config: SpeculativeConfig | None = None,
         lora_config: LoRAConfig | None = None,
+        parallel_config: ParallelConfig | None = None,
     ) -> None:
         """`log_stats`: keep each step's `IterationStats` until `take_stats()` collects them (a
         server's metrics); otherwise they are dropped at the next step. `speculative_config`:
         speculative decoding (config/speculative.py), off when None. `lora_config`: serve LoRA
-        adapters (`add_request(..., lora_request=...)`), off when None."""
+        adapters (`add_request(..., lora_request=...)`), off when None. `parallel_config`: tensor
+        parallelism (the model split over worker processes, model_executor/tp_executor.py)."""
         self.model_config = model_config
         self.cache_config = cache_config or CacheConfig()
         self.scheduler_config = scheduler_config or SchedulerConfig()
@@ -124,6 +93,12 @@ class LLMEngine:
             raise ValueError(
                 f"speculative decoding needs continuous batching; batching mode is {self.scheduler_config.mode!r}"
             )
+        self.parallel_config = parallel_config or ParallelConfig()
+        self.executor: MultiprocExecutor | None = None
+        if self.parallel_config.is_parallel:
+            _check_parallel_options(speculative_config, lora_config, loaded)
+            self.executor = MultiprocExecutor(model_config, self.parallel_config)
+            loaded = self.executor.loaded
         self.loaded = loaded or load_model(model_config)
         if self.loaded.model_impl == "transformers" and self.cache_config.enable_prefix_caching:
             # transformers' caches live per request, not in the shared blocks a prefix hit reuses
@@ -154,9 +129,17 @@ class LLMEngine:
         sched = self.scheduler_config
         max_num_tokens = sched.max_num_batched_tokens + k * sched.max_num_seqs
         kv_dtype = self.loaded.kv_cache_dtype(self.cache_config.kv_cache_dtype)
-        self.kv_info = (
-            self._encoder_blocks() if self.is_encoder else self._size_kv_cache(kv_dtype, max_num_tokens)
-        )
+        if self.is_encoder:
+            self.kv_info = encoder_blocks(self.cache_config, sched.max_num_seqs, self.max_model_len)
+        else:
+            self.kv_info = size_kv_cache(
+                self.loaded,
+                self.cache_config,
+                sched.max_num_seqs,
+                self.max_model_len,
+                kv_dtype,
+                max_num_tokens,
+            )
         num_blocks = self.kv_info.num_blocks
         logger.info(self.kv_info.summary())
 
@@ -185,6 +168,10 @@ class LLMEngine:
         self.structured_outputs = StructuredOutputManager(
             self.tokenizer, self.vocab_size, self.tokenizer.eos_token_ids
         )
+        runner_sizes = dict(
+            num_blocks=num_blocks, block_size=self.cache_config.block_size, kv_cache_dtype=kv_dtype,
+            max_num_tokens=max_num_tokens, max_num_seqs=sched.max_num_seqs, max_model_len=self.max_model_len,
+        )  # fmt: skip
         self.runner = ModelRunner(
             self.loaded.model,
             num_blocks,
@@ -196,6 +183,7 @@ class LLMEngine:
             max_num_tokens=max_num_tokens,
             max_num_seqs=sched.max_num_seqs,
             max_model_len=self.max_model_len,
+            forward_runner=None if self.executor is None else self.executor.init_runner(**runner_sizes),
         )
         self.lora: LoRAManager | None = None
         if lora_config is not None:
@@ -215,50 +203,6 @@ class LLMEngine:
         self.last_stats: SchedulerStats | None = None
         self.log_stats = log_stats
         self._stats = IterationStats(time.monotonic())
-
-    def _size_kv_cache(self, kv_dtype: KVDtypes, max_num_tokens: int) -> KVCacheInfo:
-        """The KV cache's blocks: the user's bytes or blocks, else the CPU default or what the
-        GPU has left after a profiling forward."""
-        shape = self.loaded.model.kv_cache_shape()
-        bytes_per_token = (
-            shape.num_layers
-            * KVCacheSpec.build(1, 1, shape.num_kv_heads, shape.head_dim, kv_dtype).bytes_per_token()
-        )
-        sched = self.scheduler_config
-        if self.cache_config.sized_by_user:  # the user's bytes or blocks
-            budget, why = None, "num_kv_blocks" if self.cache_config.num_kv_blocks else "kv_cache_memory"
-        elif self.loaded.profile.is_cpu:
-            budget, why = default_kv_cache_memory(
-                bytes_per_token,
-                sched.max_num_seqs,
-                self.max_model_len,
-                self.cache_config.block_size,
-                _physical_memory(),
-            )
-        else:
-            from llmserve.model_executor.gpu_memory import measure_kv_budget
-
-            budget = measure_kv_budget(
-                self.loaded.model, kv_dtype, self.cache_config.block_size, max_num_tokens,
-                sched.max_num_seqs, self.cache_config.gpu_memory_utilization,
-            )  # fmt: skip
-            why = f"gpu_memory_utilization {self.cache_config.gpu_memory_utilization}"
-        return KVCacheInfo(
-            bytes_per_token,
-            self.cache_config.num_blocks(bytes_per_token, budget),
-            self.cache_config.block_size,
-            self.max_model_len,
-            kv_dtype.name,  # "int8,float16" when K and V differ
-            why,
-        )
-
-    def _encoder_blocks(self) -> KVCacheInfo:
-        """An encoder keeps no cache: the scheduler's blocks are bookkeeping only, enough for
-        `max_num_seqs` sequences at full length, so only `max_num_seqs` and the step's token
-        budget limit a batch (encoder_runner.py)."""
-        block_size = self.cache_config.block_size
-        num_blocks = self.scheduler_config.max_num_seqs * -(-self.max_model_len // block_size)
-        return KVCacheInfo(0, num_blocks, block_size, self.max_model_len, "none", "an encoder-only model")
 
     def _check_encoder(
         self, speculative_config: SpeculativeConfig | None, lora_config: LoRAConfig | None
@@ -483,6 +427,11 @@ class LLMEngine:
             self._stats.scheduler = self._scheduler_stats()
         return outputs
 
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do for a single-process engine)."""
+        if self.executor is not None:
+            self.executor.close()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
@@ -524,6 +473,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the outputs of requests that progressed (finished or not)."""
         step_started = time.perf_counter()
+        if self.executor is not None:
+            self.executor.check()  # a dead rank fails every step from then on, before scheduling
         if not self.log_stats:  # nobody collects them: keep only this step's
             self._stats = IterationStats(0.0)
         scheduler_output = self.scheduler.schedule()
@@ -609,9 +560,13 @@ class LLMEngine:
         return 0.0 if allocated == 0 else 1.0 - stored / allocated
 
 
-def _physical_memory() -> int:
-    """Bytes of RAM on this machine (the KV default's cap); 16 GiB where it cannot be read."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 16 * 2**30
+def _check_parallel_options(
+    speculative: SpeculativeConfig | None, lora: LoRAConfig | None, loaded: LoadedModel | None
+) -> None:
+    """What tensor parallelism does not combine with yet: ValueError naming it."""
+    if speculative is not None:
+        raise ValueError("tensor_parallel_size > 1 does not support speculative decoding yet")
+    if lora is not None:
+        raise ValueError("tensor_parallel_size > 1 does not support LoRA adapters yet")
+    if loaded is not None:
+        raise ValueError("a tensor-parallel engine loads its shards itself; it takes no loaded model")

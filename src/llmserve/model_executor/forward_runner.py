@@ -193,13 +193,18 @@ class ForwardRunner:
         index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
         return self.model.embed_with_images(inputs.input_ids, index, torch.cat(vectors))  # type: ignore[attr-defined]
 
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
+        """The LM head over selected hidden rows (a tensor-parallel driver's runner gathers the
+        vocabulary shards here)."""
+        return self.model.compute_logits(hidden)
+
     @torch.inference_mode()
     def execute(self, batch: list[SequenceBatchEntry], all_logits: bool = False) -> torch.Tensor:
         """Logits [num_seqs, vocab] for each sequence's last new token ([num_new_tokens, vocab]
         over the whole batch when `all_logits`)."""
         last_rows = list(itertools.accumulate(len(e.new_token_ids) for e in batch))
         out = self.forward(batch, None if all_logits else [r - 1 for r in last_rows])
-        return self.model.compute_logits(out.hidden if all_logits else out.rows())
+        return self.compute_logits(out.hidden if all_logits else out.rows())
 
 
 def _allocate_kv_caches(spec: KVCacheSpec, num_layers: int, device: torch.device) -> list[LayerKVCache]:

@@ -90,12 +90,16 @@ class ModelRunner:
         max_num_tokens: int = 256,
         max_num_seqs: int = 16,
         max_model_len: int | None = None,
+        forward_runner: ForwardRunner | None = None,
     ) -> None:
         """`structured_outputs`: makes the grammar state of requests that constrain their output.
         `profile`: the device's decisions (default: built for the model's device); the sizes are
-        the scheduler's limits, which size the runner's input buffers."""
+        the scheduler's limits, which size the runner's input buffers. `forward_runner`: one
+        already built for `model` with these sizes (a tensor-parallel driver's)."""
         self.runner: ForwardRunner | TransformersForwardRunner | EncoderForwardRunner
-        if isinstance(model, TransformersCausalLM):  # the transformers fallback: its own caches
+        if forward_runner is not None:
+            self.runner = forward_runner
+        elif isinstance(model, TransformersCausalLM):  # the transformers fallback: its own caches
             self.runner = TransformersForwardRunner(model)
         elif model.is_encoder:  # no cache: whole sequences, pooled (encoder_runner.py)
             self.runner = EncoderForwardRunner(model)
@@ -259,7 +263,7 @@ class ModelRunner:
         if prompt_rows:
             out.prompt_logprobs = self._prompt_logprobs(forward.hidden, prompt_rows)
         if samplers or verifiers:
-            logits = self.runner.model.compute_logits(forward.rows())
+            logits = self.runner.compute_logits(forward.rows())
             if samplers:
                 self._sample(logits[: len(sample_rows)], samplers, out, constrained, mask)
             if verifiers:
@@ -417,7 +421,7 @@ class ModelRunner:
             # Positions up to the chunk's end that still have a next prompt token to score.
             end = min(state.num_computed_tokens, P - 1)
             state.num_prompt_logprobs = end
-            logits = self.runner.model.compute_logits(hidden[first_row : first_row + end - start])
+            logits = self.runner.compute_logits(hidden[first_row : first_row + end - start])
             targets = torch.tensor(state.prompt_token_ids[start + 1 : end + 1], device=logits.device)
             k = state.sampling.params.prompt_logprobs or 0
             result[req_id] = compute_logprobs(logits.float(), targets, k).rows_to_lists(0, len(targets), k)

@@ -132,6 +132,9 @@ class TransformersForwardRunner:
         for req_id in req_ids:
             self.caches.pop(req_id, None)
 
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)
+
     def forward(
         self, batch: list[SequenceBatchEntry], logits_rows: Sequence[int] | None = None
     ) -> ForwardOutput:

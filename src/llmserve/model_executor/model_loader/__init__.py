@@ -9,6 +9,8 @@ whole decoder layers to pinned host memory (offload.py) -> report what was loade
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Iterator
@@ -19,6 +21,8 @@ import torch
 from tqdm.auto import tqdm
 
 from llmserve.config import ModelConfig
+from llmserve.distributed import sharding
+from llmserve.distributed.sharding import TPShard
 from llmserve.layers import onednn
 from llmserve.layers.attention import KVDtypes, get_attention_backend
 from llmserve.layers.linear import Linear
@@ -161,9 +165,10 @@ def _max_model_len(config: ModelConfig, hf_config: Any, source: ModelSource) -> 
     return config.max_model_len
 
 
-def load_model(config: ModelConfig) -> LoadedModel:
+def load_model(config: ModelConfig, shard: TPShard | None = None) -> LoadedModel:
     """Load `config.model` (see `resolve_model` for what names a model) onto `config.device`, with
-    the attention backend `config.attention_backend` names (auto: the best for that device)."""
+    the attention backend `config.attention_backend` names (auto: the best for that device).
+    `shard`: load only this tensor-parallel rank's part (distributed/sharding.py)."""
     start = time.perf_counter()
     source = resolve_model(config.model)
     prequantized: PrequantizedCheckpoint | None = None
@@ -176,8 +181,10 @@ def load_model(config: ModelConfig) -> LoadedModel:
         fmt = f"gguf ({', '.join(ckpt.tensor_types())})"
         tensor_types: dict[str, str] | None = ckpt.hf_tensor_types()
 
-        def weights(dtype: torch.dtype, keep_quantized: Any) -> Iterator[tuple[str, Any, str]]:
-            return ckpt.iter_weights(dtype, keep_quantized)
+        def weights(dtype: torch.dtype, keep_quantized: Any, cut: Any) -> Iterator[tuple[str, Any, str]]:
+            stream = ckpt.iter_weights(dtype, keep_quantized)
+            # a GGUF tensor is read whole (one at a time), then cut to the rank's part
+            return stream if cut is None else ((n, cut(n, t), f) for n, t, f in stream)
     else:
         hf_config = hf_folder.load_hf_config(source.path)
         fmt, files = hf_folder.weight_files(source.path)
@@ -185,16 +192,22 @@ def load_model(config: ModelConfig) -> LoadedModel:
         tensor_types = None
         prequantized = _prequantized(hf_config, fmt, files)
 
-        def weights(dtype: torch.dtype, keep_quantized: Any) -> Iterator[tuple[str, Any, str]]:
-            if prequantized is not None:
+        def weights(dtype: torch.dtype, keep_quantized: Any, cut: Any) -> Iterator[tuple[str, Any, str]]:
+            if prequantized is not None:  # (never cut: tensor parallelism refuses them)
                 return prequantized.weights(hf_folder.iter_weights(fmt, files, None), target, dtype)
-            return hf_folder.iter_weights(fmt, files, dtype)
+            return hf_folder.iter_weights(fmt, files, dtype, cut)
 
     archs = getattr(hf_config, "architectures", None)
     if config.model_impl == "transformers" or (
         config.model_impl == "auto" and source.kind == "hf" and not is_supported(archs)
     ):
         from llmserve.model_executor.transformers_runner import load_transformers_model
+
+        if shard is not None:
+            raise ValueError(
+                f"tensor parallelism does not support the {archs} architecture on transformers' modelling "
+                f"code; supported: {', '.join(sharding.SUPPORTED)} (model_impl native)"
+            )
 
         if prequantized is not None:
             raise ValueError(
@@ -211,6 +224,16 @@ def load_model(config: ModelConfig) -> LoadedModel:
     model_cls = resolve_model_class(archs, str(source.path))
     device = resolve_device(config.device)
     profile = build_profile(device, config.attention_backend, config.enforce_eager)
+    model_hf_config = hf_config
+    if shard is not None:
+        if prequantized is not None:
+            raise ValueError(
+                f"tensor parallelism does not split pre-quantized checkpoints ({prequantized.quant.describe()}) yet"
+            )
+        sharding.check_supported(model_cls, hf_config, shard.size)
+        model_hf_config = sharding.local_config(hf_config, shard.size)
+        # the fused C++ decoder runs whole stacks without the shards' all-reduces: the layers run
+        profile = dataclasses.replace(profile, fused_cpu_decoder=False)
     dtype = profile.model_dtype(config.dtype, hf_config)
     if config.cpu_offload_gb > 0:
         check_offload_device(profile)  # before loading, not after
@@ -220,7 +243,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     # Parameters are created with torch.empty (no initialisation pass) directly on the target
     # device; each checkpoint tensor is then copied into its place exactly once.
     with torch.device(device), _default_dtype(dtype):
-        model = model_cls(hf_config, get_attention_backend(profile.attention_backend, device))
+        model = model_cls(model_hf_config, get_attention_backend(profile.attention_backend, device))
         # Quantized layers replace float ones before loading: the float tensors were never written.
         target: Target = "float"
         if prequantized is None:
@@ -238,9 +261,12 @@ def load_model(config: ModelConfig) -> LoadedModel:
     bar = tqdm(
         total=num_tensors, desc=f"Loading {source.name}", unit="tensor", disable=not config.show_progress
     )
+    cut = None if shard is None else functools.partial(sharding.shard_tensor, model, shard=shard)
     with bar:
-        model.load_weights(_tracked(weights(dtype, keep_quantized), bar))
+        model.load_weights(_tracked(weights(dtype, keep_quantized, cut), bar))
     model.eval()
+    if shard is not None:
+        sharding.parallelize(model, shard, int(hf_config.vocab_size))
     # int8 only when asked: it changes the model's answers (the default keeps them, STYLE.md 16)
     int8_activations = config.cpu_activations == "int8"
     for m in model.modules():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import pickle
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +80,10 @@ def weight_files(folder: Path) -> tuple[str, list[Path]]:
     )
 
 
+WeightCut = Callable[[str, Any], torch.Tensor]
+"""(checkpoint name, tensor or safetensors slice) -> the part to load (tensor parallelism)."""
+
+
 def _open_safetensors(path: Path):
     try:
         return safe_open(str(path), framework="pt")
@@ -125,16 +129,20 @@ def tensor_dtypes(files: list[Path]) -> dict[str, str]:
 
 
 def iter_weights(
-    kind: str, files: list[Path], dtype: torch.dtype | None
+    kind: str, files: list[Path], dtype: torch.dtype | None, cut: WeightCut | None = None
 ) -> Iterator[tuple[str, torch.Tensor, str]]:
     """(name, tensor in `dtype`, file) for every tensor of the checkpoint, one file at a time
-    (dtype None: as stored, for pre-quantized checkpoints' integer and float8 tensors)."""
+    (dtype None: as stored, for pre-quantized checkpoints' integer and float8 tensors). `cut`:
+    the part of each tensor to keep (a tensor-parallel rank's); safetensors files then read only
+    that part (`cut` gets the file's lazy slice)."""
     for f in files:
         if kind == "safetensors":
             with _open_safetensors(f) as sf:
                 for name in sf.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    t = sf.get_tensor(name)
+                    t = sf.get_tensor(name) if cut is None else cut(name, sf.get_slice(name))
                     yield name, t if dtype is None else t.to(dtype), str(f)
         else:
             for name, tensor in load_bin_safely(f).items():
+                if cut is not None:
+                    tensor = cut(name, tensor)
                 yield name, tensor if dtype is None else tensor.to(dtype), str(f)

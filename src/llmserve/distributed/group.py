@@ -1,0 +1,121 @@
+"""`TPGroup`: the ranks of one tensor-parallel engine, joined by a gloo process group.
+
+The group is an object passed to whoever needs it (the sharded layers' hooks, the executor), not
+torch.distributed's global default group: an engine that is closed and another that is built in
+the same process (tests, a server that reloads a model) each get their own group, and nothing
+else in the process sees them.
+
+Rank 0 is the driver (the engine's process); it creates the rendezvous store and the workers
+connect to it. Objects (a step's batch, a command) travel pickled in a uint8 tensor: one broadcast
+of the length, one of the bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+DRIVER = 0
+
+DEFAULT_TIMEOUT = timedelta(seconds=120)
+"""How long a collective waits for a rank before failing (a rank that dies outright closes its
+sockets, which fails the collectives at once; this bounds a rank that hangs)."""
+
+
+class TPGroup:
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
+        self.rank, self.size = rank, size
+        self.store = store  # kept alive: the group's connections were set up through it
+        self.pg = dist.ProcessGroupGloo(store, rank, size, timeout)
+
+    @classmethod
+    def create_store(cls, size: int, timeout: timedelta = DEFAULT_TIMEOUT) -> dist.TCPStore:
+        """The driver's rendezvous store on a free local port (`store.port` tells the workers)."""
+        return dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=timeout, wait_for_workers=False)
+
+    @classmethod
+    def connect(cls, port: int, rank: int, size: int, timeout: timedelta = DEFAULT_TIMEOUT) -> TPGroup:
+        """A worker's side: join the driver's store (saying so: `wait_for_workers`) and the group."""
+        store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=timeout)
+        store.set(_joined(rank), "1")
+        return cls(store, rank, size, timeout)
+
+    @staticmethod
+    def wait_for_workers(
+        store: dist.Store, size: int, failed: Callable[[], bool], timeout: timedelta = DEFAULT_TIMEOUT
+    ) -> None:
+        """The driver's side, before it joins the group: block until every worker has reached the
+        store; RuntimeError as soon as `failed()` says one never will (its process died) or at the
+        timeout, rather than waiting out the group's own timeout."""
+        keys = [_joined(rank) for rank in range(1, size)]
+        deadline = time.monotonic() + timeout.total_seconds()
+        while not store.check(keys):
+            if failed():
+                raise RuntimeError("a worker process exited before joining the group")
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"the workers did not join the group within {timeout.total_seconds():.0f} s"
+                )
+            time.sleep(0.05)
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == DRIVER
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum `t` over the ranks, in place (every rank gets the same sum)."""
+        self.pg.allreduce([t]).wait()
+        return t
+
+    def gather_to_driver(self, t: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's `t` (same shape everywhere), in rank order, on the driver; None elsewhere."""
+        t = t.contiguous()
+        opts = dist.GatherOptions()
+        opts.rootRank = DRIVER
+        if self.is_driver:
+            parts = [torch.empty_like(t) for _ in range(self.size)]
+            self.pg.gather([parts], [t], opts).wait()
+            return parts
+        self.pg.gather([], [t], opts).wait()
+        return None
+
+    def broadcast_object(self, obj: Any = None) -> Any:
+        """The driver's `obj` on every rank (workers pass nothing and get the driver's)."""
+        if self.is_driver:
+            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            size = torch.tensor([len(data)], dtype=torch.int64)
+        else:
+            size = torch.zeros(1, dtype=torch.int64)
+        self._broadcast(size)
+        if self.is_driver:
+            payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        else:
+            payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        self._broadcast(payload)
+        return obj if self.is_driver else pickle.loads(payload.numpy().tobytes())
+
+    def all_ok(self, ok: bool) -> bool:
+        """Whether every rank reports `ok` (each rank calls this once with its own verdict)."""
+        flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
+        return int(self.all_reduce(flag).item()) == 0
+
+    def close(self) -> None:
+        """Shut the group's connections down (its threads joined: no abort at interpreter exit)."""
+        with contextlib.suppress(RuntimeError):  # a peer already gone
+            self.pg.shutdown()
+
+    def _broadcast(self, t: torch.Tensor) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = DRIVER
+        self.pg.broadcast([t], opts).wait()
+
+
+def _joined(rank: int) -> str:
+    return f"llmserve/joined/{rank}"

@@ -1,0 +1,204 @@
+"""How a Llama-family model is cut into tensor-parallel shards (Megatron's split):
+
+    qkv_proj, gate_up_proj   column-parallel: each rank computes its heads / its slice of the
+                             intermediate dimension (rows [r*n, (r+1)*n) of each checkpoint tensor)
+    o_proj, down_proj        row-parallel: each rank multiplies its slice of the input columns;
+                             the partial outputs are summed by one all-reduce after self_attn and
+                             one after the MLP (a bias is added by rank 0 only)
+    embed_tokens             vocab-parallel: rank r holds rows [r*Vr, (r+1)*Vr) (the vocabulary
+                             padded to tp * Vr with zero rows); ids outside are looked up as 0,
+                             then zeroed, and the all-reduce leaves each id's row
+    lm_head                  vocab-parallel: each rank's [N, Vr] logits gathered on the driver
+                             and concatenated, the padding cut off
+    norms, rotary            replicated
+
+A rank builds the model from `local_config` (its heads, KV heads, intermediate slice and
+vocabulary shard), so each layer allocates only its shard and the KV cache is sharded by KV head
+for free; `shard_tensor` cuts every checkpoint tensor as it streams past (safetensors: only this
+rank's rows or columns are read from the file; GGUF: one tensor is read at a time, then cut), and `parallelize` installs the collectives as forward
+hooks, so the model's code stays the single-device architecture.
+
+Quantized rows (q8 / q4, blocks of 32 input columns) are split by rows for column-parallel layers
+(any row count) and along whole blocks for row-parallel ones: o_proj's and down_proj's input
+slices must be multiples of 32 columns.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmserve.distributed.group import TPGroup
+from llmserve.layers.quantization.formats import BLOCK, QuantizedRows, num_blocks
+from llmserve.layers.vocab_embedding import LMHead, VocabEmbedding
+from llmserve.models.base import CausalLM
+
+_COLUMN = frozenset({"qkv_proj", "gate_up_proj"})
+_ROW = frozenset({"o_proj", "down_proj"})
+SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+"""Model classes tensor parallelism splits (Mistral checkpoints run on LlamaForCausalLM)."""
+
+
+@dataclass(slots=True)
+class TPShard:
+    """This process's place in a tensor-parallel engine."""
+
+    rank: int
+    size: int
+    group: TPGroup | None = field(default=None, repr=False)
+    """Joined after loading on the driver (it loads before starting the workers)."""
+
+    def require_group(self) -> TPGroup:
+        assert self.group is not None, "the tensor-parallel group is not joined yet"
+        return self.group
+
+
+def check_supported(model_cls: type[CausalLM], hf_config: Any, size: int) -> None:
+    """Raise ValueError unless `model_cls` with `hf_config` splits into `size` shards."""
+    name = model_cls.__name__
+    if name not in SUPPORTED:
+        raise ValueError(
+            f"tensor parallelism does not support the {name} architecture "
+            f"(architectures {getattr(hf_config, 'architectures', None)}); supported: {', '.join(SUPPORTED)}"
+        )
+    for field_name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = int(getattr(hf_config, field_name))
+        if value % size:
+            raise ValueError(
+                f"tensor_parallel_size {size} does not divide the model's {field_name} ({value}); "
+                f"use a size that divides it"
+            )
+
+
+def local_vocab(vocab_size: int, size: int) -> int:
+    """Rows of the vocabulary each rank holds (the last ranks' tails padded with zero rows)."""
+    return -(-vocab_size // size)
+
+
+def local_config(hf_config: Any, size: int) -> Any:
+    """The config a rank builds its shard from: its heads, KV heads, intermediate slice and
+    vocabulary rows; everything else (hidden size, head_dim, RoPE) as the model's."""
+    from llmserve.models.llama import head_dim_of
+
+    config = copy.deepcopy(hf_config)
+    config.head_dim = head_dim_of(hf_config)  # no longer hidden_size / heads once heads are split
+    config.num_attention_heads = hf_config.num_attention_heads // size
+    config.num_key_value_heads = hf_config.num_key_value_heads // size
+    config.intermediate_size = hf_config.intermediate_size // size
+    config.vocab_size = local_vocab(hf_config.vocab_size, size)
+    return config
+
+
+# -- slicing checkpoint tensors --------------------------------------------------------------------
+
+
+def _shape(t: Any) -> list[int]:
+    """A tensor's shape, or a safetensors slice's (read from the file's header)."""
+    return list(t.get_shape()) if hasattr(t, "get_shape") else list(t.shape)
+
+
+def _rows(t: Any, start: int, n: int) -> torch.Tensor | QuantizedRows:
+    """Rows [start, start + n) of t, padded with zero rows past its end (the vocabulary's tail).
+    `t`: a tensor, quantized rows, or a safetensors slice (only these rows are read)."""
+    if isinstance(t, QuantizedRows):
+        take = max(0, min(n, t.num_rows - start))
+
+        def pad(x: torch.Tensor) -> torch.Tensor:
+            out = x[start : start + take]
+            if take == n:
+                return out
+            return torch.cat([out, x.new_zeros((n - take, *x.shape[1:]))])
+
+        return QuantizedRows(t.fmt, pad(t.q), pad(t.d), None if t.m is None else pad(t.m), t.in_features)
+    total = _shape(t)[0]
+    take = max(0, min(n, total - start))
+    out = t[start : start + take] if take else t[0:0]
+    return out if take == n else torch.cat([out, out.new_zeros((n - take, *out.shape[1:]))])
+
+
+def _columns(name: str, t: Any, start: int, n: int) -> torch.Tensor | QuantizedRows:
+    """Input columns [start, start + n) of a weight [out, in] (a tensor, quantized rows split on
+    whole blocks, or a safetensors slice)."""
+    if not isinstance(t, QuantizedRows):
+        return t[:, start : start + n]
+    end = start + n
+    if start % BLOCK or (end % BLOCK and end != t.in_features):
+        raise ValueError(
+            f"{name}: a row-parallel shard of {n} input columns does not fall on whole blocks of {BLOCK} "
+            f"(quantized weights split only along whole blocks); use a tensor_parallel_size that does"
+        )
+    b0, nb = start // BLOCK, num_blocks(n)
+    m = None if t.m is None else t.m[:, b0 : b0 + nb]
+    return QuantizedRows(t.fmt, t.q[:, start : start + nb * BLOCK], t.d[:, b0 : b0 + nb], m, n)
+
+
+def shard_tensor(model: CausalLM, name: str, tensor: Any, shard: TPShard) -> torch.Tensor | QuantizedRows:
+    """This rank's part of checkpoint tensor `name` (as the full model stores it): a tensor,
+    quantized rows, or a safetensors slice, of which only this part is read."""
+    route = model.route_weight(name)
+    if route is None:
+        return tensor[:] if hasattr(tensor, "get_shape") else tensor
+    module_path, attr, index = route
+    module = model.get_submodule(module_path)
+    leaf = module_path.rpartition(".")[2]
+    r = shard.rank
+    if isinstance(module, (VocabEmbedding, LMHead)):
+        return _rows(tensor, r * module.vocab_size, module.vocab_size)
+    if leaf in _COLUMN:
+        n = module.output_sizes[index]
+        return _rows(tensor, r * n, n)
+    if leaf in _ROW:
+        if attr == "bias":  # added once, by rank 0, to the summed output
+            return tensor[:] if r == 0 else torch.zeros(_shape(tensor))
+        return _columns(name, tensor, r * module.in_features, module.in_features)
+    return tensor[:] if hasattr(tensor, "get_shape") else tensor
+
+
+# -- collectives as hooks --------------------------------------------------------------------------
+
+
+def parallelize(model: CausalLM, shard: TPShard, vocab_size: int) -> None:
+    """Install the shard's collectives on a loaded model: an all-reduce after each layer's
+    attention and MLP, the vocab-parallel lookup and the gathered LM head (`vocab_size`: the
+    model's full vocabulary, where the gathered logits are cut)."""
+    backbone = getattr(model, model.backbone_name)
+    for layer in backbone.layers:
+        for module in (layer.self_attn, layer.mlp):
+            module.register_forward_hook(lambda _m, _args, out: shard.require_group().all_reduce(out))
+    _vocab_parallel_embedding(backbone.embed_tokens, shard)
+    _gathered_head(model.lm_head, shard, vocab_size)
+
+
+def _vocab_parallel_embedding(embed: nn.Module, shard: TPShard) -> None:
+    """ids outside this rank's rows look up row 0, are zeroed, and the all-reduce sums in the
+    one rank that holds each id."""
+    start = shard.rank * embed.vocab_size
+    outside: list[torch.Tensor] = []  # the pre-hook's mask, for the hook of the same call
+
+    def pre(_m: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        local = args[0] - start
+        mask = (local < 0) | (local >= embed.vocab_size)
+        outside.append(mask)
+        return (local.masked_fill(mask, 0), *args[1:])
+
+    def post(_m: nn.Module, _args: Any, out: torch.Tensor) -> torch.Tensor:
+        out = out.masked_fill(outside.pop().unsqueeze(-1), 0.0)
+        return shard.require_group().all_reduce(out)
+
+    embed.register_forward_pre_hook(pre)
+    embed.register_forward_hook(post)
+
+
+def _gathered_head(head: nn.Module, shard: TPShard, vocab_size: int) -> None:
+    """Each rank's [N, Vr] logits concatenated on the driver ([N, vocab]); a worker's own
+    shard is returned to it (nobody reads it)."""
+
+    def post(_m: nn.Module, _args: Any, out: torch.Tensor) -> torch.Tensor:
+        parts = shard.require_group().gather_to_driver(out)
+        return out if parts is None else torch.cat(parts, dim=-1)[..., :vocab_size]
+
+    head.register_forward_hook(post)

@@ -1,0 +1,187 @@
+"""`MultiprocExecutor`: a tensor-parallel engine's ranks, driven from the engine's process.
+
+    engine process (rank 0, the driver)            worker processes (ranks 1 .. N-1, spawned)
+    scheduler -> ModelRunner -> DriverForwardRunner       tp_worker.run_worker
+                 | broadcast ("forward", batch, rows) ->  ForwardRunner.forward
+                 | forward of its own shard  <- all-reduces after attention / MLP ->
+                 | broadcast ("logits", hidden)       ->  LM head shard
+                 | logits [N, vocab] <- gather of the vocabulary shards
+    sampler (driver only)
+
+The scheduler and the sampler run once, on the driver; a step's inputs reach the workers as one
+pickled broadcast of the flat batch (`SequenceBatchEntry` list: new tokens, context length,
+block ids per sequence), which is all a forward pass needs, so workers keep no request state.
+Each rank loads only its shard (distributed/sharding.py) and holds the KV cache of its KV heads.
+
+A worker that dies closes its sockets, which fails the driver's next collective at once; the
+executor then names the dead rank (`TensorParallelError`) and refuses every later step, so the
+engine stops with that error instead of hanging. A worker that hangs is bounded by the group's
+timeout (group.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from llmserve.config import ModelConfig
+from llmserve.config.parallel import ParallelConfig
+from llmserve.distributed.group import TPGroup
+from llmserve.distributed.sharding import TPShard
+from llmserve.layers import numba_jit
+from llmserve.model_executor.device import resolve_device
+from llmserve.model_executor.forward_runner import ForwardOutput, ForwardRunner, SequenceBatchEntry
+from llmserve.model_executor.model_loader import LoadedModel, load_model
+from llmserve.model_executor.tp_worker import WorkerArgs, run_worker
+
+logger = logging.getLogger("llmserve")
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank died or a collective failed: the engine cannot continue."""
+
+
+class MultiprocExecutor:
+    def __init__(self, model_config: ModelConfig, parallel: ParallelConfig) -> None:
+        """Load the driver's shard (refusals of the model or size raise here, before any process
+        starts), then start the workers and wait until every rank has loaded its shard."""
+        size = parallel.tensor_parallel_size
+        if resolve_device(model_config.device).type != "cpu":
+            raise ValueError(
+                f"tensor_parallel_size {size} runs on the CPU only for now (gloo); device {model_config.device!r} "
+                "would need NCCL, which is not supported yet"
+            )
+        threads = parallel.resolved_threads_per_rank()
+        torch.set_num_threads(threads)  # before loading: linear layers chunk their weights per thread
+        if not numba_jit.limit_threads(threads):
+            logger.warning(
+                "numba's thread pool already runs in this process with more than %d threads per rank: its idle "
+                "threads compete with the ranks for the cores (start tensor-parallel engines before others)",
+                threads,
+            )
+        self.shard = TPShard(0, size)
+        self.loaded: LoadedModel = load_model(model_config, self.shard)
+        self._error: TensorParallelError | None = None
+        store = TPGroup.create_store(size)
+        spawn = mp.get_context("spawn")
+        cpus = _cpu_sets(size, threads)
+        self.workers = [
+            spawn.Process(
+                target=run_worker,
+                args=(WorkerArgs(rank, size, store.port, model_config, threads, cpus[rank]),),
+                name=f"llmserve-tp{rank}",
+                daemon=True,
+            )
+            for rank in range(1, size)
+        ]
+        for w in self.workers:
+            w.start()
+        self._finalizer = weakref.finalize(self, _stop_processes, self.workers)
+        try:
+            TPGroup.wait_for_workers(store, size, lambda: any(w.exitcode is not None for w in self.workers))
+            self.group = TPGroup(store, 0, size)
+            self.shard.group = self.group
+            ok = self.group.all_ok(True)
+        except RuntimeError as e:
+            raise self.failure(e) from e
+        if not ok:
+            self.close()
+            raise TensorParallelError(
+                "a tensor-parallel worker failed to load its shard (its error is logged above)"
+            )
+
+    def init_runner(self, **kwargs: Any) -> DriverForwardRunner:
+        """Every rank's forward runner (and KV cache shard) with the same sizes; the driver's."""
+        self.send(("init", kwargs))
+        return DriverForwardRunner(self, self.loaded.model, profile=self.loaded.profile, **kwargs)
+
+    def check(self) -> None:
+        """Raise the `TensorParallelError` of an earlier failure, if there was one."""
+        if self._error is not None:
+            raise self._error
+
+    def send(self, command: tuple) -> None:
+        """Broadcast a command to the workers (raises `TensorParallelError` once a rank is gone)."""
+        self.check()
+        try:
+            self.group.broadcast_object(command)
+        except RuntimeError as e:
+            raise self.failure(e) from e
+
+    def failure(self, cause: BaseException) -> TensorParallelError:
+        """The error a failed collective means: which worker died, if one did. Every later
+        `send` raises it again."""
+        if self._error is not None:
+            return self._error
+        for w in self.workers:
+            w.join(timeout=2.0 if w.exitcode is None else 0)  # a dying worker's exit code shows
+        dead = [(i + 1, w) for i, w in enumerate(self.workers) if w.exitcode is not None]
+        if dead:
+            text = ", ".join(f"rank {r} (pid {w.pid}, exit code {w.exitcode})" for r, w in dead)
+            self._error = TensorParallelError(
+                f"tensor-parallel worker {text} died; the engine cannot continue"
+            )
+        else:
+            self._error = TensorParallelError(f"a tensor-parallel collective failed: {cause}")
+        _stop_processes(self.workers, grace=0.0)  # the others wait on a collective that never comes
+        return self._error
+
+    def close(self) -> None:
+        """Stop the workers (politely when they still listen)."""
+        if self._error is None and all(w.is_alive() for w in self.workers):
+            with contextlib.suppress(TensorParallelError):
+                self.send(("stop",))
+        self._finalizer()
+        self.group.close()
+
+
+class DriverForwardRunner(ForwardRunner):
+    """The driver's forward runner: each forward pass and each LM-head call is first broadcast to
+    the workers, whose shards run the same computation (their collectives pair with these)."""
+
+    def __init__(self, executor: MultiprocExecutor, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.executor = executor
+
+    def forward(
+        self, batch: list[SequenceBatchEntry], logits_rows: Sequence[int] | None = None
+    ) -> ForwardOutput:
+        self.executor.send(("forward", batch, None if logits_rows is None else list(logits_rows)))
+        try:
+            return super().forward(batch, logits_rows)
+        except RuntimeError as e:
+            raise self.executor.failure(e) from e
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.executor.send(("logits", hidden))
+        try:
+            return super().compute_logits(hidden)
+        except RuntimeError as e:
+            raise self.executor.failure(e) from e
+
+
+def _cpu_sets(size: int, threads: int) -> list[tuple[int, ...]]:
+    """Each rank's CPUs (`threads` consecutive ones of this process's), or none when there are
+    too few to give every rank its own. The driver (rank 0) is not pinned: it shares the process
+    with the server's event loop."""
+    if not hasattr(os, "sched_getaffinity"):
+        return [()] * size
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < size * threads:
+        return [()] * size
+    return [tuple(cpus[r * threads : (r + 1) * threads]) for r in range(size)]
+
+
+def _stop_processes(workers: list[Any], grace: float = 5.0) -> None:
+    for w in workers:
+        w.join(timeout=grace if w.is_alive() else 0)
+        if w.is_alive():
+            w.terminate()
+            w.join(timeout=5.0)

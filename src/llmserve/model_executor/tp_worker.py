@@ -1,0 +1,95 @@
+"""A tensor-parallel worker process (ranks 1 .. N-1): loads its shard of the model, then runs
+whatever the driver broadcasts, in the driver's order, until told to stop.
+
+    ("init", kwargs)      build the forward runner (its KV cache shard) once the driver has sized it
+    ("forward", batch, rows)  the step's forward pass (the all-reduces inside pair with the driver's)
+    ("logits", hidden)    the LM head over the driver's hidden rows (its logits shard is gathered)
+    ("stop",)             exit
+
+The worker keeps no request state: the driver's scheduler and sampler decide everything, and each
+step's flat batch (tokens, context lengths, block ids) is all a forward pass needs. A worker that
+fails logs the error and exits; its closed connections fail the driver's next collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from llmserve.config import ModelConfig
+from llmserve.distributed.group import TPGroup
+from llmserve.distributed.sharding import TPShard
+from llmserve.layers import numba_jit
+
+logger = logging.getLogger("llmserve")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerArgs:
+    rank: int
+    size: int
+    port: int
+    """The driver's rendezvous store."""
+    model_config: ModelConfig
+    threads: int
+    """torch threads of this rank."""
+    cpus: tuple[int, ...] = ()
+    """CPUs this rank's threads are pinned to (empty: not pinned)."""
+
+
+def run_worker(args: WorkerArgs) -> None:
+    """The worker process's main (started by `MultiprocExecutor` with the spawn method)."""
+    logging.basicConfig(level=logging.WARNING, format=f"[tp rank {args.rank}] %(levelname)s %(message)s")
+    if args.cpus and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, args.cpus)
+    torch.set_num_threads(args.threads)
+    numba_jit.limit_threads(args.threads)
+    group = TPGroup.connect(args.port, args.rank, args.size)
+    try:
+        from llmserve.model_executor.model_loader import load_model
+
+        shard = TPShard(args.rank, args.size, group)
+        loaded = load_model(args.model_config, shard)
+    except Exception:
+        logger.exception("loading this rank's shard failed")
+        group.all_ok(False)
+        sys.exit(1)
+    if not group.all_ok(True):  # another rank failed: nothing to serve
+        return
+    try:
+        _serve(group, loaded)
+    except Exception:
+        logger.exception("tensor-parallel worker failed")
+        sys.exit(1)
+    group.close()
+    # Straight out: the interpreter's teardown would destroy gloo's objects in an arbitrary order,
+    # and one of them aborted the process now and then ("terminate called without an active
+    # exception") after its work was done.
+    logging.shutdown()
+    os._exit(0)
+
+
+@torch.inference_mode()
+def _serve(group: TPGroup, loaded) -> None:
+    from llmserve.model_executor.forward_runner import ForwardRunner
+
+    runner: ForwardRunner | None = None
+    while True:
+        command = group.broadcast_object()
+        kind = command[0]
+        if kind == "forward":
+            assert runner is not None, "forward before init"
+            runner.forward(command[1], command[2])
+        elif kind == "logits":
+            assert runner is not None, "logits before init"
+            runner.compute_logits(command[1])
+        elif kind == "init":
+            runner = ForwardRunner(loaded.model, profile=loaded.profile, **command[1])
+        elif kind == "stop":
+            return
+        else:
+            raise AssertionError(f"unknown command {kind!r}")
