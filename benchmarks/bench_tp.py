@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository: tests.models.tiny
 import transformers
 
 from llmserve.distributed.group import TPGroup

@@ -22,7 +22,7 @@ from ray.serve._private.common import DeploymentID, ReplicaID
 from ray.serve._private.request_router.common import ReplicaQueueLengthCache
 
 from llmserve.cli import serve
-from llmserve.cli.serve_ray import ray_serve_options
+from llmserve.cli.serve_ray import cpus_needed, ray_serve_options
 from llmserve.core.kv_cache.block_hash import request_block_hashes
 from llmserve.core.request import Request
 from llmserve.model_executor.model_loader.source import resolve_model
@@ -224,3 +224,14 @@ def test_llmserve_serve_replicas_flags(model_dir: Path) -> None:
         ray_serve_options(serve_args(f"a={model_dir}", f"b={model_dir}", "--replicas", "2"))
     with pytest.raises(ValueError, match="TLS"):
         ray_serve_options(serve_args(str(model_dir), "--replicas", "2", "--grpc-port", "9000"))
+
+
+def test_cpus_a_local_cluster_needs(model_dir: Path) -> None:
+    """What `--replicas` reserves in Ray CPUs (a local cluster is started with at least that
+    many logical CPUs: 2 replicas of 1 CPU and the ingress did not fit 2 cores, and serve.run
+    waited for the ingress forever)."""
+    fixed = ray_serve_options(serve_args(str(model_dir), "--replicas", "2"))
+    assert cpus_needed(fixed) == 2 * 1.0 + fixed.ingress_cpus == 2.25
+    scaled = ray_serve_options(serve_args(str(model_dir), "--replicas", "1", "--max-replicas", "4",
+                                          "--replica-cpus", "0.5"))  # fmt: skip
+    assert cpus_needed(scaled) == 0.5 + scaled.ingress_cpus

@@ -12,8 +12,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
+import math
+import os
 
 APP_NAME = "llmserve"
+
+logger = logging.getLogger("llmserve")
 
 # each replica's app: these ServerConfig fields are the ingress's (or Ray's) business there
 _INGRESS_FIELDS = {"host", "port", "grpc_port", "api_key", "allowed_origins"} | {
@@ -78,8 +83,22 @@ def run(args: argparse.Namespace) -> int:
         from llmserve.ray_serve import build_application
     except ImportError as e:
         raise ValueError(f"--replicas needs Ray Serve: pip install 'llmserve[ray]' ({e})") from None
-    application = build_application(ray_serve_options(args))
-    ray.init(address=args.ray_address)
+    options = ray_serve_options(args)
+    application = build_application(options)
+    needed = cpus_needed(options)
+    if args.ray_address is None:  # a local cluster: room for every replica (Ray's CPUs are logical)
+        cores = os.cpu_count() or 1
+        ray.init(num_cpus=max(cores, math.ceil(needed)))
+        if needed > cores:
+            logger.warning("the replicas (%s Ray CPUs each) and the ingress need %.2f CPUs; this "
+                           "machine has %d cores, which they share", options.replica_cpus, needed, cores)  # fmt: skip
+    else:
+        ray.init(address=args.ray_address)
+        have = ray.cluster_resources().get("CPU", 0.0)
+        if have < needed:  # Ray waits for them (an autoscaling cluster may add nodes): say so
+            logger.warning("the Ray cluster has %.2f CPUs; the replicas (%s CPUs each) and the "
+                           "ingress need %.2f, so some wait for resources (lower --replica-cpus or "
+                           "add nodes)", have, options.replica_cpus, needed)  # fmt: skip
     serve.start(http_options={"host": args.host, "port": args.port})
     try:
         serve.run(application, name=APP_NAME, route_prefix="/", blocking=True)
@@ -88,3 +107,9 @@ def run(args: argparse.Namespace) -> int:
     finally:
         ray.shutdown()
     return 0
+
+
+def cpus_needed(options) -> float:
+    """Ray CPUs the application's first replicas reserve: the engine replicas and the ingress."""
+    replicas = options.num_replicas if options.max_replicas is None else options.min_replicas
+    return replicas * options.replica_cpus + options.ingress_cpus
