@@ -10,7 +10,7 @@
 
 namespace llmserve {
 
-constexpr int kCacheF32 = 0, kCacheBF16 = 1, kCacheF16 = 2, kCacheI8 = 3;  // int8: see decoder_stack.cpp
+constexpr int kCacheF32 = 0, kCacheBF16 = 1, kCacheF16 = 2, kCacheI8 = 3;  // int8: see decoder_cache_rows.cpp
 constexpr int64_t kInt8Group = 32;                                         // values per int8-cache scale
 
 struct QuantLinear {
@@ -97,6 +97,12 @@ struct Decoder {
 // Shared with decoder_moe.cpp (defined in decoder_stack.cpp).
 void linear(const QuantLinear& w, const float* x, int64_t M, float* out);  // out [M, N] = x [M, K] W.T (+ b)
 void silu_mul(const float* g, const float* u, int64_t n, float* a);        // a = silu(g) * u
+
+// KV cache rows of D values in `cache_type` (decoder_cache_rows.cpp): bytes per row; one float32
+// row stored; `rows` rows read as float32 into dst (a float32 cache's own rows are returned as they are)
+int64_t row_bytes(int cache_type, int64_t D);
+void store_row(int cache_type, const float* src, int64_t n, void* dst);
+const float* load_rows(int cache_type, const void* src, int64_t rows, int64_t D, float* dst);
 
 // Dispatch to the kernel set in use (module.cpp).
 void gemm(int bits, const GemmArgs& a);
