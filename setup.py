@@ -15,7 +15,15 @@ setup(
         Extension(
             "llmserve._cpu_kernels",
             sources=[
-                f"{CSRC}/{name}.cpp" for name in ("module", "qgemm_avx512", "qgemm_avx2", "decoder_stack", "decoder_moe", "decoder_cache_rows")
+                f"{CSRC}/{name}.cpp"
+                for name in (
+                    "module",
+                    "qgemm_avx512",
+                    "qgemm_avx2",
+                    "decoder_stack",
+                    "decoder_moe",
+                    "decoder_cache_rows",
+                )
             ],
             depends=[f"{CSRC}/{name}" for name in ("qgemm.h", "decoder_stack.h", "act_quant.inc")],
             include_dirs=[CSRC],

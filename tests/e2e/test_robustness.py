@@ -220,9 +220,11 @@ def test_disconnect_storm_non_streaming_frees_everything(plain: ServerProcess) -
     after = wait_idle(plain)
     assert num_gave_up >= NUM_CLIENTS - MAX_NUM_SEQS, num_gave_up
     assert after["num_steps"] - before["num_steps"] < STEPS_IF_NONE_ABORTED, (before, after)
-    # the handler logs each abort beside the engine's step loop: the log may trail /stats a little
+    # the handler logs each abort beside the engine's step loop: the log may trail /stats a little.
+    # A client whose read timeout ends while its answer is on the way counts as gone, though its
+    # request finished: at most one batch of slots finishes at that edge (a CI run saw more than 2).
     deadline = time.monotonic() + 10
-    while plain.log().count("client disconnected; aborted 1 request(s)") < num_gave_up - 2:
+    while plain.log().count("client disconnected; aborted 1 request(s)") < num_gave_up - MAX_NUM_SEQS:
         assert time.monotonic() < deadline, plain.log()[-2000:]
         time.sleep(0.1)
     assert_serves(plain)
