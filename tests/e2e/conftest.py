@@ -27,15 +27,19 @@ CHAT_TEMPLATE = (
 MODEL_NAME = "tiny-llama"
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("tiny-llama")
+def make_tiny_chat_model(folder: Path) -> Path:
+    """A tiny random Llama in `folder` whose tokenizer carries CHAT_TEMPLATE."""
     make_tiny_model("llama", folder)
     config_path = folder / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     config["chat_template"] = CHAT_TEMPLATE
     config_path.write_text(json.dumps(config))
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_chat_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
 def free_port() -> int:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -33,21 +32,14 @@ from llmserve.ray_serve.router import PREFIX_KEY, PrefixAwareRouter
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from llmserve.tokenizer import load_tokenizer
-from tests.e2e.conftest import CHAT_TEMPLATE
-from tests.models.tiny import make_tiny_model
+from tests.e2e.conftest import make_tiny_chat_model
 
 BLOCK = 16
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("tiny-llama-routing")
-    make_tiny_model("llama", folder)
-    config_path = folder / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = CHAT_TEMPLATE
-    config_path.write_text(json.dumps(config))
-    return folder
+    return make_tiny_chat_model(tmp_path_factory.mktemp("tiny-llama-routing"))
 
 
 @pytest.fixture(scope="module")

@@ -106,9 +106,7 @@ class LLMEngine:
             self.cache_config = dataclasses.replace(self.cache_config, enable_prefix_caching=False)
         self.tokenizer: Tokenizer = load_tokenizer(self.loaded.source)
         self.max_model_len = self.loaded.max_model_len
-        text_config = self.loaded.hf_config
-        if hasattr(text_config, "get_text_config"):  # a multimodal checkpoint: its language model's
-            text_config = text_config.get_text_config()
+        text_config = self.loaded.text_config  # a multimodal checkpoint: its language model's
         self.vocab_size = int(text_config.vocab_size)
         self.hidden_size = int(getattr(text_config, "hidden_size", 0))
         self.images = self._image_processor()

@@ -61,7 +61,7 @@ class DraftModelProposer:
                 model=model, device=str(target.device), quantization=quantization, show_progress=False
             )  # type: ignore[arg-type]
         )
-        vocab, target_vocab = int(self.loaded.hf_config.vocab_size), int(target.hf_config.vocab_size)
+        vocab, target_vocab = int(self.loaded.text_config.vocab_size), int(target.text_config.vocab_size)
         if vocab > target_vocab:
             raise ValueError(
                 f"the draft model {model!r} has a vocabulary of {vocab} tokens, larger than the target's "

@@ -92,6 +92,11 @@ class LoadedModel:
     moe: str = ""
     """Mixture-of-experts models: layers, experts and active parameters (`layers.moe.describe_moe`)."""
 
+    @property
+    def text_config(self) -> Any:
+        """The language model's config (a multimodal checkpoint's text config)."""
+        return text_config(self.hf_config)
+
     def kv_cache_dtype(self, name: str = "auto") -> KVDtypes:
         """`CacheConfig.kv_cache_dtype` for this model (see `DeviceProfile.kv_cache_dtype`)."""
         # q4/q8 weights (the CPU kernels) take a 16-bit cache by default; fp8's CPU path is a
@@ -147,11 +152,15 @@ def resolve_cpu_gemm(name: str, profile: DeviceProfile, dtype: torch.dtype) -> s
     return "blas"
 
 
+def text_config(hf_config: Any) -> Any:
+    """A config's language-model part: a multimodal checkpoint's text config, else the config."""
+    return hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+
+
 def _max_model_len(config: ModelConfig, hf_config: Any, source: ModelSource) -> int:
     """The user's `max_model_len` (at most the position table), else the model's own limit: a
     sentence-transformers model's `max_seq_length` where it gives one, else the position table."""
-    if hasattr(hf_config, "get_text_config"):  # a multimodal config: its language model's limit
-        hf_config = hf_config.get_text_config()
+    hf_config = text_config(hf_config)  # a multimodal config: its language model's limit
     limit = int(
         getattr(hf_config, "max_position_embeddings", 0) or getattr(hf_config, "n_positions", 0) or 2048
     )
