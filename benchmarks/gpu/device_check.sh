@@ -8,10 +8,14 @@
 #    llguidance, gguf; the image has aiohttp) into /tmp/site, and builds llmserve (`pip install --no-deps .`);
 # 2. builds the benchmark's 1B model on the GPU in the background while
 # 3. the CUDA tests run: every test of test_gpu.py, test_gpu_fp8_offload.py, and the Triton kernel
-#    and sampler files (compiled on the GPU instead of interpreted), under TESTS_SECONDS;
-# 4. runs benchmarks/bench_gpu.py under BENCH_SECONDS (0 skips it).
+#    (attention, elementwise, grouped MoE) and sampler files (compiled on the GPU instead of
+#    interpreted), under TESTS_SECONDS;
+# 4. times the grouped MoE kernel against the dense fallback (benchmarks/gpu/moe_kernel.py: one
+#    Mixtral-width block, T = 1 .. 2048; about a minute) unless BENCH_SECONDS is 0;
+# 5. runs benchmarks/bench_gpu.py under BENCH_SECONDS (0 skips it).
 # Everything it prints lands in $OUT (at most 8 files come back): env.txt, install.log, tests.log,
-# bench.log, bench_gpu.json, bench_gpu.png, logs.tgz (the engines' own logs).
+# bench.log (with moe_kernel.py's table first), bench_gpu.json, bench_gpu.png, logs.tgz (the
+# engines' own logs and moe_kernel.json).
 #
 # The wheels, made here before the run (.whl/ is ignored through .git/info/exclude; the versions
 # are this repo's venv's; llguidance is an abi3 wheel for manylinux_2_31):
@@ -53,11 +57,16 @@ fi
 
 timeout "$T_TESTS" python3 -m pytest -q --tb=short -rfE -p no:cacheprovider -n 4 --timeout 120 \
     tests/models/test_gpu.py tests/models/test_gpu_fp8_offload.py \
-    tests/unit/test_triton_kernels.py tests/unit/test_sampler_philox.py >"$OUT/tests.log" 2>&1
+    tests/unit/test_triton_kernels.py tests/unit/test_triton_moe.py tests/unit/test_sampler_philox.py \
+    >"$OUT/tests.log" 2>&1
 echo "tests: exit $?"
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -40
 
 if [ "$T_BENCH" -gt 0 ]; then
+    mkdir -p /tmp/gpu/logs
+    timeout 150 python3 benchmarks/gpu/moe_kernel.py --out /tmp/gpu/logs >/tmp/gpu/logs/moe_kernel.log 2>&1
+    echo "moe kernel: exit $?"
+    tail -8 /tmp/gpu/logs/moe_kernel.log
     wait "$BUILD"
     timeout "$T_BENCH" python3 benchmarks/bench_gpu.py --out /tmp/gpu --model-dir /tmp/model \
         --tokenizer synthetic "$@" >>"$OUT/bench.log" 2>&1

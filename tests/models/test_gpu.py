@@ -39,6 +39,8 @@ def test_cuda_logits_match_transformers(tmp_path, arch, dtype, backend):
     ours = load_model(config)
     assert ours.device.type == "cuda" and str(ours.dtype) == f"torch.{dtype}"
     assert ours.profile.attention_backend == backend
+    if arch in ("mixtral", "qwen2-moe"):  # the experts grouped on the device (layers/triton_moe.py)
+        assert "experts run triton" in ours.moe
     runner = ForwardRunner(ours.model, num_blocks=8, block_size=4, profile=ours.profile)
     logits = runner.execute([SequenceBatchEntry(PROMPT, len(PROMPT), list(range(5)))], all_logits=True)
     with torch.no_grad():
@@ -108,8 +110,8 @@ def test_greedy_equals_the_reference_at_float32(tiny, reference, eager):
 
 
 def test_moe_under_cuda_graphs_equals_eager(tmp_path):
-    """A MoE's sync-free expert path (layers/moe.py, dense_forward) is captured in the decode
-    graphs and gives the eager run's greedy tokens."""
+    """A MoE's sync-free expert path on CUDA (the grouped Triton kernel, layers/triton_moe.py) is
+    captured in the decode graphs and gives the eager run's greedy tokens."""
     make_tiny_model("qwen2-moe", tmp_path)
     graphs = token_ids(gpu_llm(str(tmp_path)).generate(PROMPTS, GREEDY, use_tqdm=False))
     eager = token_ids(gpu_llm(str(tmp_path), enforce_eager=True).generate(PROMPTS, GREEDY, use_tqdm=False))

@@ -116,7 +116,21 @@ def _elementwise_variants() -> None:
         _compile(O._act_and_mul_kernel, {"*": "bf16"}, dict(GELU=gelu, BLOCK=1024))
 
 
-PER_STEP_INTS = {"num_seqs", "num_tokens", "num_rows", "stride_bt"}
+def _moe_variants() -> None:
+    from llmserve.layers import triton_moe as M
+
+    types = {"*": "bf16", "pairs_ptr": "i32", "block_expert_ptr": "i32"}
+    for dt in ("bf16", "fp16", "fp32"):
+        types["*"] = dt
+        for block_m in (M.pick_block_m(2, 8), M.pick_block_m(4096, 8)):  # decode and prefill tiles
+            tiles = dict(
+                BLOCK_M=block_m, BLOCK_N=M.BLOCK_N, BLOCK_K=M.BLOCK_K, IEEE=dt == "fp32", UPCAST=False
+            )
+            _compile(M._gate_up_kernel, types, dict(TOP_K=2, GELU=dt == "fp16", **tiles))
+            _compile(M._down_kernel, types, tiles)
+
+
+PER_STEP_INTS = {"num_seqs", "num_tokens", "num_rows", "num_pairs", "stride_bt"}
 """Runtime ints that change from step to step (the block table's width follows the batch in eager
 steps). Triton compiles a variant per value class (== 1, divisible by 16, other); one first seen
 mid-serving stalls that step for the compile (0.8 s on an H100), so kernels must not specialise
@@ -126,12 +140,12 @@ on them."""
 def _per_step_ints_not_specialized() -> None:
     import triton
 
-    from llmserve.layers import triton_ops
+    from llmserve.layers import triton_moe, triton_ops
     from llmserve.layers.attention import triton_cache_ops, triton_kernels
     from llmserve.sample import philox_triton
 
     seen = set()
-    for module in (triton_kernels, triton_cache_ops, triton_ops, philox_triton):
+    for module in (triton_kernels, triton_cache_ops, triton_ops, triton_moe, philox_triton):
         for fn in vars(module).values():
             if not isinstance(fn, triton.runtime.jit.JITFunction):
                 continue
@@ -139,7 +153,7 @@ def _per_step_ints_not_specialized() -> None:
                 if param.name in PER_STEP_INTS and not param.is_constexpr:
                     seen.add(param.name)
                     assert param.do_not_specialize, f"{fn.__name__} specialises on {param.name}"
-    assert {"num_seqs", "stride_bt"} <= seen, seen
+    assert {"num_seqs", "num_pairs", "stride_bt"} <= seen, seen
 
 
 def test_kernels_compile_for_sm90() -> None:
@@ -154,5 +168,6 @@ def test_kernels_compile_for_sm90() -> None:
 if __name__ == "__main__":
     _attention_variants()
     _elementwise_variants()
+    _moe_variants()
     _per_step_ints_not_specialized()
     print("compiled")

@@ -15,20 +15,33 @@ quantized experts are the same q8 / q4 layers as a dense model's, built by the s
 from the same checkpoint names (`experts.<e>.gate_proj`...). The router stays float: it is tiny,
 and rounding it would move tokens between experts.
 
-Grouping needs the chosen experts on the host (one `tolist()` per layer). On the CPU that is free;
-on other devices it would be a device sync per layer that a CUDA graph cannot capture, so there the
-block runs `dense_forward`: every expert over every token, weighted by a routing matrix that is zero
-for unchosen experts. Same result, sync-free, and E / k times the expert FLOPs; a fused grouped MoE
-kernel for the GPU is future work.
+How the experts run is the device profile's choice (`DeviceProfile.moe_kernel`, applied by the
+loader through `use_moe_kernel`):
+
+    grouped   the CPU: grouping needs the chosen experts on the host (one `tolist()` per layer),
+              free on the CPU
+    triton    CUDA: the same grouping on the device, in two Triton kernels (triton_moe.py), with
+              no host sync, so decode steps replay in CUDA graphs; the experts' weights stacked
+              into [E, H, 2I] / [E, I, H] tensors that the experts' own parameters then view
+    dense     CUDA without triton, experts the kernel does not take (fp8 or quantized layers,
+              activations other than SiLU / GELU-tanh), layers offloaded to the host, and experts
+              wrapped for LoRA: every expert over every token, weighted by a routing matrix that is
+              zero for unchosen experts. Same result, sync-free, and E / k times the expert FLOPs.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmserve.layers.mlp import GatedMLP
+from llmserve.layers.mlp import DownLinear, GatedMLP, GateUpLinear
+
+MoEKernel = Literal["grouped", "triton", "dense"]
+KERNEL_ACTS = frozenset({"silu", "swish", "gelu_pytorch_tanh", "gelu_new", "gelu_fast"})
+"""The experts' activations the Triton kernel computes (triton_moe.py's SiLU and GELU-tanh)."""
 
 
 class Router(nn.Module):
@@ -45,6 +58,13 @@ class Router(nn.Module):
 
 class SparseMoE(nn.Module):
     """A top-k routed set of gated MLP experts, with an optional gated shared expert."""
+
+    kernel: MoEKernel = "grouped"
+    """How the experts run (module docstring); `use_kernel` sets it."""
+    w13: torch.Tensor | None = None
+    """"triton": the experts' gate_up weights stacked, [E, H, 2I] (the kernel reads these)."""
+    w2: torch.Tensor | None = None
+    """"triton": the experts' down weights stacked, [E, I, H]."""
 
     def __init__(
         self,
@@ -80,14 +100,51 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         weights, ids = self.route(x)
-        if x.device.type == "cpu":
+        if self.kernel == "grouped":
             out = self.grouped_forward(x, weights, ids)
+        elif self.kernel == "triton" and type(self.experts[0].gate_up_proj) is GateUpLinear:
+            # (LoRA wraps every linear layer after loading: wrapped experts take the dense path,
+            # whose expert calls add the adapters' deltas)
+            from llmserve.layers.triton_moe import fused_moe
+
+            assert self.w13 is not None and self.w2 is not None
+            out = fused_moe(x, self.w13, self.w2, weights, ids, self.experts[0].act_name)
         else:
             out = self.dense_forward(x, weights, ids)
         if self.shared_expert is not None:
             assert self.shared_expert_gate is not None
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
+
+    def use_kernel(self, kernel: MoEKernel) -> MoEKernel:
+        """Run the experts with `kernel` from now on; "triton" stacks their weights first, or
+        falls back to "dense" for experts it does not take (module docstring). Returns the kernel
+        set."""
+        if kernel == "triton" and not self._stack_experts():
+            kernel = "dense"
+        self.kernel = kernel
+        return kernel
+
+    def _stack_experts(self) -> bool:
+        """w13 / w2 from the experts' float weights, which then become views of them: one copy of
+        the weights stays (where a weight is one chunk, as on every accelerator; the CPU's
+        per-thread chunks, under Triton's interpreter in tests, keep their own copy)."""
+        for m in self.experts:
+            up, down = m.gate_up_proj, m.down_proj
+            if type(up) is not GateUpLinear or type(down) is not DownLinear or up.packed or down.packed:
+                return False  # quantized, fp8 or oneDNN-packed layers
+            if up.bias is not None or down.bias is not None or m.act_name not in KERNEL_ACTS:
+                return False
+        # [E, H, 2I]: each expert's [gate | up] columns, input-major as `Linear` stores them
+        self.w13 = torch.stack([m.gate_up_proj.logical_weight().t() for m in self.experts]).contiguous()
+        self.w2 = torch.stack(
+            [m.down_proj.logical_weight().t() for m in self.experts]
+        ).contiguous()  # [E, I, H]
+        for e, m in enumerate(self.experts):
+            if m.gate_up_proj.weight.shape[0] == 1:  # [1, H, 2I] and [1, I, H]: the same layouts
+                m.gate_up_proj.weight = nn.Parameter(self.w13[e : e + 1], requires_grad=False)
+                m.down_proj.weight = nn.Parameter(self.w2[e : e + 1], requires_grad=False)
+        return True
 
     def grouped_forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Each chosen expert once, over the tokens that chose it (their outputs added in expert
@@ -119,6 +176,14 @@ class SparseMoE(nn.Module):
         for e, expert in enumerate(self.experts):
             out = out + expert(x) * dense[:, e : e + 1]
         return out
+
+
+def use_moe_kernel(model: nn.Module, kernel: MoEKernel) -> str:
+    """Every MoE block of `model` runs `kernel` (the device profile's `moe_kernel`; blocks whose
+    experts the Triton kernel does not take run "dense"). Returns what ran, for the load report:
+    "" for a dense model, else e.g. "experts run triton"."""
+    kernels = sorted({m.use_kernel(kernel) for m in model.modules() if isinstance(m, SparseMoE)})
+    return f"experts run {' / '.join(kernels)}" if kernels else ""
 
 
 def describe_moe(model: nn.Module) -> str:

@@ -11,7 +11,8 @@ sums and statistics in float32, rounded to the activation dtype where the torch 
 Both are a single read and write of their tensors. On an H100 (the 1.07B Llama of bench_gpu.py):
 rms_norm 1.9 us and act_and_mul 1.2 us per call at batch 1; 42 us and 136 us per call in an
 8,192-token prefill step.
-The module also holds what every llmserve Triton kernel shares: `cast` and `INTERPRETED`.
+The module also holds what every llmserve Triton kernel shares: `cast`, `dot`, `gated_act` and
+`INTERPRETED`.
 """
 
 from __future__ import annotations
@@ -45,6 +46,23 @@ def cast(x, dtype: tl.constexpr):
             if dtype == tl.bfloat16:
                 bits = x.to(tl.uint32, bitcast=True)
                 out = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return out
+
+
+UPCAST_BF16 = INTERPRETED
+"""The interpreter's numpy dot reads bfloat16 bits as integers: feed it float32 (exact) instead."""
+
+
+@triton.jit
+def dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """a @ b with float32 accumulation; float32 inputs as true float32 (the torch reference's
+    precision, not tf32); UPCAST: the interpreter's bf16 workaround (`UPCAST_BF16`)."""
+    if UPCAST:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif IEEE:
+        out = tl.dot(a, b, input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
     return out
 
 
@@ -86,6 +104,14 @@ def _gelu_tanh(x):
 
 
 @triton.jit
+def gated_act(gate, up, dtype: tl.constexpr, GELU: tl.constexpr):
+    """act(gate) * up in `dtype` from float32 gate and up (values already in `dtype`): SiLU, or
+    GELU-tanh; torch rounds act(gate) to the dtype before the product, and so does this."""
+    act = _gelu_tanh(gate) if GELU else gate / (1.0 + tl.exp(-gate))
+    return cast(cast(act, dtype).to(tl.float32) * up, dtype)
+
+
+@triton.jit
 def _act_and_mul_kernel(
     x_ptr, out_ptr, stride_x, stride_o, inter, GELU: tl.constexpr, BLOCK: tl.constexpr
 ):  # fmt: skip
@@ -95,9 +121,7 @@ def _act_and_mul_kernel(
     dtype = out_ptr.dtype.element_ty
     gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + inter + cols, mask=ok, other=0.0).to(tl.float32)
-    act = _gelu_tanh(gate) if GELU else gate / (1.0 + tl.exp(-gate))
-    # torch rounds act(gate) to the dtype before the product
-    tl.store(out_ptr + row * stride_o + cols, cast(cast(act, dtype).to(tl.float32) * up, dtype), mask=ok)
+    tl.store(out_ptr + row * stride_o + cols, gated_act(gate, up, dtype, GELU), mask=ok)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,9 @@ handed: that is input validation, not a device decision.)
     fused CPU decoder     yes (quantized Llama family)         no
     CUDA graphs           no                                   yes unless enforce_eager, with a
                                                                backend that supports them
+    MoE experts           grouped by expert on the host        grouped on the device by the Triton
+                          (layers/moe.py)                      kernel (triton_moe.py), or dense
+                                                               without triton
     grammar masks beside  only with a core to spare            yes
     the forward pass
     seeded sampling       per-request torch generators         counter-based draws, one launch
@@ -30,7 +33,9 @@ from typing import Any
 import torch
 
 from llmserve.config.cache import parse_kv_cache_dtype
+from llmserve.layers.activation import gpu_kernels
 from llmserve.layers.attention import KVDtypes, get_attention_backend
+from llmserve.layers.moe import MoEKernel
 from llmserve.sample.metadata import SamplingDevicePolicy
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -45,6 +50,9 @@ class DeviceProfile:
     """Quantized Llama-family stacks run each forward as one C++ call (FusedDecoder)."""
     cuda_graphs: bool
     """Decode steps replay CUDA graphs captured at start-up (model_executor/cuda_graph.py)."""
+    moe_kernel: MoEKernel
+    """How mixture-of-experts blocks run their experts (layers/moe.py): "grouped" (host-side
+    grouping, the CPU), "triton" (the grouped Triton kernel, sync-free: CUDA) or "dense"."""
     overlap_masks: bool
     """Grammar masks are filled on a worker thread while the forward pass runs (model_runner.py)."""
     keep_freed_memory: bool
@@ -112,6 +120,7 @@ def build_profile(
         cuda_graphs=device.type == "cuda"
         and not enforce_eager
         and bool(getattr(backend, "supports_cuda_graphs", False)),
+        moe_kernel=_moe_kernel(device),
         # On the CPU a mask thread sharing the cores of the matmuls' OpenMP threads stalls them
         # at every barrier (2 cores, 2 threads: a JSON schema's TPOT overhead at batch 16 went
         # from 3-4% to 5-13%, docs/benchmarks.md): beside the forward only with a core to spare.
@@ -120,6 +129,14 @@ def build_profile(
         pin_memory=device.type == "cuda",
         sampling=SamplingDevicePolicy.for_device(device),
     )
+
+
+def _moe_kernel(device: torch.device) -> MoEKernel:
+    """Grouping on the host is free on the CPU; on CUDA it would sync every layer, so there the
+    Triton kernel groups on the device (the dense path where triton does not import)."""
+    if device.type == "cpu":
+        return "grouped"
+    return "triton" if device.type == "cuda" and gpu_kernels() is not None else "dense"
 
 
 def resolve_device(name: str) -> torch.device:

@@ -54,7 +54,7 @@ sizes, warps and stages, and the split policy (`pick_decode_splits`). Checked wi
 results under triton 3.9's interpreter (test_triton_kernels.py), and compilation for sm_90 down to
 SASS (test_triton_compile.py); in that PTX, with 16-byte-aligned strides (what the launcher's
 specialisation sees for D = 64 or 128), K/V tiles load as 16-byte cp.async, pipelined at
-num_stages >= 2. bf16 dots run as float32 dots under the interpreter (`_UPCAST_BF16`: its numpy
+num_stages >= 2. bf16 dots run as float32 dots under the interpreter (`UPCAST_BF16`: its numpy
 matmul mis-reads bf16), a cast on exact values.
 """
 
@@ -64,24 +64,11 @@ import torch
 import triton
 import triton.language as tl
 
-from llmserve.layers.triton_ops import INTERPRETED, cast
+from llmserve.layers.triton_ops import UPCAST_BF16, cast, dot
 
 LOG2E = 1.4426950408889634
 MAX_DECODE_SPLITS = 16
 """Powers of two up to this; the merge kernel loads all of a head's splits as one tile."""
-
-
-@triton.jit
-def _dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    """a @ b with float32 accumulation; float32 inputs as true float32 (the torch reference's
-    precision, not tf32); UPCAST: the interpreter's bf16 workaround."""
-    if UPCAST:
-        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    elif IEEE:
-        out = tl.dot(a, b, input_precision="ieee")
-    else:
-        out = tl.dot(a, b)
-    return out
 
 
 @triton.jit
@@ -109,7 +96,7 @@ def _attend_tiles(
         kv_offs = rows[:, None] + offs_d[None, :]  # [BLOCK_N, D_PAD]
         kv_mask = t_ok[:, None] & d_ok[None, :]
         k = cast(tl.load(k_base + kv_offs, mask=kv_mask, other=0.0), q.dtype)
-        s = _dot(q, tl.trans(k), IEEE, UPCAST) * scale_log2  # [M, BLOCK_N]
+        s = dot(q, tl.trans(k), IEEE, UPCAST) * scale_log2  # [M, BLOCK_N]
         visible = t_ok[None, :]
         if MASK_PER_ROW:
             visible = visible & (t[None, :] <= q_pos[:, None])
@@ -122,7 +109,7 @@ def _attend_tiles(
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = cast(tl.load(v_base + kv_offs, mask=kv_mask, other=0.0), q.dtype)
-        acc = acc * alpha[:, None] + _dot(cast(p, q.dtype), v, IEEE, UPCAST)
+        acc = acc * alpha[:, None] + dot(cast(p, q.dtype), v, IEEE, UPCAST)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -293,10 +280,6 @@ def _varlen_kernel(
     tl.store(o_ptrs, cast(out, out_ptr.dtype.element_ty), mask=q_mask)
 
 
-_UPCAST_BF16 = INTERPRETED
-"""The interpreter's numpy dot reads bfloat16 bits as integers: feed it float32 (exact) instead."""
-
-
 def _decode_tiles(d_pad: int) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) of the decode kernel for a padded head_dim."""
     return (64, 4, 3) if d_pad <= 128 else (32, 4, 2)
@@ -370,7 +353,7 @@ def paged_decode_attention(
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), *_cache_args(kv_cache, block_tables),
         BLOCK_SIZE=kv_cache.shape[3], GROUP=group, HEAD_DIM=D, G_PAD=max(16, triton.next_power_of_2(group)),
         D_PAD=d_pad, BLOCK_N=block_n, NUM_SPLITS=num_splits, HAS_WINDOW=window > 0,
-        IEEE=query.dtype == torch.float32, UPCAST=_UPCAST_BF16 and query.dtype == torch.bfloat16,
+        IEEE=query.dtype == torch.float32, UPCAST=UPCAST_BF16 and query.dtype == torch.bfloat16,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
@@ -406,7 +389,7 @@ def varlen_paged_attention(
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), *_cache_args(kv_cache, block_tables),
         BLOCK_SIZE=kv_cache.shape[3], GROUP=group, HEAD_DIM=D, G_PAD=g_pad, D_PAD=d_pad,
         BLOCK_Q=block_q, BLOCK_N=block_n, HAS_WINDOW=window > 0,
-        IEEE=query.dtype == torch.float32, UPCAST=_UPCAST_BF16 and query.dtype == torch.bfloat16,
+        IEEE=query.dtype == torch.float32, UPCAST=UPCAST_BF16 and query.dtype == torch.bfloat16,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

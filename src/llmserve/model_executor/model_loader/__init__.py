@@ -26,7 +26,7 @@ from llmserve.distributed.sharding import TPShard
 from llmserve.layers import onednn
 from llmserve.layers.attention import KVDtypes, get_attention_backend
 from llmserve.layers.linear import Linear
-from llmserve.layers.moe import describe_moe
+from llmserve.layers.moe import describe_moe, use_moe_kernel
 from llmserve.layers.quantization import (
     Fp8Linear,
     QuantizationPlan,
@@ -246,6 +246,9 @@ def load_model(config: ModelConfig, shard: TPShard | None = None) -> LoadedModel
     dtype = profile.model_dtype(config.dtype, hf_config)
     if config.cpu_offload_gb > 0:
         check_offload_device(profile)  # before loading, not after
+        # the offloader re-points whole layers' parameters at staging slots; the Triton MoE
+        # kernel reads stacked copies it would not move: offloaded experts run the dense path
+        profile = dataclasses.replace(profile, moe_kernel="dense")  # (offloading is CUDA only)
     max_model_len = _max_model_len(config, hf_config, source)
     linear_kernel = resolve_cpu_gemm(config.cpu_gemm, profile, dtype)
 
@@ -285,6 +288,7 @@ def load_model(config: ModelConfig, shard: TPShard | None = None) -> LoadedModel
         model.use_onednn()  # same bytes, reordered; packed tensors stay parameters
     if plan is not None and "fp8" in plan.formats.values():
         use_fp8_kernel(model, device)
+    moe_kernels = use_moe_kernel(model, profile.moe_kernel)  # after fp8 / oneDNN: they decide it
     if plan is not None:
         kernels = plan.kernel or cpu_kernels.kernels()
         linear_kernel = f"{'/'.join(sorted(set(plan.formats.values())))} on {kernels}" + (
@@ -328,7 +332,7 @@ def load_model(config: ModelConfig, shard: TPShard | None = None) -> LoadedModel
         else "",
         profile=profile,
         offloader=offloader,
-        moe=describe_moe(model),
+        moe=", ".join(filter(None, (describe_moe(model), moe_kernels))),
     )
     logger.info(loaded.summary())
     return loaded
