@@ -59,7 +59,7 @@ class Router(nn.Module):
 class SparseMoE(nn.Module):
     """A top-k routed set of gated MLP experts, with an optional gated shared expert."""
 
-    kernel: MoEKernel = "grouped"
+    kernel: MoEKernel
     """How the experts run (module docstring); `use_kernel` sets it."""
     w13: torch.Tensor | None = None
     """"triton": the experts' gate_up weights stacked, [E, H, 2I] (the kernel reads these)."""
@@ -80,6 +80,9 @@ class SparseMoE(nn.Module):
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and num_experts {num_experts}")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        # until the loader applies the device profile's choice (`use_moe_kernel`): the host-synced
+        # grouping only where it is free, as `num_weight_chunks` reads the device being built on
+        self.kernel = "grouped" if torch.get_default_device().type == "cpu" else "dense"
         self.gate = Router(hidden_size, num_experts)
         self.experts = nn.ModuleList(
             GatedMLP(hidden_size, expert_intermediate_size, act) for _ in range(num_experts)
