@@ -36,6 +36,12 @@ _GATED_KERNELS = {"silu": "silu_and_mul", "swish": "silu_and_mul", "gelu_pytorch
                   "gelu_new": "gelu_tanh_and_mul", "gelu_fast": "gelu_tanh_and_mul"}  # fmt: skip
 
 
+def fused_gated_name(name: str) -> str | None:
+    """The Triton gated kernel for activation `name` ("silu_and_mul", "gelu_tanh_and_mul"), or None:
+    the activations llmserve's Triton kernels compute (triton_ops.py's `gated_act`)."""
+    return _GATED_KERNELS.get(name)
+
+
 @functools.cache
 def gpu_kernels() -> ModuleType | None:
     """The fused Triton kernels (layers/triton_ops.py) for tensors on CUDA, or None without triton."""
@@ -50,5 +56,5 @@ def gated_kernel(name: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """act(gate) * up over [..., 2I] = [gate | up] in one CUDA kernel, for activation `name`
     (None: no fused kernel for it, or no triton)."""
     kernels = gpu_kernels()
-    fn = _GATED_KERNELS.get(name)
+    fn = fused_gated_name(name)
     return None if kernels is None or fn is None else getattr(kernels, fn)

@@ -37,11 +37,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmserve.layers.activation import fused_gated_name
 from llmserve.layers.mlp import DownLinear, GatedMLP, GateUpLinear
 
 MoEKernel = Literal["grouped", "triton", "dense"]
-KERNEL_ACTS = frozenset({"silu", "swish", "gelu_pytorch_tanh", "gelu_new", "gelu_fast"})
-"""The experts' activations the Triton kernel computes (triton_moe.py's SiLU and GELU-tanh)."""
 
 
 class Router(nn.Module):
@@ -136,13 +135,12 @@ class SparseMoE(nn.Module):
             up, down = m.gate_up_proj, m.down_proj
             if type(up) is not GateUpLinear or type(down) is not DownLinear or up.packed or down.packed:
                 return False  # quantized, fp8 or oneDNN-packed layers
-            if up.bias is not None or down.bias is not None or m.act_name not in KERNEL_ACTS:
+            if up.bias is not None or down.bias is not None or fused_gated_name(m.act_name) is None:
                 return False
         # [E, H, 2I]: each expert's [gate | up] columns, input-major as `Linear` stores them
         self.w13 = torch.stack([m.gate_up_proj.logical_weight().t() for m in self.experts]).contiguous()
-        self.w2 = torch.stack(
-            [m.down_proj.logical_weight().t() for m in self.experts]
-        ).contiguous()  # [E, I, H]
+        # [E, I, H]: each expert's down_proj, input-major
+        self.w2 = torch.stack([m.down_proj.logical_weight().t() for m in self.experts]).contiguous()
         for e, m in enumerate(self.experts):
             if m.gate_up_proj.weight.shape[0] == 1:  # [1, H, 2I] and [1, I, H]: the same layouts
                 m.gate_up_proj.weight = nn.Parameter(self.w13[e : e + 1], requires_grad=False)

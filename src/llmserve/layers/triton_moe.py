@@ -46,13 +46,11 @@ import torch
 import triton
 import triton.language as tl
 
+from llmserve.layers.activation import fused_gated_name
 from llmserve.layers.triton_ops import UPCAST_BF16, cast, dot, gated_act
 
 BLOCK_N = 64
 BLOCK_K = 64
-GELU_ACTS = frozenset({"gelu_pytorch_tanh", "gelu_new", "gelu_fast"})
-SILU_ACTS = frozenset({"silu", "swish"})
-"""The experts' activations the kernel computes (`hidden_act` names); others run the dense path."""
 
 
 def pick_block_m(num_pairs: int, num_experts: int) -> int:
@@ -200,7 +198,8 @@ def fused_moe(
 
     x [T, H]; w13 [E, H, 2I] and w2 [E, I, H], rows contiguous, in x's dtype; weights [T, k] in
     x's dtype; ids [T, k] int64. Returns [T, H]."""
-    if act not in GELU_ACTS | SILU_ACTS:
+    kind = fused_gated_name(act)
+    if kind is None:
         raise ValueError(f"the grouped MoE kernel computes SiLU and GELU-tanh experts, not {act!r}")
     T, hidden = x.shape
     num_experts, _, two_inter = w13.shape
@@ -223,7 +222,7 @@ def fused_moe(
     _gate_up_kernel[(routing.num_blocks, triton.cdiv(inter, BLOCK_N))](
         x, w13, h, routing.sorted_pairs, routing.block_expert, num_pairs, num_experts, hidden, inter,
         x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-        TOP_K=top_k, GELU=act in GELU_ACTS, **flags,
+        TOP_K=top_k, GELU=kind == "gelu_tanh_and_mul", **flags,
     )  # fmt: skip
     _down_kernel[(routing.num_blocks, triton.cdiv(hidden, BLOCK_N))](
         h, w2, pair_out, routing.sorted_pairs, routing.block_expert, weights, num_pairs, num_experts,
