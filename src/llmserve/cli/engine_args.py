@@ -24,6 +24,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="model folder, .gguf file or bundled name (default: SmolLM2-135M-Instruct)",
     )
     g.add_argument(
+        "--mmproj", default=None, metavar="GGUF",
+        help="a GGUF vision projector (llama.cpp's mmproj-*.gguf) for a GGUF model: it then takes images",
+    )  # fmt: skip
+    g.add_argument(
         "--model-impl", default="auto", choices=["auto", "native", "transformers"],
         help="whose modelling code runs the model: llmserve's (native) or transformers' (slower; no prefix "
         "caching); auto: native when the architecture has one, else transformers",
@@ -188,6 +192,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "admission_policy": args.admission_policy,
         "batching_mode": args.batching_mode,
         "model_impl": args.model_impl,
+        "mmproj": args.mmproj,
         "speculative_config": args.speculative_config,
         "pooling": args.pooling,
         "normalize_embeddings": args.normalize_embeddings,

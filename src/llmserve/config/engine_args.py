@@ -43,6 +43,7 @@ class EngineArgs:
     cpu_activations: str = "auto"
     max_model_len: int | None = None
     show_progress: bool = True
+    mmproj: str | None = None
     model_impl: str = "auto"
     attention_backend: str = "auto"
     enforce_eager: bool = False
@@ -105,6 +106,7 @@ class EngineArgs:
             cpu_activations=self.cpu_activations,  # type: ignore[arg-type]
             max_model_len=self.max_model_len,
             show_progress=self.show_progress,
+            mmproj=self.mmproj,
             model_impl=self.model_impl,  # type: ignore[arg-type]
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,

@@ -66,13 +66,16 @@ class ImagePreprocessor:
     resample: int = 2  # PIL's BILINEAR
 
     @classmethod
-    def for_model(cls, folder: Path | None, vision_config: Any) -> ImagePreprocessor:
-        """From the checkpoint's preprocessor_config.json, else the vision config's image size with
-        SigLIP's mean and std (0.5)."""
+    def for_model(
+        cls, folder: Path | None, vision_config: Any, config: dict[str, Any] | None = None
+    ) -> ImagePreprocessor:
+        """From `config` (preprocessor_config.json's keys: a GGUF projector's metadata), else the
+        checkpoint's preprocessor_config.json, else the vision config's image size with SigLIP's
+        mean and std (0.5)."""
         side = int(vision_config.image_size)
-        cfg: dict[str, Any] = {}
+        cfg: dict[str, Any] = dict(config or {})
         path = None if folder is None else Path(folder) / "preprocessor_config.json"
-        if path is not None and path.is_file():
+        if config is None and path is not None and path.is_file():
             cfg = json.loads(path.read_text())
         if cfg.get("do_pan_and_scan"):
             raise ValueError(f"{path}: do_pan_and_scan is not supported")

@@ -23,9 +23,17 @@ from llmserve.multimodal.image import ImagePreprocessor, image_hash
 
 
 class ImagePromptProcessor:
-    def __init__(self, mm_config: Any, tokens_per_image: int, token_text: Any, folder: Path | None) -> None:
+    def __init__(
+        self,
+        mm_config: Any,
+        tokens_per_image: int,
+        token_text: Any,
+        folder: Path | None,
+        preprocessing: dict[str, Any] | None = None,
+    ) -> None:
         """`mm_config`: the checkpoint's multimodal config (its image, boi and eoi token ids);
-        `token_text`: id -> the token's text (the tokenizer's `id_to_token`)."""
+        `token_text`: id -> the token's text (the tokenizer's `id_to_token`); `preprocessing`:
+        preprocessor_config.json's values where they do not come from `folder` (a GGUF projector)."""
         self.image_token_id = int(_first(mm_config, "image_token_id", "image_token_index"))
         names = {}
         for key, attrs in {"image": ("image_token_id", "image_token_index"),
@@ -39,7 +47,7 @@ class ImagePromptProcessor:
         self.tokens_per_image = tokens_per_image
         self.boi_token = names["boi"]
         self.full_image_sequence = f"\n\n{names['boi']}{names['image'] * tokens_per_image}{names['eoi']}\n\n"
-        self.preprocess = ImagePreprocessor.for_model(folder, mm_config.vision_config)
+        self.preprocess = ImagePreprocessor.for_model(folder, mm_config.vision_config, preprocessing)
 
     def expand(self, prompt: str, num_images: int) -> str:
         """The prompt text with each image marker replaced by the image's full sequence."""
@@ -50,6 +58,16 @@ class ImagePromptProcessor:
                 param="prompt",
             )
         return prompt.replace(self.boi_token, self.full_image_sequence)
+
+    def check_no_placeholders(self, token_ids: Sequence[int]) -> None:
+        """A prompt without images must not hold the image placeholder (transformers refuses it
+        too: the model would read the placeholder's own embedding as an image)."""
+        if self.image_token_id in token_ids:
+            raise ParameterError(
+                f"the prompt holds the image placeholder token {self.image_token_id} but no image was "
+                f"given (an image part adds it; do not type it)",
+                param="prompt",
+            )
 
     def inputs(self, token_ids: Sequence[int], images: Sequence[Any]) -> tuple[MultiModalInput, ...]:
         """Each image preprocessed, hashed and placed at its run of placeholder ids."""
