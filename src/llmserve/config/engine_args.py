@@ -44,6 +44,7 @@ class EngineArgs:
     max_model_len: int | None = None
     show_progress: bool = True
     mmproj: str | None = None
+    do_pan_and_scan: bool | None = None
     model_impl: str = "auto"
     attention_backend: str = "auto"
     enforce_eager: bool = False
@@ -107,6 +108,7 @@ class EngineArgs:
             max_model_len=self.max_model_len,
             show_progress=self.show_progress,
             mmproj=self.mmproj,
+            do_pan_and_scan=self.do_pan_and_scan,
             model_impl=self.model_impl,  # type: ignore[arg-type]
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,

@@ -99,6 +99,10 @@ class ModelConfig:
     """A GGUF vision projector (llama.cpp's `mmproj-*.gguf`, `general.architecture` `clip`) for a
     GGUF language model: the model then takes images (Gemma 3: `clip.projector_type` gemma3).
     llama-server's `--mmproj`."""
+    do_pan_and_scan: bool | None = None
+    """Gemma 3 with images: also show the model crops of a wide or tall image (transformers'
+    pan-and-scan: 2 to `pan_and_scan_max_num_crops` crops along the long side, each 256 tokens more
+    on Gemma 3). None: the checkpoint's preprocessor_config.json says (off where it does not)."""
     model_impl: ModelImplName = "auto"
     """Whose modelling code runs the forward pass. `native`: llmserve's own (paged attention,
     quantized kernels, prefix caching). `transformers`: transformers' modelling code for the

@@ -240,6 +240,7 @@ class LLMEngine:
             self.tokenizer.id_to_token,
             source.path if source.kind == "hf" else None,
             vision.preprocessing if vision is not None else None,
+            self.model_config.do_pan_and_scan,
         )
 
     def _check_images(self, images: Sequence[Any]) -> ImagePromptProcessor:
@@ -302,7 +303,8 @@ class LLMEngine:
         if processor is not None:
             if not isinstance(prompt, str):
                 raise ParameterError("a prompt with images must be text", param="prompt")
-            prompt = processor.expand(prompt, len(images))
+            images, num_crops = processor.split(images)  # pan-and-scan crops follow their image
+            prompt = processor.expand(prompt, num_crops)
         text, ids = self.encode_prompt(prompt, add_special_tokens)
         mm_inputs = processor.inputs(ids, images) if processor is not None else ()
         if processor is None and self.images is not None:
