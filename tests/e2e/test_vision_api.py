@@ -22,6 +22,7 @@ import pytest
 from llmserve.engine.llm import LLM
 from llmserve.sampling_params import SamplingParams
 from tests.e2e.conftest import ServerProcess
+from tests.models.test_gemma3_mmproj import make_gguf_vlm
 from tests.models.test_gemma3_vision import make_image
 from tests.models.tiny import make_tiny_gemma3_vlm
 
@@ -288,3 +289,18 @@ def test_completions_take_no_images(vlm_server) -> None:
         client.completions.create(model="tiny-llama", prompt=[1, 2, 509], max_tokens=2)
     ok = client.completions.create(model="tiny-llama", prompt="a <start_of_image> b", max_tokens=2)
     assert ok.usage.prompt_tokens > 0 and ok.choices[0].finish_reason == "length"
+
+
+def test_gguf_with_mmproj_serves_images(tmp_path) -> None:
+    """`llmserve serve model.gguf --mmproj mmproj.gguf` (llama-server's flag): chat images answer as
+    the offline engine on the same two files (tests/models/test_gemma3_mmproj.py: as transformers)."""
+    _, text, mmproj = make_gguf_vlm(tmp_path)
+    offline = LLM(str(text), mmproj=str(mmproj), show_progress=False)
+    proc = ServerProcess(text, "--mmproj", str(mmproj)).start()
+    try:
+        assert chat(proc.client(), data_url(png(1))) == expected_text(offline, "What is this?", 1)
+        with pytest.raises(openai.BadRequestError) as e:
+            proc.client().completions.create(model="tiny-llama", prompt="<image_soft_token>", max_tokens=2)
+        assert "image placeholder" in e.value.body["message"]
+    finally:
+        proc.stop()

@@ -30,7 +30,7 @@ from tests.models.tiny import GEMMA3_VLM_TEMPLATE, make_tiny_gemma3_vlm
 NUM_TOKENS = 8
 
 
-def _text_gguf(path: Path, hf, folder: Path, keep_image_token: bool) -> Path:
+def text_gguf(path: Path, hf, folder: Path, keep_image_token: bool) -> Path:
     """The language model as Gemma3Model converts it, with the folder's tokenizer as a gpt2
     vocabulary (tokenizer.json's tokens, added ones CONTROL or USER_DEFINED, its merges)."""
     config = hf.config.text_config
@@ -75,7 +75,7 @@ def _text_gguf(path: Path, hf, folder: Path, keep_image_token: bool) -> Path:
     return write_gguf(path, "gemma3", dict(tensors), metadata)[0]
 
 
-def _mmproj_gguf(path: Path, hf) -> Path:
+def mmproj_gguf(path: Path, hf) -> Path:
     """The vision tower and projector as Gemma3VisionModel converts them (MmprojModel's keys)."""
     vision, text = hf.config.vision_config, hf.config.text_config
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision.num_hidden_layers)
@@ -115,9 +115,20 @@ def _mmproj_gguf(path: Path, hf) -> Path:
     return write_gguf(path, "clip", tensors, metadata)[0]  # type: ignore[arg-type]
 
 
+def make_gguf_vlm(folder: Path, keep_image_token: bool = False) -> tuple[object, Path, Path]:
+    """The tiny VLM in `folder` (the HF reference, returned) and as `model.gguf` + `mmproj.gguf` there."""
+    hf = make_hf_vlm(folder)
+    text = text_gguf(folder / "model.gguf", hf, folder, keep_image_token)
+    return hf, text, mmproj_gguf(folder / "mmproj.gguf", hf)
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     folder = tmp_path_factory.mktemp("gemma3-vlm-last")
+    return make_hf_vlm(folder), folder
+
+
+def make_hf_vlm(folder: Path):
     # a text config a GGUF file describes whole: llama.cpp hard-codes every 6th layer global and
     # query_pre_attn_scalar = head_dim (gguf_config.gemma3_config)
     text = transformers.Gemma3TextConfig(
@@ -129,7 +140,7 @@ def checkpoint(tmp_path_factory):
     with torch.no_grad():  # the converter stores the input projection as F16
         w = hf.model.multi_modal_projector.mm_input_projection_weight
         w.copy_(w.half().float())
-    return hf, folder
+    return hf
 
 
 def hf_greedy(hf, ids: list[int], pixels: torch.Tensor, n: int, vocab: int):
@@ -149,8 +160,8 @@ def hf_greedy(hf, ids: list[int], pixels: torch.Tensor, n: int, vocab: int):
 @pytest.mark.parametrize("keep_image_token", [True, False], ids=["placeholder-in-vocab", "gemma3-vocab"])
 def test_gguf_with_mmproj_matches_transformers(checkpoint, tmp_path, keep_image_token) -> None:
     hf, folder = checkpoint
-    text = _text_gguf(tmp_path / "model.gguf", hf, folder, keep_image_token)
-    mmproj = _mmproj_gguf(tmp_path / "mmproj-model.gguf", hf)
+    text = text_gguf(tmp_path / "model.gguf", hf, folder, keep_image_token)
+    mmproj = mmproj_gguf(tmp_path / "mmproj-model.gguf", hf)
     llm = LLM(str(text), mmproj=str(mmproj), block_size=4, show_progress=False)
     params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, logprobs=3, ignore_eos=True)
     images = [make_image(0), make_image(1, (90, 7))]
@@ -178,8 +189,8 @@ def test_gguf_with_mmproj_matches_transformers(checkpoint, tmp_path, keep_image_
 
 def test_mmproj_refusals(checkpoint, tmp_path) -> None:
     hf, folder = checkpoint
-    text = _text_gguf(tmp_path / "model.gguf", hf, folder, False)
-    mmproj = _mmproj_gguf(tmp_path / "mmproj.gguf", hf)
+    text = text_gguf(tmp_path / "model.gguf", hf, folder, False)
+    mmproj = mmproj_gguf(tmp_path / "mmproj.gguf", hf)
     with pytest.raises(ValueError, match="not a vision projector"):
         LLM(str(text), mmproj=str(text), show_progress=False)
     with pytest.raises(ValueError, match="for GGUF models"):
