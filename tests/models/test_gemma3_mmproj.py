@@ -4,8 +4,9 @@ against transformers' Gemma3ForConditionalGeneration on the same tiny random che
 The files are written the way llama.cpp's convert_hf_to_gguf.py writes them (Gemma3Model for
 the text, Gemma3VisionModel for the projector): gguf's own HF -> GGUF name map, Gemma's norms
 stored as 1 + w (the projector's soft-embedding norm only; SigLIP's LayerNorms as they are), the
-patch and position embeddings F32, the input projection forced to F16 (so the reference's is
-rounded to half floats first), the rest F32 (`--outtype f32`, so the parity is exact). Two
+projector as the published `mmproj-*-f16.gguf` files are (`--outtype f16`: the tower's matrices and
+the input projection F16, the patch and position embeddings forced to F32, vectors F32), the text
+model F32; the reference's F16 tensors are rounded to half floats first, so the parity is exact. Two
 vocabularies: with the image placeholder, and without it, as Gemma 3's own GGUF files are (the
 loader then adds it as the next id, transformers' id for it)."""
 
@@ -91,7 +92,7 @@ def mmproj_gguf(path: Path, hf) -> Path:
             w = w + 1
         gguf_name = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name
-        qtype = Q.F16 if "input_projection" in name else Q.F32  # tensor_force_quant
+        qtype = Q.F16 if _stored_f16(name, w) else Q.F32
         tensors[gguf_name] = (np.ascontiguousarray(w.numpy()), qtype)
 
     def metadata(w: gguf.GGUFWriter) -> None:
@@ -137,10 +138,19 @@ def make_hf_vlm(folder: Path):
         max_position_embeddings=512, initializer_range=0.15,
     )  # fmt: skip
     hf = make_tiny_gemma3_vlm(folder, image_token_last=True, text=text)
-    with torch.no_grad():  # the converter stores the input projection as F16
-        w = hf.model.multi_modal_projector.mm_input_projection_weight
-        w.copy_(w.half().float())
+    with torch.no_grad():  # what the converter stores as F16, rounded in the reference too
+        for name, w in hf.state_dict().items():
+            if name.startswith(("model.vision_tower.", "model.multi_modal_projector.")) and _stored_f16(
+                name, w
+            ):
+                w.copy_(w.half().float())
     return hf
+
+
+def _stored_f16(name: str, w: torch.Tensor) -> bool:
+    """--outtype f16: matrices F16, vectors F32; Gemma3VisionModel.tensor_force_quant: the
+    embeddings F32, the input projection F16 (whatever the outtype)."""
+    return "input_projection" in name or (w.dim() >= 2 and ".embeddings." not in name)
 
 
 def hf_greedy(hf, ids: list[int], pixels: torch.Tensor, n: int, vocab: int):
