@@ -6,6 +6,8 @@ prompt into chunks around the image and when a prefix-cache hit covers part of a
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -143,3 +145,49 @@ def test_triton_backend_runs_images_through_the_reference(checkpoint) -> None:
     assert out[0].outputs[0].token_ids == expected
     for lp, ref in zip(out[0].outputs[0].logprobs, logprobs, strict=True):
         assert all(abs(value[0] - float(ref[token])) < 1e-4 for token, value in lp.items())
+
+
+def _hf_processor(folder):
+    """transformers' Gemma3Processor over the tiny checkpoint's tokenizer and image processor."""
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(folder / "tokenizer.json"),
+        extra_special_tokens={
+            "image_token": "<image_soft_token>", "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>"
+        },
+    )  # fmt: skip
+    images = transformers.AutoImageProcessor.from_pretrained(folder, backend="pil")
+    return transformers.Gemma3Processor(image_processor=images, tokenizer=tokenizer, image_seq_length=16)
+
+
+def test_pan_and_scan_matches_transformers(tmp_path) -> None:
+    """Pan-and-scan (opt-in: the engine option, or the checkpoint's preprocessor config): a wide
+    and a tall image get crops, a near-square one none; the prompt ids equal transformers'
+    Gemma3Processor's, and the greedy tokens and logprobs its model's on the processor's pixels."""
+    hf = make_tiny_gemma3_vlm(tmp_path)
+    path = tmp_path / "preprocessor_config.json"
+    config = json.loads(path.read_text()) | {"pan_and_scan_min_crop_size": 16}  # 32-pixel images here
+    path.write_text(json.dumps(config))
+    processor = _hf_processor(tmp_path)
+    llm = LLM(str(tmp_path), do_pan_and_scan=True, block_size=4, show_progress=False)
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3, ignore_eos=True)
+    images = [make_image(3, (100, 30)), make_image(4, (30, 70)), make_image(5, (40, 36))]
+    outputs = llm.generate(
+        [{"prompt": PROMPT, "multi_modal_data": {"image": im}} for im in images], params, use_tqdm=False
+    )
+    num_crops = []
+    for out, image in zip(outputs, images, strict=True):
+        ref = processor(text=PROMPT, images=[image], do_pan_and_scan=True, pan_and_scan_min_crop_size=16,
+                        return_tensors="pt")  # fmt: skip
+        assert out.prompt_token_ids == ref["input_ids"][0].tolist()
+        num_crops.append(len(ref["pixel_values"]) - 1)
+        expected, logprobs = hf_greedy(hf, out.prompt_token_ids, ref["pixel_values"], 6)
+        assert out.outputs[0].token_ids == expected
+        for lp, r in zip(out.outputs[0].logprobs, logprobs, strict=True):
+            assert all(abs(value[0] - float(r[token])) < 1e-4 for token, value in lp.items())
+    assert num_crops == [3, 2, 0]
+    # the checkpoint's own setting turns it on; the engine option wins over it
+    path.write_text(json.dumps(config | {"do_pan_and_scan": True}))
+    for option, count in ((None, 4 * 16), (False, 16)):
+        engine = LLM(str(tmp_path), do_pan_and_scan=option, show_progress=False).engine
+        ids = engine.process_inputs(PROMPT, SamplingParams(max_tokens=1), [images[0]]).token_ids
+        assert ids.count(509) == count

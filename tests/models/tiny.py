@@ -193,27 +193,37 @@ GEMMA3_VLM_TEMPLATE = (
 """Gemma 3's chat template, cut to what the tiny VLM needs: an image part is `<start_of_image>`."""
 
 
-def make_tiny_gemma3_vlm(folder: Path, seed: int = 0) -> transformers.PreTrainedModel:
+def make_tiny_gemma3_vlm(
+    folder: Path,
+    seed: int = 0,
+    image_token_last: bool = False,
+    text: transformers.PretrainedConfig | None = None,
+) -> transformers.PreTrainedModel:
     """A Gemma3ForConditionalGeneration: the tiny Gemma 3 text model and a 2-layer SigLIP tower
     on 32x32 images (8x8 patches, pooled to 16 image tokens), saved with a tokenizer whose last
-    ids are the image tokens, a chat template with image parts, and a preprocessor_config.json."""
+    ids are the image tokens, a chat template with image parts, and a preprocessor_config.json.
+    `image_token_last`: the placeholder is the last id (511, after boi 509 and eoi 510), as in
+    Gemma 3's own vocabulary (262144, past the 262144 ids its GGUF files keep). `text`: another
+    text config (vocabulary 512) than the tiny Gemma 3's."""
     torch.manual_seed(seed)
-    text = _gemma3()
+    text = text or _gemma3()
     text.max_position_embeddings = 512
     vision = transformers.SiglipVisionConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         image_size=32, patch_size=4, vision_use_head=False,
     )  # fmt: skip
+    special = (IMAGE_TOKENS[1], IMAGE_TOKENS[2], IMAGE_TOKENS[0]) if image_token_last else IMAGE_TOKENS
+    ids = {token: 509 + i for i, token in enumerate(special)}
     config = transformers.Gemma3Config(
-        text_config=text, vision_config=vision, mm_tokens_per_image=16,
-        image_token_index=509, boi_token_index=510, eoi_token_index=511, initializer_range=0.15,
+        text_config=text, vision_config=vision, mm_tokens_per_image=16, image_token_index=ids[IMAGE_TOKENS[0]],
+        boi_token_index=ids[IMAGE_TOKENS[1]], eoi_token_index=ids[IMAGE_TOKENS[2]], initializer_range=0.15,
     )  # fmt: skip
     config.text_config.eos_token_id = 0
     model = transformers.Gemma3ForConditionalGeneration(config).eval()
     with torch.no_grad():  # HF zero-initialises the projector: random weights, so images matter
         model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.3)
     model.save_pretrained(folder)
-    save_tiny_tokenizer(Path(folder), text.vocab_size, IMAGE_TOKENS)
+    save_tiny_tokenizer(Path(folder), text.vocab_size, special)
     path = Path(folder) / "tokenizer_config.json"
     tok_config = json.loads(path.read_text())
     tok_config["chat_template"] = GEMMA3_VLM_TEMPLATE

@@ -24,6 +24,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="model folder, .gguf file or bundled name (default: SmolLM2-135M-Instruct)",
     )
     g.add_argument(
+        "--mmproj", default=None, metavar="GGUF",
+        help="a GGUF vision projector (llama.cpp's mmproj-*.gguf) for a GGUF model: it then takes images",
+    )  # fmt: skip
+    g.add_argument(
+        "--do-pan-and-scan", default=None, action=argparse.BooleanOptionalAction,
+        help="Gemma 3 with images: also show the model crops of wide or tall images (transformers' "
+        "pan-and-scan); default: the checkpoint's preprocessor_config.json",
+    )  # fmt: skip
+    g.add_argument(
         "--model-impl", default="auto", choices=["auto", "native", "transformers"],
         help="whose modelling code runs the model: llmserve's (native) or transformers' (slower; no prefix "
         "caching); auto: native when the architecture has one, else transformers",
@@ -188,6 +197,8 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "admission_policy": args.admission_policy,
         "batching_mode": args.batching_mode,
         "model_impl": args.model_impl,
+        "mmproj": args.mmproj,
+        "do_pan_and_scan": args.do_pan_and_scan,
         "speculative_config": args.speculative_config,
         "pooling": args.pooling,
         "normalize_embeddings": args.normalize_embeddings,

@@ -43,6 +43,8 @@ class EngineArgs:
     cpu_activations: str = "auto"
     max_model_len: int | None = None
     show_progress: bool = True
+    mmproj: str | None = None
+    do_pan_and_scan: bool | None = None
     model_impl: str = "auto"
     attention_backend: str = "auto"
     enforce_eager: bool = False
@@ -105,6 +107,8 @@ class EngineArgs:
             cpu_activations=self.cpu_activations,  # type: ignore[arg-type]
             max_model_len=self.max_model_len,
             show_progress=self.show_progress,
+            mmproj=self.mmproj,
+            do_pan_and_scan=self.do_pan_and_scan,
             model_impl=self.model_impl,  # type: ignore[arg-type]
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,

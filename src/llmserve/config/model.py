@@ -95,6 +95,14 @@ class ModelConfig:
 
     show_progress: bool = True
     """Show a progress bar while loading weights."""
+    mmproj: str | None = None
+    """A GGUF vision projector (llama.cpp's `mmproj-*.gguf`, `general.architecture` `clip`) for a
+    GGUF language model: the model then takes images (Gemma 3: `clip.projector_type` gemma3).
+    llama-server's `--mmproj`."""
+    do_pan_and_scan: bool | None = None
+    """Gemma 3 with images: also show the model crops of a wide or tall image (transformers'
+    pan-and-scan: 2 to `pan_and_scan_max_num_crops` crops along the long side, each 256 tokens more
+    on Gemma 3). None: the checkpoint's preprocessor_config.json says (off where it does not)."""
     model_impl: ModelImplName = "auto"
     """Whose modelling code runs the forward pass. `native`: llmserve's own (paged attention,
     quantized kernels, prefix caching). `transformers`: transformers' modelling code for the
@@ -131,6 +139,10 @@ class ModelConfig:
             )
         if self.model_impl not in _MODEL_IMPLS:
             raise ValueError(f"model_impl must be one of {', '.join(_MODEL_IMPLS)}; got {self.model_impl!r}")
+        if self.mmproj is not None and not self.mmproj.endswith(".gguf"):
+            raise ValueError(
+                f"mmproj must be a .gguf file (llama.cpp's vision projector); got {self.mmproj!r}"
+            )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1; got {self.max_model_len}")
         if self.device != "auto" and not self.device.startswith(("cpu", "cuda")):

@@ -105,6 +105,8 @@ class LLMEngine:
             logger.info("prefix caching is off: the transformers implementation keeps no shared KV blocks")
             self.cache_config = dataclasses.replace(self.cache_config, enable_prefix_caching=False)
         self.tokenizer: Tokenizer = load_tokenizer(self.loaded.source)
+        if self.loaded.gguf_vision is not None:  # the image placeholder a GGUF vocabulary lacks
+            self.tokenizer.add_special_tokens(self.loaded.gguf_vision.added_tokens)
         self.max_model_len = self.loaded.max_model_len
         text_config = self.loaded.text_config  # a multimodal checkpoint: its language model's
         self.vocab_size = int(text_config.vocab_size)
@@ -231,12 +233,14 @@ class LLMEngine:
         model = self.loaded.model
         if not getattr(model, "supports_images", False):
             return None
-        source = self.loaded.source
+        source, vision = self.loaded.source, self.loaded.gguf_vision
         return ImagePromptProcessor(
             self.loaded.hf_config,
             int(model.mm_tokens_per_image),  # type: ignore[attr-defined]
             self.tokenizer.id_to_token,
             source.path if source.kind == "hf" else None,
+            vision.preprocessing if vision is not None else None,
+            self.model_config.do_pan_and_scan,
         )
 
     def _check_images(self, images: Sequence[Any]) -> ImagePromptProcessor:
@@ -299,9 +303,12 @@ class LLMEngine:
         if processor is not None:
             if not isinstance(prompt, str):
                 raise ParameterError("a prompt with images must be text", param="prompt")
-            prompt = processor.expand(prompt, len(images))
+            images, num_crops = processor.split(images)  # pan-and-scan crops follow their image
+            prompt = processor.expand(prompt, num_crops)
         text, ids = self.encode_prompt(prompt, add_special_tokens)
         mm_inputs = processor.inputs(ids, images) if processor is not None else ()
+        if processor is None and self.images is not None:
+            self.images.check_no_placeholders(ids)
         if not ids:
             raise ParameterError("the prompt is empty after tokenization", param="prompt")
         params.validate_for_model(self.vocab_size)

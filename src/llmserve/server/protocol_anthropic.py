@@ -4,8 +4,9 @@ Strict as Anthropic is: an unknown field, or a known one of the wrong type, is a
 `invalid_request_error` naming it (`messages.0.role: Input should be 'user' or 'assistant'`), so
 a client learns at once that a feature it relies on is not here. Content blocks are checked one
 by one against `BLOCKS` (a registry by `type`), so a bad block names its own path
-(`messages.1.content.0.input: ...`) and a type llmserve does not serve (images, documents,
-server tools' blocks) is refused by name rather than as a failed union.
+(`messages.1.content.0.input: ...`) and a type llmserve does not serve (documents, server tools'
+blocks) is refused by name rather than as a failed union. Images (base64 or URL sources) go in
+user messages, to models that take them.
 
 Accepted and ignored, because they change nothing about the answer here: `metadata`,
 `service_tier`, `output_config.effort`, and `cache_control` (top level, on blocks and tools: the
@@ -81,6 +82,32 @@ class ToolResultBlock(_Strict):
         return "\n".join(texts)
 
 
+class Base64ImageSource(_Strict):
+    type: Literal["base64"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
+    data: StrictStr
+
+
+class URLImageSource(_Strict):
+    type: Literal["url"]
+    url: StrictStr
+
+
+class ImageBlock(_Strict):
+    """An image in a user message: base64 data, or a URL under the server's media rules (a
+    remote one only with --allow-remote-media; server/media.py)."""
+
+    type: Literal["image"]
+    source: Annotated[Base64ImageSource | URLImageSource, Field(discriminator="type")]
+    cache_control: CacheControl | None = None
+
+    @property
+    def url(self) -> str:
+        """The image as the URL the chat path loads: base64 data as a data URL."""
+        src = self.source
+        return f"data:{src.media_type};base64,{src.data}" if isinstance(src, Base64ImageSource) else src.url
+
+
 class ThinkingBlock(_Strict):
     type: Literal["thinking"]
     thinking: StrictStr
@@ -92,10 +119,10 @@ class RedactedThinkingBlock(_Strict):
     data: StrictStr
 
 
-Block = TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
+Block = TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
 BLOCKS: dict[str, type[Block]] = {
-    "text": TextBlock, "tool_use": ToolUseBlock, "tool_result": ToolResultBlock, "thinking": ThinkingBlock,
-    "redacted_thinking": RedactedThinkingBlock,
+    "text": TextBlock, "image": ImageBlock, "tool_use": ToolUseBlock, "tool_result": ToolResultBlock,
+    "thinking": ThinkingBlock, "redacted_thinking": RedactedThinkingBlock,
 }  # fmt: skip
 
 
@@ -105,7 +132,7 @@ def parse_block(block: dict[str, Any], where: str, allowed: tuple[str, ...]) -> 
     if not isinstance(kind, str):
         raise APIError(400, f"{where}.type: Field required (a content block's type, a string)", param=where)
     if kind not in allowed:
-        served = kind in ("image", "document", "search_result", "container_upload")
+        served = kind in ("document", "search_result", "container_upload")
         why = "are not supported by this server (text only)" if served else f"are not allowed here {allowed}"
         raise APIError(400, f"{where}: content blocks of type {kind!r} {why}", param=where)
     try:

@@ -3,8 +3,10 @@
 Strict at the top level, as OpenAI is: an unknown field, or a known one of the wrong type, is a
 400 naming it, so a client learns at once that a feature it relies on is not here. Input items are
 checked one by one against `ITEMS` (a registry by `type`), so a bad item names its own path
-(`input.1.call_id: Field required`) and an item llmserve does not serve (images, files, hosted
-tools' calls, item references) is refused by name rather than as a failed union.
+(`input.1.call_id: Field required`) and an item llmserve does not serve (files, hosted tools'
+calls, item references) is refused by name rather than as a failed union. Images
+(`input_image` parts with an `image_url`: a data URL, or a path or URL under the server's media
+rules) go in user messages, to models that take them.
 
 Accepted and ignored, because they change nothing about the answer here: `metadata` (echoed),
 `user`, `safety_identifier`, `prompt_cache_key` (the engine's prefix cache reuses any repeated
@@ -53,6 +55,16 @@ class RefusalPart(_Strict):
     refusal: StrictStr
 
 
+class ImagePart(_Strict):
+    """`input_image`: the image at `image_url` (`file_id`, the Files API's, is not served)."""
+
+    type: Literal["input_image"]
+    image_url: StrictStr | None = None
+    file_id: StrictStr | None = None
+    detail: Literal["auto", "low", "high"] | None = None
+    """Accepted and ignored: the model's preprocessing decides the resolution."""
+
+
 class MessageItem(_Strict):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
@@ -66,6 +78,20 @@ class MessageItem(_Strict):
             return self.content
         parts = [_parse_part(p, f"{where}.content.{j}") for j, p in enumerate(self.content)]
         return "\n".join(p.text if isinstance(p, TextPart) else p.refusal for p in parts)
+
+    def parts(self, where: str) -> list[TextPart | ImagePart] | None:
+        """A user message's parts when it holds an image (`text` otherwise): each image with a URL."""
+        if isinstance(self.content, str) or self.role != "user":
+            return None
+        if not any(isinstance(p, dict) and p.get("type") == "input_image" for p in self.content):
+            return None
+        parts = [_parse_part(p, f"{where}.content.{j}", _USER_PARTS) for j, p in enumerate(self.content)]
+        for j, p in enumerate(parts):
+            if isinstance(p, ImagePart) and p.image_url is None:
+                field = f"{where}.content.{j}.image_url"
+                why = "file_id images are not served here; give" if p.file_id is not None else "needs"
+                raise APIError(400, f"{field}: {why} an image_url (a data URL, a path or a URL)", param=field)
+        return parts  # type: ignore[return-value]
 
 
 class FunctionCallItem(_Strict):
@@ -112,12 +138,15 @@ _PARTS: dict[str, type[TextPart | RefusalPart]] = {
 }  # fmt: skip
 
 
-def _parse_part(part: Any, where: str) -> TextPart | RefusalPart:
+_USER_PARTS: dict[str, type[TextPart | RefusalPart | ImagePart]] = {**_PARTS, "input_image": ImagePart}
+
+
+def _parse_part(part: Any, where: str, known: dict[str, Any] = _PARTS) -> Any:
     kind = part.get("type") if isinstance(part, dict) else None
-    if kind not in _PARTS:
-        raise APIError(400, f"{where}: content parts of type {kind!r} are not supported by this server "
-                       "(text only)", param=where)  # fmt: skip
-    return _parse_at(_PARTS[kind], part, where)
+    if kind not in known:
+        why = "only in user messages" if kind == "input_image" else "not supported by this server (text only)"
+        raise APIError(400, f"{where}: content parts of type {kind!r} are {why}", param=where)
+    return _parse_at(known[kind], part, where)
 
 
 def _parse_at(model: type[BaseModel], value: Any, where: str) -> Any:

@@ -95,6 +95,19 @@ class Tokenizer:
         None when `i` is outside the vocabulary."""
         return self._backend.id_to_token(i)
 
+    def add_special_tokens(self, tokens: Sequence[tuple[int, str]]) -> None:
+        """Add (id, text) special tokens that the stored vocabulary lacks (a GGUF model's image
+        placeholder); each must get the id given, the next free one."""
+        for token_id, text in tokens:
+            if self._backend.token_to_id(text) is not None:
+                continue
+            self._backend.add_special_tokens([tokenizers.AddedToken(text, special=True, normalized=False)])
+            got = self._backend.token_to_id(text)
+            if got != token_id:
+                raise ValueError(f"token {text!r} was added as id {got}, not {token_id}")
+        self.vocab_size = self._backend.get_vocab_size(with_added_tokens=True)
+        self._text_only_backend = None
+
     def _text_only(self) -> tokenizers.Tokenizer:
         if self._text_only_backend is None:
             with self._text_only_lock:

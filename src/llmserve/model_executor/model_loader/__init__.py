@@ -11,11 +11,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm.auto import tqdm
@@ -56,6 +57,9 @@ from llmserve.model_executor.offload import LayerOffloader, check_offload_device
 from llmserve.models import CausalLM, resolve_model_class
 from llmserve.models.registry import is_supported
 
+if TYPE_CHECKING:
+    from llmserve.model_executor.model_loader.gguf_mmproj import GGUFVision
+
 logger = logging.getLogger("llmserve")
 
 
@@ -91,6 +95,8 @@ class LoadedModel:
     """The decoder layers kept in host memory (`cpu_offload_gb`), or None."""
     moe: str = ""
     """Mixture-of-experts models: layers, experts and active parameters (`layers.moe.describe_moe`)."""
+    gguf_vision: GGUFVision | None = None
+    """A GGUF model's vision projector file (`mmproj`): the tokens and preprocessing it adds."""
 
     @property
     def text_config(self) -> Any:
@@ -181,20 +187,31 @@ def load_model(config: ModelConfig, shard: TPShard | None = None) -> LoadedModel
     start = time.perf_counter()
     source = resolve_model(config.model)
     prequantized: PrequantizedCheckpoint | None = None
+    vision: GGUFVision | None = None
     if source.kind == "gguf":
+        from llmserve.model_executor.model_loader import gguf_mmproj
         from llmserve.model_executor.model_loader.gguf_loader import GGUFCheckpoint
 
         ckpt = GGUFCheckpoint(source.gguf_files)
-        hf_config = ckpt.hf_config()
-        num_tensors: int | None = ckpt.num_tensors()
-        fmt = f"gguf ({', '.join(ckpt.tensor_types())})"
-        tensor_types: dict[str, str] | None = ckpt.hf_tensor_types()
+        ckpts = [ckpt]
+        if config.mmproj is not None:  # the vision projector file: its tensors follow the model's
+            ckpts.append(gguf_mmproj.open_mmproj(config.mmproj))
+            vision = gguf_mmproj.gemma3_vision(ckpt, ckpts[1])
+        hf_config = ckpt.hf_config() if vision is None else vision.hf_config
+        num_tensors: int | None = sum(c.num_tensors() for c in ckpts)
+        fmt = f"gguf ({', '.join(ckpt.tensor_types())})" + (f" + mmproj {config.mmproj}" if vision else "")
+        tensor_types: dict[str, str] | None = {k: v for c in ckpts for k, v in c.hf_tensor_types().items()}
 
         def weights(dtype: torch.dtype, keep_quantized: Any, cut: Any) -> Iterator[tuple[str, Any, str]]:
-            stream = ckpt.iter_weights(dtype, keep_quantized)
+            stream = itertools.chain.from_iterable(c.iter_weights(dtype, keep_quantized) for c in ckpts)
             # a GGUF tensor is read whole (one at a time), then cut to the rank's part
             return stream if cut is None else ((n, cut(n, t), f) for n, t, f in stream)
     else:
+        if config.mmproj is not None:
+            raise ValueError(
+                f"mmproj {config.mmproj!r} is for GGUF models (llama.cpp's vision projector); "
+                f"{source.name} is an HF folder, whose config names its own vision tower"
+            )
         hf_config = hf_folder.load_hf_config(source.path)
         fmt, files = hf_folder.weight_files(source.path)
         num_tensors = hf_folder.count_tensors(fmt, files)
@@ -333,6 +350,7 @@ def load_model(config: ModelConfig, shard: TPShard | None = None) -> LoadedModel
         profile=profile,
         offloader=offloader,
         moe=", ".join(filter(None, (describe_moe(model), moe_kernels))),
+        gguf_vision=vision,
     )
     logger.info(loaded.summary())
     return loaded

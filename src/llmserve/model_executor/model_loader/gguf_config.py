@@ -212,3 +212,27 @@ def gpt2_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
         n_inner=ckpt.arch_field("feed_forward_length"),  # None means 4 * n_embd
         layer_norm_epsilon=ckpt.require("attention.layer_norm_epsilon"),
     )
+
+
+def clip_vision_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
+    """A vision projector file (llama.cpp's mmproj, `clip.vision.*` keys) -> the SigLIP tower's
+    config. Only Gemma 3's projector is read (`clip.projector_type` gemma3); the projector's own
+    sizes (pooling, text width) are `gguf_mmproj.py`'s."""
+    kind = ckpt.field("clip.projector_type")
+    if kind != "gemma3":
+        raise ModelLoadError(
+            f"{ckpt.parts[0]}: vision projector type {kind!r} is not supported; supported: gemma3"
+        )
+    if not ckpt.field("clip.has_vision_encoder", False):
+        raise ModelLoadError(f"{ckpt.parts[0]}: the projector file has no vision encoder")
+    return transformers.SiglipVisionConfig(
+        hidden_size=ckpt.require("vision.embedding_length"),
+        intermediate_size=ckpt.require("vision.feed_forward_length"),
+        num_hidden_layers=ckpt.require("vision.block_count"),
+        num_attention_heads=ckpt.require("vision.attention.head_count"),
+        layer_norm_eps=ckpt.arch_field("vision.attention.layer_norm_epsilon", 1e-6),
+        image_size=ckpt.require("vision.image_size"),
+        patch_size=ckpt.require("vision.patch_size"),
+        hidden_act="gelu_pytorch_tanh",  # clip.use_gelu: ggml's gelu is the tanh approximation
+        vision_use_head=False,
+    )

@@ -47,7 +47,7 @@ SUPPORTED_TENSOR_TYPES: tuple[GGMLQuantizationType, ...] = (
 )  # fmt: skip
 # llama.cpp-only tensors with no HF counterpart (rope_freqs is folded into the config instead).
 _NON_HF_TENSORS = ("rope_freqs", "blk.{bid}.attn_rot_embd")
-_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+_BLOCK_RE = re.compile(r"^(v\.)?blk\.(\d+)\.(.+)$")  # a vision projector's blocks are `v.blk.N.*`
 
 
 class _FastReader(GGUFReader):
@@ -168,6 +168,29 @@ _GPT2_NAMES = {
     "blk.{bid}.ffn_down": "transformer.h.{bid}.mlp.c_proj",
 }
 
+# A vision projector (llama.cpp's mmproj file, architecture `clip`) for Gemma 3: SigLIP and the
+# projector under Gemma3ForConditionalGeneration's checkpoint names (convert_hf_to_gguf.py's
+# Gemma3VisionModel through gguf's MODEL_ARCH.MMPROJ name map; clip.cpp's TN_* names).
+_SIGLIP = "model.vision_tower.vision_model."
+_CLIP_GEMMA3_NAMES = {
+    "v.patch_embd": _SIGLIP + "embeddings.patch_embedding",
+    "v.position_embd": _SIGLIP + "embeddings.position_embedding",
+    "v.blk.{bid}.attn_q": _SIGLIP + "encoder.layers.{bid}.self_attn.q_proj",
+    "v.blk.{bid}.attn_k": _SIGLIP + "encoder.layers.{bid}.self_attn.k_proj",
+    "v.blk.{bid}.attn_v": _SIGLIP + "encoder.layers.{bid}.self_attn.v_proj",
+    "v.blk.{bid}.attn_out": _SIGLIP + "encoder.layers.{bid}.self_attn.out_proj",
+    "v.blk.{bid}.ln1": _SIGLIP + "encoder.layers.{bid}.layer_norm1",
+    "v.blk.{bid}.ln2": _SIGLIP + "encoder.layers.{bid}.layer_norm2",
+    "v.blk.{bid}.ffn_up": _SIGLIP + "encoder.layers.{bid}.mlp.fc1",
+    "v.blk.{bid}.ffn_down": _SIGLIP + "encoder.layers.{bid}.mlp.fc2",
+    "v.post_ln": _SIGLIP + "post_layernorm",
+    # HF's bare parameter `mm_input_projection_weight` [C_v, H] (a name ending in `_weight` is
+    # taken whole): the converter renamed it `.weight` and wrote the array as it is (clip.cpp
+    # transposes it in its graph)
+    "mm.input_projection": "model.multi_modal_projector.mm_input_projection_weight",
+    "mm.soft_emb_norm": "model.multi_modal_projector.mm_soft_emb_norm",
+}
+
 # A fix takes the tensor (float32, GGUF layout) and the checkpoint, and returns the HF tensor.
 Fix = Callable[[torch.Tensor, "GGUFCheckpoint"], torch.Tensor]
 
@@ -192,6 +215,8 @@ _LLAMA_FIXES: dict[str, Fix] = {
 _QWEN2MOE_FIXES: dict[str, Fix] = {"blk.{bid}.ffn_gate_inp_shexp": lambda w, c: w.reshape(1, -1)}
 # Gemma's RMSNorm multiplies by (1 + w); llama.cpp stores 1 + w.
 _GEMMA3_FIXES: dict[str, Fix] = {key: lambda w, c: w - 1.0 for key in _GEMMA3_NAMES if key.endswith("norm")}
+# Only the projector's RMSNorm is Gemma's (1 + w), stored as 1 + w; SigLIP's LayerNorms are plain.
+_CLIP_GEMMA3_FIXES: dict[str, Fix] = {"mm.soft_emb_norm": lambda w, c: w - 1.0}
 # HF's Conv1D keeps [in, out]; llama.cpp stores the nn.Linear layout [out, in]. Biases stay as they are.
 _GPT2_FIXES: dict[str, Fix] = {
     f"blk.{{bid}}.{n}": lambda w, c: w.T.contiguous() if w.dim() == 2 else w
@@ -231,6 +256,13 @@ _ARCHS: dict[str, _ArchSpec] = {
     "qwen3moe": _ArchSpec("Qwen3MoeForCausalLM", _QWEN3MOE_NAMES, {}, gguf_config.qwen3moe_config),
     "gemma3": _ArchSpec("Gemma3ForCausalLM", _GEMMA3_NAMES, _GEMMA3_FIXES, gguf_config.gemma3_config),
     "gpt2": _ArchSpec("GPT2LMHeadModel", _GPT2_NAMES, _GPT2_FIXES, gguf_config.gpt2_config),
+    # a vision projector: its config is the vision tower's; the model's comes from both files
+    "clip": _ArchSpec(
+        "Gemma3ForConditionalGeneration",
+        _CLIP_GEMMA3_NAMES,
+        _CLIP_GEMMA3_FIXES,
+        gguf_config.clip_vision_config,
+    ),
 }
 
 
@@ -254,7 +286,7 @@ def _f32(v: float) -> float:
 def _table_key(base: str) -> tuple[str, str | None]:
     """Table key and block index: blk.3.attn_q -> ("blk.{bid}.attn_q", "3"); token_embd -> (.., None)."""
     m = _BLOCK_RE.match(base)
-    return (f"blk.{{bid}}.{m.group(2)}", m.group(1)) if m else (base, None)
+    return (f"{m.group(1) or ''}blk.{{bid}}.{m.group(3)}", m.group(2)) if m else (base, None)
 
 
 # -- the checkpoint ---------------------------------------------------------------------------------
@@ -428,7 +460,10 @@ class GGUFCheckpoint:
                 )
             fix = spec.fixes.get(key)
             if "{xid}" not in hf_base:
-                plan.append(_Planned(name, f"{hf_base.format(bid=bid)}.{suffix}", fix))
+                hf_name = hf_base.format(bid=bid)
+                plan.append(
+                    _Planned(name, hf_name if hf_name.endswith("_weight") else f"{hf_name}.{suffix}", fix)
+                )
                 continue
             if len(t.shape) != 3:  # ggml order: [in, out, experts]
                 raise ModelLoadError(f"{file}: expert tensor {name!r} has shape {t.shape.tolist()}, not 3-D")

@@ -12,6 +12,8 @@ upstream. The conversion:
 
     system (string or text blocks)          -> a system message
     user text blocks                        -> a user message
+    user image blocks (base64, url)         -> its image parts (a data URL, or the URL under the
+                                               server's media rules), in place among the text
     user tool_result blocks                 -> tool messages (tool_call_id, the tool's name)
     assistant text, tool_use blocks         -> an assistant message with tool_calls
     assistant thinking blocks               -> left out (templates drop past turns' reasoning)
@@ -32,19 +34,19 @@ from starlette.requests import Request
 
 from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
 from llmserve.server.errors import APIError, anthropic_error_sse
-from llmserve.server.protocol import ChatMessage, parse
+from llmserve.server.protocol import ChatMessage, ImageURL, ImageURLPart, TextPart, parse
 from llmserve.server.protocol_anthropic import (
     CountTokensRequest,
+    ImageBlock,
     MessagesRequest,
     ToolResultBlock,
     parse_block,
 )
 from llmserve.server.serving.anthropic_events import MessageEvents, message, new_message_id
-from llmserve.server.serving.chat import render_chat
-from llmserve.server.serving.chat_bridge import json_body, renamed, start_chat, whole
+from llmserve.server.serving.chat_bridge import json_body, renamed, render_prompt, start_chat, whole
 from llmserve.server.serving.context import ServingContext
-from llmserve.server.serving.inputs import check_stop
-from llmserve.server.serving.pieces import Piece, relay_pieces, upstream_chat_body
+from llmserve.server.serving.inputs import check_stop, process_prompt
+from llmserve.server.serving.pieces import ImageInputs, Piece, relay_pieces, upstream_chat_body
 from llmserve.server.serving.streaming import run_unless_disconnected, sse_with_errors
 from llmserve.server.serving.tools import ToolPlan, plan_tools
 
@@ -53,7 +55,7 @@ if TYPE_CHECKING:
     from llmserve.server.models import ModelManager
     from llmserve.server.remote import RemoteModel
 
-_USER_BLOCKS = ("text", "tool_result")
+_USER_BLOCKS = ("text", "image", "tool_result")
 _ASSISTANT_BLOCKS = ("text", "tool_use", "thinking", "redacted_thinking")
 
 
@@ -64,9 +66,11 @@ def _text(blocks: str | list[dict[str, Any]], where: str) -> str:
     return "\n".join(parse_block(b, f"{where}.{i}", ("text",)).text for i, b in enumerate(blocks))
 
 
-def chat_messages(req: CountTokensRequest) -> list[ChatMessage]:
-    """The conversation as the chat messages /v1/chat/completions takes (see the module's table)."""
+def chat_messages(req: CountTokensRequest) -> tuple[list[ChatMessage], list[str]]:
+    """The conversation as the chat messages /v1/chat/completions takes (see the module's table),
+    and each image block's field (`messages.0.content.1.source`) in the order they render."""
     out = [ChatMessage(role="system", content=_text(req.system, "system"))] if req.system else []
+    fields: list[str] = []
     names: dict[str, str] = {}  # tool_use id -> the tool's name, for the tool_result answering it
     for i, m in enumerate(req.messages):
         where = f"messages.{i}.content"
@@ -77,8 +81,9 @@ def chat_messages(req: CountTokensRequest) -> list[ChatMessage]:
             raise APIError(400, f"{where}: all messages but a final assistant one need content", param=where)
         allowed = _USER_BLOCKS if m.role == "user" else _ASSISTANT_BLOCKS
         blocks = [parse_block(b, f"{where}.{j}", allowed) for j, b in enumerate(m.content)]
+        fields += [f"{where}.{j}.source" for j, b in enumerate(blocks) if isinstance(b, ImageBlock)]
         out += _assistant(blocks, names) if m.role == "assistant" else _user(blocks, names, where)
-    return out
+    return out, fields
 
 
 def _assistant(blocks: list[Any], names: dict[str, str]) -> list[ChatMessage]:
@@ -93,11 +98,15 @@ def _assistant(blocks: list[Any], names: dict[str, str]) -> list[ChatMessage]:
 
 def _user(blocks: list[Any], names: dict[str, str], where: str) -> list[ChatMessage]:
     """A tool message per tool_result (which must answer a tool_use of an earlier assistant
-    message), then the text blocks as one user message."""
-    out, texts = [], []
+    message), then the text blocks as one user message (with images: its parts, in order)."""
+    out: list[ChatMessage] = []
+    parts: list[TextPart | ImageURLPart] = []
     for j, b in enumerate(blocks):
+        if isinstance(b, ImageBlock):
+            parts.append(ImageURLPart(type="image_url", image_url=ImageURL(url=b.url)))
+            continue
         if not isinstance(b, ToolResultBlock):
-            texts.append(b.text)
+            parts.append(TextPart(type="text", text=b.text))
             continue
         if b.tool_use_id not in names:
             raise APIError(400, f"{where}.{j}.tool_use_id: {b.tool_use_id!r} answers no tool_use block of an "
@@ -107,6 +116,9 @@ def _user(blocks: list[Any], names: dict[str, str], where: str) -> list[ChatMess
         out.append(
             ChatMessage(role="tool", content=content, tool_call_id=b.tool_use_id, name=names[b.tool_use_id])
         )
+    if any(isinstance(p, ImageURLPart) for p in parts):
+        return [*out, ChatMessage(role="user", content=parts)]
+    texts = [p.text for p in parts if isinstance(p, TextPart)]
     return out + ([ChatMessage(role="user", content="\n".join(texts))] if texts else [])
 
 
@@ -121,19 +133,24 @@ def template_kwargs(req: CountTokensRequest) -> dict[str, Any] | None:
     return None if req.thinking is None else {"enable_thinking": req.thinking.type != "disabled"}
 
 
-def render(
-    ctx: ServingContext, req: CountTokensRequest, messages: list[ChatMessage], plan: ToolPlan
-) -> list[int]:
-    """The prompt's token ids; a final assistant message with text is continued (prefill), an
-    empty one left out (the answer starts afresh)."""
+async def render(
+    ctx: ServingContext,
+    req: CountTokensRequest,
+    messages: list[ChatMessage],
+    fields: list[str],
+    plan: ToolPlan,
+) -> tuple[list[int] | str, ImageInputs | None]:
+    """The prompt (`render_prompt`'s: token ids, or text and images); a final assistant message
+    with text is continued (prefill), an empty one left out (the answer starts afresh)."""
     last = messages[-1]
     if last.role == "assistant" and not last.content and not last.tool_calls:
         messages = messages[:-1]
     if not any(m.role != "system" for m in messages):
         raise APIError(400, "messages: the conversation has no content", param="messages")
     prefill = messages[-1].role == "assistant" and bool(messages[-1].content)
-    return render_chat(ctx, messages, add_generation_prompt=not prefill, continue_final_message=prefill,
-                       extra=template_kwargs(req), tools=plan.tools, fmt=plan.fmt)  # fmt: skip
+    return await render_prompt(ctx, messages, fields, "messages", add_generation_prompt=not prefill,
+                               continue_final_message=prefill, extra=template_kwargs(req), tools=plan.tools,
+                               fmt=plan.fmt)  # fmt: skip
 
 
 def sampling_params(req: MessagesRequest) -> SamplingParams:
@@ -159,12 +176,17 @@ class AnthropicServing:
 
     async def count_tokens(self, raw: Request) -> Any:
         req: CountTokensRequest = parse(CountTokensRequest, await json_body(raw))
-        messages = chat_messages(req)
+        messages, fields = chat_messages(req)
         async with self.models.lease(req.model) as slot:
             if slot.ctx is None:
                 raise APIError(400, f"the model {slot.name!r} is served by the {slot.engine} engine; "
                                "count_tokens needs a native model", param="model")  # fmt: skip
-            return {"input_tokens": len(render(slot.ctx, req, messages, tool_plan(slot.ctx, req)))}
+            prompt, images = await render(slot.ctx, req, messages, fields, tool_plan(slot.ctx, req))
+            if images is not None:  # each image's marker expanded to its tokens, as the engine runs it
+                processed = await process_prompt(slot.ctx, prompt, SamplingParams(max_tokens=1), None,
+                                                 images.data, False, images.fields)  # fmt: skip
+                prompt = processed.token_ids
+            return {"input_tokens": len(prompt)}
 
     async def create(self, raw: Request) -> Any:
         req: MessagesRequest = parse(MessagesRequest, await json_body(raw))
@@ -172,14 +194,14 @@ class AnthropicServing:
         if budget is not None and budget >= req.max_tokens:
             raise APIError(400, f"thinking.budget_tokens ({budget}) must be less than max_tokens "
                            f"({req.max_tokens})", param="thinking")  # fmt: skip
-        messages, params = chat_messages(req), sampling_params(req)
+        (messages, fields), params = chat_messages(req), sampling_params(req)
 
         async def native(ctx: ServingContext) -> Any:
             check_stop(ctx, params.stop, "stop_sequences")
             plan = tool_plan(ctx, req)
-            ids = render(ctx, req, messages, plan)
+            prompt, images = await render(ctx, req, messages, fields, plan)
             answer = await start_chat(
-                ctx, ids, params, plan, "msg", template_kwargs(req), "output_config.format"
+                ctx, prompt, params, plan, "msg", template_kwargs(req), "output_config.format", images
             )
             return await _respond(req, raw, answer.pieces, answer.streams, answer.num_prompt_tokens)
 

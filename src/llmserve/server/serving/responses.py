@@ -20,6 +20,8 @@ the chat request upstream. The conversion:
     previous_response_id                   -> the stored conversation first (response_store.py)
     instructions                           -> a system message (this request's only: not carried over)
     message items (user/system/developer)  -> messages (developer as system; text parts joined)
+    input_image parts (user)               -> image parts (a data URL, or a path or URL under the
+                                              server's media rules), in place among the text
     assistant message items                -> assistant messages
     function_call items                    -> tool_calls of the assistant message before them
     function_call_output items             -> tool messages (tool_call_id, the function's name)
@@ -41,17 +43,19 @@ from starlette.requests import Request
 
 from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
 from llmserve.server.errors import APIError
-from llmserve.server.protocol import ChatMessage, parse
+from llmserve.server.protocol import ChatMessage, ImageURL, ImageURLPart, parse
+from llmserve.server.protocol import TextPart as ChatTextPart
 from llmserve.server.protocol_responses import (
     FunctionCallItem,
     FunctionCallOutputItem,
+    ImagePart,
     Item,
     MessageItem,
     ResponsesRequest,
+    TextPart,
     parse_item,
 )
-from llmserve.server.serving.chat import render_chat
-from llmserve.server.serving.chat_bridge import json_body, renamed, start_chat, whole
+from llmserve.server.serving.chat_bridge import json_body, renamed, render_prompt, start_chat, whole
 from llmserve.server.serving.context import ServingContext
 from llmserve.server.serving.pieces import Piece, relay_pieces, upstream_chat_body
 from llmserve.server.serving.response_store import ResponseStore, StoredResponse, listed_input_items, page
@@ -65,15 +69,24 @@ if TYPE_CHECKING:
     from llmserve.server.remote import RemoteModel
 
 
-def chat_messages(instructions: str | None, items: list[Item]) -> list[ChatMessage]:
-    """The conversation as the chat messages /v1/chat/completions takes (see the module's table)."""
+def chat_messages(instructions: str | None, items: list[Item]) -> tuple[list[ChatMessage], list[str]]:
+    """The conversation as the chat messages /v1/chat/completions takes (see the module's table),
+    and each image's field (`input.0.content.1.image_url`) in the order they render."""
     out = [ChatMessage(role="system", content=instructions)] if instructions else []
+    fields: list[str] = []
     names: dict[str, str] = {}  # call_id -> the function's name, for the output answering it
     for i, item in enumerate(items):
         where = f"input.{i}"
         if isinstance(item, MessageItem):
             role = "system" if item.role == "developer" else item.role
-            out.append(ChatMessage(role=role, content=item.text(where)))
+            parts = item.parts(where)
+            if parts is None:
+                out.append(ChatMessage(role=role, content=item.text(where)))
+                continue
+            fields += [
+                f"{where}.content.{j}.image_url" for j, p in enumerate(parts) if isinstance(p, ImagePart)
+            ]
+            out.append(ChatMessage(role=role, content=[_chat_part(p) for p in parts]))
         elif isinstance(item, FunctionCallItem):
             try:
                 arguments = json.loads(item.arguments)
@@ -98,7 +111,14 @@ def chat_messages(instructions: str | None, items: list[Item]) -> list[ChatMessa
                                    name=names[item.call_id]))  # fmt: skip
     if not any(m.role != "system" for m in out):
         raise APIError(400, "input: the conversation has no content", param="input")
-    return out
+    return out, fields
+
+
+def _chat_part(part: TextPart | ImagePart) -> ChatTextPart | ImageURLPart:
+    if isinstance(part, ImagePart):
+        assert part.image_url is not None  # MessageItem.parts checked it
+        return ImageURLPart(type="image_url", image_url=ImageURL(url=part.image_url))
+    return ChatTextPart(type="text", text=part.text)
 
 
 def sampling_params(req: ResponsesRequest) -> SamplingParams:
@@ -204,16 +224,18 @@ class ResponsesServing:
             else req.input
         )
         items = [parse_item(item, f"previous_response_id.{i}") for i, item in enumerate(before)] + req.items()
-        messages, params = chat_messages(req.instructions, items), sampling_params(req)
+        (messages, fields), params = chat_messages(req.instructions, items), sampling_params(req)
         conversation = [*before, *(given if req.input else [])]
         events = ResponseEvents(_shell(req), None)
         kept = StoredResponse(events.response, conversation, listed_input_items(given if req.input else []))
 
         async def native(ctx: ServingContext) -> Any:
             plan = tool_plan(ctx, req)
-            ids = render_chat(ctx, messages, add_generation_prompt=True, extra=template_kwargs(req),
-                              tools=plan.tools, fmt=plan.fmt)  # fmt: skip
-            answer = await start_chat(ctx, ids, params, plan, "resp", template_kwargs(req), "text.format")
+            prompt, images = await render_prompt(ctx, messages, fields, "input", add_generation_prompt=True,
+                                                 extra=template_kwargs(req), tools=plan.tools, fmt=plan.fmt)  # fmt: skip
+            answer = await start_chat(
+                ctx, prompt, params, plan, "resp", template_kwargs(req), "text.format", images
+            )
             return await self._respond(
                 req, raw, events, kept, answer.pieces, answer.streams, answer.num_prompt_tokens
             )
