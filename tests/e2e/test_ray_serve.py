@@ -21,10 +21,11 @@ pytest.importorskip("ray.serve")
 
 import openai
 import ray
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
-from tests.e2e.conftest import CHAT_TEMPLATE, free_port
+from tests.e2e.conftest import CHAT_TEMPLATE, free_port, new_traceparent, span_attrs
 from tests.models.tiny import make_tiny_model_eos0
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -49,11 +50,13 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def url(model_dir: Path) -> Iterator[str]:
+def url(model_dir: Path, collector) -> Iterator[str]:
     from llmserve.ray_serve import app
 
-    # 2 cores: the replicas reserve half a Ray CPU each and run torch on one thread
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # 2 cores: the replicas reserve half a Ray CPU each and run torch on one thread; spans are
+    # exported within 50 ms (the SDK's default: 5 s)
+    env = {"env_vars": {"OTEL_BSP_SCHEDULE_DELAY": "50"}}
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env=env)
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -61,6 +64,7 @@ def url(model_dir: Path) -> Iterator[str]:
             "model": str(model_dir), "served_model_name": MODEL, "num_replicas": "2", "replica_cpus": "0.5",
             "ingress_cpus": "0.5", "torch_threads": "1", "api_key": KEY, "prefix_blocks": str(PREFIX_BLOCKS),
             "block_size": str(BLOCK), "num_kv_blocks": "512", "max_num_seqs": "8",
+            "otlp_traces_endpoint": f"127.0.0.1:{collector[1]}",
         }  # fmt: skip
         serve.run(app(args), name=APP, route_prefix="/")
         yield f"http://127.0.0.1:{port}"
@@ -152,6 +156,28 @@ def test_stream_through_the_ingress_with_openai_client(url: str) -> None:
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
+
+
+def test_the_ingress_span_is_the_parent_of_the_replicas_span(url: str, collector) -> None:
+    receiver, _ = collector
+    for stream in (False, True):
+        trace_id, caller_span, header = new_traceparent()
+        body = {"model": MODEL, "prompt": "Trace me please", "max_tokens": 3, "stream": stream}
+        r = httpx.post(
+            f"{url}/v1/completions", json=body, headers={**AUTH, "traceparent": header}, timeout=60
+        )
+        assert r.status_code == 200, r.text
+        spans = {s.name: s for s in receiver.wait_for(trace_id, 5)}
+        assert set(spans) == {"ray_serve_ingress", "llm_request", "queue", "prefill", "decode"}
+        ingress, request = spans["ray_serve_ingress"], spans["llm_request"]
+        assert ingress.parent_span_id == caller_span and ingress.kind == Span.SPAN_KIND_SERVER
+        assert request.parent_span_id == ingress.span_id  # the replica's span, under the ingress's
+        assert ingress.start_time_unix_nano <= request.start_time_unix_nano
+        assert request.end_time_unix_nano <= ingress.end_time_unix_nano
+        attrs = span_attrs(ingress)
+        assert attrs["llmserve.replica"] == r.headers["x-llmserve-replica"]
+        assert attrs["http.response.status_code"] == 200 and attrs["url.path"] == "/v1/completions"
+        assert ingress.status.code != ingress.status.STATUS_CODE_ERROR
 
 
 def test_auth_and_bad_requests_answer_as_the_plain_server(url: str) -> None:

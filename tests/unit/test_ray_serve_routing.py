@@ -212,6 +212,14 @@ def test_llmserve_serve_replicas_flags(model_dir: Path) -> None:
     assert options.api_key == "k" and options.model == str(model_dir)
     assert options.server_options["max_n"] == 3 and "api_key" not in options.server_options
     assert options.engine_options["max_num_seqs"] == 5
+    # the trace endpoint: the ingress's own option, handed to the replicas by build_application
+    traced = ray_serve_options(
+        serve_args(str(model_dir), "--replicas", "1", "--otlp-traces-endpoint", "h:4317")
+    )
+    assert traced.otlp_traces_endpoint == "h:4317" and "otlp_traces_endpoint" not in traced.server_options
+    ingress = build_application(traced)._bound_deployment
+    assert ingress.init_args[-1] == "h:4317"
+    assert ingress.init_args[0]._bound_deployment.init_args[2]["otlp_traces_endpoint"] == "h:4317"
     with pytest.raises(ValueError, match="one native model"):
         ray_serve_options(serve_args(f"a={model_dir}", f"b={model_dir}", "--replicas", "2"))
     with pytest.raises(ValueError, match="TLS"):

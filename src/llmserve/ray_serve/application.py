@@ -68,6 +68,9 @@ class RayServeOptions:
     """How many of the prompt's first KV blocks the routing key hashes."""
     imbalance: int = 4
     """Requests ahead of the least loaded replica that make a prefix's home busy."""
+    otlp_traces_endpoint: str | None = None
+    """An OTLP/gRPC collector for OpenTelemetry spans (the `otel` extra): the ingress's span of each
+    request and, its child, the replica's `llm_request` span."""
     server_options: dict[str, Any] = field(default_factory=dict)
     """`ServerConfig` fields for each replica's app (limits, parsers); the key is the ingress's."""
     engine_options: dict[str, Any] = field(default_factory=dict)
@@ -139,10 +142,13 @@ def build_application(options: RayServeOptions) -> Application:
     ingress = serve.deployment(
         Ingress, name="Ingress", ray_actor_options={"num_cpus": options.ingress_cpus}, logging_config=QUIET
     )
-    server_options = {**options.server_options, "served_model_name": spec.name}
+    server_options = {
+        **options.server_options, "served_model_name": spec.name,
+        "otlp_traces_endpoint": options.otlp_traces_endpoint,
+    }  # fmt: skip
     return ingress.bind(
         replicas.bind(spec, options.engine_options, server_options, options.torch_threads),
-        options.model, options.api_key, block_size, options.prefix_blocks,
+        options.model, options.api_key, block_size, options.prefix_blocks, options.otlp_traces_endpoint,
     )  # fmt: skip
 
 
