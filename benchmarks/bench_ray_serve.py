@@ -55,12 +55,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(args: argparse.Namespace, extra: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+def _start(args: argparse.Namespace, extra: list[str], log: Path) -> tuple[subprocess.Popen, int]:
+    """The server's process (not yet ready) and its port."""
     port = _free_port()
     cmd = [sys.executable, "-m", "llmserve.cli.main", "serve", *([args.model] if args.model else []),
            "--port", str(port), "--served-model-name", "m", *extra, *args.server_args]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=os.environ)  # noqa: SIM115
-    return wait_healthy(proc, port, timeout=600), f"http://127.0.0.1:{port}"
+    return proc, port
 
 
 def _latencies(clients: list[httpx.Client], n: int) -> list[list[float]]:
@@ -133,9 +134,10 @@ def main() -> None:
     procs: list[subprocess.Popen] = []
     try:
         for name, extra in (("plain", []), ("ray", ray_flags)):
-            proc, url = _start(args, extra, logs / f"{name}.log")
-            procs.append(proc)
-            clients.append(httpx.Client(base_url=url, timeout=120))
+            proc, port = _start(args, extra, logs / f"{name}.log")
+            procs.append(proc)  # stopped below even if it never gets ready (or ^C meanwhile)
+            wait_healthy(proc, port, timeout=600)
+            clients.append(httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120))
         plain, ray = (_summary(lat) for lat in _latencies(clients, args.requests))
         plain.update(_hit_rate(clients[0], args))
         ray.update(_hit_rate(clients[1], args))

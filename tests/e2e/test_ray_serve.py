@@ -3,15 +3,18 @@ a tiny real model, driven over HTTP by httpx and OpenAI's client.
 
 One module-scoped cluster (Ray starts in tens of seconds): requests spread over both replicas, a
 shared-prefix workload cached on the replica the router chose (usage and the replica-labelled
-metrics), streaming through the ingress, the plain server's 401 and 400, and, last, one replica
-killed mid-stream: its stream ends with an error event, new requests succeed on the survivor, and
-Ray starts a replacement."""
+metrics), streaming through the ingress, the ingress's trace span as the parent of the replica's,
+the plain server's 401 and 400, one replica killed mid-stream (its stream ends with an error
+event, new requests succeed on the survivor, Ray starts a replacement) and, last, the application
+redeployed with autoscaling, where a queue of streams adds a replica."""
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -50,23 +53,36 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def url(model_dir: Path, collector) -> Iterator[str]:
+def app_args(model_dir: Path, collector) -> dict[str, str]:
+    """`serve run`'s arguments of the application under test (2 cores: the replicas reserve half
+    a Ray CPU each and run torch on one thread)."""
+    return {
+        "model": str(model_dir), "served_model_name": MODEL, "num_replicas": "2", "replica_cpus": "0.5",
+        "ingress_cpus": "0.5", "torch_threads": "1", "api_key": KEY, "prefix_blocks": str(PREFIX_BLOCKS),
+        "block_size": str(BLOCK), "num_kv_blocks": "512", "max_num_seqs": "8",
+        "otlp_traces_endpoint": f"127.0.0.1:{collector[1]}",
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def url(app_args: dict[str, str]) -> Iterator[str]:
     from llmserve.ray_serve import app
 
-    # 2 cores: the replicas reserve half a Ray CPU each and run torch on one thread; spans are
-    # exported within 50 ms (the SDK's default: 5 s)
-    env = {"env_vars": {"OTEL_BSP_SCHEDULE_DELAY": "50"}}
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env=env)
+    # Every Ray process inherits these: spans exported within 50 ms (the SDK's default: 5 s), and
+    # the load the autoscaler reads reported every half second (Ray's default: 10 s)
+    env = {
+        "OTEL_BSP_SCHEDULE_DELAY": "50",
+        "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+        "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+    }
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in env.items():
+            mp.setenv(name, value)
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        args = {
-            "model": str(model_dir), "served_model_name": MODEL, "num_replicas": "2", "replica_cpus": "0.5",
-            "ingress_cpus": "0.5", "torch_threads": "1", "api_key": KEY, "prefix_blocks": str(PREFIX_BLOCKS),
-            "block_size": str(BLOCK), "num_kv_blocks": "512", "max_num_seqs": "8",
-            "otlp_traces_endpoint": f"127.0.0.1:{collector[1]}",
-        }  # fmt: skip
-        serve.run(app(args), name=APP, route_prefix="/")
+        serve.run(app(app_args), name=APP, route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -266,3 +282,40 @@ def test_replica_killed_mid_stream(url: str) -> None:
         replicas = metric_replicas(httpx.get(f"{url}/metrics", headers=AUTH).text)
         time.sleep(0.5)
     assert len(replicas) == 2 and victim not in replicas
+
+
+def test_autoscaling_adds_a_replica_for_a_queue(url: str, app_args: dict[str, str]) -> None:
+    """Last (it redeploys the application): autoscaled between 1 and 2 replicas with a target of 1
+    ongoing request and no delays, the idle application goes down to 1 replica, and four streams
+    kept going raise the count to 2 again, as serve.status() reports."""
+    from llmserve.ray_serve import app
+
+    scaled = {**app_args, "num_replicas": "1", "max_replicas": "2", "target_ongoing_requests": "1",
+              "upscale_delay_s": "0", "downscale_delay_s": "0"}  # fmt: skip
+    serve.run(app(scaled), name=APP, route_prefix="/")
+    deadline = time.monotonic() + 60
+    while running_replicas() != 1 and time.monotonic() < deadline:  # idle: one replica goes
+        time.sleep(0.5)
+    assert running_replicas() == 1
+    stop = threading.Event()
+
+    def keep_streaming() -> None:
+        while not stop.is_set():
+            with httpx.stream(
+                "POST", f"{url}/v1/chat/completions", json=long_stream_body(), headers=AUTH, timeout=60
+            ) as r:
+                for _ in r.iter_lines():
+                    if stop.is_set():
+                        break
+
+    with ThreadPoolExecutor(4) as pool:
+        streams = [pool.submit(keep_streaming) for _ in range(4)]
+        try:
+            started = time.monotonic()
+            while running_replicas() < 2 and time.monotonic() - started < 60:
+                time.sleep(0.5)
+            assert running_replicas() == 2
+        finally:
+            stop.set()
+        for f in streams:
+            f.result()

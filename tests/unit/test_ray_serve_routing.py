@@ -184,12 +184,13 @@ def test_options_from_serve_run_arguments(model_dir: Path) -> None:
 
 def test_autoscaling_on_ongoing_requests_and_the_router_reach_the_deployment() -> None:
     application = build_application(
-        RayServeOptions(min_replicas=2, max_replicas=5, target_ongoing_requests=3)
+        RayServeOptions(min_replicas=2, max_replicas=5, target_ongoing_requests=3, upscale_delay_s=5)
     )
     replicas = application._bound_deployment.init_args[0]._bound_deployment  # Ray's own objects
     config = replicas._deployment_config
     scaling = config.autoscaling_config
     assert (scaling.min_replicas, scaling.max_replicas, scaling.target_ongoing_requests) == (2, 5, 3.0)
+    assert (scaling.upscale_delay_s, scaling.downscale_delay_s) == (5.0, 600.0)
     assert config.request_router_config.request_router_class.endswith("router.PrefixAwareRouter")
     fixed = (
         build_application(RayServeOptions(num_replicas=3))._bound_deployment.init_args[0]._bound_deployment

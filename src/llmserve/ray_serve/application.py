@@ -52,6 +52,11 @@ class RayServeOptions:
     """Autoscale up to this many replicas on queue length (`target_ongoing_requests`)."""
     target_ongoing_requests: float = 8.0
     """Autoscaling's target of requests held per replica (running + waiting in its engine)."""
+    upscale_delay_s: float = 30.0
+    """With `max_replicas`: how long the load must stay above the target before a replica is added
+    (Ray's default)."""
+    downscale_delay_s: float = 600.0
+    """With `max_replicas`: how long it must stay below before one is removed (Ray's default)."""
     max_ongoing_requests: int = 64
     """Requests one replica holds at most; more wait in the ingress's router."""
     api_key: str | None = None
@@ -125,6 +130,7 @@ def build_application(options: RayServeOptions) -> Application:
             "autoscaling_config": {
                 "min_replicas": options.min_replicas, "max_replicas": options.max_replicas,
                 "target_ongoing_requests": options.target_ongoing_requests,
+                "upscale_delay_s": options.upscale_delay_s, "downscale_delay_s": options.downscale_delay_s,
             },
         }  # fmt: skip
     replicas = serve.deployment(

@@ -97,6 +97,10 @@ class Ingress:
             if span is not None:
                 IngressTracer.finish(span, e.status, error=e.message)
             raise
+        except BaseException as e:  # a bug, or the client gone while it waited (cancelled)
+            if span is not None:
+                IngressTracer.finish(span, 500, error=type(e).__name__)
+            raise
         if span is not None and not isinstance(response, StreamingResponse):
             IngressTracer.finish(span, response.status_code, response.headers.get(REPLICA_HEADER))
         return response
