@@ -37,7 +37,7 @@ from llmserve.metrics.tracing import IngressTracer, make_tracer_provider
 from llmserve.model_executor.model_loader.source import resolve_model
 from llmserve.ray_serve.metrics import merge_metrics
 from llmserve.ray_serve.prefix import PrefixKeyer
-from llmserve.ray_serve.replica import REPLICA_HEADER, ForwardedRequest, quicken_thread_handoffs
+from llmserve.ray_serve.replica import REPLICA_HEADER, ForwardedRequest
 from llmserve.ray_serve.router import PREFIX_KEY
 from llmserve.server.errors import APIError, error_sse, install_error_handlers
 from llmserve.server.middleware import OPEN_PATHS, key_matches, send_error
@@ -66,7 +66,6 @@ class Ingress:
         self, engine: DeploymentHandle, model_source: str | None, api_key: str | None,
         block_size: int, prefix_blocks: int, otlp_traces_endpoint: str | None = None,
     ) -> None:  # fmt: skip
-        quicken_thread_handoffs()  # Ray's threads and the handle's router loop hand requests over
         self.engine = engine
         self.streams = engine.options(stream=True)
         self.api_key = api_key

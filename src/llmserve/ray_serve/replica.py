@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,20 +32,6 @@ from llmserve.config.models import ModelSpec
 from llmserve.server.app import build_app
 
 REPLICA_HEADER = "x-llmserve-replica"
-
-GIL_SWITCH_INTERVAL_S = 0.0002
-"""The GIL switch interval of the ingress's and the replicas' actor processes (Python's default:
-5 ms). A request crosses several threads there: Ray's core worker, Ray Serve's event loop, the
-loop running our code, the engine's step thread. A thread woken while another holds the GIL
-waits until the holder blocks or the interval ends, so each crossing during an engine step cost
-up to 5 ms: a one-token completion took 39 ms inside a replica against 2.4 ms on the plain server
-(benchmarks/bench_ray_serve.py's workload, quiet 2-core machine); at 0.2 ms it took 4 ms. A
-shorter interval forces a switch only while another thread waits for the GIL."""
-
-
-def quicken_thread_handoffs() -> None:
-    """`GIL_SWITCH_INTERVAL_S` for this (actor) process: call in a deployment's constructor."""
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
 
 
 @dataclass(slots=True)
@@ -67,7 +52,6 @@ class EngineReplica:
         self, spec: ModelSpec, engine_options: dict[str, Any], server_options: dict[str, Any],
         torch_threads: int | None = None,
     ) -> None:  # fmt: skip
-        quicken_thread_handoffs()
         if torch_threads is not None:
             import torch
 
