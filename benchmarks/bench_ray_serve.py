@@ -5,11 +5,12 @@ replicas (target: >= 90% of one replica's).
     python benchmarks/bench_ray_serve.py [--model M] [--replicas 2] [--requests 200] [--groups 8]
         [--per-group 8] [-- SERVER ARGS ...]
 
-Each setup runs in a fresh subprocess: `llmserve serve` (the replica's app served directly by
-uvicorn), then `llmserve serve --replicas N` (a local Ray cluster: Ray Serve's proxy, the ingress,
-the replicas). For each: `--requests` sequential completions of one token from a short prompt
-(median and p90 latency; the difference of the medians is the ingress's cost), then the
-shared-prefix workload: `--groups` long prefixes, `--per-group` requests each with their own
+Both setups run at once, each in a subprocess: `llmserve serve` (the replica's app served directly
+by uvicorn) and `llmserve serve --replicas N` (a local Ray cluster: Ray Serve's proxy, the ingress,
+the replicas). Latency: `--requests` completions of one token from a short prompt, one at a time,
+alternating between the two servers, so that a machine whose load drifts (a shared one) weighs on
+both alike (median and p90; the difference of the medians is the ingress's cost). Then, on each
+server in turn, the shared-prefix workload: `--groups` long prefixes, `--per-group` requests each with their own
 question, sent round-robin over the groups, `--concurrency` at a time; hit rate = cached prompt tokens / prompt tokens (from
 each answer's usage). Prints one JSON object.
 """
@@ -54,23 +55,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(args: argparse.Namespace, extra: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+def _start(args: argparse.Namespace, extra: list[str], log: Path) -> tuple[subprocess.Popen, int]:
+    """The server's process (not yet ready) and its port."""
     port = _free_port()
     cmd = [sys.executable, "-m", "llmserve.cli.main", "serve", *([args.model] if args.model else []),
            "--port", str(port), "--served-model-name", "m", *extra, *args.server_args]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=os.environ)  # noqa: SIM115
-    return wait_healthy(proc, port, timeout=600), f"http://127.0.0.1:{port}"
+    return proc, port
 
 
-def _latencies(client: httpx.Client, n: int) -> list[float]:
+def _latencies(clients: list[httpx.Client], n: int) -> list[list[float]]:
+    """`n` one-token completions per client, sent in turn to each (one at a time)."""
     body = {"model": "m", "prompt": "Hi", "max_tokens": 1, "temperature": 0}
     for _ in range(5):  # warm-up
-        client.post("/v1/completions", json=body).raise_for_status()
-    out = []
+        for client in clients:
+            client.post("/v1/completions", json=body).raise_for_status()
+    out: list[list[float]] = [[] for _ in clients]
     for _ in range(n):
-        started = time.perf_counter()
-        client.post("/v1/completions", json=body).raise_for_status()
-        out.append(time.perf_counter() - started)
+        for client, times in zip(clients, out, strict=True):
+            started = time.perf_counter()
+            client.post("/v1/completions", json=body).raise_for_status()
+            times.append(time.perf_counter() - started)
     return out
 
 
@@ -95,23 +100,19 @@ def _hit_rate(client: httpx.Client, args: argparse.Namespace) -> dict[str, float
     return {"prompt_tokens": prompt, "cached_tokens": cached, "hit_rate": cached / prompt}
 
 
-def _run(args: argparse.Namespace, name: str, extra: list[str], logs: Path) -> dict[str, object]:
-    proc, url = _start(args, extra, logs / f"{name}.log")
+def _stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(2)
     try:
-        with httpx.Client(base_url=url, timeout=120) as client:
-            lat = _latencies(client, args.requests)
-            result: dict[str, object] = {
-                "latency_median_ms": 1e3 * statistics.median(lat),
-                "latency_p90_ms": 1e3 * statistics.quantiles(lat, n=10)[-1],
-            }
-            result.update(_hit_rate(client, args))
-            return result
-    finally:
-        proc.send_signal(2)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def _summary(lat: list[float]) -> dict[str, object]:
+    return {
+        "latency_median_ms": 1e3 * statistics.median(lat),
+        "latency_p90_ms": 1e3 * statistics.quantiles(lat, n=10)[-1],
+    }
 
 
 def main() -> None:
@@ -128,10 +129,23 @@ def main() -> None:
     args = p.parse_args()
     args.server_args = [a for a in args.server_args if a != "--"]
     logs = Path(tempfile.mkdtemp(prefix="bench-ray-serve-"))
-    plain = _run(args, "plain", [], logs)
-    ray = _run(
-        args, "ray", ["--replicas", str(args.replicas), "--replica-cpus", str(args.replica_cpus)], logs
-    )
+    clients: list[httpx.Client] = []
+    ray_flags = ["--replicas", str(args.replicas), "--replica-cpus", str(args.replica_cpus)]
+    procs: list[subprocess.Popen] = []
+    try:
+        for name, extra in (("plain", []), ("ray", ray_flags)):
+            proc, port = _start(args, extra, logs / f"{name}.log")
+            procs.append(proc)  # stopped below even if it never gets ready (or ^C meanwhile)
+            wait_healthy(proc, port, timeout=600)
+            clients.append(httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120))
+        plain, ray = (_summary(lat) for lat in _latencies(clients, args.requests))
+        plain.update(_hit_rate(clients[0], args))
+        ray.update(_hit_rate(clients[1], args))
+    finally:
+        for client in clients:
+            client.close()
+        for proc in procs:
+            _stop(proc)
     report = {
         "plain": plain,
         "ray": ray,

@@ -5,19 +5,26 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from concurrent import futures
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
 
 from tests.models.tiny import make_tiny_model, make_tiny_model_eos0
+
+if TYPE_CHECKING:
+    from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 # ChatML, as SmolLM2 and Qwen use it; the tiny vocabulary spells the markers as plain text.
 CHAT_TEMPLATE = (
@@ -130,3 +137,68 @@ def so_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProces
     proc = ServerProcess(folder).start()
     yield proc
     proc.stop()
+
+
+# -- OpenTelemetry: an in-process OTLP/gRPC collector (test_tracing.py, test_ray_serve.py) ----------
+
+
+class Collector:
+    """An OTLP trace receiver (opentelemetry-proto's `TraceService`, served by the `collector`
+    fixture) that keeps every span it is sent (with its resource's attributes)."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[dict[str, object], Span]] = []
+        self._lock = threading.Lock()
+
+    def Export(self, request, context):  # the gRPC method's name
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+
+        with self._lock:
+            for rs in request.resource_spans:
+                resource = {kv.key: _value(kv.value) for kv in rs.resource.attributes}
+                for ss in rs.scope_spans:
+                    self.spans.extend((resource, span) for span in ss.spans)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+    def wait_for(self, trace_id: bytes, count: int, timeout: float = 30.0) -> list[Span]:
+        """The spans of `trace_id`, once `count` of them arrived."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                found = [s for _, s in self.spans if s.trace_id == trace_id]
+            if len(found) >= count:
+                return found
+            time.sleep(0.05)
+        raise AssertionError(f"{len(found)} of {count} spans of trace {trace_id.hex()} arrived")
+
+
+def _value(v) -> object:
+    kind = v.WhichOneof("value")
+    if kind == "array_value":
+        return [_value(x) for x in v.array_value.values]
+    return getattr(v, kind)
+
+
+def span_attrs(span: Span) -> dict[str, object]:
+    return {kv.key: _value(kv.value) for kv in span.attributes}
+
+
+@pytest.fixture(scope="module")
+def collector() -> Iterator[tuple[Collector, int]]:
+    """A collector on a free local port: (the receiver, the port)."""
+    grpc = pytest.importorskip("grpc")
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+
+    receiver = Collector()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield receiver, port
+    server.stop(grace=None)
+
+
+def new_traceparent() -> tuple[bytes, bytes, str]:
+    """(trace id, the caller's span id, the W3C `traceparent` header naming both)."""
+    trace_id, span_id = secrets.token_bytes(16), secrets.token_bytes(8)
+    return trace_id, span_id, f"00-{trace_id.hex()}-{span_id.hex()}-01"

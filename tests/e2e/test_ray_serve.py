@@ -3,15 +3,18 @@ a tiny real model, driven over HTTP by httpx and OpenAI's client.
 
 One module-scoped cluster (Ray starts in tens of seconds): requests spread over both replicas, a
 shared-prefix workload cached on the replica the router chose (usage and the replica-labelled
-metrics), streaming through the ingress, the plain server's 401 and 400, and, last, one replica
-killed mid-stream: its stream ends with an error event, new requests succeed on the survivor, and
-Ray starts a replacement."""
+metrics), streaming through the ingress, the ingress's trace span as the parent of the replica's,
+the plain server's 401 and 400, one replica killed mid-stream (its stream ends with an error
+event, new requests succeed on the survivor, Ray starts a replacement) and, last, the application
+redeployed with autoscaling, where a queue of streams adds a replica."""
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -21,10 +24,11 @@ pytest.importorskip("ray.serve")
 
 import openai
 import ray
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
-from tests.e2e.conftest import CHAT_TEMPLATE, free_port
+from tests.e2e.conftest import CHAT_TEMPLATE, free_port, new_traceparent, span_attrs
 from tests.models.tiny import make_tiny_model_eos0
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -49,20 +53,36 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def url(model_dir: Path) -> Iterator[str]:
+def app_args(model_dir: Path, collector) -> dict[str, str]:
+    """`serve run`'s arguments of the application under test (2 cores: the replicas reserve half
+    a Ray CPU each and run torch on one thread)."""
+    return {
+        "model": str(model_dir), "served_model_name": MODEL, "num_replicas": "2", "replica_cpus": "0.5",
+        "ingress_cpus": "0.5", "torch_threads": "1", "api_key": KEY, "prefix_blocks": str(PREFIX_BLOCKS),
+        "block_size": str(BLOCK), "num_kv_blocks": "512", "max_num_seqs": "8",
+        "otlp_traces_endpoint": f"127.0.0.1:{collector[1]}",
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def url(app_args: dict[str, str]) -> Iterator[str]:
     from llmserve.ray_serve import app
 
-    # 2 cores: the replicas reserve half a Ray CPU each and run torch on one thread
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # Every Ray process inherits these: spans exported within 50 ms (the SDK's default: 5 s), and
+    # the load the autoscaler reads reported every half second (Ray's default: 10 s)
+    env = {
+        "OTEL_BSP_SCHEDULE_DELAY": "50",
+        "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+        "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+    }
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in env.items():
+            mp.setenv(name, value)
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        args = {
-            "model": str(model_dir), "served_model_name": MODEL, "num_replicas": "2", "replica_cpus": "0.5",
-            "ingress_cpus": "0.5", "torch_threads": "1", "api_key": KEY, "prefix_blocks": str(PREFIX_BLOCKS),
-            "block_size": str(BLOCK), "num_kv_blocks": "512", "max_num_seqs": "8",
-        }  # fmt: skip
-        serve.run(app(args), name=APP, route_prefix="/")
+        serve.run(app(app_args), name=APP, route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -154,6 +174,28 @@ def test_stream_through_the_ingress_with_openai_client(url: str) -> None:
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
 
 
+def test_the_ingress_span_is_the_parent_of_the_replicas_span(url: str, collector) -> None:
+    receiver, _ = collector
+    for stream in (False, True):
+        trace_id, caller_span, header = new_traceparent()
+        body = {"model": MODEL, "prompt": "Trace me please", "max_tokens": 3, "stream": stream}
+        r = httpx.post(
+            f"{url}/v1/completions", json=body, headers={**AUTH, "traceparent": header}, timeout=60
+        )
+        assert r.status_code == 200, r.text
+        spans = {s.name: s for s in receiver.wait_for(trace_id, 5)}
+        assert set(spans) == {"ray_serve_ingress", "llm_request", "queue", "prefill", "decode"}
+        ingress, request = spans["ray_serve_ingress"], spans["llm_request"]
+        assert ingress.parent_span_id == caller_span and ingress.kind == Span.SPAN_KIND_SERVER
+        assert request.parent_span_id == ingress.span_id  # the replica's span, under the ingress's
+        assert ingress.start_time_unix_nano <= request.start_time_unix_nano
+        assert request.end_time_unix_nano <= ingress.end_time_unix_nano
+        attrs = span_attrs(ingress)
+        assert attrs["llmserve.replica"] == r.headers["x-llmserve-replica"]
+        assert attrs["http.response.status_code"] == 200 and attrs["url.path"] == "/v1/completions"
+        assert ingress.status.code != ingress.status.STATUS_CODE_ERROR
+
+
 def test_auth_and_bad_requests_answer_as_the_plain_server(url: str) -> None:
     r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=30)
     assert r.status_code == 401
@@ -240,3 +282,40 @@ def test_replica_killed_mid_stream(url: str) -> None:
         replicas = metric_replicas(httpx.get(f"{url}/metrics", headers=AUTH).text)
         time.sleep(0.5)
     assert len(replicas) == 2 and victim not in replicas
+
+
+def test_autoscaling_adds_a_replica_for_a_queue(url: str, app_args: dict[str, str]) -> None:
+    """Last (it redeploys the application): autoscaled between 1 and 2 replicas with a target of 1
+    ongoing request and no delays, the idle application goes down to 1 replica, and four streams
+    kept going raise the count to 2 again, as serve.status() reports."""
+    from llmserve.ray_serve import app
+
+    scaled = {**app_args, "num_replicas": "1", "max_replicas": "2", "target_ongoing_requests": "1",
+              "upscale_delay_s": "0", "downscale_delay_s": "0"}  # fmt: skip
+    serve.run(app(scaled), name=APP, route_prefix="/")
+    deadline = time.monotonic() + 60
+    while running_replicas() != 1 and time.monotonic() < deadline:  # idle: one replica goes
+        time.sleep(0.5)
+    assert running_replicas() == 1
+    stop = threading.Event()
+
+    def keep_streaming() -> None:
+        while not stop.is_set():
+            with httpx.stream(
+                "POST", f"{url}/v1/chat/completions", json=long_stream_body(), headers=AUTH, timeout=60
+            ) as r:
+                for _ in r.iter_lines():
+                    if stop.is_set():
+                        break
+
+    with ThreadPoolExecutor(4) as pool:
+        streams = [pool.submit(keep_streaming) for _ in range(4)]
+        try:
+            started = time.monotonic()
+            while running_replicas() < 2 and time.monotonic() - started < 60:
+                time.sleep(0.5)
+            assert running_replicas() == 2
+        finally:
+            stop.set()
+        for f in streams:
+            f.result()

@@ -5,71 +5,18 @@ response's `usage`, the latencies are the phases' spans, and the phases nest ins
 
 from __future__ import annotations
 
-import secrets
-import threading
 import time
 from collections.abc import Iterator
-from concurrent import futures
 from pathlib import Path
 
 import grpc
 import httpx
 import pytest
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-from tests.e2e.conftest import MODEL_NAME, ServerProcess
+from tests.e2e.conftest import MODEL_NAME, Collector, ServerProcess, new_traceparent, span_attrs
 
 pytestmark = pytest.mark.e2e
-
-
-class Collector(trace_service_pb2_grpc.TraceServiceServicer):
-    """An OTLP trace receiver that keeps every span it is sent (with its resource's attributes)."""
-
-    def __init__(self) -> None:
-        self.spans: list[tuple[dict[str, object], Span]] = []
-        self._lock = threading.Lock()
-
-    def Export(self, request, context):  # the gRPC method's name
-        with self._lock:
-            for rs in request.resource_spans:
-                resource = {kv.key: _value(kv.value) for kv in rs.resource.attributes}
-                for ss in rs.scope_spans:
-                    self.spans.extend((resource, span) for span in ss.spans)
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-    def wait_for(self, trace_id: bytes, count: int, timeout: float = 30.0) -> list[Span]:
-        """The spans of `trace_id`, once `count` of them arrived."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self._lock:
-                found = [s for _, s in self.spans if s.trace_id == trace_id]
-            if len(found) >= count:
-                return found
-            time.sleep(0.05)
-        raise AssertionError(f"{len(found)} of {count} spans of trace {trace_id.hex()} arrived")
-
-
-def _value(v) -> object:
-    kind = v.WhichOneof("value")
-    if kind == "array_value":
-        return [_value(x) for x in v.array_value.values]
-    return getattr(v, kind)
-
-
-def _attrs(span: Span) -> dict[str, object]:
-    return {kv.key: _value(kv.value) for kv in span.attributes}
-
-
-@pytest.fixture(scope="module")
-def collector() -> Iterator[tuple[Collector, int]]:
-    receiver = Collector()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield receiver, port
-    server.stop(grace=None)
 
 
 @pytest.fixture(scope="module")
@@ -83,14 +30,9 @@ def traced_server(tiny_model_dir: Path, collector: tuple[Collector, int]) -> Ite
     proc.stop()
 
 
-def _traceparent() -> tuple[bytes, bytes, str]:
-    trace_id, span_id = secrets.token_bytes(16), secrets.token_bytes(8)
-    return trace_id, span_id, f"00-{trace_id.hex()}-{span_id.hex()}-01"
-
-
 def test_a_request_is_a_child_of_the_callers_span(traced_server, collector):
     receiver, _ = collector
-    trace_id, caller_span, header = _traceparent()
+    trace_id, caller_span, header = new_traceparent()
     body = {"model": MODEL_NAME, "prompt": "Hello there", "max_tokens": 6, "temperature": 0.0}
     r = httpx.post(f"{traced_server.url}/v1/completions", json=body, headers={"traceparent": header})
     assert r.status_code == 200, r.text
@@ -101,7 +43,7 @@ def test_a_request_is_a_child_of_the_callers_span(traced_server, collector):
     request = spans["llm_request"]
     assert request.parent_span_id == caller_span
     assert request.kind == Span.SPAN_KIND_SERVER
-    attrs = _attrs(request)
+    attrs = span_attrs(request)
     assert attrs["gen_ai.usage.prompt_tokens"] == usage["prompt_tokens"]
     assert attrs["gen_ai.usage.completion_tokens"] == usage["completion_tokens"] == 6
     assert attrs["gen_ai.response.model"] == MODEL_NAME
@@ -157,7 +99,7 @@ def test_a_streamed_chat_without_traceparent_starts_its_own_trace(traced_server,
     assert len(new) == 1, "one span per API request (its n samples are one engine request)"
     request = new[0]
     assert request.parent_span_id == b""  # a root span
-    attrs = _attrs(request)
+    attrs = span_attrs(request)
     assert attrs["gen_ai.request.n"] == attrs["gen_ai.usage.num_sequences"] == 2
     assert attrs["gen_ai.usage.prompt_tokens"] == usage.prompt_tokens
     assert attrs["gen_ai.usage.completion_tokens"] == usage.completion_tokens == 8
@@ -210,12 +152,12 @@ def test_a_grpc_call_is_a_child_of_its_traceparent_metadata(tiny_model_dir: Path
                 request.parameters["max_tokens"].int64_param = 3
                 stub.ModelInfer(request, metadata=metadata)
 
-            trace_id, caller_span, header = _traceparent()
+            trace_id, caller_span, header = new_traceparent()
             infer((("traceparent", header),))
             spans = {s.name: s for s in receiver.wait_for(trace_id, 4)}
             request = spans["llm_request"]
             assert request.parent_span_id == caller_span
-            assert _attrs(request)["gen_ai.usage.completion_tokens"] == 3
+            assert span_attrs(request)["gen_ai.usage.completion_tokens"] == 3
 
             before = len(receiver.spans)
             infer(())

@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -44,9 +46,12 @@ def _run(model: str, **options) -> tuple[list[list[int]], list[list[float]], int
     return tokens, logprobs, preemptions
 
 
-def _compare(model: str, atol: float = 1e-4, **options) -> None:
+def compare_tp(model: str, atol: float = 1e-4, backend: str = "mp", **options) -> None:
+    """TP=2 (one thread per rank, its workers started by `backend`) against TP=1 on PROMPTS."""
     ref_tokens, ref_lp, ref_preempt = _run(model, **options)
-    tp_tokens, tp_lp, tp_preempt = _run(model, tensor_parallel_size=2, threads_per_rank=1, **options)
+    tp_tokens, tp_lp, tp_preempt = _run(
+        model, tensor_parallel_size=2, threads_per_rank=1, distributed_executor_backend=backend, **options
+    )
     assert ref_preempt > 0 and tp_preempt == ref_preempt  # preemption was exercised, alike
     assert tp_tokens == ref_tokens
     # the all-reduce sums partial products in another order: logprobs agree to float rounding
@@ -56,14 +61,14 @@ def _compare(model: str, atol: float = 1e-4, **options) -> None:
 @pytest.mark.parametrize("name", ["llama", "llama3-rope-tied", "mistral-sliding", "qwen2", "qwen3"])
 def test_tp2_matches_tp1_float(name, tmp_path):
     make_tiny_model(name, tmp_path)
-    _compare(str(tmp_path))
+    compare_tp(str(tmp_path))
 
 
 def test_tp2_matches_tp1_int8_quantized_at_load(tmp_path):
     """A float checkpoint quantized to q8 rows as each rank loads its slices (3e-4 seen: the
     row-parallel layers' activations are rounded per shard, as with the GGUF below)."""
     make_tiny_model("llama", tmp_path)
-    _compare(str(tmp_path), atol=2e-3, quantization="int8")
+    compare_tp(str(tmp_path), atol=2e-3, quantization="int8")
 
 
 def test_tp2_matches_tp1_q4_1_gguf(tmp_path):
@@ -73,7 +78,7 @@ def test_tp2_matches_tp1_q4_1_gguf(tmp_path):
     # Every matrix Q4_1 (the tied embedding too), as the embedded SmolLM2 file stores them;
     # o_proj's and down_proj's 128 / 256 input columns per rank split on whole blocks.
     kinds = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "token_embd")
-    _compare(str(tiny_llama_gguf(tmp_path, dict.fromkeys(kinds, Q.Q4_1), tokenizer=True)), atol=2e-3)
+    compare_tp(str(tiny_llama_gguf(tmp_path, dict.fromkeys(kinds, Q.Q4_1), tokenizer=True)), atol=2e-3)
 
 
 def test_refusals():
@@ -83,8 +88,6 @@ def test_refusals():
         ValueError, match=r"tensor_parallel_size 2 does not divide the model's num_attention_heads \(9\)"
     ):
         build_engine(None, show_progress=False, tensor_parallel_size=2)  # embedded SmolLM2: 9 heads
-    with pytest.raises(ValueError, match="'ray' is not supported yet"):
-        build_engine(None, tensor_parallel_size=2, distributed_executor_backend="ray")
     with pytest.raises(ValueError, match="speculative decoding"):
         build_engine(
             None, tensor_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}
@@ -99,19 +102,18 @@ def test_unsupported_architecture(tmp_path):
         build_engine(str(tmp_path), show_progress=False, tensor_parallel_size=2)
 
 
-def test_dead_worker_stops_the_engine(tmp_path):
-    make_tiny_model("llama", tmp_path)
-    engine = build_engine(str(tmp_path), show_progress=False, tensor_parallel_size=2, threads_per_rank=1)
+def check_killed_worker_stops_the_engine(model: str, kill: Callable[[Any], str], **options) -> None:
+    """A TP=2 engine (`options`: its backend) whose worker `kill(executor.workers)` ends mid-run:
+    the next steps raise `TensorParallelError` matching `kill`'s pattern within seconds, then
+    every later step at once."""
+    engine = build_engine(model, show_progress=False, tensor_parallel_size=2, threads_per_rank=1, **options)
     try:
         params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
         engine.add_request("a", [5, 17, 99, 3], params)
         engine.step()
-        worker = engine.executor.workers[0]
-        os.kill(worker.pid, signal.SIGKILL)
+        pattern = kill(engine.executor.workers)
         started = time.monotonic()
-        with pytest.raises(
-            TensorParallelError, match=rf"worker rank 1 \(pid {worker.pid}, exit code -9\) died"
-        ):
+        with pytest.raises(TensorParallelError, match=pattern):
             for _ in range(50):
                 engine.step()
         assert time.monotonic() - started < 30
@@ -119,6 +121,16 @@ def test_dead_worker_stops_the_engine(tmp_path):
             engine.step()
     finally:
         engine.close()
+
+
+def test_dead_worker_stops_the_engine(tmp_path):
+    def kill(workers) -> str:
+        pid = workers.processes[0].pid
+        os.kill(pid, signal.SIGKILL)
+        return rf"worker rank 1 \(pid {pid}, exit code -9\) died"
+
+    make_tiny_model("llama", tmp_path)
+    check_killed_worker_stops_the_engine(str(tmp_path), kill)
 
 
 def test_worker_dead_before_joining_fails_start_up(tmp_path):

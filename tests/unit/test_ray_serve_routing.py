@@ -184,12 +184,13 @@ def test_options_from_serve_run_arguments(model_dir: Path) -> None:
 
 def test_autoscaling_on_ongoing_requests_and_the_router_reach_the_deployment() -> None:
     application = build_application(
-        RayServeOptions(min_replicas=2, max_replicas=5, target_ongoing_requests=3)
+        RayServeOptions(min_replicas=2, max_replicas=5, target_ongoing_requests=3, upscale_delay_s=5)
     )
     replicas = application._bound_deployment.init_args[0]._bound_deployment  # Ray's own objects
     config = replicas._deployment_config
     scaling = config.autoscaling_config
     assert (scaling.min_replicas, scaling.max_replicas, scaling.target_ongoing_requests) == (2, 5, 3.0)
+    assert (scaling.upscale_delay_s, scaling.downscale_delay_s) == (5.0, 600.0)
     assert config.request_router_config.request_router_class.endswith("router.PrefixAwareRouter")
     fixed = (
         build_application(RayServeOptions(num_replicas=3))._bound_deployment.init_args[0]._bound_deployment
@@ -212,6 +213,14 @@ def test_llmserve_serve_replicas_flags(model_dir: Path) -> None:
     assert options.api_key == "k" and options.model == str(model_dir)
     assert options.server_options["max_n"] == 3 and "api_key" not in options.server_options
     assert options.engine_options["max_num_seqs"] == 5
+    # the trace endpoint: the ingress's own option, handed to the replicas by build_application
+    traced = ray_serve_options(
+        serve_args(str(model_dir), "--replicas", "1", "--otlp-traces-endpoint", "h:4317")
+    )
+    assert traced.otlp_traces_endpoint == "h:4317" and "otlp_traces_endpoint" not in traced.server_options
+    ingress = build_application(traced)._bound_deployment
+    assert ingress.init_args[-1] == "h:4317"
+    assert ingress.init_args[0]._bound_deployment.init_args[2]["otlp_traces_endpoint"] == "h:4317"
     with pytest.raises(ValueError, match="one native model"):
         ray_serve_options(serve_args(f"a={model_dir}", f"b={model_dir}", "--replicas", "2"))
     with pytest.raises(ValueError, match="TLS"):

@@ -82,8 +82,8 @@ def test_parallel_options():
     assert args.parallel_config() == ParallelConfig(2, "mp", 1)
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1; got 0"):
         EngineArgs.from_options({"tensor_parallel_size": 0}, "LLM")
-    with pytest.raises(ValueError, match="'ray' is not supported yet"):
-        ParallelConfig(2, "ray")
+    options = {"tensor_parallel_size": "2", "distributed_executor_backend": "ray"}
+    assert EngineArgs.from_options(options, "LLM").parallel_config() == ParallelConfig(2, "ray")
     with pytest.raises(ValueError, match="distributed_executor_backend must be 'mp' or 'ray'"):
         ParallelConfig(2, "slurm")  # type: ignore[arg-type]
     cli = build_parser().parse_args(

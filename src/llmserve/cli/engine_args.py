@@ -145,7 +145,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     g.add_argument(
         "--distributed-executor-backend", default="mp", choices=["mp", "ray"],
-        help="how the ranks start: mp, worker processes on this machine (ray: not yet)",
+        help="how the ranks start: mp, worker processes on this machine; ray, Ray actors on a Ray "
+        "cluster's nodes (RAY_ADDRESS, else a local one; pip install 'llmserve[ray]')",
     )  # fmt: skip
     g.add_argument(
         "--threads-per-rank", type=int, default=None,

@@ -21,7 +21,7 @@ APP_NAME = "llmserve"
 logger = logging.getLogger("llmserve")
 
 # each replica's app: these ServerConfig fields are the ingress's (or Ray's) business there
-_INGRESS_FIELDS = {"host", "port", "grpc_port", "api_key", "allowed_origins"} | {
+_INGRESS_FIELDS = {"host", "port", "grpc_port", "api_key", "allowed_origins", "otlp_traces_endpoint"} | {
     "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs",
 }  # fmt: skip
 
@@ -70,6 +70,7 @@ def ray_serve_options(args: argparse.Namespace):  # -> RayServeOptions (the ray 
         model=specs[0].source, served_model_name=specs[0].name, num_replicas=args.replicas,
         min_replicas=args.replicas, max_replicas=args.max_replicas,
         target_ongoing_requests=args.target_ongoing_requests, api_key=config.api_key,
+        otlp_traces_endpoint=config.otlp_traces_endpoint,
         replica_cpus=args.replica_cpus, replica_gpus=args.replica_gpus, server_options=server_options,
         engine_options={k: v for k, v in llm_kwargs(args).items() if k != "model"},
     )  # fmt: skip

@@ -12,14 +12,16 @@ ExecutorBackend = Literal["mp", "ray"]
 @dataclass(frozen=True, slots=True)
 class ParallelConfig:
     """Tensor parallelism: the model's heads, MLP and vocabulary split over ranks, one process
-    each (distributed/sharding.py, model_executor/tp_executor.py)."""
+    each (distributed/sharding.py, model_executor/tp_executor.py, model_executor/ray_workers.py)."""
 
     tensor_parallel_size: int = 1
     """Ranks that split the model (1: no tensor parallelism). Must divide the model's attention
     heads, KV heads and intermediate size; Llama, Mistral, Qwen2 and Qwen3 models."""
     distributed_executor_backend: ExecutorBackend = "mp"
-    """How the ranks start: mp, worker processes on this machine joined by a gloo group (the
-    engine's process is rank 0); ray (several nodes) is not supported yet."""
+    """How the ranks start (the engine's process is rank 0; the others join its gloo group): mp,
+    worker processes spawned on this machine; ray, one Ray actor per rank in a placement group, on
+    the nodes of a Ray cluster (pip install 'llmserve[ray]'; the cluster in RAY_ADDRESS or a local
+    one)."""
     threads_per_rank: int | None = None
     """torch threads of each rank (default: this machine's CPUs / tensor_parallel_size)."""
 
@@ -29,10 +31,6 @@ class ParallelConfig:
         if self.distributed_executor_backend not in ("mp", "ray"):
             raise ValueError(
                 f"distributed_executor_backend must be 'mp' or 'ray'; got {self.distributed_executor_backend!r}"
-            )
-        if self.distributed_executor_backend == "ray" and self.tensor_parallel_size > 1:
-            raise ValueError(
-                "distributed_executor_backend 'ray' is not supported yet; use 'mp' (one machine)"
             )
         if self.threads_per_rank is not None and self.threads_per_rank < 1:
             raise ValueError(f"threads_per_rank must be >= 1; got {self.threads_per_rank}")

@@ -41,9 +41,13 @@ class TPGroup:
         return dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=timeout, wait_for_workers=False)
 
     @classmethod
-    def connect(cls, port: int, rank: int, size: int, timeout: timedelta = DEFAULT_TIMEOUT) -> TPGroup:
-        """A worker's side: join the driver's store (saying so: `wait_for_workers`) and the group."""
-        store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=timeout)
+    def connect(
+        cls, port: int, rank: int, size: int, timeout: timedelta = DEFAULT_TIMEOUT, host: str = "127.0.0.1"
+    ) -> TPGroup:
+        """A worker's side: join the driver's store at `host` (its node's address when the worker
+        runs on another node; the store listens on every interface), saying so
+        (`wait_for_workers`), and the group."""
+        store = dist.TCPStore(host, port, size, is_master=False, timeout=timeout)
         store.set(_joined(rank), "1")
         return cls(store, rank, size, timeout)
 

@@ -34,7 +34,7 @@ from llmserve.model_executor.forward_runner import ForwardRunner
 from llmserve.model_executor.model_loader import LoadedModel, load_model
 from llmserve.model_executor.model_runner import ModelRunner
 from llmserve.model_executor.pooler import default_pooling_params
-from llmserve.model_executor.tp_executor import MultiprocExecutor
+from llmserve.model_executor.tp_executor import TPExecutor
 from llmserve.multimodal.processor import ImagePromptProcessor
 from llmserve.outputs import RequestOutput
 from llmserve.pooling_params import PoolingParams
@@ -94,10 +94,10 @@ class LLMEngine:
                 f"speculative decoding needs continuous batching; batching mode is {self.scheduler_config.mode!r}"
             )
         self.parallel_config = parallel_config or ParallelConfig()
-        self.executor: MultiprocExecutor | None = None
+        self.executor: TPExecutor | None = None
         if self.parallel_config.is_parallel:
             _check_parallel_options(speculative_config, lora_config, loaded)
-            self.executor = MultiprocExecutor(model_config, self.parallel_config)
+            self.executor = TPExecutor(model_config, self.parallel_config)
             loaded = self.executor.loaded
         self.loaded = loaded or load_model(model_config)
         if self.loaded.model_impl == "transformers" and self.cache_config.enable_prefix_caching:

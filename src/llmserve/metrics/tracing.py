@@ -20,6 +20,11 @@ latencies the Prometheus histograms already measure (metrics/stats.py), read fro
 `RequestMetrics` (monotonic seconds, turned into wall-clock nanoseconds when the span is made).
 The phase spans are llmserve's addition: the same intervals, drawn on the trace's timeline.
 
+On Ray Serve (llmserve.ray_serve) the ingress makes a span of its own, `IngressTracer`: a child of
+the client's `traceparent`, covering the request's forwarding to a replica and its whole answer,
+and itself the parent the replica's app sees (its `traceparent` replaces the client's in the
+forwarded headers), so one trace runs client -> ray_serve_ingress -> llm_request -> phases.
+
 A gRPC call's `traceparent` metadata is read the same way (server/oip/service.py). A request
 aborted (a client that went away, shutdown) leaves no span. The SDK and the exporter are the optional `otel`
 extra; without the flag nothing here is imported and requests pay nothing.
@@ -35,12 +40,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from opentelemetry.context import Context
     from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.trace import Span
 
     from llmserve.engine.llm_engine import ProcessedPrompt
     from llmserve.outputs import RequestOutput
 
 SERVICE_NAME = "llmserve"
 SPAN_NAME = "llm_request"
+INGRESS_SPAN_NAME = "ray_serve_ingress"
+TRACE_HEADERS = (b"traceparent", b"tracestate")
 
 
 class SpanAttributes:
@@ -63,6 +71,11 @@ class SpanAttributes:
     LATENCY_TIME_IN_MODEL_PREFILL = "gen_ai.latency.time_in_model_prefill"
     LATENCY_TIME_IN_MODEL_DECODE = "gen_ai.latency.time_in_model_decode"
     LATENCY_TIME_IN_MODEL_INFERENCE = "gen_ai.latency.time_in_model_inference"
+    # the ingress's span: OpenTelemetry's HTTP names, and the replica that answered
+    HTTP_METHOD = "http.request.method"
+    HTTP_ROUTE = "url.path"
+    HTTP_STATUS_CODE = "http.response.status_code"
+    REPLICA = "llmserve.replica"
 
 
 def otel_import_error(e: ImportError) -> ValueError:
@@ -177,3 +190,46 @@ class RequestTracer:
             if start is not None and end is not None:
                 attrs[name] = end - start
         return attrs
+
+
+class IngressTracer:
+    """The Ray Serve ingress's spans (one per forwarded request), through its `TracerProvider`."""
+
+    def __init__(self, provider: TracerProvider) -> None:
+        from llmserve import __version__
+
+        self.tracer = provider.get_tracer("llmserve.ray_serve", __version__)
+
+    def start(
+        self, method: str, path: str, headers: list[tuple[bytes, bytes]]
+    ) -> tuple[Span, list[tuple[bytes, bytes]]]:
+        """A request's span, the child of its `headers`' trace context (a new trace without one),
+        and the headers to forward: the same, with this span's `traceparent` instead of the
+        caller's. End the span with `finish`."""
+        from opentelemetry import trace
+        from opentelemetry.trace import SpanKind
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        a = SpanAttributes
+        span = self.tracer.start_span(
+            INGRESS_SPAN_NAME, context=extract_context(headers), kind=SpanKind.SERVER,
+            attributes={a.HTTP_METHOD: method, a.HTTP_ROUTE: path},
+        )  # fmt: skip
+        carrier: dict[str, str] = {}
+        TraceContextTextMapPropagator().inject(carrier, context=trace.set_span_in_context(span))
+        forwarded = [(k, v) for k, v in headers if k.lower() not in TRACE_HEADERS]
+        forwarded += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in carrier.items()]
+        return span, forwarded
+
+    @staticmethod
+    def finish(span: Span, status: int, replica: str | None = None, error: str | None = None) -> None:
+        """End `span` with the answer's status, the replica that gave it and, for a failure (a
+        5xx, a stream cut off), the error."""
+        from opentelemetry.trace import Status, StatusCode
+
+        span.set_attribute(SpanAttributes.HTTP_STATUS_CODE, status)
+        if replica is not None:
+            span.set_attribute(SpanAttributes.REPLICA, replica)
+        if error is not None or status >= 500:
+            span.set_status(Status(StatusCode.ERROR, error))
+        span.end()

@@ -1,6 +1,6 @@
-"""`MultiprocExecutor`: a tensor-parallel engine's ranks, driven from the engine's process.
+"""`TPExecutor`: a tensor-parallel engine's ranks, driven from the engine's process.
 
-    engine process (rank 0, the driver)            worker processes (ranks 1 .. N-1, spawned)
+    engine process (rank 0, the driver)            worker processes (ranks 1 .. N-1)
     scheduler -> ModelRunner -> DriverForwardRunner       tp_worker.run_worker
                  | broadcast ("forward", batch, rows) ->  ForwardRunner.forward
                  | forward of its own shard  <- all-reduces after attention / MLP ->
@@ -12,6 +12,11 @@ The scheduler and the sampler run once, on the driver; a step's inputs reach the
 pickled broadcast of the flat batch (`SequenceBatchEntry` list: new tokens, context length,
 block ids per sequence), which is all a forward pass needs, so workers keep no request state.
 Each rank loads only its shard (distributed/sharding.py) and holds the KV cache of its KV heads.
+
+The workers start one of two ways (`distributed_executor_backend`), and run the same code once
+started (tp_worker.serve_rank): mp, processes spawned on this machine (`ProcessWorkers`, below);
+ray, one Ray actor per rank in a placement group, on any node of the Ray cluster
+(model_executor/ray_workers.py). Either way they join the driver's store and gloo group.
 
 A worker that dies closes its sockets, which fails the driver's next collective at once; the
 executor then names the dead rank (`TensorParallelError`) and refuses every later step, so the
@@ -26,7 +31,7 @@ import logging
 import os
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.multiprocessing as mp
@@ -48,10 +53,36 @@ class TensorParallelError(RuntimeError):
     """A tensor-parallel rank died or a collective failed: the engine cannot continue."""
 
 
-class MultiprocExecutor:
+class Workers(Protocol):
+    """Ranks 1 .. N-1 of one engine, however they were started."""
+
+    def exited(self) -> bool:
+        """Whether a worker has ended (it can no longer join or answer the group)."""
+        ...
+
+    def dead(self) -> list[str]:
+        """The workers that ended, each described for an error message ("rank 1 (pid 12, ...)"),
+        after a short wait for a dying worker's end to show."""
+        ...
+
+    def alive(self) -> bool:
+        """Whether every worker still runs."""
+        ...
+
+    def kill(self) -> None:
+        """End every worker now (they wait on a collective that will never come)."""
+        ...
+
+    def close(self) -> None:
+        """End every worker, giving those told to stop a few seconds to exit by themselves."""
+        ...
+
+
+class TPExecutor:
     def __init__(self, model_config: ModelConfig, parallel: ParallelConfig) -> None:
         """Load the driver's shard (refusals of the model or size raise here, before any process
-        starts), then start the workers and wait until every rank has loaded its shard."""
+        starts), then start the workers (`parallel.distributed_executor_backend`) and wait until
+        every rank has loaded its shard."""
         size = parallel.tensor_parallel_size
         if resolve_device(model_config.device).type != "cpu":
             raise ValueError(
@@ -70,22 +101,14 @@ class MultiprocExecutor:
         self.loaded: LoadedModel = load_model(model_config, self.shard)
         self._error: TensorParallelError | None = None
         store = TPGroup.create_store(size)
-        spawn = mp.get_context("spawn")
-        cpus = _cpu_sets(size, threads)
-        self.workers = [
-            spawn.Process(
-                target=run_worker,
-                args=(WorkerArgs(rank, size, store.port, model_config, threads, cpus[rank]),),
-                name=f"llmserve-tp{rank}",
-                daemon=True,
-            )
-            for rank in range(1, size)
-        ]
-        for w in self.workers:
-            w.start()
-        self._finalizer = weakref.finalize(self, _stop_processes, self.workers)
+        if parallel.distributed_executor_backend == "ray":
+            from llmserve.model_executor.ray_workers import RayWorkers
+
+            self.workers: Workers = RayWorkers(store.port, size, model_config, threads)
+        else:
+            self.workers = ProcessWorkers(store.port, size, model_config, threads)
         try:
-            TPGroup.wait_for_workers(store, size, lambda: any(w.exitcode is not None for w in self.workers))
+            TPGroup.wait_for_workers(store, size, self.workers.exited)
             self.group = TPGroup(store, 0, size)
             self.shard.group = self.group
             ok = self.group.all_ok(True)
@@ -120,25 +143,22 @@ class MultiprocExecutor:
         `send` raises it again."""
         if self._error is not None:
             return self._error
-        for w in self.workers:
-            w.join(timeout=2.0 if w.exitcode is None else 0)  # a dying worker's exit code shows
-        dead = [(i + 1, w) for i, w in enumerate(self.workers) if w.exitcode is not None]
+        dead = self.workers.dead()
         if dead:
-            text = ", ".join(f"rank {r} (pid {w.pid}, exit code {w.exitcode})" for r, w in dead)
             self._error = TensorParallelError(
-                f"tensor-parallel worker {text} died; the engine cannot continue"
+                f"tensor-parallel worker {', '.join(dead)} died; the engine cannot continue"
             )
         else:
             self._error = TensorParallelError(f"a tensor-parallel collective failed: {cause}")
-        _stop_processes(self.workers, grace=0.0)  # the others wait on a collective that never comes
+        self.workers.kill()  # the others wait on a collective that never comes
         return self._error
 
     def close(self) -> None:
         """Stop the workers (politely when they still listen)."""
-        if self._error is None and all(w.is_alive() for w in self.workers):
+        if self._error is None and self.workers.alive():
             with contextlib.suppress(TensorParallelError):
                 self.send(("stop",))
-        self._finalizer()
+        self.workers.close()
         self.group.close()
 
 
@@ -146,7 +166,7 @@ class DriverForwardRunner(ForwardRunner):
     """The driver's forward runner: each forward pass and each LM-head call is first broadcast to
     the workers, whose shards run the same computation (their collectives pair with these)."""
 
-    def __init__(self, executor: MultiprocExecutor, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, executor: TPExecutor, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.executor = executor
 
@@ -165,6 +185,48 @@ class DriverForwardRunner(ForwardRunner):
             return super().compute_logits(hidden)
         except RuntimeError as e:
             raise self.executor.failure(e) from e
+
+
+class ProcessWorkers:
+    """The mp backend: ranks 1 .. N-1 as processes spawned on this machine, each pinned to its
+    own CPUs when there are enough."""
+
+    def __init__(self, port: int, size: int, model_config: ModelConfig, threads: int) -> None:
+        spawn = mp.get_context("spawn")
+        cpus = _cpu_sets(size, threads)
+        self.processes = [
+            spawn.Process(
+                target=run_worker,
+                args=(WorkerArgs(rank, size, port, model_config, threads, cpus[rank]),),
+                name=f"llmserve-tp{rank}",
+                daemon=True,
+            )
+            for rank in range(1, size)
+        ]
+        for p in self.processes:
+            p.start()
+        self._finalizer = weakref.finalize(self, _stop_processes, self.processes)
+
+    def exited(self) -> bool:
+        return any(p.exitcode is not None for p in self.processes)
+
+    def dead(self) -> list[str]:
+        for p in self.processes:
+            p.join(timeout=2.0 if p.exitcode is None else 0)  # a dying worker's exit code shows
+        return [
+            f"rank {rank} (pid {p.pid}, exit code {p.exitcode})"
+            for rank, p in enumerate(self.processes, start=1)
+            if p.exitcode is not None
+        ]
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.processes)
+
+    def kill(self) -> None:
+        _stop_processes(self.processes, grace=0.0)
+
+    def close(self) -> None:
+        self._finalizer()
 
 
 def _cpu_sets(size: int, threads: int) -> list[tuple[int, ...]]:

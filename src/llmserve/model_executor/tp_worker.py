@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -39,16 +38,30 @@ class WorkerArgs:
     """torch threads of this rank."""
     cpus: tuple[int, ...] = ()
     """CPUs this rank's threads are pinned to (empty: not pinned)."""
+    host: str = "127.0.0.1"
+    """The driver's address (another node's, for a rank started by Ray)."""
 
 
 def run_worker(args: WorkerArgs) -> None:
-    """The worker process's main (started by `MultiprocExecutor` with the spawn method)."""
+    """The worker process's main (the mp backend: `ProcessWorkers` spawns it)."""
     logging.basicConfig(level=logging.WARNING, format=f"[tp rank {args.rank}] %(levelname)s %(message)s")
+    code = serve_rank(args)
+    # Straight out: the interpreter's teardown would destroy gloo's objects in an arbitrary order,
+    # and one of them aborted the process now and then ("terminate called without an active
+    # exception") after its work was done.
+    logging.shutdown()
+    os._exit(code)
+
+
+def serve_rank(args: WorkerArgs) -> int:
+    """Join the group, load this rank's shard and run the driver's commands until told to stop;
+    the exit code (1: this rank failed, its error logged). The process main of both backends:
+    `run_worker` (mp) and the Ray actor's `run` (model_executor/ray_workers.py)."""
     if args.cpus and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, args.cpus)
     torch.set_num_threads(args.threads)
     numba_jit.limit_threads(args.threads)
-    group = TPGroup.connect(args.port, args.rank, args.size)
+    group = TPGroup.connect(args.port, args.rank, args.size, host=args.host)
     try:
         from llmserve.model_executor.model_loader import load_model
 
@@ -57,20 +70,16 @@ def run_worker(args: WorkerArgs) -> None:
     except Exception:
         logger.exception("loading this rank's shard failed")
         group.all_ok(False)
-        sys.exit(1)
+        return 1
     if not group.all_ok(True):  # another rank failed: nothing to serve
-        return
+        return 0
     try:
         _serve(group, loaded)
     except Exception:
         logger.exception("tensor-parallel worker failed")
-        sys.exit(1)
+        return 1
     group.close()
-    # Straight out: the interpreter's teardown would destroy gloo's objects in an arbitrary order,
-    # and one of them aborted the process now and then ("terminate called without an active
-    # exception") after its work was done.
-    logging.shutdown()
-    os._exit(0)
+    return 0
 
 
 @torch.inference_mode()

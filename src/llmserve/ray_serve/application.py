@@ -52,6 +52,11 @@ class RayServeOptions:
     """Autoscale up to this many replicas on queue length (`target_ongoing_requests`)."""
     target_ongoing_requests: float = 8.0
     """Autoscaling's target of requests held per replica (running + waiting in its engine)."""
+    upscale_delay_s: float = 30.0
+    """With `max_replicas`: how long the load must stay above the target before a replica is added
+    (Ray's default)."""
+    downscale_delay_s: float = 600.0
+    """With `max_replicas`: how long it must stay below before one is removed (Ray's default)."""
     max_ongoing_requests: int = 64
     """Requests one replica holds at most; more wait in the ingress's router."""
     api_key: str | None = None
@@ -68,6 +73,9 @@ class RayServeOptions:
     """How many of the prompt's first KV blocks the routing key hashes."""
     imbalance: int = 4
     """Requests ahead of the least loaded replica that make a prefix's home busy."""
+    otlp_traces_endpoint: str | None = None
+    """An OTLP/gRPC collector for OpenTelemetry spans (the `otel` extra): the ingress's span of each
+    request and, its child, the replica's `llm_request` span."""
     server_options: dict[str, Any] = field(default_factory=dict)
     """`ServerConfig` fields for each replica's app (limits, parsers); the key is the ingress's."""
     engine_options: dict[str, Any] = field(default_factory=dict)
@@ -122,6 +130,7 @@ def build_application(options: RayServeOptions) -> Application:
             "autoscaling_config": {
                 "min_replicas": options.min_replicas, "max_replicas": options.max_replicas,
                 "target_ongoing_requests": options.target_ongoing_requests,
+                "upscale_delay_s": options.upscale_delay_s, "downscale_delay_s": options.downscale_delay_s,
             },
         }  # fmt: skip
     replicas = serve.deployment(
@@ -139,10 +148,13 @@ def build_application(options: RayServeOptions) -> Application:
     ingress = serve.deployment(
         Ingress, name="Ingress", ray_actor_options={"num_cpus": options.ingress_cpus}, logging_config=QUIET
     )
-    server_options = {**options.server_options, "served_model_name": spec.name}
+    server_options = {
+        **options.server_options, "served_model_name": spec.name,
+        "otlp_traces_endpoint": options.otlp_traces_endpoint,
+    }  # fmt: skip
     return ingress.bind(
         replicas.bind(spec, options.engine_options, server_options, options.torch_threads),
-        options.model, options.api_key, block_size, options.prefix_blocks,
+        options.model, options.api_key, block_size, options.prefix_blocks, options.otlp_traces_endpoint,
     )  # fmt: skip
 
 

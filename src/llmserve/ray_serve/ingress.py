@@ -16,13 +16,15 @@ once more to another replica (then a 503 in the API's error shape); mid-stream, 
 and [DONE], so no client waits forever. Ray's router stops sending to a dead replica and Ray
 starts a new one. The Files and Batches APIs are refused (501): each replica would keep its own.
 
-/metrics merges every replica's metrics, labelled by replica (ray_serve/metrics.py).
+/metrics merges every replica's metrics, labelled by replica (ray_serve/metrics.py). With
+`otlp_traces_endpoint`, each forwarded request has a span here (metrics/tracing.IngressTracer), the
+parent of the replica's `llm_request` span.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
@@ -31,16 +33,20 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from llmserve.metrics.tracing import IngressTracer, make_tracer_provider
 from llmserve.model_executor.model_loader.source import resolve_model
 from llmserve.ray_serve.metrics import merge_metrics
 from llmserve.ray_serve.prefix import PrefixKeyer
-from llmserve.ray_serve.replica import ForwardedRequest
+from llmserve.ray_serve.replica import REPLICA_HEADER, ForwardedRequest
 from llmserve.ray_serve.router import PREFIX_KEY
 from llmserve.server.errors import APIError, error_sse, install_error_handlers
 from llmserve.server.middleware import OPEN_PATHS, key_matches, send_error
 from llmserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from llmserve.server.serving.outputs import SSE_DONE
 from llmserve.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 FORWARD_ATTEMPTS = 2
 """Tries of a request whose replica died before answering (Ray's router has then dropped it)."""
@@ -58,12 +64,15 @@ class Ingress:
 
     def __init__(
         self, engine: DeploymentHandle, model_source: str | None, api_key: str | None,
-        block_size: int, prefix_blocks: int,
+        block_size: int, prefix_blocks: int, otlp_traces_endpoint: str | None = None,
     ) -> None:  # fmt: skip
         self.engine = engine
         self.streams = engine.options(stream=True)
         self.api_key = api_key
         self.keyer = PrefixKeyer(load_tokenizer(resolve_model(model_source)), block_size, prefix_blocks)
+        self.tracer = (
+            IngressTracer(make_tracer_provider(otlp_traces_endpoint)) if otlp_traces_endpoint else None
+        )
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
         return build_ingress_app(self)
@@ -71,11 +80,33 @@ class Ingress:
     async def forward(self, raw: Request, prefix_key: int | None = None, stream: bool = True) -> Response:
         """`raw` answered by the replica the router picks for `prefix_key`. `stream`: the answer
         may be a stream (relayed chunk by chunk); False: one call returns it whole (a request
-        that did not ask for a stream: a Ray streaming call costs about a millisecond more)."""
+        that did not ask for a stream: a Ray streaming call costs about a millisecond more).
+        With tracing, the request's span (metrics/tracing.py) covers the forwarding and the whole
+        answer, and the replica gets it as its `traceparent`."""
+        headers = list(raw.scope["headers"])
+        span = None
+        if self.tracer is not None:
+            span, headers = self.tracer.start(raw.method, raw.url.path, headers)
         request = ForwardedRequest(
-            raw.method, raw.url.path, raw.scope.get("query_string", b""), list(raw.scope["headers"]),
-            await raw.body(),
-        )  # fmt: skip
+            raw.method, raw.url.path, raw.scope.get("query_string", b""), headers, await raw.body()
+        )
+        try:
+            response = await self._answer(request, prefix_key, stream, span)
+        except APIError as e:
+            if span is not None:
+                IngressTracer.finish(span, e.status, error=e.message)
+            raise
+        except BaseException as e:  # a bug, or the client gone while it waited (cancelled)
+            if span is not None:
+                IngressTracer.finish(span, 500, error=type(e).__name__)
+            raise
+        if span is not None and not isinstance(response, StreamingResponse):
+            IngressTracer.finish(span, response.status_code, response.headers.get(REPLICA_HEADER))
+        return response
+
+    async def _answer(
+        self, request: ForwardedRequest, prefix_key: int | None, stream: bool, span: Span | None
+    ) -> Response:
         for attempt in range(FORWARD_ATTEMPTS):
             try:
                 if not stream:
@@ -101,7 +132,12 @@ class Ingress:
             except RayError as e:
                 raise APIError(503, f"the engine replica failed while answering: {_reason(e)}") from None
             return Response(body, status_code=head["status"], headers=headers)
-        return StreamingResponse(_relay(chunks), status_code=head["status"], headers=headers)
+
+        def finish(error: str | None) -> None:
+            if span is not None:
+                IngressTracer.finish(span, head["status"], headers.get(REPLICA_HEADER), error)
+
+        return StreamingResponse(_relay(chunks, finish), status_code=head["status"], headers=headers)
 
     async def metrics(self) -> Response:
         """Every replica's metrics, labelled by replica (ray_serve/metrics.py)."""
@@ -114,21 +150,28 @@ class Ingress:
         return Response(merge_metrics(texts), media_type=CONTENT_TYPE_LATEST)
 
 
-async def _relay(stream: DeploymentResponseGenerator) -> AsyncIterator[bytes | str]:
+async def _relay(
+    stream: DeploymentResponseGenerator, finish: Callable[[str | None], None]
+) -> AsyncIterator[bytes | str]:
     """A replica's SSE answer; a replica that dies mid-stream ends it with an error event. A client
-    that leaves closes this generator, which cancels the replica's call (its request aborts)."""
+    that leaves closes this generator, which cancels the replica's call (its request aborts).
+    `finish(error)` once the stream is over (error: why it ended early, else None)."""
     done = False
+    error: str | None = "the client disconnected"
     try:
         async for chunk in stream:
             yield chunk
-        done = True
+        done, error = True, None
     except RayError as e:
         done = True
-        yield error_sse(APIError(503, f"the engine replica failed mid-stream: {_reason(e)}"))
+        failure = APIError(503, f"the engine replica failed mid-stream: {_reason(e)}")
+        error = failure.message
+        yield error_sse(failure)
         yield SSE_DONE
     finally:
         if not done:
             stream.cancel()
+        finish(error)
 
 
 def _headers(headers: list[tuple[str, str]]) -> dict[str, str]:
