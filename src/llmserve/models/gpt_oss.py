@@ -104,7 +104,9 @@ class GptOssForCausalLM(LlamaForCausalLM):
         super().__init__(config, backend)
 
     def map_weight_name(self, name: str) -> str | None:
-        name = name.replace(".self_attn.sinks", ".self_attn.attn.sinks").replace(".mlp.router.", ".mlp.gate.")
+        # (GGUF files name the sinks `self_attn.sinks.weight`)
+        name = re.sub(r"\.self_attn\.sinks(\.weight)?$", ".self_attn.attn.sinks", name)
+        name = name.replace(".mlp.router.", ".mlp.gate.")
         return super().map_weight_name(name)
 
     def load_weights(self, weights: Iterable[tuple[str, Any, str]]) -> None:
