@@ -95,14 +95,6 @@ class GptOssForCausalLM(LlamaForCausalLM):
             glu=clamped_swiglu(float(config.swiglu_alpha), float(config.swiglu_limit)),
         )
 
-    def __init__(self, config: Any, backend: Any) -> None:
-        if getattr(backend, "name", "") == "triton":
-            raise ValueError(
-                "gpt-oss's attention sinks are not in the triton attention backend yet; "
-                "use attention_backend 'torch'"
-            )
-        super().__init__(config, backend)
-
     def map_weight_name(self, name: str) -> str | None:
         # (GGUF files name the sinks `self_attn.sinks.weight`)
         name = re.sub(r"\.self_attn\.sinks(\.weight)?$", ".self_attn.attn.sinks", name)

@@ -8,6 +8,9 @@
      attention with a causal mask aligned to the END of the context, optionally limited to a
      sliding window.
 
+A layer with sink logits (gpt-oss, `AttentionParams.sinks`) adds each head's sink as one more
+column of its softmax, then drops it; its prefills run in plain matmuls (SDPA has no such term).
+
 Gathers index dim 0 of a flat [H_kv * num_blocks, block_size, D] view: indexing any other dim
 of a multi-GiB cache tensor is an order of magnitude slower in torch.
 
