@@ -82,7 +82,8 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, rotary_dim: int, params: dict[str, An
     low, high = max(low, 0), min(high, rotary_dim - 1)
     if low == high:
         high += 0.001  # no division by zero
-    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    dims = torch.arange(rotary_dim // 2, dtype=torch.float32, device="cpu")
+    ramp = ((dims - low) / (high - low)).clamp(0, 1)  # 0: kept (fast), 1: interpolated (slow)
     return inv_freq / factor * ramp + inv_freq * (1 - ramp)
 
 
