@@ -24,7 +24,8 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from llmserve import LLM, SamplingParams
 from llmserve.config import ModelConfig
-from llmserve.layers.quantization import QuantizedLinear
+from llmserve.layers.quantization import QuantizedLinear, cpu_kernels
+from llmserve.layers.quantization.fused_decoder import unsupported_reason
 from llmserve.layers.quantization.mxfp4 import dequantize_mxfp4
 from llmserve.model_executor.forward_runner import ForwardRunner, SequenceBatchEntry
 from llmserve.model_executor.model_loader import load_model
@@ -113,6 +114,10 @@ def test_fused_decoder_refuses_it(tiny) -> None:
     runner = ForwardRunner(loaded.model, num_blocks=8, block_size=4)
     runner.use_fused(True)
     assert runner.fused is None and runner.fused_unsupported == "no decoder spec"
+    # the stack as a Llama-shaped spec would be refused for its MoE blocks too
+    reason = unsupported_reason(loaded.model.model.decoder_spec(), runner.kv_caches)
+    if cpu_kernels.has_native_kernels():
+        assert reason is not None and reason.startswith("MoE routing the C++ decoder lacks")
 
 
 def test_triton_backend_matches_transformers(tiny) -> None:

@@ -210,8 +210,9 @@ def _accumulate_rows(s, col, vb, t, n, out):  # type: ignore[no-untyped-def]
 def _attend_one(q, k, v, table, seq_len, window, scale, sinks, out, next_k, next_table, next_first, next_end):  # type: ignore[no-untyped-def]
     """One work item: the query heads q [G, D] that share KV head k, v [num_blocks, block_size, D]
     over the last `window` positions (all when 0) of a `seq_len` context whose block ids are
-    `table`; into out [G, D]. `sinks`: the heads' sink logits [G], or [0] for none. Blocks are read in the order K blocks, V blocks, then the next work
-    item's K blocks (`next_*`), and prefetched _AHEAD blocks down that stream."""
+    `table`; into out [G, D]. `sinks`: the heads' sink logits [G], or [0] for none. Blocks are
+    read in the order K blocks, V blocks, then the next work item's K blocks (`next_*`), and
+    prefetched _AHEAD blocks down that stream."""
     G, D = q.shape
     bs = k.shape[1]
     start, first, end = _visible(seq_len, window, bs)
