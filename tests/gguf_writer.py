@@ -6,6 +6,9 @@ HF -> GGUF name map, and the converter's changes are re-done here from llama.cpp
     llama   q_proj / k_proj rows permuted per head: (x0..x_{h-1}, y0..y_{h-1}) -> (x0, y0, x1, y1, ...)
     gemma3  every `*norm.weight` stored as (w + 1)
     gpt2    Conv1D weights ([in, out] in HF) stored transposed; the causal-mask buffers dropped
+    gpt-oss the stacked [experts, in, out] gate_up split (interleaved columns) into gate and up
+            stacks [experts, out, in], down transposed likewise, biases split the same way;
+            the sinks named `.weight`
 
 Also ggml's reference dequantization of one block per type, written from ggml's C reference
 (`dequantize_row_*`), so that tests do not check the gguf package's numpy code against itself.
@@ -53,11 +56,37 @@ def _stack_experts(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     return out
 
 
+def _gpt_oss_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """llama.cpp's GptOssModel.modify_tensors on float checkpoints."""
+    out: dict[str, torch.Tensor] = {}
+    for name, w in state_dict.items():
+        if name.endswith(("experts.gate_up_proj", "experts.gate_up_proj_bias")):
+            bias = name.endswith("_bias")
+            w = w if bias else w.transpose(-1, -2)  # [E, 2I, H]: row 2i gate unit i, 2i + 1 up unit i
+            base, suffix = (
+                name.removesuffix("_bias").removesuffix(".gate_up_proj"),
+                "bias" if bias else "weight",
+            )
+            out[f"{base}.gate_proj.{suffix}"] = w[:, 0::2]
+            out[f"{base}.up_proj.{suffix}"] = w[:, 1::2]
+        elif name.endswith("experts.down_proj"):
+            out[f"{name}.weight"] = w.transpose(-1, -2)
+        elif name.endswith("experts.down_proj_bias"):
+            out[name.removesuffix("_bias") + ".bias"] = w
+        elif name.endswith("self_attn.sinks"):
+            out[f"{name}.weight"] = w
+        else:
+            out[name] = w
+    return out
+
+
 def convert_state_dict(arch: str, config: Any, state_dict: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
     """HF state dict -> {GGUF name: float32 array}, as llama.cpp's converter writes it."""
     n_layer = config.n_layer if arch == "gpt2" else config.num_hidden_layers
-    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], n_layer)
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper().replace("-", "_")], n_layer)
     out: dict[str, np.ndarray] = {}
+    if arch == "gpt-oss":
+        state_dict = _gpt_oss_tensors(state_dict)
     for name, w in _stack_experts(state_dict).items():
         w = w.detach().float().clone()
         if arch == "gpt2":
@@ -101,14 +130,22 @@ def hf_metadata(arch: str, config: Any) -> Callable[[GGUFWriter], None]:
             rope = config.rope_parameters
             w.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
             head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-            if arch in ("qwen3", "gemma3") or head_dim != config.hidden_size // config.num_attention_heads:
+            if (
+                arch in ("qwen3", "gemma3", "gpt-oss")
+                or head_dim != config.hidden_size // config.num_attention_heads
+            ):
                 w.add_key_length(head_dim)
                 w.add_value_length(head_dim)
             if arch == "llama":  # LlamaModel also writes these
                 w.add_vocab_size(config.vocab_size)
                 w.add_rope_dimension_count(head_dim)
-            if arch == "gemma3":
+            if arch in ("gemma3", "gpt-oss"):
                 w.add_sliding_window(config.sliding_window)
+            if arch == "gpt-oss":  # llama.cpp's GptOssModel.set_gguf_parameters
+                w.add_expert_feed_forward_length(config.intermediate_size)
+                w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+                w.add_rope_scaling_factor(rope["factor"])
+                w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
             _moe_metadata(w, config)
         # Only the token list tells the vocabulary size when `<arch>.vocab_size` is absent.
         w.add_token_list([f"tok{i}" for i in range(config.vocab_size)])

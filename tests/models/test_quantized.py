@@ -39,9 +39,12 @@ _TABLE = re.compile(r"(embed_tokens|wte|lm_head)\.weight$")
 TOL = 2e-3
 
 
-def fake_quantize(state_dict: dict[str, torch.Tensor], method: str) -> dict[str, torch.Tensor]:
+def fake_quantize(
+    state_dict: dict[str, torch.Tensor], method: str, input_major_experts: bool = False
+) -> dict[str, torch.Tensor]:
     """The checkpoint as `method` stores it, dequantized: linear weights in q8 or q4 blocks along
-    their input dimension, embedding and LM head tables in q8, everything else untouched."""
+    their input dimension, embedding and LM head tables in q8, everything else untouched.
+    `input_major_experts`: stacked experts are [experts, in, out] (gpt-oss), not [experts, out, in]."""
     out = {}
     for name, w in state_dict.items():
         if _LINEAR.search(name) and w.dim() == 2:
@@ -50,7 +53,11 @@ def fake_quantize(state_dict: dict[str, torch.Tensor], method: str) -> dict[str,
             deq = quantize(rows, "q4" if method == "int4" else "q8").dequantize()
             out[name] = deq.T.contiguous() if conv1d else deq
         elif _EXPERTS.search(name):  # each expert's rows are blocks along `in`, as for any linear
-            out[name] = torch.stack([quantize(e, "q4" if method == "int4" else "q8").dequantize() for e in w])
+            fmt = "q4" if method == "int4" else "q8"
+            if input_major_experts:  # gpt-oss stacks [experts, in, out]
+                out[name] = torch.stack([quantize(e.T, fmt).dequantize().T for e in w])
+            else:
+                out[name] = torch.stack([quantize(e, fmt).dequantize() for e in w])
         elif _TABLE.search(name):
             out[name] = quantize(w, "q8").dequantize()
         else:
@@ -68,7 +75,7 @@ def pair(request, arch, tmp_path_factory):
     """(transformers on the quantized weights, llmserve loading the float checkpoint quantized)."""
     folder = tmp_path_factory.mktemp(f"{arch}-{request.param}")
     hf = make_tiny_model(arch, folder)
-    hf.load_state_dict(fake_quantize(hf.state_dict(), request.param))
+    hf.load_state_dict(fake_quantize(hf.state_dict(), request.param, hf.config.model_type == "gpt_oss"))
     ours = load_model(
         ModelConfig(
             model=str(folder), quantization=request.param, cpu_activations="int16", show_progress=False

@@ -84,6 +84,21 @@ def _qwen3_moe() -> transformers.PretrainedConfig:
     )  # fmt: skip
 
 
+def _gpt_oss() -> transformers.PretrainedConfig:
+    # Sliding layers of 8 positions (the parity prompts cross them), YaRN from an original context
+    # of 32 (so its ramp and attention factor both show), widths that MXFP4's 32-element blocks
+    # divide. 4 experts, top 2: with 8, this seed put a second and third choice so close that a
+    # 16-bit KV cache or int4 weights flipped one token's routing (a jump, not drift).
+    return transformers.GptOssConfig(
+        **_LLAMA_LIKE, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=8, layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": False, "original_max_position_embeddings": 32,
+        },
+    )  # fmt: skip
+
+
 TINY_CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
     "llama": _llama,
     "llama3-rope-tied": _llama3_scaled_tied,
@@ -95,6 +110,7 @@ TINY_CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
     "mixtral": _mixtral,
     "qwen2-moe": _qwen2_moe,
     "qwen3-moe": _qwen3_moe,
+    "gpt-oss": _gpt_oss,
 }
 
 

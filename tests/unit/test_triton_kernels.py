@@ -67,6 +67,7 @@ class Case:
     splits: int | None = 1  # decode split-K factor; None: the backend's policy
     num_kv_heads: int = 2
     table_dtype: torch.dtype = torch.int64
+    sinks: bool = False  # learned per-head sink logits (gpt-oss)
 
 
 CASES = {
@@ -96,6 +97,12 @@ CASES = {
     "mixed-window10-g4-f16": Case(MIXED, group=4, window=10, dtype=F16),
     "mixed-f32-over-f16-cache": Case(MIXED, cache_dtype=F16),
     "mixed-int32-tables": Case(MIXED, table_dtype=torch.int32),
+    "decode-sinks-g2-f32": Case(DECODE, sinks=True),
+    "decode-sinks-split4-window20-g4-f16": Case(
+        LONG_DECODE, group=4, window=20, splits=4, dtype=F16, sinks=True
+    ),
+    "prefill-sinks-window16-g4-bf16": Case(PREFILL, group=4, window=16, dtype=BF16, sinks=True),
+    "mixed-sinks-g2-f32": Case(MIXED, sinks=True),
 }
 
 
@@ -130,7 +137,7 @@ def make_batch(case: Case, seed: int = 0) -> Batch:
 
     positions = torch.cat([torch.arange(s - q, s) for q, s in case.seqs]).to(DEVICE)
     return Batch(
-        params=AttentionParams(H, H_kv, D, D**-0.5, case.window),
+        params=AttentionParams(H, H_kv, D, D**-0.5, case.window, randn(H) * 3 if case.sinks else None),
         metadata=md,
         q=randn(T, H, D),
         k=randn(T, H_kv, D),

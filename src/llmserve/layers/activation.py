@@ -26,6 +26,21 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+GatedActivation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""(gate, up) -> the gated MLP's inner activation, for MLPs whose gating is not act(gate) * up."""
+
+
+def clamped_swiglu(alpha: float, limit: float) -> GatedActivation:
+    """gpt-oss's gating: gate clamped above at `limit`, up to [-limit, limit], then
+    (up + 1) * gate * sigmoid(alpha * gate)."""
+
+    def glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(max=limit)
+        return (up.clamp(-limit, limit) + 1) * (gate * torch.sigmoid(gate * alpha))
+
+    return glu
+
+
 def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if name not in _ACTIVATIONS:
         raise ValueError(f"unsupported activation {name!r}; supported: {', '.join(sorted(_ACTIVATIONS))}")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmserve.layers.activation import gated_kernel, get_activation
+from llmserve.layers.activation import GatedActivation, gated_kernel, get_activation
 from llmserve.layers.linear import Linear, num_weight_chunks
 from llmserve.load_errors import WeightShapeError
 
@@ -120,18 +120,30 @@ class DownLinear(Linear):
 
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)); checkpoint names gate_proj / up_proj / down_proj (models map
-    gate_proj and up_proj to shards 0 and 1 of `gate_up_proj`)."""
+    gate_proj and up_proj to shards 0 and 1 of `gate_up_proj`). `glu` replaces act(gate) * up
+    with glu(gate, up) (gpt-oss's clamped SwiGLU)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool = False) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        act: str,
+        bias: bool = False,
+        glu: GatedActivation | None = None,
+    ) -> None:
         super().__init__()
+        self.glu = glu
         C = num_weight_chunks(intermediate_size)
         self.gate_up_proj = GateUpLinear(hidden_size, intermediate_size, C, bias)
         self.down_proj = DownLinear(intermediate_size, hidden_size, C, bias)
         self.act = get_activation(act)
         self.act_name = act
 
+    def gated(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return self.act(gate) * up if self.glu is None else self.glu(gate, up)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, H] -> [M, H]
-        if x.is_cuda and (fused := gated_kernel(self.act_name)) is not None:
+        if x.is_cuda and self.glu is None and (fused := gated_kernel(self.act_name)) is not None:
             if self.gate_up_proj.packed:  # fp8 layers: the plain [M, gate | up] layout
                 return self.down_proj(fused(self.gate_up_proj(x)))
             # One chunk on a GPU: [1, M, gate | up], act(gate) * up in one kernel
@@ -139,7 +151,7 @@ class GatedMLP(nn.Module):
         if self.gate_up_proj.packed:
             gate_up = self.gate_up_proj(x)  # [M, gate | up]
             inner = gate_up.shape[-1] // 2
-            return self.down_proj(self.act(gate_up[..., :inner]) * gate_up[..., inner:])
+            return self.down_proj(self.gated(gate_up[..., :inner], gate_up[..., inner:]))
         gate_up = self.gate_up_proj.forward_chunks(x)  # [C, M, 2 * I/C]
         Ic = gate_up.shape[-1] // 2
-        return self.down_proj.forward_chunks(self.act(gate_up[..., :Ic]) * gate_up[..., Ic:])
+        return self.down_proj.forward_chunks(self.gated(gate_up[..., :Ic], gate_up[..., Ic:]))

@@ -1,8 +1,9 @@
-"""Sparse mixture-of-experts MLP blocks (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks `top_k` of
-`num_experts` gated MLPs per token, and the token's output is their weighted sum.
+"""Sparse mixture-of-experts MLP blocks (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss): a router picks
+`top_k` of `num_experts` gated MLPs per token, and the token's output is their weighted sum.
 
     probs  = softmax(x @ W_router.T)                  [T, E], in float32
     w, ids = top_k(probs)                             [T, k]  (w / sum(w) where the model normalises)
+    (gpt-oss: logits = x @ W_router.T + b; w, ids = top_k(logits); w = softmax(w), over the k chosen)
     out[t] = sum_j w[t, j] * expert[ids[t, j]](x[t])   (+ sigmoid(x @ g) * shared_expert(x), Qwen2-MoE)
 
 Experts run grouped by expert: the T * k (token, expert) pairs are sorted by expert, and each
@@ -24,7 +25,8 @@ loader through `use_moe_kernel`):
               no host sync, so decode steps replay in CUDA graphs; the experts' weights stacked
               into [E, H, 2I] / [E, I, H] tensors that the experts' own parameters then view
     dense     CUDA without triton, experts the kernel does not take (fp8 or quantized layers,
-              activations other than SiLU / GELU-tanh), layers offloaded to the host, and experts
+              activations other than SiLU / GELU-tanh, gpt-oss's biased experts with the clamped
+              SwiGLU), layers offloaded to the host, and experts
               wrapped for LoRA: every expert over every token, weighted by a routing matrix that is
               zero for unchosen experts. Same result, sync-free, and E / k times the expert FLOPs.
 """
@@ -37,22 +39,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmserve.layers.activation import fused_gated_name
+from llmserve.layers.activation import GatedActivation, fused_gated_name
 from llmserve.layers.mlp import DownLinear, GatedMLP, GateUpLinear
 
 MoEKernel = Literal["grouped", "triton", "dense"]
 
 
 class Router(nn.Module):
-    """The expert-choice logits x @ W.T (W [num_experts, hidden], as checkpoints store it). A
-    plain parameter, not a `Linear`: quantization plans only replace linear layers."""
+    """The expert-choice logits x @ W.T (+ b) (W [num_experts, hidden], as checkpoints store it).
+    Plain parameters, not a `Linear`: quantization plans only replace linear layers."""
 
-    def __init__(self, hidden_size: int, num_experts: int) -> None:
+    def __init__(self, hidden_size: int, num_experts: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(num_experts), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, E]
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 class SparseMoE(nn.Module):
@@ -74,7 +77,13 @@ class SparseMoE(nn.Module):
         act: str,
         renormalize: bool,
         shared_intermediate_size: int = 0,
+        softmax_after_top_k: bool = False,
+        bias: bool = False,
+        glu: GatedActivation | None = None,
     ) -> None:
+        """`softmax_after_top_k`: the softmax runs over the k chosen logits (gpt-oss) instead of
+        over all experts before choosing; `bias`: the router and the experts' projections have
+        biases; `glu`: the experts' gating (mlp.GatedMLP)."""
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and num_experts {num_experts}")
@@ -82,9 +91,10 @@ class SparseMoE(nn.Module):
         # until the loader applies the device profile's choice (`use_moe_kernel`): the host-synced
         # grouping only where it is free, as `num_weight_chunks` reads the device being built on
         self.kernel = "grouped" if torch.get_default_device().type == "cpu" else "dense"
-        self.gate = Router(hidden_size, num_experts)
+        self.softmax_after_top_k = softmax_after_top_k
+        self.gate = Router(hidden_size, num_experts, bias)
         self.experts = nn.ModuleList(
-            GatedMLP(hidden_size, expert_intermediate_size, act) for _ in range(num_experts)
+            GatedMLP(hidden_size, expert_intermediate_size, act, bias, glu) for _ in range(num_experts)
         )
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: Router | None = None
@@ -94,6 +104,9 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, expert ids [T, k]) for each token."""
+        if self.softmax_after_top_k:
+            logits, ids = torch.topk(self.gate(x), self.top_k, dim=-1)
+            return torch.softmax(logits, dim=-1, dtype=torch.float32).to(x.dtype), ids
         probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
@@ -135,7 +148,9 @@ class SparseMoE(nn.Module):
             up, down = m.gate_up_proj, m.down_proj
             if type(up) is not GateUpLinear or type(down) is not DownLinear or up.packed or down.packed:
                 return False  # quantized, fp8 or oneDNN-packed layers
-            if up.bias is not None or down.bias is not None or fused_gated_name(m.act_name) is None:
+            if up.bias is not None or down.bias is not None or m.glu is not None:
+                return False  # gpt-oss's biased experts and clamped SwiGLU
+            if fused_gated_name(m.act_name) is None:
                 return False
         # [E, H, 2I]: each expert's [gate | up] columns, input-major as `Linear` stores them
         self.w13 = torch.stack([m.gate_up_proj.logical_weight().t() for m in self.experts]).contiguous()

@@ -2,7 +2,8 @@
 half of each head's rotary dims pairs with the second half.
 
 Frequencies follow the HF `rope_parameters` (transformers >= 5) or `rope_theta` + `rope_scaling`
-(earlier versions): `default`, `linear`, `llama3`. The cos/sin table is a buffer built with the
+(earlier versions): `default`, `linear`, `llama3`, `yarn` (its attention factor scales the table, as
+HF scales cos and sin). The cos/sin table is a buffer built with the
 module, on the device the model is built on (so nothing is created on another device at the first
 forward), and indexed by position at each forward: by `cos_sin` once per forward for backends
 that take rotated q and k, or inside the cache-write kernel of a backend that rotates q and k as it
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any]:
@@ -59,7 +60,45 @@ def _inv_freq(rotary_dim: int, params: dict[str, Any]) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled)
+    if rope_type == "yarn":
+        return _yarn_inv_freq(inv_freq, rotary_dim, params)
     raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(_SUPPORTED_ROPE_TYPES)}")
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, rotary_dim: int, params: dict[str, Any]) -> torch.Tensor:
+    """YaRN: frequencies that turn fewer than `beta_slow` times over the original context are
+    interpolated (divided by `factor`), those that turn more than `beta_fast` times are kept, and
+    a linear ramp over the dimensions between them blends the two (HF's `_compute_yarn_parameters`)."""
+    base, factor = float(params["rope_theta"]), float(params["factor"])
+    old_len = float(params["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(params.get("beta_fast") or 32), float(params.get("beta_slow") or 1)
+
+    def dim_of(turns: float) -> float:  # the dimension whose frequency turns `turns` times over old_len
+        return rotary_dim * math.log(old_len / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # no division by zero
+    dims = torch.arange(rotary_dim // 2, dtype=torch.float32, device="cpu")
+    ramp = ((dims - low) / (high - low)).clamp(0, 1)  # 0: kept (fast), 1: interpolated (slow)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def _attention_factor(params: dict[str, Any]) -> float:
+    """The factor YaRN scales cos and sin by (1 for the other types)."""
+    if (params.get("rope_type") or "default") != "yarn":
+        return 1.0
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor, m, m_all = float(params["factor"]), params.get("mscale"), params.get("mscale_all_dim")
+    return mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
 
 
 class RotaryEmbedding(nn.Module):
@@ -73,7 +112,7 @@ class RotaryEmbedding(nn.Module):
         # device the model is being built on (torch's default device: the loader's, or meta).
         t = torch.arange(max_position, dtype=torch.float32, device="cpu")
         freqs = torch.outer(t, inv_freq)  # [P, rotary_dim / 2]
-        table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        table = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * _attention_factor(params)
         # [max_position, rotary_dim] as [cos of each frequency | sin of each frequency]
         self.register_buffer("cos_sin_cache", table.to(torch.get_default_device()), persistent=False)
 

@@ -41,6 +41,8 @@ class ArchFlags:
     qkv_bias: bool
     o_bias: bool
     qk_norm: bool
+    sinks: bool = False
+    """Learned per-head attention sink logits (gpt-oss)."""
 
 
 MLPBuilder = Callable[[Any, int], nn.Module]
@@ -93,6 +95,7 @@ class LlamaAttention(nn.Module):
             scale=D**-0.5,
             backend=backend,
             sliding_window=sliding_window_of(config, layer_idx),
+            sinks=arch.sinks,
         )
 
     def forward(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -30,6 +30,10 @@ class AttentionParams:
     scale: float
     sliding_window: int | None = None
     """Attend only to the last `sliding_window` positions (the current one included)."""
+    sinks: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    """[num_heads] learned sink logits (gpt-oss): one more term exp(sink) in each query's softmax
+    denominator, a key with no value, so a head can attend to nothing. Not part of the geometry:
+    layers that differ only in their sinks share their per-forward metadata."""
 
 
 class AttentionBackend(Protocol):

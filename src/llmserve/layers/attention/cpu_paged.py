@@ -14,6 +14,7 @@ is read once, straight from its block, by all the query heads that share its KV 
     for each work item, in parallel over threads:
         1. s[g, t] = q[g] . K[t]                  g: the group's query heads, t: visible positions
         2. s[g, :] = softmax(scale * s[g, :])      s is only G x context floats: no running rescale
+                                                   (a layer's sink logit, gpt-oss, joins the sum)
         3. out[g]  = sum_t s[g, t] V[t]
 
 Blocks sit anywhere in the cache, so the kernel prefetches its own stream (K blocks, V blocks,
@@ -206,11 +207,12 @@ def _accumulate_rows(s, col, vb, t, n, out):  # type: ignore[no-untyped-def]
 
 
 @jit(fastmath=FASTMATH, boundscheck=False, nogil=True)
-def _attend_one(q, k, v, table, seq_len, window, scale, out, next_k, next_table, next_first, next_end):  # type: ignore[no-untyped-def]
+def _attend_one(q, k, v, table, seq_len, window, scale, sinks, out, next_k, next_table, next_first, next_end):  # type: ignore[no-untyped-def]
     """One work item: the query heads q [G, D] that share KV head k, v [num_blocks, block_size, D]
     over the last `window` positions (all when 0) of a `seq_len` context whose block ids are
-    `table`; into out [G, D]. Blocks are read in the order K blocks, V blocks, then the next work
-    item's K blocks (`next_*`), and prefetched _AHEAD blocks down that stream."""
+    `table`; into out [G, D]. `sinks`: the heads' sink logits [G], or [0] for none. Blocks are
+    read in the order K blocks, V blocks, then the next work item's K blocks (`next_*`), and
+    prefetched _AHEAD blocks down that stream."""
     G, D = q.shape
     bs = k.shape[1]
     start, first, end = _visible(seq_len, window, bs)
@@ -243,6 +245,8 @@ def _attend_one(q, k, v, table, seq_len, window, scale, out, next_k, next_table,
             p = _exp_nonpositive(np.float32(scale) * (s[g, t] - m))
             s[g, t] = p
             total += p
+        if sinks.shape[0] > 0:  # exp(sink - max) joins the denominator; an overflow means ~0 out
+            total += np.float32(math.exp(sinks[g] - np.float32(scale) * m))
         inv = np.float32(1.0) / total
         for t in range(s.shape[1]):
             s[g, t] *= inv
@@ -263,8 +267,9 @@ def _attend_one(q, k, v, table, seq_len, window, scale, out, next_k, next_table,
 
 
 @jit(parallel=True, boundscheck=False)
-def _paged_decode(query, k_cache, v_cache, block_tables, decodes, bounds, scale, window, out):  # type: ignore[no-untyped-def]
+def _paged_decode(query, k_cache, v_cache, block_tables, decodes, bounds, scale, window, sinks, out):  # type: ignore[no-untyped-def]
     """query, out: [T, H_kv, G, D]; k_cache, v_cache: [H_kv, num_blocks, block_size, D];
+    sinks: [H_kv, G] sink logits, or [H_kv, 0] for a layer without them;
     decodes: [B, 3] (sequence index, batch row, seq_len). Work item i is (decode i // H_kv,
     KV head i % H_kv); thread w runs items bounds[w] to bounds[w + 1] - 1."""
     H_kv, bs = k_cache.shape[0], k_cache.shape[2]
@@ -282,6 +287,7 @@ def _paged_decode(query, k_cache, v_cache, block_tables, decodes, bounds, scale,
                 decodes[b, 2],
                 window,
                 scale,
+                sinks[h],
                 out[row, h],
                 k_cache[nh],
                 block_tables[decodes[nb, 0]],
@@ -404,6 +410,12 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
         T, H, D = query.shape
         H_kv = params.num_kv_heads
         out = torch.empty((T, H, D), dtype=torch.float32)
+        G = H // H_kv
+        sinks = (
+            np.zeros((H_kv, 0), np.float32)
+            if params.sinks is None
+            else params.sinks.detach().to(torch.float32).numpy().reshape(H_kv, G)
+        )
         _paged_decode(
             query.detach().to(torch.float32).contiguous().numpy().reshape(T, H_kv, H // H_kv, D),
             _cache_view(k_half),
@@ -413,6 +425,7 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
             work.bounds,
             float(params.scale),
             window,
+            sinks,
             out.numpy().reshape(T, H_kv, H // H_kv, D),
         )
         out = out.to(query.dtype)
@@ -430,7 +443,8 @@ def _warm_up(kv_cache_dtype: torch.dtype | KVDtypes = torch.float32) -> None:
     dtypes = KVDtypes.of(kv_cache_dtype)
     k, v = (_cache_view(torch.zeros((1, 1, 1, 16), dtype=d)) for d in (dtypes.k, dtypes.v))
     decodes, bounds = np.array([[0, 0, 1]], np.int64), np.array([0, 1], np.int64)
-    _paged_decode(q, k, v, np.zeros((1, 1), np.int64), decodes, bounds, 1.0, 0, np.empty_like(q))
+    sinks = np.zeros((1, 0), np.float32)
+    _paged_decode(q, k, v, np.zeros((1, 1), np.int64), decodes, bounds, 1.0, 0, sinks, np.empty_like(q))
 
 
 @register_attention_backend("cpu")

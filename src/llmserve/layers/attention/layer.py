@@ -24,11 +24,15 @@ class Attention(nn.Module):
         scale: float,
         backend: AttentionBackend,
         sliding_window: int | None = None,
+        sinks: bool = False,
     ) -> None:
+        """`sinks`: the layer has learned per-head sink logits (gpt-oss), a parameter of this
+        module that the backend reads through `params.sinks`."""
         super().__init__()
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-        self.params = AttentionParams(num_heads, num_kv_heads, head_dim, scale, sliding_window)
+        self.sinks = nn.Parameter(torch.empty(num_heads), requires_grad=False) if sinks else None
+        self.params = AttentionParams(num_heads, num_kv_heads, head_dim, scale, sliding_window, self.sinks)
         self.backend = backend
 
     @property

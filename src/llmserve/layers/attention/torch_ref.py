@@ -8,6 +8,9 @@
      attention with a causal mask aligned to the END of the context, optionally limited to a
      sliding window.
 
+A layer with sink logits (gpt-oss, `AttentionParams.sinks`) adds each head's sink as one more
+column of its softmax, then drops it; its prefills run in plain matmuls (SDPA has no such term).
+
 Gathers index dim 0 of a flat [H_kv * num_blocks, block_size, D] view: indexing any other dim
 of a multi-GiB cache tensor is an order of magnitude slower in torch.
 
@@ -92,8 +95,43 @@ def _attend_one_query(
     H, H_kv, D = params.num_heads, params.num_kv_heads, params.head_dim
     q = q.reshape(H_kv, H // H_kv, D)  # [H_kv, group, D]
     scores = torch.bmm(q, k.transpose(1, 2)).mul_(params.scale)  # [H_kv, group, s_len]
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    probs = _softmax(scores, _sinks(params, H_kv, H // H_kv, 1)).to(q.dtype)
     return torch.bmm(probs, v).view(H, 1, D)
+
+
+def _sinks(params: AttentionParams, *shape: int) -> torch.Tensor | None:
+    """The layer's sink logits viewed as `shape` (query head h = KV head * group + j), or None."""
+    return None if params.sinks is None else params.sinks.view(*shape)
+
+
+def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """softmax over the last dim in float32; with sinks (broadcast to scores[..., :1]), each row's
+    sink logit joins the denominator as one more column, which is then dropped."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1, dtype=torch.float32)
+    column = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, column], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
+
+
+def _attend_with_sinks(
+    params: AttentionParams,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | str | None,
+) -> torch.Tensor:
+    """`_attend` for a layer with sinks, in plain matmuls (SDPA has no sink term):
+    q [H, q_len, D], k/v [H_kv, s_len, D] -> [H, q_len, D]."""
+    H, H_kv, D = params.num_heads, params.num_kv_heads, params.head_dim
+    G, q_len, s_len = H // H_kv, q.shape[1], k.shape[1]
+    scores = torch.bmm(q.reshape(H_kv, G * q_len, D), k.transpose(1, 2)).mul_(params.scale)
+    scores = scores.view(H_kv, G, q_len, s_len)
+    if isinstance(mask, str):  # CAUSAL: q_len == s_len
+        mask = torch.ones(q_len, s_len, dtype=torch.bool, device=q.device).tril_()
+    if mask is not None:
+        scores.masked_fill_(~mask, float("-inf"))
+    probs = _softmax(scores, _sinks(params, H_kv, G, 1, 1)).to(q.dtype)
+    return torch.bmm(probs.view(H_kv, G * q_len, s_len), v).view(H, q_len, D)
 
 
 def _attend(
@@ -106,6 +144,8 @@ def _attend(
     """q: [H, q_len, D], k/v: [H_kv, s_len, D] -> [H, q_len, D]."""
     if mask is None and q.shape[1] == 1:
         return _attend_one_query(params, q, k, v)
+    if params.sinks is not None:
+        return _attend_with_sinks(params, q, k, v, mask)
     causal = isinstance(mask, str)
     # 4-D inputs: on CPU only those reach SDPA's flash kernel (3x faster than the 3-D math path).
     return F.scaled_dot_product_attention(
@@ -281,7 +321,7 @@ def _decode_batch(
     q = query.index_select(0, plan.rows).view(B, H_kv, H // H_kv, D).transpose(0, 1)  # [H_kv, B, g, D]
     scores = torch.matmul(q, k.transpose(-1, -2)).mul_(params.scale)  # [H_kv, B, g, S]
     scores += plan.bias.to(scores.dtype)[None, :, None, :]
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    probs = _softmax(scores, _sinks(params, H_kv, 1, H // H_kv, 1)).to(q.dtype)
     out = torch.matmul(probs, v)  # [H_kv, B, g, D]
     return out.transpose(0, 1).reshape(B, H, D)
 

@@ -143,7 +143,7 @@ class TritonAttentionBackend:
         tables, scale, window = metadata.block_tables, params.scale, params.sliding_window
         if max_query_len > 1:
             out = self._kernels.varlen_paged_attention(
-                query, kv_cache, tables, seq_lens, query_start_loc, scale, window
+                query, kv_cache, tables, seq_lens, query_start_loc, scale, window, sinks=params.sinks
             )
             # Sequences with images (their tokens attend both ways, which the kernel's causal mask
             # does not do) rerun on the torch reference, reading the K/V just written: prefill
@@ -157,7 +157,15 @@ class TritonAttentionBackend:
         numel = self._kernels.decode_workspace_numel(num_seqs, H, D, splits)
         workspace = self._get_workspace(numel, query.device) if numel else None
         return self._kernels.paged_decode_attention(
-            query, kv_cache, tables, seq_lens, scale, window, num_splits=splits, workspace=workspace
+            query,
+            kv_cache,
+            tables,
+            seq_lens,
+            scale,
+            window,
+            num_splits=splits,
+            workspace=workspace,
+            sinks=params.sinks,
         )
 
     def _splits(self, num_seqs: int, num_kv_heads: int, device: torch.device) -> int:

@@ -34,6 +34,10 @@ Varlen (`varlen_paged_attention`), grid (num_tokens // BLOCK_Q + num_seqs, num_k
     Query j of sequence i sits at position p = seq_len - query_len + j and sees keys t with
     t <= p (and t > p - window): a program visits only tiles in [lowest visible key, its last p].
 
+Sinks (gpt-oss): a layer's per-head sink logit s adds exp2(s log2 e - m) to the final softmax
+denominator (`_with_sinks`: in the one-split decode and the varlen kernel at normalisation, in the
+merge against the splits' common max), a key with no value; `HAS_SINKS` compiles it out elsewhere.
+
 Why two kernels rather than one: a decode-only batch (every CUDA-graph step) in the varlen kernel
 fills one of BLOCK_Q token slots per program and runs only num_seqs x num_kv_heads programs, too
 few to stream a long context at HBM speed at small batch; the decode kernel drops the token
@@ -115,6 +119,18 @@ def _attend_tiles(
 
 
 @triton.jit
+def _with_sinks(l_i, m_i, sinks_ptr, heads, ok, HAS_SINKS: tl.constexpr):
+    """The softmax denominator l (over keys, base 2, running max m), plus exp2(sink - m) for a
+    layer with learned sink logits (gpt-oss: a key with no value). A row that saw no key keeps
+    m = -inf; its sink term is taken against 0 (its acc is 0, its output 0)."""
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + heads, mask=ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+        l_i = l_i + tl.where(ok, tl.exp2(sink - m_safe), 0.0)
+    return l_i
+
+
+@triton.jit
 def _split_range(seq_len, window, HAS_WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
     """(first visible key, keys per split): splits cover whole tiles, so the last ones may be empty."""
     kv_lo = seq_len * 0
@@ -130,11 +146,11 @@ def _split_range(seq_len, window, HAS_WINDOW: tl.constexpr, NUM_SPLITS: tl.const
 # an H100: the first batch of 2,048-token prompts, 128-block tables, waited 0.8 s per step).
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
-    q_ptr, cache_ptr, table_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr, scale_log2, window,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_kv, stride_kvh, stride_blk, stride_row,
-    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, G_PAD: tl.constexpr,
+    q_ptr, cache_ptr, table_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr, sinks_ptr, scale_log2,
+    window, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_kv, stride_kvh, stride_blk,
+    stride_row, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, G_PAD: tl.constexpr,
     D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_SINKS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -168,6 +184,7 @@ def _decode_kernel(
         BLOCK_SIZE, False, False, HEAD_DIM, D_PAD, BLOCK_N, IEEE, UPCAST,
     )  # fmt: skip
     if NUM_SPLITS == 1:
+        l_i = _with_sinks(l_i, m_i, sinks_ptr, heads, g_ok, HAS_SINKS)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_ptrs = out_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, cast(out, out_ptr.dtype.element_ty), mask=q_mask)
@@ -181,11 +198,12 @@ def _decode_kernel(
 
 @triton.jit
 def _merge_kernel(
-    out_ptr, part_acc_ptr, part_ml_ptr, seq_lens_ptr, window, stride_ot, stride_oh,
+    out_ptr, part_acc_ptr, part_ml_ptr, seq_lens_ptr, sinks_ptr, window, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
-    """One (sequence, query head): out = sum_s w_s acc_s / sum_s w_s l_s, w_s = exp2(m_s - max m).
+    """One (sequence, query head): out = sum_s w_s acc_s / sum_s w_s l_s, w_s = exp2(m_s - max m)
+    (the sink term, once, against max m: `_with_sinks`).
     Only the splits the decode kernel wrote are read (recomputed from seq_len): the workspace
     holds stale values past them."""
     seq = tl.program_id(0)
@@ -199,7 +217,8 @@ def _merge_kernel(
     part = (seq * num_heads + head) * NUM_SPLITS + s  # [NUM_SPLITS]
     m = tl.load(part_ml_ptr + part * 2, mask=s_ok, other=float("-inf"))
     l_s = tl.load(part_ml_ptr + part * 2 + 1, mask=s_ok, other=0.0)
-    w = tl.where(s_ok, tl.exp2(m - tl.max(m, 0)), 0.0)
+    m_max = tl.max(m, 0)
+    w = tl.where(s_ok, tl.exp2(m - m_max), 0.0)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_DIM
     acc = tl.load(
@@ -207,7 +226,7 @@ def _merge_kernel(
         mask=s_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
-    denom = tl.sum(w * l_s, 0)
+    denom = _with_sinks(tl.sum(w * l_s, 0), m_max, sinks_ptr, head, True, HAS_SINKS)
     out = tl.sum(acc * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
     tl.store(
         out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
@@ -218,12 +237,12 @@ def _merge_kernel(
 
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _varlen_kernel(
-    q_ptr, cache_ptr, table_ptr, seq_lens_ptr, q_start_ptr, out_ptr,
+    q_ptr, cache_ptr, table_ptr, seq_lens_ptr, q_start_ptr, out_ptr, sinks_ptr,
     scale_log2, window, num_seqs,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_kv, stride_kvh, stride_blk, stride_row,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, G_PAD: tl.constexpr,
     D_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_SINKS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -275,6 +294,7 @@ def _varlen_kernel(
         kv_lo, kv_hi, window, stride_blk, stride_row, scale_log2,
         BLOCK_SIZE, True, HAS_WINDOW, HEAD_DIM, D_PAD, BLOCK_N, IEEE, UPCAST,
     )  # fmt: skip
+    l_i = _with_sinks(l_i, m_i, sinks_ptr, heads, row_ok, HAS_SINKS)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_ptrs = out_ptr + flat[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, cast(out, out_ptr.dtype.element_ty), mask=q_mask)
@@ -330,6 +350,7 @@ def paged_decode_attention(
     num_splits: int = 1,
     workspace: torch.Tensor | None = None,  # float32, >= decode_workspace_numel(...)
     out: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,  # [H] sink logits (gpt-oss)
 ) -> torch.Tensor:  # [num_seqs, H, D]
     """Attention of each sequence's one new token over its paged context (split-K when
     num_splits > 1: the decode kernel, then `_merge_kernel`)."""
@@ -349,17 +370,19 @@ def paged_decode_attention(
         part_acc = part_ml = out  # unused
     window = sliding_window or 0
     _decode_kernel[(num_seqs, H_kv, num_splits)](
-        query, kv_cache, block_tables, seq_lens, out, part_acc, part_ml, scale * LOG2E, window,
+        query, kv_cache, block_tables, seq_lens, out, part_acc, part_ml, query if sinks is None else sinks,
+        scale * LOG2E, window,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), *_cache_args(kv_cache, block_tables),
         BLOCK_SIZE=kv_cache.shape[3], GROUP=group, HEAD_DIM=D, G_PAD=max(16, triton.next_power_of_2(group)),
-        D_PAD=d_pad, BLOCK_N=block_n, NUM_SPLITS=num_splits, HAS_WINDOW=window > 0,
+        D_PAD=d_pad, BLOCK_N=block_n, NUM_SPLITS=num_splits, HAS_WINDOW=window > 0, HAS_SINKS=sinks is not None,
         IEEE=query.dtype == torch.float32, UPCAST=UPCAST_BF16 and query.dtype == torch.bfloat16,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _merge_kernel[(num_seqs, H)](
-            out, part_acc, part_ml, seq_lens, window, out.stride(0), out.stride(1),
-            HEAD_DIM=D, D_PAD=d_pad, BLOCK_N=block_n, NUM_SPLITS=num_splits, HAS_WINDOW=window > 0,
+            out, part_acc, part_ml, seq_lens, query if sinks is None else sinks, window, out.stride(0),
+            out.stride(1), HEAD_DIM=D, D_PAD=d_pad, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+            HAS_WINDOW=window > 0, HAS_SINKS=sinks is not None,
             num_warps=4 if D > 64 else 2,
         )  # fmt: skip
     return out
@@ -374,6 +397,7 @@ def varlen_paged_attention(
     scale: float,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,  # [H] sink logits (gpt-oss)
 ) -> torch.Tensor:  # [T, H, D]
     """Causal attention (aligned to each context's end) for any mix of prefill chunks and decodes."""
     _, H_kv, D, group = _check(query, kv_cache)
@@ -384,11 +408,11 @@ def varlen_paged_attention(
     block_q, block_n, num_warps, num_stages = _varlen_tiles(d_pad, g_pad)
     window = sliding_window or 0
     _varlen_kernel[(T // block_q + num_seqs, H_kv)](
-        query, kv_cache, block_tables, seq_lens, query_start_loc, out,
+        query, kv_cache, block_tables, seq_lens, query_start_loc, out, query if sinks is None else sinks,
         scale * LOG2E, window, num_seqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), *_cache_args(kv_cache, block_tables),
         BLOCK_SIZE=kv_cache.shape[3], GROUP=group, HEAD_DIM=D, G_PAD=g_pad, D_PAD=d_pad,
-        BLOCK_Q=block_q, BLOCK_N=block_n, HAS_WINDOW=window > 0,
+        BLOCK_Q=block_q, BLOCK_N=block_n, HAS_WINDOW=window > 0, HAS_SINKS=sinks is not None,
         IEEE=query.dtype == torch.float32, UPCAST=UPCAST_BF16 and query.dtype == torch.bfloat16,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip

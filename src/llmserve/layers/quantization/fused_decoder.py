@@ -84,6 +84,14 @@ def unsupported_reason(spec: DecoderSpec, kv_caches: list[LayerKVCache]) -> str 
             for w in _routers(layer.moe)
         ):
             return "MoE router weights are not float32 on the CPU"
+        if layer.moe is not None and (
+            layer.moe.softmax_after_top_k
+            or layer.moe.gate.bias is not None
+            or layer.moe.experts[0].glu is not None
+        ):
+            return (
+                "MoE routing the C++ decoder lacks (router bias, softmax over the chosen, gpt-oss's gating)"
+            )
         for n in [*_norms(layer), spec.final_norm]:
             if n.weight_offset or n.weight.dtype != torch.float32 or n.weight.device.type != "cpu":
                 return "norm weights are not float32 on the CPU"

@@ -202,6 +202,28 @@ def gemma3_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
     )
 
 
+def gpt_oss_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
+    """gpt-oss. llama.cpp hard-codes the rest, and so do we: sliding attention on even layers, the
+    clamped SwiGLU's alpha 1.702 and limit 7, and YaRN without truncating its ramp's ends (as
+    OpenAI's model and transformers' config have it)."""
+    kw = _decoder_kwargs(ckpt)
+    rope = _rope(ckpt)
+    if rope["rope_type"] == "yarn":
+        rope["truncate"] = False
+    return transformers.GptOssConfig(
+        **kw,
+        **_rope_kwargs(rope),
+        **_moe_kwargs(ckpt, "num_local_experts", False),
+        sliding_window=ckpt.require("attention.sliding_window"),
+        layer_types=[
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(kw["num_hidden_layers"])
+        ],
+        swiglu_alpha=1.702,
+        swiglu_limit=7.0,
+        attention_bias=ckpt.has_tensor("blk.0.attn_q.bias"),
+    )
+
+
 def gpt2_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
     return transformers.GPT2Config(
         **_common_kwargs(ckpt),

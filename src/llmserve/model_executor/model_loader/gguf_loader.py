@@ -150,6 +150,20 @@ _QWEN2MOE_NAMES = {
 _QWEN3MOE_NAMES = {
     k: v for k, v in _QWEN3_NAMES.items() if k not in _MIXTRAL_EXPERT_NAMES
 } | _QWEN_EXPERT_NAMES
+# gpt-oss: llama.cpp splits transformers' interleaved gate_up into gate and up, stores each stack
+# [experts, out, in] (biases [experts, out]), and calls the MLP's input norm post_attention_norm.
+_GPT_OSS_NAMES = {
+    k: v
+    for k, v in _LLAMA_NAMES.items()
+    if k not in _MIXTRAL_EXPERT_NAMES and not k.startswith("blk.{bid}.ffn")
+} | {
+    "blk.{bid}.post_attention_norm": "model.layers.{bid}.post_attention_layernorm",
+    "blk.{bid}.attn_sinks": "model.layers.{bid}.self_attn.sinks",
+    "blk.{bid}.ffn_gate_inp": "model.layers.{bid}.mlp.router",
+    "blk.{bid}.ffn_gate_exps": "model.layers.{bid}.mlp.experts.{xid}.gate_proj",
+    "blk.{bid}.ffn_up_exps": "model.layers.{bid}.mlp.experts.{xid}.up_proj",
+    "blk.{bid}.ffn_down_exps": "model.layers.{bid}.mlp.experts.{xid}.down_proj",
+}
 _GEMMA3_NAMES = _QWEN3_NAMES | {
     "blk.{bid}.post_attention_norm": "model.layers.{bid}.post_attention_layernorm",
     "blk.{bid}.ffn_norm": "model.layers.{bid}.pre_feedforward_layernorm",
@@ -263,6 +277,7 @@ _ARCHS: dict[str, _ArchSpec] = {
         _CLIP_GEMMA3_FIXES,
         gguf_config.clip_vision_config,
     ),
+    "gpt-oss": _ArchSpec("GptOssForCausalLM", _GPT_OSS_NAMES, {}, gguf_config.gpt_oss_config),
 }
 
 
@@ -465,9 +480,13 @@ class GGUFCheckpoint:
                     _Planned(name, hf_name if hf_name.endswith("_weight") else f"{hf_name}.{suffix}", fix)
                 )
                 continue
-            if len(t.shape) != 3:  # ggml order: [in, out, experts]
-                raise ModelLoadError(f"{file}: expert tensor {name!r} has shape {t.shape.tolist()}, not 3-D")
-            num_experts = int(t.shape[2])
+            if len(t.shape) != (
+                3 if suffix == "weight" else 2
+            ):  # ggml order: [in, out, experts] / [out, experts]
+                raise ModelLoadError(
+                    f"{file}: expert tensor {name!r} has shape {t.shape.tolist()}, not a stack of {suffix}es"
+                )
+            num_experts = int(t.shape[-1])
             plan += [
                 _Planned(name, f"{hf_base.format(bid=bid, xid=e)}.{suffix}", fix, e, e == num_experts - 1)
                 for e in range(num_experts)
@@ -482,7 +501,7 @@ class GGUFCheckpoint:
             file, t = self._tensors[p.name]
             # One expert of a stacked tensor is its slice along the outermost (ggml's last) axis.
             data, shape = (
-                (t.data, t.shape.tolist()) if p.expert is None else (t.data[p.expert], t.shape[:2].tolist())
+                (t.data, t.shape.tolist()) if p.expert is None else (t.data[p.expert], t.shape[:-1].tolist())
             )
             if keep_quantized is not None and t.tensor_type in EXACT_TYPES and keep_quantized(p.hf_name):
                 rows = self._quantized_rows(data, t.tensor_type, shape, p.fix)

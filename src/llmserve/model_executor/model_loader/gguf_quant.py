@@ -34,6 +34,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from llmserve.layers.quantization.formats import QuantizedRows
+from llmserve.layers.quantization.mxfp4 import MXFP4_VALUES
 
 _Q = GGMLQuantizationType
 
@@ -43,8 +44,6 @@ EXACT_TYPES = (_Q.Q8_0, _Q.Q4_0, _Q.Q4_1, _Q.Q4_K, _Q.Q5_0, _Q.Q5_1, _Q.Q5_K, _Q
 
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 """IQ4_NL's and IQ4_XS's non-linear levels (llama.cpp's kvalues_iq4nl)."""
-MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
-"""The E2M1 (FP4) codes' values doubled (llama.cpp's kvalues_mxfp4); the block scale is halved."""
 
 
 def _halves(raw: np.ndarray) -> torch.Tensor:

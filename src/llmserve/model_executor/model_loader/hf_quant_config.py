@@ -156,6 +156,11 @@ _PARSERS: dict[str, Callable[[dict[str, Any]], CheckpointQuantization]] = {
 }
 
 
+_READ_BY_MODEL: dict[str, set[str]] = {"mxfp4": {"GptOssForCausalLM"}}
+"""Methods whose tensors a model class dequantizes as it loads them (gpt-oss's MXFP4 experts:
+models/gpt_oss.py), with float weights from then on (and `--quantization` applying to them)."""
+
+
 def read_checkpoint_quantization(hf_config: Any) -> CheckpointQuantization | None:
     """The checkpoint's quantization, or None for a float checkpoint; ValueError for one that is
     quantized in a way llmserve does not read."""
@@ -165,6 +170,9 @@ def read_checkpoint_quantization(hf_config: Any) -> CheckpointQuantization | Non
     if not isinstance(qc, dict):
         qc = qc.to_dict() if hasattr(qc, "to_dict") else vars(qc)
     method = str(qc.get("quant_method", "")).lower()
+    archs = set(getattr(hf_config, "architectures", None) or [])
+    if archs & _READ_BY_MODEL.get(method, set()):
+        return None  # the model's load_weights dequantizes these tensors itself
     if method not in _PARSERS:
         raise ValueError(
             f"pre-quantized checkpoint: quant_method {method!r} is not supported; llmserve reads "
