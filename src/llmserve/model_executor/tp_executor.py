@@ -33,6 +33,7 @@ import torch.multiprocessing as mp
 
 from llmserve.config import ModelConfig
 from llmserve.config.parallel import ParallelConfig
+from llmserve.distributed import shm
 from llmserve.distributed.group import TPGroup
 from llmserve.distributed.sharding import TPShard
 from llmserve.layers import numba_jit
@@ -70,12 +71,14 @@ class MultiprocExecutor:
         self.loaded: LoadedModel = load_model(model_config, self.shard)
         self._error: TensorParallelError | None = None
         store = TPGroup.create_store(size)
+        self.transport = shm.transport()
+        shm_path = shm.create_segment(size) if self.transport == "shm" else None
         spawn = mp.get_context("spawn")
         cpus = _cpu_sets(size, threads)
         self.workers = [
             spawn.Process(
                 target=run_worker,
-                args=(WorkerArgs(rank, size, store.port, model_config, threads, cpus[rank]),),
+                args=(WorkerArgs(rank, size, store.port, model_config, threads, cpus[rank], shm_path),),
                 name=f"llmserve-tp{rank}",
                 daemon=True,
             )
@@ -85,8 +88,14 @@ class MultiprocExecutor:
             w.start()
         self._finalizer = weakref.finalize(self, _stop_processes, self.workers)
         try:
-            TPGroup.wait_for_workers(store, size, lambda: any(w.exitcode is not None for w in self.workers))
-            self.group = TPGroup(store, 0, size)
+            try:
+                TPGroup.wait_for_workers(
+                    store, size, lambda: any(w.exitcode is not None for w in self.workers)
+                )
+                self.group = TPGroup(store, 0, size, shm_path=shm_path)
+            finally:  # every rank has mapped the segment by now (or never will): its name goes
+                if shm_path is not None:
+                    os.unlink(shm_path)
             self.shard.group = self.group
             ok = self.group.all_ok(True)
         except RuntimeError as e:
@@ -100,7 +109,9 @@ class MultiprocExecutor:
     def init_runner(self, **kwargs: Any) -> DriverForwardRunner:
         """Every rank's forward runner (and KV cache shard) with the same sizes; the driver's."""
         self.send(("init", kwargs))
-        return DriverForwardRunner(self, self.loaded.model, profile=self.loaded.profile, **kwargs)
+        return DriverForwardRunner(
+            self, self.loaded.model, profile=self.loaded.profile, group=self.group, **kwargs
+        )
 
     def check(self) -> None:
         """Raise the `TensorParallelError` of an earlier failure, if there was one."""
@@ -130,6 +141,8 @@ class MultiprocExecutor:
             )
         else:
             self._error = TensorParallelError(f"a tensor-parallel collective failed: {cause}")
+        if (group := getattr(self, "group", None)) is not None:
+            group.abort()  # the live ranks' shared-memory waits end now
         _stop_processes(self.workers, grace=0.0)  # the others wait on a collective that never comes
         return self._error
 

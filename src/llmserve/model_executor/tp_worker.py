@@ -39,6 +39,8 @@ class WorkerArgs:
     """torch threads of this rank."""
     cpus: tuple[int, ...] = ()
     """CPUs this rank's threads are pinned to (empty: not pinned)."""
+    shm_path: str | None = None
+    """The driver's shared-memory segment (distributed/shm.py); None: the group runs over gloo."""
 
 
 def run_worker(args: WorkerArgs) -> None:
@@ -48,7 +50,7 @@ def run_worker(args: WorkerArgs) -> None:
         os.sched_setaffinity(0, args.cpus)
     torch.set_num_threads(args.threads)
     numba_jit.limit_threads(args.threads)
-    group = TPGroup.connect(args.port, args.rank, args.size)
+    group = TPGroup.connect(args.port, args.rank, args.size, args.shm_path)
     try:
         from llmserve.model_executor.model_loader import load_model
 
@@ -64,6 +66,7 @@ def run_worker(args: WorkerArgs) -> None:
         _serve(group, loaded)
     except Exception:
         logger.exception("tensor-parallel worker failed")
+        group.abort()
         sys.exit(1)
     group.close()
     # Straight out: the interpreter's teardown would destroy gloo's objects in an arbitrary order,
@@ -88,7 +91,7 @@ def _serve(group: TPGroup, loaded) -> None:
             assert runner is not None, "logits before init"
             runner.compute_logits(command[1])
         elif kind == "init":
-            runner = ForwardRunner(loaded.model, profile=loaded.profile, **command[1])
+            runner = ForwardRunner(loaded.model, profile=loaded.profile, group=group, **command[1])
         elif kind == "stop":
             return
         else:
