@@ -6,7 +6,8 @@ token ids, positions, slot mapping, block tables), lets the attention backend bu
 metadata, and runs the stack the way this device runs it:
 
     fused CPU decoder   quantized Llama-family stacks on the CPU: the whole forward in one C++
-                        call (layers/quantization/fused_decoder.py), chosen here, not by the model
+                        call (layers/quantization/fused_decoder.py), chosen here, not by the model;
+                        a tensor-parallel rank's shard too, over its group's shared memory
     CUDA graph          decode steps on CUDA, replayed from graphs captured at start-up
                         (cuda_graph.py wraps this runner)
     eager               the model's layer-by-layer forward, anything else; also every step

@@ -13,10 +13,15 @@ pickled broadcast of the flat batch (`SequenceBatchEntry` list: new tokens, cont
 block ids per sequence), which is all a forward pass needs, so workers keep no request state.
 Each rank loads only its shard (distributed/sharding.py) and holds the KV cache of its KV heads.
 
-A worker that dies closes its sockets, which fails the driver's next collective at once; the
-executor then names the dead rank (`TensorParallelError`) and refuses every later step, so the
-engine stops with that error instead of hanging. A worker that hangs is bounded by the group's
-timeout (group.py).
+The collectives go through a shared-memory segment (distributed/shm.py; gloo where
+LLMSERVE_TP_TRANSPORT=gloo or the C++ extension is missing). Each rank runs its shard of a
+quantized Llama-family stack in the fused C++ decoder, which sums the row-parallel outputs over
+that segment itself; over gloo the model's layers run, their hooks summing.
+
+A worker that dies fails the driver's next collective at once (gloo: its sockets close; shm: the
+wait sees its pid gone); the executor then names the dead rank (`TensorParallelError`) and
+refuses every later step, so the engine stops with that error instead of hanging. A worker that
+hangs is bounded by the group's timeout (group.py).
 """
 
 from __future__ import annotations
