@@ -126,9 +126,7 @@ def transport(batches: list[int], iters: int = 300) -> None:
             f"{n:5d}  {size:5d}  {statistics.median(sends) * 1e6:12.0f}  {statistics.median(reduces) * 1e6:13.0f}"
         )
     worker.join()
-    group.close()
-    if shm_path is not None:
-        os.unlink(shm_path)
+    group.close()  # (unlinks the segment)
 
 
 def main() -> None:

@@ -128,9 +128,24 @@ def test_unsupported_architecture(tmp_path):
         build_engine(str(tmp_path), show_progress=False, tensor_parallel_size=2)
 
 
-def test_dead_worker_stops_the_engine(tmp_path):
+@pytest.mark.parametrize(
+    ("transport", "quantization"),
+    [("shm", "none"), ("shm", "int8"), ("gloo", "none")],
+    ids=["shm-layers", "shm-fused", "gloo-layers"],
+)
+def test_dead_worker_stops_the_engine(transport, quantization, tmp_path, monkeypatch):
+    """Wherever the driver waits for the dead worker (a gloo collective, a shared-memory wait in
+    the model's hooks or inside the fused C++ decoder), the step fails naming it, within seconds."""
+    monkeypatch.setenv("LLMSERVE_TP_TRANSPORT", transport)
     make_tiny_model("llama", tmp_path)
-    engine = build_engine(str(tmp_path), show_progress=False, tensor_parallel_size=2, threads_per_rank=1)
+    engine = build_engine(
+        str(tmp_path),
+        show_progress=False,
+        tensor_parallel_size=2,
+        threads_per_rank=1,
+        quantization=quantization,
+    )
+    assert (engine.runner.runner.fused is not None) == (quantization == "int8")
     try:
         params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
         engine.add_request("a", [5, 17, 99, 3], params)
