@@ -12,7 +12,10 @@ decoder, at TP=2 one shard per rank summing over the shared-memory group (over g
 run). TP=1 runs with N threads (default: all CPUs), TP=2 with N/2 threads per rank, each
 configuration in a process of its own. The broadcast cost is the driver's time in
 `MultiprocExecutor.send` per step: the pickled flat batch ("forward") and the hidden rows for the
-LM head ("logits"), the only inputs that cross to the workers.
+LM head ("logits"), the only inputs that cross to the workers. CPU ms/step: the user + system
+time of every rank's process over the measured steps, per step (a waiting rank's spinning
+included); on a machine that other work shares, a steadier figure than the wall time, which
+favours TP=2's two processes there (the scheduler gives each process its share).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import torch
 import torch.multiprocessing as mp
 
@@ -36,6 +40,7 @@ import transformers
 from llmserve.distributed import shm
 from llmserve.distributed.group import TPGroup
 from llmserve.engine.llm import build_engine
+from llmserve.layers import numba_jit
 from llmserve.model_executor.forward_runner import SequenceBatchEntry
 from llmserve.sampling_params import SamplingParams
 
@@ -54,11 +59,12 @@ def _model(folder: Path) -> None:
 
 def _run(
     folder: Path, tp: int, threads: int, batch: int, steps: int, quantization: str
-) -> tuple[float, float]:
-    """(median decode step ms, mean broadcast ms per step)."""
+) -> tuple[float, float, float]:
+    """(median decode step ms, mean broadcast ms per step, CPU ms per step of all the ranks)."""
     options = dict(tensor_parallel_size=tp, threads_per_rank=threads // tp) if tp > 1 else {}
-    if tp == 1:
+    if tp == 1:  # numba's pool too, as each TP rank's (else its set_num_threads resets torch's to all CPUs)
         torch.set_num_threads(threads)
+        numba_jit.limit_threads(threads)
     engine = build_engine(str(folder), show_progress=False, quantization=quantization, **options)
     sent = [0.0]
     if engine.executor is not None:
@@ -74,13 +80,18 @@ def _run(
     for i in range(batch):
         engine.add_request(str(i), [(7 * i + j) % 500 + 1 for j in range(16)], params)
     engine.step()  # the prefill
+    ranks = [psutil.Process()] + [
+        psutil.Process(w.pid) for w in (engine.executor.workers if engine.executor else [])
+    ]
+    cpu0 = sum(sum(p.cpu_times()[:2]) for p in ranks)
     sent[0], times = 0.0, []
     for _ in range(steps):
         t = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t)
+    cpu = sum(sum(p.cpu_times()[:2]) for p in ranks) - cpu0
     engine.close()
-    return statistics.median(times) * 1e3, sent[0] / steps * 1e3
+    return statistics.median(times) * 1e3, sent[0] / steps * 1e3, cpu / steps * 1e3
 
 
 def _transport_worker(port: int, iters: int, shm_path: str | None) -> None:
@@ -151,7 +162,7 @@ def main() -> None:
     configs = [(1, "-"), (2, "shm"), (2, "gloo")]
     with tempfile.TemporaryDirectory() as tmp:
         _model(Path(tmp))
-        print("weights  batch  TP  transport  step ms  broadcast ms/step  TP=1 / this")
+        print("weights  batch  TP  transport  step ms  CPU ms/step  broadcast ms/step  TP=1 / this")
         for quant in args.quantization:
             for batch in args.batch:
                 base = None
@@ -162,11 +173,11 @@ def main() -> None:
                     out = subprocess.run(
                         cmd, check=True, capture_output=True, text=True, env=env
                     ).stdout.split()
-                    step_ms, bcast_ms = float(out[-2]), float(out[-1])
+                    step_ms, bcast_ms, cpu_ms = (float(v) for v in out[-3:])
                     base = base or step_ms
                     print(
-                        f"{quant:>7}  {batch:5d}  {tp:2d}  {how:>9}  {step_ms:7.2f}  {bcast_ms:17.3f}  "
-                        f"{base / step_ms:10.2f}x"
+                        f"{quant:>7}  {batch:5d}  {tp:2d}  {how:>9}  {step_ms:7.2f}  {cpu_ms:11.2f}  "
+                        f"{bcast_ms:17.3f}  {base / step_ms:10.2f}x"
                     )
 
 
