@@ -14,8 +14,8 @@
 // publishes after it finished reading gen's slots. The all-reduce sums the slots in rank order on
 // every rank, so all ranks hold the same bits (the same float additions in the same order).
 //
-// Waits spin (a peer a few microseconds behind), then yield the core (one a layer behind), then
-// sleep in growing steps (an idle engine); a peer's death (its pid gone or a zombie), an abort, or
+// Waits spin (a peer a few microseconds behind), then yield the core (one a layer behind, or
+// descheduled by other work), then sleep in growing steps (an idle engine); a peer's death (its pid gone or a zombie), an abort, or
 // the timeout end them with CommError. On a 2-core machine a step of a 30-layer model makes 61
 // exchanges; gloo's loopback TCP cost ~0.3 ms each, these a few microseconds (benchmarks/bench_tp.py).
 #include "shm_comm.h"
@@ -36,7 +36,9 @@ namespace {
 
 constexpr int64_t kLine = 64, kPage = 4096;
 constexpr int kSpins = 2000;             // ~50 us of pause instructions before yielding
-constexpr double kYieldSeconds = 2e-3;   // then sched_yield for this long, then sleep
+constexpr double kYieldSeconds = 0.1;    // then sched_yield for this long (a collective), then sleep:
+                                         // a sleeping rank wakes up to 1 ms late, 61 times a step
+constexpr double kIdleYieldSeconds = 2e-3;  // a receiver's wait for the next command (an idle engine)
 constexpr double kCheckSeconds = 10e-3;  // how often a waiting rank looks for dead peers
 
 inline void cpu_relax() {
@@ -115,7 +117,7 @@ void ShmComm::wait(Cond cond, const char* what, int64_t peer, bool timed) {
         throw CommError(std::string(what) + ": no answer from the other ranks within " +
                         std::to_string(static_cast<int>(timeout_s)) + " s");
     }
-    if (waited < kYieldSeconds) {
+    if (waited < (timed ? kYieldSeconds : kIdleYieldSeconds)) {
       sched_yield();
     } else {  // 20 us, doubling up to 1 ms: an idle rank costs next to nothing
       const timespec ts{0, sleep_ns};
