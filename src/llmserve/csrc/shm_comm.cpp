@@ -89,6 +89,12 @@ bool ShmComm::peer_dead(int64_t r) const {
   return pid_dead(static_cast<pid_t>(load(word(base, 1 + r, 2))));
 }
 
+bool ShmComm::all_reached(int i, int64_t first, uint64_t value) const {
+  for (int64_t r = first; r < world; ++r)
+    if (load(word(base, 1 + r, i)) < value) return false;
+  return true;
+}
+
 void ShmComm::abort() { store(word(base, 0, 0), 1); }
 
 template <typename Cond>
@@ -132,13 +138,7 @@ void ShmComm::exchange(const void* src, int64_t bytes) {
   std::memcpy(const_cast<char*>(slot(gen % 2, rank)), src, bytes);
   store(word(base, 1 + rank, 0), gen);
   const uint64_t g = gen;
-  wait(
-      [&] {
-        for (int64_t r = 0; r < world; ++r)
-          if (load(word(base, 1 + r, 0)) < g) return false;
-        return true;
-      },
-      "all-reduce", -1, true);
+  wait([&] { return all_reached(0, 0, g); }, "all-reduce", -1, true);
 }
 
 void ShmComm::all_reduce(float* x, int64_t n) {
@@ -173,13 +173,7 @@ void ShmComm::broadcast_send(const void* data, int64_t bytes) {
   do {
     const int64_t len = std::min(bcast_bytes, bytes - off);
     const uint64_t sent = bcast_seen;
-    wait(
-        [&] {
-          for (int64_t r = 1; r < world; ++r)
-            if (load(word(base, 1 + r, 1)) < sent) return false;
-          return true;
-        },
-        "broadcast", -1, true);
+    wait([&] { return all_reached(1, 1, sent); }, "broadcast", -1, true);  // the receivers' acks
     std::memcpy(area, static_cast<const char*>(data) + off, len);
     store(word(base, 1 + world, 1), static_cast<uint64_t>(bytes));
     store(word(base, 1 + world, 2), static_cast<uint64_t>(len));

@@ -44,6 +44,8 @@ struct ShmComm {
   template <typename Cond>
   void wait(Cond cond, const char* what, int64_t peer, bool timed);
   bool peer_dead(int64_t r) const;
+  // whether word i (0: arrive, 1: ack) of every rank from `first` on is >= value
+  bool all_reached(int i, int64_t first, uint64_t value) const;
 
   char* base;
   int64_t slot_bytes, bcast_bytes;
