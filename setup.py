@@ -23,9 +23,12 @@ setup(
                     "decoder_stack",
                     "decoder_moe",
                     "decoder_cache_rows",
+                    "shm_comm",
                 )
             ],
-            depends=[f"{CSRC}/{name}" for name in ("qgemm.h", "decoder_stack.h", "act_quant.inc")],
+            depends=[
+                f"{CSRC}/{name}" for name in ("qgemm.h", "decoder_stack.h", "shm_comm.h", "act_quant.inc")
+            ],
             include_dirs=[CSRC],
             language="c++",
             extra_compile_args=[

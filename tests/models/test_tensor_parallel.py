@@ -30,13 +30,19 @@ ENGINE = dict(show_progress=False, max_num_batched_tokens=8, num_kv_blocks=5, bl
 MAX_TOKENS = 16
 
 
-def _run(model: str, **options) -> tuple[list[list[int]], list[list[float]], int]:
-    """(greedy tokens, each chosen token's logprob, preemptions) of PROMPTS."""
+def _run(model: str, fused: bool | None = None, **options) -> tuple[list[list[int]], list[list[float]], int]:
+    """(greedy tokens, each chosen token's logprob, preemptions) of PROMPTS; `fused`: assert
+    whether the (driver's) stack runs the fused C++ decoder."""
     llm = LLM(model, **ENGINE, **options)
     try:
+        if fused is not None:
+            runner = llm.engine.runner.runner
+            assert (runner.fused is not None) == fused, runner.fused_unsupported
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=1, ignore_eos=True)
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
         preemptions = llm.engine.scheduler.num_preemptions
+        if fused is not None:  # the shared prefix was served from the cache
+            assert llm.engine.scheduler.kv_cache_manager.prefix_cache_stats.hits > 0
     finally:
         llm.engine.close()
     tokens = [o.outputs[0].token_ids for o in outs]
@@ -81,6 +87,29 @@ def test_tp2_matches_tp1_q4_1_gguf(tmp_path):
     compare_tp(str(tiny_llama_gguf(tmp_path, dict.fromkeys(kinds, Q.Q4_1), tokenizer=True)), atol=2e-3)
 
 
+@pytest.mark.parametrize("source", ["int8", "q4_1-gguf"])
+def test_tp2_fused_decoder_matches_tp1(source, tmp_path, monkeypatch):
+    """Each rank runs its shard of the stack in the fused C++ decoder, summing the o and down
+    projections' shares over the shared-memory group inside the call: greedy tokens equal TP=1's
+    (itself fused) and the layer path's over gloo, with prefix caching, chunked prefill and
+    preemption at work (PROMPTS share a prefix; ENGINE's budget of 8 tokens chunks them)."""
+    if source == "int8":
+        make_tiny_model("llama", tmp_path)
+        model, options = str(tmp_path), {"quantization": "int8"}
+    else:
+        kinds = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "token_embd")
+        model, options = str(tiny_llama_gguf(tmp_path, dict.fromkeys(kinds, Q.Q4_1), tokenizer=True)), {}
+    tp = dict(tensor_parallel_size=2, threads_per_rank=1)
+    ref_tokens, ref_lp, _ = _run(model, fused=True, **options)
+    tp_tokens, tp_lp, _ = _run(model, fused=True, **tp, **options)
+    monkeypatch.setenv("LLMSERVE_TP_TRANSPORT", "gloo")
+    gloo_tokens, gloo_lp, _ = _run(model, fused=False, **tp, **options)
+    assert tp_tokens == ref_tokens == gloo_tokens
+    # q8/q4 activations are rounded per shard (see the GGUF test above): logprobs within 2e-3
+    np.testing.assert_allclose(np.array(tp_lp), np.array(ref_lp), rtol=0, atol=2e-3)
+    np.testing.assert_allclose(np.array(tp_lp), np.array(gloo_lp), rtol=0, atol=2e-3)
+
+
 def test_refusals():
     """Sizes that do not divide the heads, and architectures TP does not split: ValueError
     before any worker starts."""
@@ -102,11 +131,15 @@ def test_unsupported_architecture(tmp_path):
         build_engine(str(tmp_path), show_progress=False, tensor_parallel_size=2)
 
 
-def check_killed_worker_stops_the_engine(model: str, kill: Callable[[Any], str], **options) -> None:
+def check_killed_worker_stops_the_engine(
+    model: str, kill: Callable[[Any], str], fused: bool | None = None, **options
+) -> None:
     """A TP=2 engine (`options`: its backend) whose worker `kill(executor.workers)` ends mid-run:
     the next steps raise `TensorParallelError` matching `kill`'s pattern within seconds, then
-    every later step at once."""
+    every later step at once. `fused`: whether the driver must run the fused C++ decoder."""
     engine = build_engine(model, show_progress=False, tensor_parallel_size=2, threads_per_rank=1, **options)
+    if fused is not None:
+        assert (engine.runner.runner.fused is not None) == fused
     try:
         params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
         engine.add_request("a", [5, 17, 99, 3], params)
@@ -123,14 +156,25 @@ def check_killed_worker_stops_the_engine(model: str, kill: Callable[[Any], str],
         engine.close()
 
 
-def test_dead_worker_stops_the_engine(tmp_path):
+@pytest.mark.parametrize(
+    ("transport", "quantization"),
+    [("shm", "none"), ("shm", "int8"), ("gloo", "none")],
+    ids=["shm-layers", "shm-fused", "gloo-layers"],
+)
+def test_dead_worker_stops_the_engine(transport, quantization, tmp_path, monkeypatch):
+    """Wherever the driver waits for the dead worker (a gloo collective, a shared-memory wait in
+    the model's hooks or inside the fused C++ decoder), the step fails naming it, within seconds."""
+    monkeypatch.setenv("LLMSERVE_TP_TRANSPORT", transport)
+
     def kill(workers) -> str:
         pid = workers.processes[0].pid
         os.kill(pid, signal.SIGKILL)
         return rf"worker rank 1 \(pid {pid}, exit code -9\) died"
 
     make_tiny_model("llama", tmp_path)
-    check_killed_worker_stops_the_engine(str(tmp_path), kill)
+    check_killed_worker_stops_the_engine(
+        str(tmp_path), kill, fused=quantization == "int8", quantization=quantization
+    )
 
 
 def test_worker_dead_before_joining_fails_start_up(tmp_path):

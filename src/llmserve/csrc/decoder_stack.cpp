@@ -22,6 +22,7 @@
 #pragma GCC target("avx2,fma,f16c")
 
 #include "decoder_stack.h"
+#include "shm_comm.h"
 
 #include <immintrin.h>
 #include <omp.h>
@@ -525,6 +526,7 @@ void Decoder::forward(const float* x, int64_t M, const int64_t* positions, const
     }
     // 5. output projection into the residual stream, post-attention norm
     linear(L.o, attn_, M, h_);
+    if (comm) comm->all_reduce(h_, M * H);  // a tensor-parallel rank: the heads' shares summed
 #pragma omp parallel for schedule(static) if (M >= kParallelTokens)
     for (int64_t m = 0; m < M; ++m) {
       float* r = res_ + m * H;
@@ -546,6 +548,7 @@ void Decoder::forward(const float* x, int64_t M, const int64_t* positions, const
       silu_mul(g, g + I, I, act_ + m * I);
     }
     linear(L.down, act_, M, h_);
+    if (comm) comm->all_reduce(h_, M * H);  // the intermediate slices' shares summed
   }
   // 7. final norm
   for (int64_t m = 0; m < M; ++m) {

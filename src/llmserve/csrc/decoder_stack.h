@@ -10,6 +10,8 @@
 
 namespace llmserve {
 
+struct ShmComm;  // shm_comm.h
+
 constexpr int kCacheF32 = 0, kCacheBF16 = 1, kCacheF16 = 2, kCacheI8 = 3;  // int8: see decoder_cache_rows.cpp
 constexpr int64_t kInt8Group = 32;                                         // values per int8-cache scale
 
@@ -70,6 +72,9 @@ struct Decoder {
   const float* cos_sin = nullptr;  // [max_position, rot]: cos halves then sin halves
   const float* final_norm = nullptr;
   std::vector<Layer> layers;
+  // A tensor-parallel rank's group: the o and down projections are row-parallel shards, their
+  // partial outputs summed over the ranks right after each (nullptr: the whole model, no sums).
+  ShmComm* comm = nullptr;
 
   // x [T, H] embeddings of a flat batch of T new tokens -> out [T, H] final hidden states.
   // positions, slots [T]: each token's position in its sequence and its cache slot; token_seqs [T]:

@@ -14,6 +14,7 @@
 
 #include "decoder_stack.h"
 #include "qgemm.h"
+#include "shm_comm.h"
 
 namespace llmserve {
 namespace {
@@ -180,13 +181,118 @@ void free_decoder(PyObject* capsule) {
   delete static_cast<Decoder*>(PyCapsule_GetPointer(capsule, kDecoderCapsule));
 }
 
-// decoder_new(config, layers, cos_sin, final_norm) -> capsule
-// config = (H, Hq, Hkv, D, rot, I, num_blocks, block_size, max_position, eps, scale, cache_type,
-//           v_cache_type, v_offset): K's cache type, V's, and the bytes from a layer's cache to its V half
-PyObject* py_decoder_new(PyObject*, PyObject* args) {
-  PyObject *config, *layers, *cos_sin, *final_norm;
-  if (!PyArg_ParseTuple(args, "O!O!OO", &PyTuple_Type, &config, &PyList_Type, &layers, &cos_sin, &final_norm))
+// -- shared-memory collectives (shm_comm.cpp) ---------------------------------------------------------------------
+
+const char* const kCommCapsule = "llmserve.ShmComm";
+
+void free_comm(PyObject* capsule) { delete static_cast<ShmComm*>(PyCapsule_GetPointer(capsule, kCommCapsule)); }
+
+ShmComm* comm_of(PyObject* o) { return static_cast<ShmComm*>(PyCapsule_GetPointer(o, kCommCapsule)); }
+
+// A collective's CommError as a RuntimeError (the executor's failure path catches those).
+template <typename F>
+bool run_comm(F&& f) {
+  std::string error;
+  Py_BEGIN_ALLOW_THREADS;
+  try {
+    f();
+  } catch (const CommError& e) {
+    error = e.what();
+  }
+  Py_END_ALLOW_THREADS;
+  if (error.empty()) return true;
+  PyErr_SetString(PyExc_RuntimeError, error.c_str());
+  return false;
+}
+
+// comm_segment_bytes(world, slot_bytes, bcast_bytes) -> the segment's size
+PyObject* py_comm_segment_bytes(PyObject*, PyObject* args) {
+  long long world, slot, bcast;
+  if (!PyArg_ParseTuple(args, "LLL", &world, &slot, &bcast)) return nullptr;
+  return PyLong_FromLongLong(ShmComm::segment_bytes(world, slot, bcast));
+}
+
+// comm_new(address, rank, world, slot_bytes, bcast_bytes, timeout_s) -> capsule (the segment
+// mapped at `address` by the caller, who keeps it mapped while the capsule lives)
+PyObject* py_comm_new(PyObject*, PyObject* args) {
+  PyObject* addr;
+  long long rank, world, slot, bcast;
+  double timeout;
+  if (!PyArg_ParseTuple(args, "OLLLLd", &addr, &rank, &world, &slot, &bcast, &timeout)) return nullptr;
+  char* base = static_cast<char*>(PyLong_AsVoidPtr(addr));
+  if (PyErr_Occurred()) return nullptr;
+  if (world < 1 || rank < 0 || rank >= world || slot < 64 || slot % 64 || bcast < 64) {
+    PyErr_SetString(PyExc_ValueError, "comm_new: inconsistent rank, world or sizes");
     return nullptr;
+  }
+  auto comm = new ShmComm(base, rank, world, slot, bcast, timeout);
+  PyObject* capsule = PyCapsule_New(comm, kCommCapsule, free_comm);
+  if (!capsule) delete comm;
+  return capsule;
+}
+
+// comm_all_reduce(comm, address, n) -> None: float32 [n] at address summed over the ranks in place
+PyObject* py_comm_all_reduce(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!check_args(nargs, 3, "comm_all_reduce")) return nullptr;
+  ShmComm* comm = comm_of(args[0]);
+  float* x = ptr<float>(args[1]);
+  const int64_t n = PyLong_AsLongLong(args[2]);
+  if (!comm || PyErr_Occurred()) return nullptr;
+  if (!run_comm([&] { comm->all_reduce(x, n); })) return nullptr;
+  Py_RETURN_NONE;
+}
+
+// comm_all_gather(comm, src, nbytes, dst) -> None: dst [world * nbytes] = every rank's src in rank order
+PyObject* py_comm_all_gather(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!check_args(nargs, 4, "comm_all_gather")) return nullptr;
+  ShmComm* comm = comm_of(args[0]);
+  const void* src = ptr<const void>(args[1]);
+  const int64_t bytes = PyLong_AsLongLong(args[2]);
+  void* dst = ptr<void>(args[3]);
+  if (!comm || PyErr_Occurred()) return nullptr;
+  if (!run_comm([&] { comm->all_gather(src, bytes, dst); })) return nullptr;
+  Py_RETURN_NONE;
+}
+
+// comm_broadcast(comm, data: bytes | None) -> bytes: rank 0 sends `data` (and gets it back), the
+// others pass None and receive it
+PyObject* py_comm_broadcast(PyObject*, PyObject* args) {
+  PyObject *capsule, *data;
+  if (!PyArg_ParseTuple(args, "OO", &capsule, &data)) return nullptr;
+  ShmComm* comm = comm_of(capsule);
+  if (!comm) return nullptr;
+  if (comm->rank == 0) {
+    char* buf;
+    Py_ssize_t len;
+    if (PyBytes_AsStringAndSize(data, &buf, &len) < 0) return nullptr;
+    if (!run_comm([&] { comm->broadcast_send(buf, len); })) return nullptr;
+    Py_INCREF(data);
+    return data;
+  }
+  std::string got;
+  if (!run_comm([&] { got = comm->broadcast_recv(); })) return nullptr;
+  return PyBytes_FromStringAndSize(got.data(), static_cast<Py_ssize_t>(got.size()));
+}
+
+// comm_abort(comm) -> None: every rank's waits end with an error
+PyObject* py_comm_abort(PyObject*, PyObject* capsule) {
+  ShmComm* comm = comm_of(capsule);
+  if (!comm) return nullptr;
+  comm->abort();
+  Py_RETURN_NONE;
+}
+
+// decoder_new(config, layers, cos_sin, final_norm[, comm]) -> capsule
+// config = (H, Hq, Hkv, D, rot, I, num_blocks, block_size, max_position, eps, scale, cache_type,
+//           v_cache_type, v_offset): K's cache type, V's, and the bytes from a layer's cache to its V half;
+// comm: a tensor-parallel rank's group (its layers are shards), or None
+PyObject* py_decoder_new(PyObject*, PyObject* args) {
+  PyObject *config, *layers, *cos_sin, *final_norm, *comm = Py_None;
+  if (!PyArg_ParseTuple(args, "O!O!OO|O", &PyTuple_Type, &config, &PyList_Type, &layers, &cos_sin, &final_norm,
+                        &comm))
+    return nullptr;
+  ShmComm* group = nullptr;
+  if (comm != Py_None && !(group = comm_of(comm))) return nullptr;
   if (PyTuple_GET_SIZE(config) != 14) {
     PyErr_SetString(PyExc_TypeError, "config is a tuple of 14 entries");
     return nullptr;
@@ -214,6 +320,12 @@ PyObject* py_decoder_new(PyObject*, PyObject* args) {
     dec->layers.emplace_back();
     ok = parse_layer(PyList_GET_ITEM(layers, i), &dec->layers.back());
   }
+  dec->comm = group;
+  for (const Layer& L : dec->layers)
+    if (ok && group && L.moe.E) {  // the MoE block has no sums in it
+      PyErr_SetString(PyExc_ValueError, "decoder_new: tensor-parallel shards of MoE layers are not supported");
+      ok = false;
+    }
   if (!ok) {
     delete dec;
     return nullptr;
@@ -241,9 +353,7 @@ PyObject* py_decoder_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs)
     PyErr_SetString(PyExc_RuntimeError, "decoder_forward: no quantized kernel set on this CPU");
     return nullptr;
   }
-  Py_BEGIN_ALLOW_THREADS;
-  dec->forward(x, M, positions, slots, token_seqs, tables, max_blocks, out);
-  Py_END_ALLOW_THREADS;
+  if (!run_comm([&] { dec->forward(x, M, positions, slots, token_seqs, tables, max_blocks, out); })) return nullptr;
   Py_RETURN_NONE;
 }
 
@@ -336,6 +446,16 @@ PyMethodDef kMethods[] = {
     {"decoder_forward", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_decoder_forward)),
      METH_FASTCALL,
      "decoder_forward(decoder, x, T, positions, slots, token_seqs, block_tables, max_blocks, out)"},
+    {"comm_segment_bytes", py_comm_segment_bytes, METH_VARARGS,
+     "comm_segment_bytes(world, slot_bytes, bcast_bytes): the shared segment's size"},
+    {"comm_new", py_comm_new, METH_VARARGS,
+     "comm_new(address, rank, world, slot_bytes, bcast_bytes, timeout_s): this rank's shared-memory group"},
+    {"comm_all_reduce", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_comm_all_reduce)),
+     METH_FASTCALL, "comm_all_reduce(comm, address, n): float32 [n] summed over the ranks in place"},
+    {"comm_all_gather", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_comm_all_gather)),
+     METH_FASTCALL, "comm_all_gather(comm, src, nbytes, dst): every rank's bytes, in rank order"},
+    {"comm_broadcast", py_comm_broadcast, METH_VARARGS, "comm_broadcast(comm, data | None): rank 0's bytes"},
+    {"comm_abort", py_comm_abort, METH_O, "comm_abort(comm): fail every rank's collectives"},
     {"isa", py_isa, METH_NOARGS, "the kernel set in use: 'avx512_vnni', 'avx2' or 'none'"},
     {"best_isa", py_best_isa, METH_NOARGS, "the best kernel set this CPU runs"},
     {"set_isa", py_set_isa, METH_O, "use the named kernel set (no better than best_isa())"},

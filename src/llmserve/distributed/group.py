@@ -6,8 +6,17 @@ the same process (tests, a server that reloads a model) each get their own group
 else in the process sees them.
 
 Rank 0 is the driver (the engine's process); it creates the rendezvous store and the workers
-connect to it. Objects (a step's batch, a command) travel pickled in a uint8 tensor: one broadcast
-of the length, one of the bytes.
+connect to it. Objects (a step's batch, a command) travel pickled.
+
+Two transports (`shm.transport()` picks one when the driver starts the group):
+
+    shm    the ranks of one machine share a memory segment (shm.py): float32 all-reduces, the
+           gather of the LM head's shards and the broadcasts go through it (a few microseconds
+           each), and a rank's fused C++ decoder sums its shards there itself
+    gloo   loopback TCP (LLMSERVE_TP_TRANSPORT=gloo, or no C++ extension): each collective a
+           round trip through the kernel; objects as one broadcast of the length, one of the bytes
+
+The gloo group exists either way: start-up's `all_ok` votes and other dtypes use it.
 """
 
 from __future__ import annotations
@@ -22,6 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from llmserve.distributed.shm import ShmComm
+
 DRIVER = 0
 
 DEFAULT_TIMEOUT = timedelta(seconds=120)
@@ -30,10 +41,23 @@ sockets, which fails the collectives at once; this bounds a rank that hangs)."""
 
 
 class TPGroup:
-    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        size: int,
+        timeout: timedelta = DEFAULT_TIMEOUT,
+        shm_path: str | None = None,
+        shm: ShmComm | None = None,
+    ) -> None:
+        """`shm_path`: the driver's shared segment (shm.create_segment) to map, or `shm` the
+        mapped one; neither: gloo alone."""
         self.rank, self.size = rank, size
         self.store = store  # kept alive: the group's connections were set up through it
-        self.pg = dist.ProcessGroupGloo(store, rank, size, timeout)
+        if shm is None and shm_path is not None:
+            shm = ShmComm(shm_path, rank, size, timeout.total_seconds())
+        self.shm = shm
+        self.pg = dist.ProcessGroupGloo(store, rank, size, timeout)  # waits for every rank
 
     @classmethod
     def create_store(cls, size: int, timeout: timedelta = DEFAULT_TIMEOUT) -> dist.TCPStore:
@@ -42,14 +66,22 @@ class TPGroup:
 
     @classmethod
     def connect(
-        cls, port: int, rank: int, size: int, timeout: timedelta = DEFAULT_TIMEOUT, host: str = "127.0.0.1"
+        cls,
+        port: int,
+        rank: int,
+        size: int,
+        shm_path: str | None = None,
+        timeout: timedelta = DEFAULT_TIMEOUT,
+        host: str = "127.0.0.1",
     ) -> TPGroup:
         """A worker's side: join the driver's store at `host` (its node's address when the worker
         runs on another node; the store listens on every interface), saying so
-        (`wait_for_workers`), and the group."""
+        (`wait_for_workers`), and the group (mapping the shared segment first: the driver unlinks
+        it once every rank has joined)."""
         store = dist.TCPStore(host, port, size, is_master=False, timeout=timeout)
+        shm = None if shm_path is None else ShmComm(shm_path, rank, size, timeout.total_seconds())
         store.set(_joined(rank), "1")
-        return cls(store, rank, size, timeout)
+        return cls(store, rank, size, timeout, shm=shm)
 
     @staticmethod
     def wait_for_workers(
@@ -75,11 +107,16 @@ class TPGroup:
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` over the ranks, in place (every rank gets the same sum)."""
+        if self.shm is not None and t.dtype == torch.float32:
+            return self.shm.all_reduce(t)
         self.pg.allreduce([t]).wait()
         return t
 
     def gather_to_driver(self, t: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank's `t` (same shape everywhere), in rank order, on the driver; None elsewhere."""
+        if self.shm is not None:  # an all-gather: every rank waits for all (shm.py's slots)
+            parts = self.shm.all_gather(t)
+            return list(parts.unbind(0)) if self.is_driver else None
         t = t.contiguous()
         opts = dist.GatherOptions()
         opts.rootRank = DRIVER
@@ -92,6 +129,11 @@ class TPGroup:
 
     def broadcast_object(self, obj: Any = None) -> Any:
         """The driver's `obj` on every rank (workers pass nothing and get the driver's)."""
+        if self.shm is not None:
+            data = self.shm.broadcast(
+                pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.is_driver else None
+            )
+            return obj if self.is_driver else pickle.loads(data)
         if self.is_driver:
             data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
             size = torch.tensor([len(data)], dtype=torch.int64)
@@ -110,8 +152,15 @@ class TPGroup:
         flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
         return int(self.all_reduce(flag).item()) == 0
 
+    def abort(self) -> None:
+        """Fail the other ranks' waiting shared-memory collectives at once (a rank failed)."""
+        if self.shm is not None:
+            self.shm.abort()
+
     def close(self) -> None:
         """Shut the group's connections down (its threads joined: no abort at interpreter exit)."""
+        if self.shm is not None:
+            self.shm.unlink()
         with contextlib.suppress(RuntimeError):  # a peer already gone
             self.pg.shutdown()
 

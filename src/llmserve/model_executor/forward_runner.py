@@ -6,7 +6,8 @@ token ids, positions, slot mapping, block tables), lets the attention backend bu
 metadata, and runs the stack the way this device runs it:
 
     fused CPU decoder   quantized Llama-family stacks on the CPU: the whole forward in one C++
-                        call (layers/quantization/fused_decoder.py), chosen here, not by the model
+                        call (layers/quantization/fused_decoder.py), chosen here, not by the model;
+                        a tensor-parallel rank's shard too, over its group's shared memory
     CUDA graph          decode steps on CUDA, replayed from graphs captured at start-up
                         (cuda_graph.py wraps this runner)
     eager               the model's layer-by-layer forward, anything else; also every step
@@ -39,6 +40,7 @@ from llmserve.model_executor.input_buffers import ForwardOutput, InputBuffers, S
 from llmserve.models import CausalLM
 
 if TYPE_CHECKING:
+    from llmserve.distributed.group import TPGroup
     from llmserve.lora.manager import LoRAManager
 
 __all__ = ["ForwardOutput", "ForwardRunner", "SequenceBatchEntry"]
@@ -55,6 +57,7 @@ class ForwardRunner:
         max_num_tokens: int = 256,
         max_num_seqs: int = 16,
         max_model_len: int | None = None,
+        group: TPGroup | None = None,
     ) -> None:
         """`kv_cache_dtype`: what the cache stores K/V in (default: the model's dtype; a
         `KVDtypes` with K and V apart makes each layer's cache a `KVPair`). `profile`:
@@ -87,6 +90,8 @@ class ForwardRunner:
             self.device, block_size, self.pad_block, max_num_tokens, max_num_seqs, max_blocks,
             pin_memory=self.profile.pin_memory,
         )  # fmt: skip
+        self.group = group
+        """A tensor-parallel rank's group (the model is its shard), or None."""
         self.fused: FusedDecoder | None = None
         self.fused_unsupported: str | None = "not a CPU profile"
         if self.profile.fused_cpu_decoder:
@@ -114,9 +119,19 @@ class ForwardRunner:
         if not on:
             return
         spec = self.model.decoder_spec()
-        reason = "no decoder spec" if spec is None else unsupported_reason(spec, self.kv_caches)
+        comm = None if self.group is None or self.group.shm is None else self.group.shm.handle
+        if self.group is not None and comm is None:  # every rank decides alike: same model, same transport
+            reason: str | None = (
+                "tensor parallelism over gloo (a shard's stack sums over the shared-memory group)"
+            )
+        else:
+            reason = (
+                "no decoder spec"
+                if spec is None
+                else unsupported_reason(spec, self.kv_caches, comm is not None)
+            )
         if reason is None:
-            self.fused = FusedDecoder(spec, self.kv_caches, self.block_size)
+            self.fused = FusedDecoder(spec, self.kv_caches, self.block_size, comm)
         self.fused_unsupported = reason
 
     @property

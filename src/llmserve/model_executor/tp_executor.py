@@ -18,7 +18,14 @@ started (tp_worker.serve_rank): mp, processes spawned on this machine (`ProcessW
 ray, one Ray actor per rank in a placement group, on any node of the Ray cluster
 (model_executor/ray_workers.py). Either way they join the driver's store and gloo group.
 
-A worker that dies closes its sockets, which fails the driver's next collective at once; the
+With mp, the collectives go through a shared-memory segment (distributed/shm.py; gloo where
+LLMSERVE_TP_TRANSPORT=gloo or the C++ extension is missing, and always with ray, whose ranks may be
+on other nodes). Each rank runs its shard of a quantized Llama-family stack in the fused C++
+decoder, which sums the row-parallel outputs over that segment itself; over gloo the model's
+layers run, their hooks summing.
+
+A worker that dies fails the driver's next collective at once (gloo: its sockets close; shm: the
+wait sees its pid gone); the
 executor then names the dead rank (`TensorParallelError`) and refuses every later step, so the
 engine stops with that error instead of hanging. A worker that hangs is bounded by the group's
 timeout (group.py).
@@ -38,6 +45,7 @@ import torch.multiprocessing as mp
 
 from llmserve.config import ModelConfig
 from llmserve.config.parallel import ParallelConfig
+from llmserve.distributed import shm
 from llmserve.distributed.group import TPGroup
 from llmserve.distributed.sharding import TPShard
 from llmserve.layers import numba_jit
@@ -101,15 +109,22 @@ class TPExecutor:
         self.loaded: LoadedModel = load_model(model_config, self.shard)
         self._error: TensorParallelError | None = None
         store = TPGroup.create_store(size)
-        if parallel.distributed_executor_backend == "ray":
+        ray = parallel.distributed_executor_backend == "ray"
+        self.transport = "gloo" if ray else shm.transport()
+        shm_path = shm.create_segment(size) if self.transport == "shm" else None
+        if ray:
             from llmserve.model_executor.ray_workers import RayWorkers
 
             self.workers: Workers = RayWorkers(store.port, size, model_config, threads)
         else:
-            self.workers = ProcessWorkers(store.port, size, model_config, threads)
+            self.workers = ProcessWorkers(store.port, size, model_config, threads, shm_path)
         try:
-            TPGroup.wait_for_workers(store, size, self.workers.exited)
-            self.group = TPGroup(store, 0, size)
+            try:
+                TPGroup.wait_for_workers(store, size, self.workers.exited)
+                self.group = TPGroup(store, 0, size, shm_path=shm_path)
+            finally:  # every rank has mapped the segment by now (or never will): its name goes
+                if shm_path is not None:
+                    os.unlink(shm_path)
             self.shard.group = self.group
             ok = self.group.all_ok(True)
         except RuntimeError as e:
@@ -123,7 +138,9 @@ class TPExecutor:
     def init_runner(self, **kwargs: Any) -> DriverForwardRunner:
         """Every rank's forward runner (and KV cache shard) with the same sizes; the driver's."""
         self.send(("init", kwargs))
-        return DriverForwardRunner(self, self.loaded.model, profile=self.loaded.profile, **kwargs)
+        return DriverForwardRunner(
+            self, self.loaded.model, profile=self.loaded.profile, group=self.group, **kwargs
+        )
 
     def check(self) -> None:
         """Raise the `TensorParallelError` of an earlier failure, if there was one."""
@@ -150,6 +167,8 @@ class TPExecutor:
             )
         else:
             self._error = TensorParallelError(f"a tensor-parallel collective failed: {cause}")
+        if (group := getattr(self, "group", None)) is not None:
+            group.abort()  # the live ranks' shared-memory waits end now
         self.workers.kill()  # the others wait on a collective that never comes
         return self._error
 
@@ -191,13 +210,15 @@ class ProcessWorkers:
     """The mp backend: ranks 1 .. N-1 as processes spawned on this machine, each pinned to its
     own CPUs when there are enough."""
 
-    def __init__(self, port: int, size: int, model_config: ModelConfig, threads: int) -> None:
+    def __init__(
+        self, port: int, size: int, model_config: ModelConfig, threads: int, shm_path: str | None = None
+    ) -> None:
         spawn = mp.get_context("spawn")
         cpus = _cpu_sets(size, threads)
         self.processes = [
             spawn.Process(
                 target=run_worker,
-                args=(WorkerArgs(rank, size, port, model_config, threads, cpus[rank]),),
+                args=(WorkerArgs(rank, size, port, model_config, threads, cpus[rank], shm_path=shm_path),),
                 name=f"llmserve-tp{rank}",
                 daemon=True,
             )

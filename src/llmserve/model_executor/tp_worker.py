@@ -40,6 +40,8 @@ class WorkerArgs:
     """CPUs this rank's threads are pinned to (empty: not pinned)."""
     host: str = "127.0.0.1"
     """The driver's address (another node's, for a rank started by Ray)."""
+    shm_path: str | None = None
+    """The driver's shared-memory segment (distributed/shm.py); None: the group runs over gloo."""
 
 
 def run_worker(args: WorkerArgs) -> None:
@@ -61,7 +63,7 @@ def serve_rank(args: WorkerArgs) -> int:
         os.sched_setaffinity(0, args.cpus)
     torch.set_num_threads(args.threads)
     numba_jit.limit_threads(args.threads)
-    group = TPGroup.connect(args.port, args.rank, args.size, host=args.host)
+    group = TPGroup.connect(args.port, args.rank, args.size, args.shm_path, host=args.host)
     try:
         from llmserve.model_executor.model_loader import load_model
 
@@ -77,6 +79,7 @@ def serve_rank(args: WorkerArgs) -> int:
         _serve(group, loaded)
     except Exception:
         logger.exception("tensor-parallel worker failed")
+        group.abort()
         return 1
     group.close()
     return 0
@@ -97,7 +100,7 @@ def _serve(group: TPGroup, loaded) -> None:
             assert runner is not None, "logits before init"
             runner.compute_logits(command[1])
         elif kind == "init":
-            runner = ForwardRunner(loaded.model, profile=loaded.profile, **command[1])
+            runner = ForwardRunner(loaded.model, profile=loaded.profile, group=group, **command[1])
         elif kind == "stop":
             return
         else:

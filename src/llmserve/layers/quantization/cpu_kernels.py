@@ -21,6 +21,7 @@ tokens of the call in the C++ kernels; the torch path makes no such promise.
 from __future__ import annotations
 
 import os
+from types import ModuleType
 
 import torch  # before the extension: it then shares torch's OpenMP runtime (one thread pool)
 import torch.nn.functional as F
@@ -107,10 +108,18 @@ def embedding(ids: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     return out
 
 
-def decoder_new(config: tuple, layers: list[tuple], cos_sin: int, final_norm: int) -> object:
+def native_extension() -> ModuleType | None:
+    """llmserve's compiled extension (also home of the shared-memory collectives), None where it
+    was not built."""
+    return _ext
+
+
+def decoder_new(
+    config: tuple, layers: list[tuple], cos_sin: int, final_norm: int, comm: object = None
+) -> object:
     """A fused decoder stack (csrc/decoder_stack.cpp) over tensors given by address; see fused_decoder.py."""
     assert _ext is not None
-    return _ext.decoder_new(config, layers, cos_sin, final_norm)
+    return _ext.decoder_new(config, layers, cos_sin, final_norm, comm)
 
 
 def decoder_forward(decoder: object, *addresses_and_sizes: int) -> None:

@@ -65,8 +65,9 @@ def _norms(layer: DecoderLayerSpec) -> list[RMSNorm]:
     return [n for n in (layer.input_norm, layer.q_norm, layer.k_norm, layer.post_norm) if n is not None]
 
 
-def unsupported_reason(spec: DecoderSpec, kv_caches: list[LayerKVCache]) -> str | None:
-    """Why the fused decoder cannot run this stack (None: it can)."""
+def unsupported_reason(spec: DecoderSpec, kv_caches: list[LayerKVCache], sharded: bool = False) -> str | None:
+    """Why the fused decoder cannot run this stack (None: it can); `sharded`: the stack is a
+    tensor-parallel rank's shard (its row-parallel outputs summed over the group)."""
     if not cpu_kernels.has_native_kernels():
         return f"quantized kernel set is {cpu_kernels.kernels()!r}"
     if spec.activation != "silu":
@@ -79,6 +80,8 @@ def unsupported_reason(spec: DecoderSpec, kv_caches: list[LayerKVCache]) -> str 
             return "float linear layers"
         if any(m.input_perm is not None for m in linears):  # type: ignore[union-attr]
             return "act-order input permutations (GPTQ desc_act)"
+        if layer.moe is not None and sharded:
+            return "a tensor-parallel shard of MoE layers"
         if layer.moe is not None and any(
             w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous()
             for w in _routers(layer.moe)
@@ -153,10 +156,16 @@ def _linear(m: QuantizedLinear) -> tuple[int, ...]:
 
 
 class FusedDecoder:
-    """Runs `spec`'s forward over `kv_caches` for a flat batch of tokens."""
+    """Runs `spec`'s forward over `kv_caches` for a flat batch of tokens. `comm`: a tensor-parallel
+    rank's shared-memory group (distributed/shm.py's handle), when `spec` is its shard: the
+    spec's heads, KV heads and intermediate size are then the rank's, and the o and down
+    projections' partial outputs are summed over the ranks inside the C++ call, as the layer
+    path's hooks do (distributed/sharding.py); the embedding and LM head stay vocab-parallel."""
 
-    def __init__(self, spec: DecoderSpec, kv_caches: list[LayerKVCache], block_size: int) -> None:
-        reason = unsupported_reason(spec, kv_caches)
+    def __init__(
+        self, spec: DecoderSpec, kv_caches: list[LayerKVCache], block_size: int, comm: object | None = None
+    ) -> None:
+        reason = unsupported_reason(spec, kv_caches, comm is not None)
         if reason is not None:
             raise ValueError(f"the fused decoder cannot run this model: {reason}")
         self.spec, self.kv_caches = spec, kv_caches
@@ -196,8 +205,9 @@ class FusedDecoder:
             _CACHE_TYPES[v0.dtype],
             _v_offset(kv_caches[0]),
         )
+        self._comm = comm  # kept alive with the decoder, which holds its address
         self._decoder = cpu_kernels.decoder_new(
-            config, layers, self._cos_sin.data_ptr(), spec.final_norm.weight.data_ptr()
+            config, layers, self._cos_sin.data_ptr(), spec.final_norm.weight.data_ptr(), comm
         )
         self.cache_ptr = k0.data_ptr()
 

@@ -258,8 +258,6 @@ def load_model(config: ModelConfig, shard: TPShard | None = None) -> LoadedModel
             )
         sharding.check_supported(model_cls, hf_config, shard.size)
         model_hf_config = sharding.local_config(hf_config, shard.size)
-        # the fused C++ decoder runs whole stacks without the shards' all-reduces: the layers run
-        profile = dataclasses.replace(profile, fused_cpu_decoder=False)
     dtype = profile.model_dtype(config.dtype, hf_config)
     if config.cpu_offload_gb > 0:
         check_offload_device(profile)  # before loading, not after
