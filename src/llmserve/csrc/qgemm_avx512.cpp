@@ -1,11 +1,17 @@
 // q8 / q4 matmul for CPUs with AVX-512 VNNI (Zen 4, Ice Lake and later): 16 output rows live in one
 // zmm register of int32 lanes.
-//   q8: each step multiplies a pair of int16 activations (broadcast to all lanes) by the 16 rows'
-//       matching pair of weights and adds both products (vpdpwssd).
-//   q4: activations are int8 with one scale per block of 32 (GGUF's Q8_1 arithmetic, as llama.cpp
+//   int16 activations (q8, and q4 by default): each step multiplies a pair of int16 activations
+//       (broadcast to all lanes) by the 16 rows' matching pair of weights and adds both products
+//       (vpdpwssd). A register tile is up to 8 tokens x 2 tiles (32 rows): each broadcast feeds
+//       two instructions, each unpacked weight vector eight.
+//   int8 activations (q4, opt-in): one scale per block of 32 (GGUF's Q8_1 arithmetic, as llama.cpp
 //       computes Q4 weights); each step multiplies four unsigned 4-bit weights of each row by four
 //       int8 activations and adds the four products (vpdpbusd): 64 products an instruction,
 //       twice vpdpwssd's, which is what several tokens at once (verification, prefill) are bound by.
+// What bounds the int16 path from batch 8 up (Zen 5, measured with a hand-written loop):
+// vpdpwssd issues 2 a cycle with a latency of 4 (16 independent chains reach the peak), and the
+// per-block float steps' FMAs (d * sum, + m * xsum) take the same two pipes; conversions, shifts
+// and masks do not. So q4 tops out near 16 / (16 + 2) of the instruction's peak.
 // See qgemm.h for the layout and the math.
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c,avx2")
 
