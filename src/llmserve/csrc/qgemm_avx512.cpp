@@ -165,6 +165,17 @@ inline void finish_block(__m512i (&ia)[NTL][MT][A], const uint16_t* d, const uin
   }
 }
 
+// Asks for a tile's weights PREFETCH_BLOCKS blocks ahead of the one being read (BYTES a block):
+// a model's weights stream from memory once a step, and the hardware prefetcher alone left part
+// of that wait exposed (a 1B step on one thread: batch 1 0.83x, batch 16 0.92x the time with it;
+// docs/benchmarks.md). Past a tile's end it reads the next tile's first blocks, needed next.
+constexpr int PREFETCH_BLOCKS = 8;
+template <int BYTES>
+inline void prefetch_ahead(const void* block) {
+  const char* p = static_cast<const char*>(block) + PREFETCH_BLOCKS * BYTES;
+  for (int i = 0; i < BYTES; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
+}
+
 // NTL consecutive tiles (16 rows each) for a group of MT tokens:
 //   out[t, n] = dx[t] * sum_b (d[n, b] <q[n, b], xq[t, b]> (+ m[n, b] xsum[t, b])) + bias[n]
 // xi, xs: the group's interleaved pairs and block sums (act_quant.inc); w, d, m, bias, out: tile
@@ -182,6 +193,7 @@ void tile_q8(const int8_t* w, const uint16_t* d, const uint16_t* m, int64_t nb, 
       for (int t = 0; t < MT; ++t)
         for (int c = 0; c < A; ++c) ia[j][t][c] = _mm512_setzero_si512();
     const int8_t* wb = w + b * (KB * NT);
+    for (int j = 0; j < NTL; ++j) prefetch_ahead<KB * NT>(wb + j * nb * (KB * NT));
     const int32_t* xb = xi + b * (KB / 2) * MT;
 #pragma GCC unroll 16
     for (int p = 0; p < KB / 2; ++p) {
@@ -211,6 +223,7 @@ void tile_q4(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t nb,
       for (int t = 0; t < MT; ++t)
         for (int c = 0; c < A; ++c) ia[j][t][c] = _mm512_setzero_si512();
     const uint8_t* wb = w + b * (KB * NT / 2);
+    for (int j = 0; j < NTL; ++j) prefetch_ahead<KB * NT / 2>(wb + j * nb * (KB * NT / 2));
     const int32_t* xb = xi + b * (KB / 2) * MT;
 #pragma GCC unroll 4
     for (int g = 0; g < KB / 8; ++g) {
