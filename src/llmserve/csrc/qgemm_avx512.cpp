@@ -31,9 +31,12 @@ namespace avx512 {
 
 namespace {
 
-constexpr int MAX_MT = 8;   // tokens per register tile: 8 int32 + 8 float accumulators (a tile of 16 rows)
-constexpr int MAX_MT8 = 8;  // the same for int8 activations
-constexpr int TILES = 2;    // tiles a register tile spans (int16 activations): they share each broadcast
+// Register tiles. int16 activations: up to 8 tokens x TILES tiles of 16 rows, 16 int32 chains (the
+// tiles share each broadcast activation pair); 12 or 16 tokens spilled and ran no faster.
+// int8 activations: up to 8 tokens x 1 tile, 8 int32 + 8 float accumulators.
+constexpr int MAX_MT = 8;
+constexpr int MAX_MT8 = 8;
+constexpr int TILES = 2;
 
 // Per-block int8 quantization of float activations for the q4 kernel (GGUF's Q8_1):
 //   xq[t, k] = round(x[t, k] / dx[t, b]),  dx[t, b] = max over block b of |x[t, k]| / 127
