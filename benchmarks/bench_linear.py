@@ -28,11 +28,24 @@ for float32 x (or the kernel's activation type, converted outside the timed regi
 
 A plain sum over the fp32 bytes gives the machine's streaming ceiling. Medians of --repeats, the
 columns interleaved so noise hits them alike. Writes benchmarks/results/bench_linear.json.
+
+    python benchmarks/bench_linear.py --gflops [--batch 16 128] [--threads 1 2] [--baseline OLD.so]
+
+instead times llmserve's kernels alone on a 1B Llama's matrices (K x N: 2048 x 2048, 2048 x 8192,
+8192 x 2048), one matrix at a time (they fit the L2/L3: the compute-bound case of prefill and
+batches), as GFLOP/s (2 M N K / time) at each OpenMP thread count: q8, q4 (stored minimums,
+GGUF Q4_K's), q4-sym (Q4_0's), all with int16 activations, and q4-i8 (int8 activations). The
+minimum of --repeats short runs, since other processes' noise only slows a run down; on one
+thread the time is the process's CPU time, which a time-sliced (shared) core does not inflate.
+--baseline
+loads another build of the extension (a copy of an earlier `_cpu_kernels*.so`) beside this one,
+alternates the two call for call and checks that their outputs are the same bits.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import time
@@ -186,6 +199,71 @@ CANDIDATES: dict[
 }
 
 
+GEMM_SHAPES_1B = [(2048, 2048), (2048, 8192), (8192, 2048)]  # (K, N): attention, gate/up, down
+
+
+def _load_extension(path: Path) -> Any:
+    """Another build of llmserve._cpu_kernels, loaded beside the package's own."""
+    spec = importlib.util.spec_from_file_location("_cpu_kernels", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _best_times(
+    builds: dict[str, Any],
+    p: Any,
+    x: torch.Tensor,
+    N: int,
+    act_bits: int,
+    repeats: int,
+    clock: Callable[[], float],
+) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    """The fastest of `repeats` calls of each build's gemm (taking turns), and each build's output."""
+    M, K = x.shape
+    outs = {b: torch.empty(M, N) for b in builds}
+    best = {b: float("inf") for b in builds}
+    for _ in range(repeats):
+        for b, ext in builds.items():
+            t = clock()
+            ext.gemm(p.bits, x.data_ptr(), K, M, K, N, p.data.data_ptr(), p.d.data_ptr(),
+                     cpu_kernels._addr(p.m), 0, outs[b].data_ptr(), N, act_bits)  # fmt: skip
+            best[b] = min(best[b], clock() - t)
+    return best, outs
+
+
+def gflops_table(batches: list[int], threads: list[int], repeats: int, baseline: Path | None) -> None:
+    """GFLOP/s of llmserve's kernels on the 1B shapes (see the module docstring's --gflops)."""
+    ext = cpu_kernels._ext
+    if ext is None:
+        raise SystemExit("llmserve's C++ kernels are not built")
+    builds = {"new": ext} | ({"old": _load_extension(baseline)} if baseline else {})
+    torch.manual_seed(0)
+    print(f"kernel set {ext.isa()}; min of {repeats}; GFLOP/s" + (f"; old = {baseline}" if baseline else ""))
+    for K, N in GEMM_SHAPES_1B:
+        w = torch.randn(N, K)
+        packed = {"q8": pack(quantize(w, "q8")), "q4": pack(quantize(w, "q4"))}
+        rows = quantize(w, "q4")
+        rows.m = None  # symmetric blocks (GGUF Q4_0): m = -8 d
+        packed["q4-sym"] = pack(rows)
+        for M in batches:
+            x = torch.randn(M, K)
+            for nt in threads:
+                torch.set_num_threads(nt)
+                clock = time.process_time if nt == 1 else time.perf_counter
+                line = []
+                for name, act_bits in [("q8", 16), ("q4", 16), ("q4-sym", 16), ("q4", 8)]:
+                    best, outs = _best_times(builds, packed[name], x, N, act_bits, repeats, clock)
+                    cell = f"{name if act_bits == 16 else 'q4-i8'} {2 * M * N * K / best['new'] / 1e9:6.1f}"
+                    if "old" in builds:
+                        same = "" if torch.equal(outs["new"], outs["old"]) else " DIFFERENT BITS"
+                        cell += f" (old {2 * M * N * K / best['old'] / 1e9:6.1f}{same})"
+                    line.append(cell)
+                print(f"K {K:5} N {N:5} M {M:4} threads {nt}: " + "  ".join(line), flush=True)
+    torch.set_num_threads(max(threads))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=9)
@@ -197,7 +275,13 @@ def main() -> None:
         help=f"columns to run (default all): {' '.join(CANDIDATES)}, q8-avx2, q4-avx2",
     )
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/bench_linear.json"))
+    ap.add_argument("--gflops", action="store_true", help="llmserve's kernels alone on the 1B shapes")
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="with --gflops")
+    ap.add_argument("--baseline", type=Path, default=None, help="with --gflops: an earlier build's .so")
     args = ap.parse_args()
+    if args.gflops:
+        gflops_table(args.batch, args.threads, args.repeats, args.baseline)
+        return
 
     torch.manual_seed(0)
     weights = [torch.randn(n, k) for k, n in SHAPES]

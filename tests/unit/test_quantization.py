@@ -143,6 +143,30 @@ def test_a_tokens_row_is_the_same_in_any_batch(kernels, fmt, with_min, act_bits)
         assert torch.equal(alone, together[start:stop]), (start, stop)
 
 
+@pytest.mark.parametrize("act_bits", [16, 8])
+@pytest.mark.parametrize("fmt,with_min", [("q8", False), ("q8", True), ("q4", True), ("q4", False)])
+def test_an_output_rows_value_is_the_same_in_any_register_tile(kernels, fmt, with_min, act_bits):
+    """The AVX-512 kernels compute two tiles of 16 rows at once where N has them, the odd last tile
+    alone: a row's result is the same bits whichever way it was computed, for every group size of
+    tokens (19 = 8 + 8 + 3)."""
+    if kernels == "torch":
+        pytest.skip("torch's matmul may sum in another order for another shape")
+    rows = _random_rows(fmt, 200, 576, with_min)  # 13 tiles
+    x = torch.randn(19, 576, generator=torch.Generator().manual_seed(5)) * torch.linspace(0.01, 4, 576)
+    bias = torch.randn(200)
+    together = cpu_kernels.linear(x, pack(rows), bias, act_bits)
+    for start, stop in [(0, 16), (16, 48), (32, 200), (176, 200), (48, 80)]:
+        part = QuantizedRows(
+            rows.fmt,
+            rows.q[start:stop],
+            rows.d[start:stop],
+            None if rows.m is None else rows.m[start:stop],
+            576,
+        )
+        alone = cpu_kernels.linear(x, pack(part), bias[start:stop], act_bits)
+        assert torch.equal(alone, together[:, start:stop]), (start, stop)
+
+
 def test_linear_keeps_leading_dims_and_dtype(kernels):
     rows = _random_rows("q4", 48, 64, True)
     x = torch.randn(2, 3, 64)

@@ -31,7 +31,7 @@
 //   y[t, n] = dx[t] * sum_b ( d[n,b] * sum_{k in b} q[n,k] xq[t,k]  +  m[n,b] * sum_{k in b} xq[t,k] )
 //
 // On AVX-512 VNNI, q4 can instead take int8 activations with a scale per block of 32 (act_bits = 8;
-// ModelConfig.cpu_activations "int8", and "auto", the default, on these CPUs): GGUF's Q8_1
+// ModelConfig.cpu_activations "int8", opt-in; "auto", the default, keeps int16): GGUF's Q8_1
 // arithmetic, as llama.cpp computes 4-bit weights. vpdpbusd then does 64 products an instruction,
 // twice vpdpwssd's, so several tokens at once (prefill, batches, speculative verification) run
 // ~1.5x faster; the next-token distributions stay as close to the float model's as llama.cpp's.

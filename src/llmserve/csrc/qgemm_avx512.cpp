@@ -1,11 +1,17 @@
 // q8 / q4 matmul for CPUs with AVX-512 VNNI (Zen 4, Ice Lake and later): 16 output rows live in one
 // zmm register of int32 lanes.
-//   q8: each step multiplies a pair of int16 activations (broadcast to all lanes) by the 16 rows'
-//       matching pair of weights and adds both products (vpdpwssd).
-//   q4: activations are int8 with one scale per block of 32 (GGUF's Q8_1 arithmetic, as llama.cpp
+//   int16 activations (q8, and q4 by default): each step multiplies a pair of int16 activations
+//       (broadcast to all lanes) by the 16 rows' matching pair of weights and adds both products
+//       (vpdpwssd). A register tile is up to 8 tokens x 2 tiles (32 rows): each broadcast feeds
+//       two instructions, each unpacked weight vector eight.
+//   int8 activations (q4, opt-in): one scale per block of 32 (GGUF's Q8_1 arithmetic, as llama.cpp
 //       computes Q4 weights); each step multiplies four unsigned 4-bit weights of each row by four
 //       int8 activations and adds the four products (vpdpbusd): 64 products an instruction,
 //       twice vpdpwssd's, which is what several tokens at once (verification, prefill) are bound by.
+// What bounds the int16 path from batch 8 up (Zen 5, measured with a hand-written loop):
+// vpdpwssd issues 2 a cycle with a latency of 4 (16 independent chains reach the peak), and the
+// per-block float steps' FMAs (d * sum, + m * xsum) take the same two pipes; conversions, shifts
+// and masks do not. So q4 tops out near 16 / (16 + 2) of the instruction's peak.
 // See qgemm.h for the layout and the math.
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c,avx2")
 
@@ -25,7 +31,12 @@ namespace avx512 {
 
 namespace {
 
-constexpr int MAX_MT = 8;  // tokens per register tile: 8 int32 + 8 float accumulators
+// Register tiles. int16 activations: up to 8 tokens x TILES tiles of 16 rows, 16 int32 chains (the
+// tiles share each broadcast activation pair); 12 or 16 tokens spilled and ran no faster.
+// int8 activations: up to 8 tokens x 1 tile, 8 int32 + 8 float accumulators.
+constexpr int MAX_MT = 8;
+constexpr int MAX_MT8 = 8;
+constexpr int TILES = 2;
 
 // Per-block int8 quantization of float activations for the q4 kernel (GGUF's Q8_1):
 //   xq[t, k] = round(x[t, k] / dx[t, b]),  dx[t, b] = max over block b of |x[t, k]| / 127
@@ -85,20 +96,48 @@ inline __m512 half16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// Independent int32 accumulator chains per token: vpdpwssd has a latency of several cycles, so a
-// single token needs several chains in flight; four tokens already give four.
-template <int MT>
+// Independent int32 accumulator chains per token and tile: vpdpwssd has a latency of several
+// cycles, so a register tile needs several chains in flight; four tokens already give four.
+template <int MT, int NTL = 1>
 constexpr int chains() {
-  return MT >= 4 ? 1 : (MT >= 2 ? 2 : 4);
+  return MT * NTL >= 4 ? 1 : (MT * NTL >= 2 ? 2 : 4);
 }
 
-template <int MT>
-inline void store_tile(const __m512 (&acc)[MT], const float* dx, const float* bias, int nvalid, float* out,
-                       int64_t ldo) {
-  const __mmask16 mask = nvalid >= NT ? __mmask16(0xFFFF) : __mmask16((1u << nvalid) - 1);
-  const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
-  for (int t = 0; t < MT; ++t)
-    _mm512_mask_storeu_ps(out + t * ldo, mask, _mm512_fmadd_ps(acc[t], _mm512_set1_ps(dx[t]), bv));
+// The float accumulators of a register tile (MT tokens x NTL tiles of 16 rows): zmm registers up
+// to 8; beyond, the int32 chains take half the register file, so they live in an L1 array, read
+// and written once a block. The float operations and their order are the same either way, and so
+// are the bits: a token's row never depends on the register tile it was computed in.
+template <int NA>
+struct FloatAcc {
+  static constexpr bool kInRegs = NA <= 8;
+  __m512 reg[kInRegs ? NA : 1];
+  alignas(64) float mem[kInRegs ? 1 : NA * NT];
+  FloatAcc() {
+    for (int i = 0; i < NA; ++i) set(i, _mm512_setzero_ps());
+  }
+  __m512 get(int i) const {
+    if constexpr (kInRegs) return reg[i];
+    else return _mm512_load_ps(mem + i * NT);
+  }
+  void set(int i, __m512 v) {
+    if constexpr (kInRegs) reg[i] = v;
+    else _mm512_store_ps(mem + i * NT, v);
+  }
+};
+
+// Tile j's part of a register tile (accumulators j * MT ..): the last tile may have fewer than
+// 16 valid rows (nvalid), the others are whole.
+template <int MT, int NTL>
+inline void store_tiles(const FloatAcc<MT * NTL>& acc, const float* dx, const float* bias, int nvalid, float* out,
+                        int64_t ldo) {
+  for (int j = 0; j < NTL; ++j) {
+    const int nv = j == NTL - 1 ? nvalid : NT;
+    const __mmask16 mask = nv >= NT ? __mmask16(0xFFFF) : __mmask16((1u << nv) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + j * NT) : _mm512_setzero_ps();
+    for (int t = 0; t < MT; ++t)
+      _mm512_mask_storeu_ps(out + t * ldo + j * NT, mask,
+                            _mm512_fmadd_ps(acc.get(j * MT + t), _mm512_set1_ps(dx[t]), bv));
+  }
 }
 
 // A block's 16 minimums: the stored halves, or for symmetric 4-bit blocks (SYM, m == nullptr)
@@ -109,78 +148,107 @@ inline __m512 minimums16(const uint16_t* m, __m512 sc) {
   else return half16(m);
 }
 
-// Per block: the int32 dot products (in chains) become float and are scaled by the rows' d (and
-// the minimums' term m * xsum added, for weights that have minimums: m stored, or SYM's -8 d).
-template <int MT, int A, bool SYM = false>
-inline void finish_block(__m512i (&ia)[MT][A], const uint16_t* d, const uint16_t* m, const float* xs,
-                         __m512 (&acc)[MT]) {
-  const __m512 sc = half16(d);
-  for (int t = 0; t < MT; ++t) {
-    __m512i s = ia[t][0];
-    for (int c = 1; c < A; ++c) s = _mm512_add_epi32(s, ia[t][c]);
-    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), sc, acc[t]);
-  }
-  if (SYM || m) {
-    const __m512 mn = minimums16<SYM>(m, sc);
-    for (int t = 0; t < MT; ++t) acc[t] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[t]), acc[t]);
+// Per block and tile j: the int32 dot products (in chains) become float and are scaled by the
+// rows' d (and the minimums' term m * xsum added, for weights that have minimums: m stored, or
+// SYM's -8 d). d, m: this block's scales of tile 0; tile j's are `stride` halves further.
+template <int MT, int NTL, int A, bool SYM = false>
+inline void finish_block(__m512i (&ia)[NTL][MT][A], const uint16_t* d, const uint16_t* m, int64_t stride,
+                         const float* xs, FloatAcc<MT * NTL>& acc) {
+  for (int j = 0; j < NTL; ++j) {
+    const __m512 sc = half16(d + j * stride);
+    const bool with_m = SYM || m;
+    const __m512 mn = with_m ? minimums16<SYM>(m + j * stride, sc) : _mm512_setzero_ps();
+    for (int t = 0; t < MT; ++t) {
+      __m512i s = ia[j][t][0];
+      for (int c = 1; c < A; ++c) s = _mm512_add_epi32(s, ia[j][t][c]);
+      __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), sc, acc.get(j * MT + t));
+      if (with_m) v = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[t]), v);
+      acc.set(j * MT + t, v);
+    }
   }
 }
 
-// One tile (16 rows) for a group of MT tokens:
+// Asks for a tile's weights PREFETCH_BLOCKS blocks ahead of the one being read (BYTES a block):
+// a model's weights stream from memory once a step, and the hardware prefetcher alone left part
+// of that wait exposed (a 1B step on one thread: batch 1 0.83x, batch 16 0.92x the time with it;
+// docs/benchmarks.md). Past a tile's end it reads the next tile's first blocks, needed next.
+constexpr int PREFETCH_BLOCKS = 8;
+template <int BYTES>
+inline void prefetch_ahead(const void* block) {
+  const char* p = static_cast<const char*>(block) + PREFETCH_BLOCKS * BYTES;
+  for (int i = 0; i < BYTES; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
+}
+
+// NTL consecutive tiles (16 rows each) for a group of MT tokens:
 //   out[t, n] = dx[t] * sum_b (d[n, b] <q[n, b], xq[t, b]> (+ m[n, b] xsum[t, b])) + bias[n]
-// xi, xs: the group's interleaved pairs and block sums (act_quant.inc).
-template <int MT>
+// xi, xs: the group's interleaved pairs and block sums (act_quant.inc); w, d, m, bias, out: tile
+// 0's, the next tiles' follow at their strides. Several tiles share each broadcast activation
+// pair: a broadcast is a load, and one a vpdpwssd would cap the multiply-adds at the load ports'
+// rate (about half of what Zen 5's multipliers do).
+template <int MT, int NTL = 1>
 void tile_q8(const int8_t* w, const uint16_t* d, const uint16_t* m, int64_t nb, const int32_t* xi,
              const float* xs, const float* dx, const float* bias, int nvalid, float* out, int64_t ldo) {
-  constexpr int A = chains<MT>();
-  __m512 acc[MT];
-  for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
+  constexpr int A = chains<MT, NTL>();
+  FloatAcc<MT * NTL> acc;
   for (int64_t b = 0; b < nb; ++b) {
-    __m512i ia[MT][A];
-    for (int t = 0; t < MT; ++t)
-      for (int c = 0; c < A; ++c) ia[t][c] = _mm512_setzero_si512();
+    __m512i ia[NTL][MT][A];
+    for (int j = 0; j < NTL; ++j)
+      for (int t = 0; t < MT; ++t)
+        for (int c = 0; c < A; ++c) ia[j][t][c] = _mm512_setzero_si512();
     const int8_t* wb = w + b * (KB * NT);
+    for (int j = 0; j < NTL; ++j) prefetch_ahead<KB * NT>(wb + j * nb * (KB * NT));
     const int32_t* xb = xi + b * (KB / 2) * MT;
 #pragma GCC unroll 16
     for (int p = 0; p < KB / 2; ++p) {
-      const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + p * 32)));
-      for (int t = 0; t < MT; ++t)
-        ia[t][p % A] = _mm512_dpwssd_epi32(ia[t][p % A], _mm512_set1_epi32(xb[p * MT + t]), wv);
+      __m512i wv[NTL];
+      for (int j = 0; j < NTL; ++j)
+        wv[j] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + j * nb * (KB * NT) + p * 32)));
+      for (int t = 0; t < MT; ++t) {
+        const __m512i x = _mm512_set1_epi32(xb[p * MT + t]);
+        for (int j = 0; j < NTL; ++j) ia[j][t][p % A] = _mm512_dpwssd_epi32(ia[j][t][p % A], x, wv[j]);
+      }
     }
-    finish_block<MT, A>(ia, d + b * NT, m ? m + b * NT : nullptr, xs ? xs + b * MT : nullptr, acc);
+    finish_block<MT, NTL, A>(ia, d + b * NT, m ? m + b * NT : nullptr, nb * NT, xs ? xs + b * MT : nullptr, acc);
   }
-  store_tile<MT>(acc, dx, bias, nvalid, out, ldo);
+  store_tiles<MT, NTL>(acc, dx, bias, nvalid, out, ldo);
 }
 
 // The same for 4-bit weights, whose minimums' term is always there (SYM: m == nullptr, -8 d).
-template <int MT, bool SYM>
+template <int MT, bool SYM, int NTL = 1>
 void tile_q4(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t nb, const int32_t* xi,
              const float* xs, const float* dx, const float* bias, int nvalid, float* out, int64_t ldo) {
-  constexpr int A = chains<MT>();
+  constexpr int A = chains<MT, NTL>();
   const __m512i low4 = _mm512_set1_epi16(0x000F);
-  __m512 acc[MT];
-  for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
+  FloatAcc<MT * NTL> acc;
   for (int64_t b = 0; b < nb; ++b) {
-    __m512i ia[MT][A];
-    for (int t = 0; t < MT; ++t)
-      for (int c = 0; c < A; ++c) ia[t][c] = _mm512_setzero_si512();
+    __m512i ia[NTL][MT][A];
+    for (int j = 0; j < NTL; ++j)
+      for (int t = 0; t < MT; ++t)
+        for (int c = 0; c < A; ++c) ia[j][t][c] = _mm512_setzero_si512();
     const uint8_t* wb = w + b * (KB * NT / 2);
+    for (int j = 0; j < NTL; ++j) prefetch_ahead<KB * NT / 2>(wb + j * nb * (KB * NT / 2));
     const int32_t* xb = xi + b * (KB / 2) * MT;
 #pragma GCC unroll 4
     for (int g = 0; g < KB / 8; ++g) {
       // 64 bytes = 16 rows x 2 lanes of four nibbles: nibble s of lane j holds column 8g + 2s + j.
-      const __m512i v = _mm512_loadu_si512(wb + g * 64);
-      const __m512i s4[4] = {_mm512_and_si512(v, low4), _mm512_and_si512(_mm512_srli_epi16(v, 4), low4),
-                             _mm512_and_si512(_mm512_srli_epi16(v, 8), low4), _mm512_srli_epi16(v, 12)};
+      __m512i v[NTL];
+      for (int j = 0; j < NTL; ++j) v[j] = _mm512_loadu_si512(wb + j * nb * (KB * NT / 2) + g * 64);
       for (int s = 0; s < 4; ++s) {
         const int p = 4 * g + s;  // the pair of columns 8g + 2s, 8g + 2s + 1
-        for (int t = 0; t < MT; ++t)
-          ia[t][p % A] = _mm512_dpwssd_epi32(ia[t][p % A], _mm512_set1_epi32(xb[p * MT + t]), s4[s]);
+        __m512i ws[NTL];
+        for (int j = 0; j < NTL; ++j) {
+          const __m512i sh = s == 0 ? v[j] : _mm512_srli_epi16(v[j], 4 * s);
+          ws[j] = s == 3 ? sh : _mm512_and_si512(sh, low4);
+        }
+        for (int t = 0; t < MT; ++t) {
+          const __m512i x = _mm512_set1_epi32(xb[p * MT + t]);
+          for (int j = 0; j < NTL; ++j) ia[j][t][p % A] = _mm512_dpwssd_epi32(ia[j][t][p % A], x, ws[j]);
+        }
       }
     }
-    finish_block<MT, A, SYM>(ia, d + b * NT, SYM ? nullptr : m + b * NT, xs + b * MT, acc);
+    finish_block<MT, NTL, A, SYM>(ia, d + b * NT, SYM ? nullptr : m + b * NT, nb * NT, xs + b * MT, acc);
   }
-  store_tile<MT>(acc, dx, bias, nvalid, out, ldo);
+  store_tiles<MT, NTL>(acc, dx, bias, nvalid, out, ldo);
 }
 
 // The same for 4-bit weights against int8 activations with a scale per block (quantize_quads_i8
@@ -226,7 +294,7 @@ void tile_q4_i8(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t 
   for (int t = 0; t < MT; ++t) _mm512_mask_storeu_ps(out + t * ldo, mask, _mm512_add_ps(acc[t], bv));
 }
 
-// q4 against int8 activations: tokens [t0, t1) of one tile, a group of up to MAX_MT at a time.
+// q4 against int8 activations: tokens [t0, t1) of one tile, a group of up to MAX_MT8 at a time.
 void tile_tokens_q4_i8(const GemmArgs& a, int64_t tile, int64_t t0, int64_t t1, const int32_t* xi,
                        const float* xd, const float* xs) {
   const int64_t nb = num_blocks(a.K), quads = nb * KB / 4;
@@ -235,8 +303,8 @@ void tile_tokens_q4_i8(const GemmArgs& a, int64_t tile, int64_t t0, int64_t t1, 
   const uint16_t* d = a.d + tile * nb * NT;
   const uint16_t* m = a.m ? a.m + tile * nb * NT : nullptr;  // nullptr: symmetric blocks
   const float* bias = a.bias ? a.bias + tile * NT : nullptr;
-  for (int64_t t = t0; t < t1; t += MAX_MT) {
-    const int mt = static_cast<int>(std::min<int64_t>(MAX_MT, t1 - t));
+  for (int64_t t = t0; t < t1; t += MAX_MT8) {
+    const int mt = static_cast<int>(std::min<int64_t>(MAX_MT8, t1 - t));
     const int32_t* x = xi + t * quads;
     float* out = a.out + t * a.ldo + tile * NT;
     switch (mt) {
@@ -252,41 +320,49 @@ void tile_tokens_q4_i8(const GemmArgs& a, int64_t tile, int64_t t0, int64_t t1, 
   }
 }
 
-// Tokens [t0, t1) of one tile (t0, t1 on group boundaries), a group of up to MAX_MT at a time.
-template <bool Q4>
-void tile_tokens(const GemmArgs& a, int64_t tile, int64_t t0, int64_t t1, const int32_t* xi, const float* xs,
-                 const float* dx) {
-  const int64_t nb = num_blocks(a.K), pairs = nb * KB / 2;
-  const int nvalid = static_cast<int>(std::min<int64_t>(NT, a.N - tile * NT));
+// One group of MT tokens (at t) on the NTL tiles from `tile` on.
+template <bool Q4, int MT, int NTL>
+void run_group(const GemmArgs& a, int64_t tile, int64_t t, const int32_t* xi, const float* xs, const float* dx) {
+  const int64_t nb = num_blocks(a.K);
+  const int nvalid = static_cast<int>(std::min<int64_t>(NT, a.N - (tile + NTL - 1) * NT));  // the last tile's
   const uint16_t* d = a.d + tile * nb * NT;
   const uint16_t* m = a.m ? a.m + tile * nb * NT : nullptr;
   const float* bias = a.bias ? a.bias + tile * NT : nullptr;
+  const int32_t* x = xi + t * nb * KB / 2;
+  const float* s = xs ? xs + t * nb : nullptr;
+  float* out = a.out + t * a.ldo + tile * NT;
+  if constexpr (Q4) {
+    const uint8_t* w = static_cast<const uint8_t*>(a.w) + tile * nb * (KB * NT / 2);
+    m ? tile_q4<MT, false, NTL>(w, d, m, nb, x, s, dx + t, bias, nvalid, out, a.ldo)
+      : tile_q4<MT, true, NTL>(w, d, m, nb, x, s, dx + t, bias, nvalid, out, a.ldo);
+  } else {
+    const int8_t* w = static_cast<const int8_t*>(a.w) + tile * nb * (KB * NT);
+    tile_q8<MT, NTL>(w, d, m, nb, x, s, dx + t, bias, nvalid, out, a.ldo);
+  }
+}
+
+template <bool Q4, int NTL>
+void run_group(int mt, const GemmArgs& a, int64_t tile, int64_t t, const int32_t* xi, const float* xs,
+               const float* dx) {
+  switch (mt) {
+#define LLMSERVE_GROUP(MT) case MT: run_group<Q4, MT, NTL>(a, tile, t, xi, xs, dx); break;
+    LLMSERVE_GROUP(1) LLMSERVE_GROUP(2) LLMSERVE_GROUP(3) LLMSERVE_GROUP(4)
+    LLMSERVE_GROUP(5) LLMSERVE_GROUP(6) LLMSERVE_GROUP(7) LLMSERVE_GROUP(8)
+#undef LLMSERVE_GROUP
+  }
+}
+
+// Tokens [t0, t1) (on group boundaries) of the TILES tiles from `tile` on (fewer at N's end), a
+// group of up to MAX_MT tokens at a time.
+template <bool Q4>
+void tile_tokens(const GemmArgs& a, int64_t tile, int64_t t0, int64_t t1, const int32_t* xi, const float* xs,
+                 const float* dx) {
+  const int64_t ntl = std::min<int64_t>(TILES, num_tiles(a.N) - tile);
   for (int64_t t = t0; t < t1; t += MAX_MT) {
     const int mt = static_cast<int>(std::min<int64_t>(MAX_MT, t1 - t));
-    const int32_t* x = xi + t * pairs;
-    const float* s = xs ? xs + t * nb : nullptr;
-    float* out = a.out + t * a.ldo + tile * NT;
-    if constexpr (Q4) {
-      const uint8_t* w = static_cast<const uint8_t*>(a.w) + tile * nb * (KB * NT / 2);
-      switch (mt) {
-#define LLMSERVE_Q4(MT)                                                            \
-  case MT:                                                                         \
-    m ? tile_q4<MT, false>(w, d, m, nb, x, s, dx + t, bias, nvalid, out, a.ldo)     \
-      : tile_q4<MT, true>(w, d, m, nb, x, s, dx + t, bias, nvalid, out, a.ldo);     \
-    break;
-        LLMSERVE_Q4(1) LLMSERVE_Q4(2) LLMSERVE_Q4(3) LLMSERVE_Q4(4)
-        LLMSERVE_Q4(5) LLMSERVE_Q4(6) LLMSERVE_Q4(7) LLMSERVE_Q4(8)
-#undef LLMSERVE_Q4
-      }
-    } else {
-      const int8_t* w = static_cast<const int8_t*>(a.w) + tile * nb * (KB * NT);
-      switch (mt) {
-#define LLMSERVE_Q8(MT) case MT: tile_q8<MT>(w, d, m, nb, x, s, dx + t, bias, nvalid, out, a.ldo); break;
-        LLMSERVE_Q8(1) LLMSERVE_Q8(2) LLMSERVE_Q8(3) LLMSERVE_Q8(4)
-        LLMSERVE_Q8(5) LLMSERVE_Q8(6) LLMSERVE_Q8(7) LLMSERVE_Q8(8)
-#undef LLMSERVE_Q8
-      }
-    }
+    if (ntl == TILES) run_group<Q4, TILES>(mt, a, tile, t, xi, xs, dx);
+    else
+      for (int64_t j = 0; j < ntl; ++j) run_group<Q4, 1>(mt, a, tile + j, t, xi, xs, dx);
   }
 }
 
@@ -294,7 +370,7 @@ void tile_tokens(const GemmArgs& a, int64_t tile, int64_t t0, int64_t t1, const 
 // while every tile streams past them; each thread owns a contiguous run of tiles (its weights).
 template <bool Q4>
 void gemm(const GemmArgs& a) {
-  const int64_t nb = num_blocks(a.K), tiles = num_tiles(a.N);
+  const int64_t nb = num_blocks(a.K), jobs = (num_tiles(a.N) + TILES - 1) / TILES;
   scratch.fit(a.M, a.K);
   float* xsum = (Q4 || a.m) ? scratch.xsum.data() : nullptr;  // block sums carry the minimums' term
   quantize_activations(a.x, a.ldx, a.M, a.K, scratch.xq.data(), scratch.dx.data(), xsum);
@@ -307,7 +383,7 @@ void gemm(const GemmArgs& a) {
   for (int64_t t0 = 0; t0 < a.M; t0 += chunk) {
     const int64_t t1 = std::min(a.M, t0 + chunk);
 #pragma omp for schedule(static)
-    for (int64_t tile = 0; tile < tiles; ++tile) tile_tokens<Q4>(a, tile, t0, t1, xi, xs, dx);
+    for (int64_t job = 0; job < jobs; ++job) tile_tokens<Q4>(a, job * TILES, t0, t1, xi, xs, dx);
   }
 }
 
@@ -317,10 +393,10 @@ void gemm_q4_i8(const GemmArgs& a) {
   scratch8.fit(a.M, a.K);
   int32_t* xi = scratch8.xi.data();
   float *xd = scratch8.xd.data(), *xs = scratch8.xs.data();
-  const int64_t chunk = std::max<int64_t>(MAX_MT, ((256 * 1024) / (nb * KB)) / MAX_MT * MAX_MT);
+  const int64_t chunk = std::max<int64_t>(MAX_MT8, ((256 * 1024) / (nb * KB)) / MAX_MT8 * MAX_MT8);
 #pragma omp parallel
   {
-    quantize_quads_i8(a.x, a.ldx, a.M, a.K, MAX_MT, xi, xd, xs);
+    quantize_quads_i8(a.x, a.ldx, a.M, a.K, MAX_MT8, xi, xd, xs);
     for (int64_t t0 = 0; t0 < a.M; t0 += chunk) {
       const int64_t t1 = std::min(a.M, t0 + chunk);
 #pragma omp for schedule(static)

@@ -1,0 +1,68 @@
+"""One forward step of a GGUF file through the fused CPU decoder: prints one JSON line.
+
+    OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1 PYTHONPATH=<tree>/src \\
+        python benchmarks/bench_step_gguf.py FILE [--repeats 4] [--threads 1]
+
+`ForwardRunner.execute` (the decoder's layers and final norm; no LM head, no sampling) on three
+batches: a decode step of 1 and of 16 sequences (contexts 128-256, shuffled block tables) and a
+128-token prefill. Reports the minimum and median ms of --repeats steps after one warm-up. On one
+thread the time is the main thread's CPU time, which a shared, time-sliced core does not inflate
+(the kernels run on the calling thread); with more threads, wall time. Two builds are compared as
+bench_decode_gguf.py does: alternating processes with PYTHONPATH at each tree's `src`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from llmserve.config import ModelConfig
+from llmserve.layers.quantization import cpu_kernels
+from llmserve.model_executor.cpu_memory import keep_freed_memory
+from llmserve.model_executor.forward_runner import ForwardRunner, SequenceBatchEntry
+from llmserve.model_executor.model_loader import load_model
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_attention import BLOCK, make_batch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("file")
+    ap.add_argument("--repeats", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    keep_freed_memory()
+    torch.set_num_threads(args.threads)
+    clock = time.thread_time if args.threads == 1 else time.perf_counter
+    model = load_model(ModelConfig(model=args.file, show_progress=False)).model
+    seq_lens, tables, num_blocks = make_batch(16, 0, 128, 256)
+    T = 128
+    runner = ForwardRunner(model, num_blocks=max(num_blocks, T // BLOCK + 1), block_size=BLOCK)
+    if runner.fused is None:
+        raise SystemExit(f"the fused decoder does not take this model: {runner.fused_unsupported}")
+    decode = [
+        SequenceBatchEntry([7 + i], n, t) for i, (n, t) in enumerate(zip(seq_lens, tables, strict=True))
+    ]
+    prefill = [SequenceBatchEntry(list(range(5, 5 + T)), T, list(range(T // BLOCK)))]
+    result: dict[str, object] = {"extension": cpu_kernels._ext.__file__ if cpu_kernels._ext else None}
+    with torch.inference_mode():
+        for name, batch in (("decode_1", decode[:1]), ("decode_16", decode), (f"prefill_{T}", prefill)):
+            times = []
+            for i in range(args.repeats + 1):
+                t = clock()
+                runner.execute(batch)
+                if i:  # the first is a warm-up
+                    times.append((clock() - t) * 1e3)
+            result[name] = {"min_ms": round(min(times), 1), "median_ms": round(statistics.median(times), 1)}
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
