@@ -54,6 +54,7 @@ class Gemma3MultiModalProjector(nn.Module):
 
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     supports_images: ClassVar[bool] = True
+    image_prompt_format: ClassVar[str] = "gemma3"
     _VISION_PREFIXES = ("model.vision_tower.", "vision_tower.")
     _PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
 
@@ -80,6 +81,14 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     @torch.inference_mode()
     def embed_images(self, pixels: torch.Tensor) -> torch.Tensor:  # [N, 3, S, S] -> [N, tokens, H]
         return self.multi_modal_projector(self.vision_tower(pixels))
+
+    def encode_image(self, pixels: torch.Tensor) -> torch.Tensor:  # [3, S, S] -> [tokens, H]
+        """One preprocessed image (multimodal/image.py) -> the vectors of its placeholder tokens."""
+        return self.embed_images(pixels.to(self.mm_input_device)[None])[0]
+
+    @property
+    def mm_input_device(self) -> torch.device:
+        return self.multi_modal_projector.mm_input_projection_weight.device
 
     def embed_with_images(
         self, input_ids: torch.Tensor, rows: torch.Tensor, image_embeds: torch.Tensor
