@@ -146,3 +146,14 @@ def test_the_fused_decoder_refuses_mrope(checkpoint) -> None:
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     out = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": make_image(0)}}, params, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3  # the layers' path, quantized weights
+
+
+def test_triton_backend_takes_mrope_rotated_by_torch(checkpoint) -> None:
+    """The Triton backend (here under its interpreter) rotates q and k in its cache write from one
+    table row a token; M-RoPE's are rotated before it, and its answers stay transformers'."""
+    pytest.importorskip("triton")
+    hf, folder = checkpoint
+    llm = LLM(str(folder), attention_backend="triton", block_size=4, show_progress=False)
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, logprobs=3, ignore_eos=True)
+    out = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": make_image(0)}}, params, use_tqdm=False)
+    _check(out, hf, folder, [[make_image(0)]])
