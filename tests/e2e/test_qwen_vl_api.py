@@ -58,7 +58,9 @@ def offline(qwen_vl_dir: Path) -> LLM:
 def expected_text(llm: LLM, seeds: list[int], text: str = "What is this?") -> str:
     """The offline engine's greedy answer to one user message of the images then `text`."""
     content = [{"type": "image"} for _ in seeds] + [{"type": "text", "text": text}]
-    prompt = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+    prompt = llm.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True
+    )
     params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
     images = [png(s) for s in seeds]
     out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": images}}, params, use_tqdm=False)

@@ -116,7 +116,8 @@ def test_prefix_cache_keys_blocks_by_the_image(checkpoint) -> None:
     params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, logprobs=3, ignore_eos=True)
 
     def run(image: Image.Image):
-        return llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": image}}, params, use_tqdm=False)[0]
+        prompt = {"prompt": PROMPT, "multi_modal_data": {"image": image}}
+        return llm.generate(prompt, params, use_tqdm=False)[0]
 
     first, again, other = run(make_image(0)), run(make_image(0)), run(make_image(5))
     offset = first.prompt_token_ids.index(PAD)
@@ -144,7 +145,9 @@ def test_the_fused_decoder_refuses_mrope(checkpoint) -> None:
     runner = llm.engine.runner.runner
     assert runner.fused is None and "M-RoPE" in str(runner.fused_unsupported)
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-    out = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": make_image(0)}}, params, use_tqdm=False)
+    out = llm.generate(
+        {"prompt": PROMPT, "multi_modal_data": {"image": make_image(0)}}, params, use_tqdm=False
+    )
     assert len(out[0].outputs[0].token_ids) == 3  # the layers' path, quantized weights
 
 
@@ -155,5 +158,7 @@ def test_triton_backend_takes_mrope_rotated_by_torch(checkpoint) -> None:
     hf, folder = checkpoint
     llm = LLM(str(folder), attention_backend="triton", block_size=4, show_progress=False)
     params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, logprobs=3, ignore_eos=True)
-    out = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": make_image(0)}}, params, use_tqdm=False)
+    out = llm.generate(
+        {"prompt": PROMPT, "multi_modal_data": {"image": make_image(0)}}, params, use_tqdm=False
+    )
     _check(out, hf, folder, [[make_image(0)]])

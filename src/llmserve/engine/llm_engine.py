@@ -233,7 +233,10 @@ class LLMEngine:
             return None
         source = self.loaded.source
         return make_prompt_processor(
-            model, self.loaded.hf_config, self.tokenizer.id_to_token, source.path if source.kind == "hf" else None
+            model,
+            self.loaded.hf_config,
+            self.tokenizer.id_to_token,
+            source.path if source.kind == "hf" else None,
         )
 
     def _check_images(self, images: Sequence[Any]) -> PromptProcessor:

@@ -34,7 +34,9 @@ class MRotaryEmbedding(RotaryEmbedding):
     ) -> None:
         super().__init__(head_dim, head_dim, max_position, params)
         if sum(mrope_section) != head_dim // 2:
-            raise ValueError(f"mrope_section {list(mrope_section)} must sum to head_dim / 2 = {head_dim // 2}")
+            raise ValueError(
+                f"mrope_section {list(mrope_section)} must sum to head_dim / 2 = {head_dim // 2}"
+            )
         self.mrope_section = tuple(int(n) for n in mrope_section)
         # (axis, first column, end column) of the table read from each axis's row: the section's
         # cos columns, then the same frequencies' sin columns half a row further

@@ -195,7 +195,11 @@ class InputBuffers:
             bidirectional={i: list(e.bidirectional) for i, e in enumerate(batch) if e.bidirectional},
         )
         return StepInputs(
-            dev["input_ids"], dev["positions"], md, dev["logits_rows"] if R else None, dev.get("rope_positions")
+            dev["input_ids"],
+            dev["positions"],
+            md,
+            dev["logits_rows"] if R else None,
+            dev.get("rope_positions"),
         )
 
     def _fill_rope_positions(self, batch: Sequence[SequenceBatchEntry], T: int) -> None:

@@ -84,7 +84,9 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
         x = self.model.embed_tokens(input_ids)
         return x.index_copy(0, rows, image_embeds.to(x.dtype))
 
-    def rope_positions(self, num_prompt_tokens: int, images: Sequence[MultiModalInput]) -> tuple[np.ndarray, int]:
+    def rope_positions(
+        self, num_prompt_tokens: int, images: Sequence[MultiModalInput]
+    ) -> tuple[np.ndarray, int]:
         """A prompt's M-RoPE positions [3, num_prompt_tokens] and the delta of its later tokens."""
         grids = []
         for m in images:

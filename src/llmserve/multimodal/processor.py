@@ -33,7 +33,9 @@ class PromptProcessor(Protocol):
 
     def expand(self, prompt: str, images: Sequence[Any]) -> tuple[str, list[PreparedImage]]: ...
 
-    def inputs(self, token_ids: Sequence[int], images: Sequence[PreparedImage]) -> tuple[MultiModalInput, ...]: ...
+    def inputs(
+        self, token_ids: Sequence[int], images: Sequence[PreparedImage]
+    ) -> tuple[MultiModalInput, ...]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +67,9 @@ class ImagePromptProcessor:
         self.preprocess = ImagePreprocessor.for_model(folder, mm_config.vision_config)
 
     @classmethod
-    def for_model(cls, model: Any, mm_config: Any, token_text: Any, folder: Path | None) -> ImagePromptProcessor:
+    def for_model(
+        cls, model: Any, mm_config: Any, token_text: Any, folder: Path | None
+    ) -> ImagePromptProcessor:
         return cls(mm_config, int(model.mm_tokens_per_image), token_text, folder)
 
     def expand(self, prompt: str, images: Sequence[Any]) -> tuple[str, list[PreparedImage]]:
@@ -78,7 +82,9 @@ class ImagePromptProcessor:
             prepared.append(PreparedImage(pixels, image_hash(pixels), self.tokens_per_image))
         return prompt.replace(self.boi_token, self.full_image_sequence), prepared
 
-    def inputs(self, token_ids: Sequence[int], images: Sequence[PreparedImage]) -> tuple[MultiModalInput, ...]:
+    def inputs(
+        self, token_ids: Sequence[int], images: Sequence[PreparedImage]
+    ) -> tuple[MultiModalInput, ...]:
         """Each image placed at its run of placeholder ids."""
         return place_images(token_ids, self.image_token_id, images, both_ways=True)
 

@@ -50,7 +50,9 @@ class ImagePatches:
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """The (height, width) transformers resizes an image to (see the module docstring)."""
     if min(height, width) < 1 or max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
-        raise ValueError(f"image of {width}x{height} pixels: the aspect ratio must be under {MAX_ASPECT_RATIO}")
+        raise ValueError(
+            f"image of {width}x{height} pixels: the aspect ratio must be under {MAX_ASPECT_RATIO}"
+        )
     h, w = round(height / factor) * factor, round(width / factor) * factor
     if h * w > max_pixels:
         beta = math.sqrt(height * width / max_pixels)
@@ -99,7 +101,8 @@ class QwenVLImagePreprocessor:
         h, w = smart_resize(image.height, image.width, P * m, self.min_pixels, self.max_pixels)
         x = resize_and_normalize(image, h, w, self)  # [3, h, w]
         gh, gw = h // P, w // P
-        x = x.reshape(3, gh // m, m, P, gw // m, m, P).transpose(1, 4, 2, 5, 0, 3, 6)  # [gh/m, gw/m, m, m, 3, P, P]
+        x = x.reshape(3, gh // m, m, P, gw // m, m, P)  # [3, gh/m, m, P, gw/m, m, P]
+        x = x.transpose(1, 4, 2, 5, 0, 3, 6)  # [gh/m, gw/m, m, m, 3, P, P]: merge blocks, then patches
         x = np.broadcast_to(x[:, :, :, :, :, None], (*x.shape[:5], T, P, P))  # the T frames: copies
         pixels = torch.from_numpy(np.ascontiguousarray(x).reshape(gh * gw, 3 * T * P * P))
         return ImagePatches(pixels, (1, gh, gw))
@@ -116,7 +119,9 @@ class QwenVLPromptProcessor:
         self.preprocess = QwenVLImagePreprocessor.for_model(folder, mm_config.vision_config)
 
     @classmethod
-    def for_model(cls, model: Any, mm_config: Any, token_text: Any, folder: Path | None) -> QwenVLPromptProcessor:
+    def for_model(
+        cls, model: Any, mm_config: Any, token_text: Any, folder: Path | None
+    ) -> QwenVLPromptProcessor:
         return cls(mm_config, token_text, folder)
 
     def expand(self, prompt: str, images: Sequence[Any]) -> tuple[str, list[PreparedImage]]:
@@ -134,5 +139,7 @@ class QwenVLPromptProcessor:
             out += [self.image_pad * image.num_tokens, piece]
         return "".join(out), prepared
 
-    def inputs(self, token_ids: Sequence[int], images: Sequence[PreparedImage]) -> tuple[MultiModalInput, ...]:
+    def inputs(
+        self, token_ids: Sequence[int], images: Sequence[PreparedImage]
+    ) -> tuple[MultiModalInput, ...]:
         return place_images(token_ids, self.image_token_id, images, both_ways=False)
