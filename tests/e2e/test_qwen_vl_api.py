@@ -18,6 +18,7 @@ import pytest
 from llmserve.engine.llm import LLM
 from llmserve.sampling_params import SamplingParams
 from tests.e2e.conftest import ServerProcess
+from tests.e2e.test_vision_api import data_url
 from tests.models.test_qwen2_5_vl import make_image
 from tests.models.tiny import make_tiny_qwen2_5_vl
 
@@ -30,10 +31,6 @@ def png(seed: int) -> bytes:
     buf = io.BytesIO()
     make_image(seed, SIZES[seed]).save(buf, format="PNG")
     return buf.getvalue()
-
-
-def data_url(data: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ budget splits the prompt inside an image and when a prefix-cache hit covers part
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import transformers
@@ -15,9 +14,11 @@ from PIL import Image
 
 from llmserve.engine.llm import LLM
 from llmserve.layers.mrope import mrope_prompt_positions
+from llmserve.model_executor.image_inputs import RopePositions
 from llmserve.multimodal.qwen_vl import QwenVLImagePreprocessor
 from llmserve.sampling_params import SamplingParams
-from tests.models.tiny import make_tiny_qwen2_5_vl
+from tests.models.test_gemma3_vision import make_image as random_image
+from tests.models.tiny import assert_greedy_matches, make_tiny_qwen2_5_vl
 
 NUM_TOKENS = 10
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -26,8 +27,8 @@ PAD = 511
 
 
 def make_image(seed: int, size: tuple[int, int] = (40, 24)) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+    """Random pixels of `size` (width, height); the default is 15 image tokens."""
+    return random_image(seed, size)
 
 
 @pytest.fixture(scope="module")
@@ -57,12 +58,7 @@ def hf_generate(hf, ids: list[int], images: dict, n: int) -> tuple[list[int], li
 def _check(outputs, hf, folder, images_by_prompt) -> None:
     for out, images in zip(outputs, images_by_prompt, strict=True):
         hf_images = _hf_images(folder, images) if images else {}
-        expected, logprobs = hf_generate(hf, out.prompt_token_ids, hf_images, NUM_TOKENS)
-        got = out.outputs[0]
-        assert got.token_ids == expected
-        for step, (lp, ref) in enumerate(zip(got.logprobs, logprobs, strict=True)):
-            for token, value in lp.items():
-                assert abs(value[0] - float(ref[token])) < 1e-4, (step, token)
+        assert_greedy_matches(out.outputs[0], *hf_generate(hf, out.prompt_token_ids, hf_images, NUM_TOKENS))
 
 
 def test_preprocessing_matches_the_image_processor(checkpoint) -> None:
@@ -162,3 +158,14 @@ def test_triton_backend_takes_mrope_rotated_by_torch(checkpoint) -> None:
         {"prompt": PROMPT, "multi_modal_data": {"image": make_image(0)}}, params, use_tqdm=False
     )
     _check(out, hf, folder, [[make_image(0)]])
+
+
+def test_rope_positions_of_later_tokens_add_the_delta() -> None:
+    """A chunk's M-RoPE positions: the prompt's table, then index + delta on every axis (decode
+    steps, proposals verified, the rest of a prompt after a prefix-cache hit)."""
+    prompt, delta = mrope_prompt_positions(6, [(1, 1, 2, 2)])  # text, a 2 x 2 image, text
+    assert prompt.tolist() == [[0, 1, 1, 1, 1, 3], [0, 1, 1, 2, 2, 3], [0, 1, 2, 1, 2, 3]] and delta == -2
+    rope = RopePositions(prompt, delta)
+    assert rope.slice(2, 4).tolist() == prompt[:, 2:4].tolist()
+    assert rope.slice(5, 8).tolist() == [[3, 4, 5]] * 3
+    assert rope.slice(8, 9).tolist() == [[6]] * 3

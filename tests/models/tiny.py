@@ -156,6 +156,15 @@ def make_tiny_model(name: str, folder: Path, seed: int = 0) -> transformers.PreT
     return model
 
 
+def assert_greedy_matches(got, expected: list[int], logprobs: list[torch.Tensor], atol: float = 1e-4) -> None:
+    """An engine's `CompletionOutput` (greedy, with logprobs) against a reference's tokens and its
+    log-softmax rows: the same tokens, every returned logprob within `atol`."""
+    assert got.token_ids == expected
+    for step, (lp, ref) in enumerate(zip(got.logprobs, logprobs, strict=True)):
+        for token, value in lp.items():
+            assert abs(value[0] - float(ref[token])) < atol, (step, token)
+
+
 def make_tiny_model_eos0(folder: Path) -> None:
     """The tiny Llama with EOS = the tokenizer's <|endoftext|> (0) only (transformers' Llama
     config defaults to eos 2, which this tokenizer spells '"', so a grammar's quote would end

@@ -80,8 +80,12 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,  # [T]
         kv_caches: list[LayerKVCache],  # one per layer
         attn_metadata: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,  # [T, hidden]: a model with images' (`embed_with_images`)
     ) -> torch.Tensor:  # [T, hidden]
-        return getattr(self, self.backbone_name)(input_ids, positions, kv_caches, attn_metadata)
+        backbone = getattr(self, self.backbone_name)
+        if inputs_embeds is None:
+            return backbone(input_ids, positions, kv_caches, attn_metadata)
+        return backbone(input_ids, positions, kv_caches, attn_metadata, inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
         return self.lm_head(hidden)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmserve.layers.attention import AttentionBackend, AttentionMetadata, LayerKVCache
+from llmserve.layers.attention import AttentionBackend
 from llmserve.layers.layernorm import RMSNorm
 from llmserve.models.gemma3 import Gemma3ForCausalLM
 from llmserve.models.siglip import SiglipVisionModel
@@ -67,16 +67,6 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         self.mm_tokens_per_image = int(config.mm_tokens_per_image)
         self.bidirectional_images = bool(getattr(backend, "bidirectional_spans", False))
         """Whether the backend can attend an image's tokens both ways (else images are refused)."""
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T]
-        kv_caches: list[LayerKVCache],
-        attn_metadata: AttentionMetadata,
-        inputs_embeds: torch.Tensor | None = None,  # [T, H] from `embed_with_images`
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds)
 
     @torch.inference_mode()
     def embed_images(self, pixels: torch.Tensor) -> torch.Tensor:  # [N, 3, S, S] -> [N, tokens, H]

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from llmserve.core.multimodal import MultiModalInput
-from llmserve.layers.attention import AttentionBackend, AttentionMetadata, LayerKVCache
+from llmserve.layers.attention import AttentionBackend
 from llmserve.layers.mrope import MRotaryEmbedding, mrope_prompt_positions
 from llmserve.layers.rotary_embedding import rope_parameters
 from llmserve.models.llama import head_dim_of
@@ -60,16 +60,6 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
         self.visual = Qwen2_5_VisionTransformer(config.vision_config)
         self.image_token_id = int(config.image_token_id)
         self.merge = int(config.vision_config.spatial_merge_size)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [3, T]
-        kv_caches: list[LayerKVCache],
-        attn_metadata: AttentionMetadata,
-        inputs_embeds: torch.Tensor | None = None,  # [T, H] from `embed_with_images`
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds)
 
     @torch.inference_mode()
     def encode_image(self, image: ImagePatches) -> torch.Tensor:  # -> [tokens, H]
