@@ -169,3 +169,39 @@ def test_rope_positions_of_later_tokens_add_the_delta() -> None:
     assert rope.slice(2, 4).tolist() == prompt[:, 2:4].tolist()
     assert rope.slice(5, 8).tolist() == [[3, 4, 5]] * 3
     assert rope.slice(8, 9).tolist() == [[6]] * 3
+
+
+def test_preemption_and_speculation_keep_the_positions(checkpoint) -> None:
+    """Requests with images preempted and recomputed (their M-RoPE positions rebuilt from the
+    prompt), and verified n-gram proposals (each at index + delta), answer as plain decoding."""
+    _, folder = checkpoint
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = [
+        {"prompt": PROMPT, "multi_modal_data": {"image": make_image(seed, size)}}
+        for seed, size in ((0, (40, 24)), (1, (30, 50)), (2, (48, 16)), (3, (24, 24)))
+    ]
+
+    def run(llm: LLM) -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    want = run(LLM(str(folder), block_size=4, show_progress=False))
+    small = LLM(str(folder), block_size=4, num_kv_blocks=24, enable_prefix_caching=False, show_progress=False)
+    assert run(small) == want
+    assert small.engine.scheduler.num_preemptions > 0
+    spec = LLM(str(folder), block_size=4, show_progress=False,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False})  # fmt: skip
+    assert run(spec) == want
+    assert spec.engine.scheduler.spec_stats.num_draft_tokens > 0
+
+
+def test_tied_embeddings_from_the_top_level_config(tmp_path) -> None:
+    """Qwen2.5-VL 3B ties its LM head to the embedding in the top-level config (its text config
+    has no such field); the checkpoint then has no lm_head tensor."""
+    hf = make_tiny_qwen2_5_vl(tmp_path, seed=1, tied=True)
+    llm = LLM(str(tmp_path), block_size=4, show_progress=False)
+    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, ignore_eos=True)
+    out = llm.generate(
+        {"prompt": PROMPT, "multi_modal_data": {"image": make_image(0)}}, params, use_tqdm=False
+    )
+    images = _hf_images(tmp_path, [make_image(0)])
+    assert_greedy_matches(out[0].outputs[0], *hf_generate(hf, out[0].prompt_token_ids, images, 4))

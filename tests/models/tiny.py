@@ -247,15 +247,16 @@ QWEN_VL_TEMPLATE = (
 """Qwen2.5-VL's chat template, cut to what the tiny model needs (its im_start/end are plain text)."""
 
 
-def make_tiny_qwen2_5_vl(folder: Path, seed: int = 0) -> transformers.PreTrainedModel:
+def make_tiny_qwen2_5_vl(folder: Path, seed: int = 0, tied: bool = False) -> transformers.PreTrainedModel:
     """A Qwen2_5_VLForConditionalGeneration: a 2-layer Qwen2 text model with M-RoPE and a 4-block
     vision tower (patch 4, merge 2, windows of 2 x 2 merged cells; blocks 1 and 3 attend over the
     whole image, 0 and 2 within windows), saved with a tokenizer whose last ids are the vision
     tokens, a chat template with image parts, and a preprocessor_config.json (images resized to
-    between 16 x 16 and 48 x 48 pixels' worth, multiples of 8)."""
+    between 16 x 16 and 48 x 48 pixels' worth, multiples of 8). `tied`: the LM head is the
+    embedding (the top-level config's flag, as Qwen2.5-VL 3B has it)."""
     torch.manual_seed(seed)
     text = dict(
-        _LLAMA_LIKE, max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=0, bos_token_id=None,
+        _LLAMA_LIKE, max_position_embeddings=512, eos_token_id=0, bos_token_id=None,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]},
     )  # fmt: skip
     vision = dict(
@@ -265,7 +266,7 @@ def make_tiny_qwen2_5_vl(folder: Path, seed: int = 0) -> transformers.PreTrained
     )  # fmt: skip
     config = transformers.Qwen2_5_VLConfig(
         text_config=text, vision_config=vision, image_token_id=511, video_token_id=508,
-        vision_start_token_id=509, vision_end_token_id=510, tie_word_embeddings=False,
+        vision_start_token_id=509, vision_end_token_id=510, tie_word_embeddings=tied,
     )  # fmt: skip
     model = transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
     model.save_pretrained(folder)

@@ -9,10 +9,12 @@ Two rules follow from the image tokens' K/V depending on the image, not on their
   * prefix caching: a block that holds any of an image's tokens is identified by the image's hash
     too (`block_extra_keys`), so the same placeholder ids with another image never hit;
   * chunked prefill: where an image's tokens attend to each other both ways (Gemma 3), a fresh
-    prefill chunk never ends inside the image (`cut_chunk`): it stops before the image, or takes the
-    rest of it whole. Images attended causally (Qwen2.5-VL: `bidirectional` False) split freely. A chunk may *start* inside one: only after a prefix-cache hit, whose cached
-    K/V were computed with the whole image in view, so the rest of it computes exactly as one
-    chunk would. An image longer than the step's token budget is refused at input processing.
+    prefill chunk never ends inside the image (`cut_chunk`): it stops before the image, or takes
+    the rest of it whole. A chunk may *start* inside one: only after a prefix-cache hit, whose
+    cached K/V were computed with the whole image in view, so the rest of it computes exactly as
+    one chunk would. Such an image longer than the step's token budget is refused at input
+    processing. Images attended causally, as text (Qwen2.5-VL: `bidirectional` False), split
+    anywhere.
 
 Torch-free (the `core/` rule): `data` is whatever the model runner needs to encode the image.
 """

@@ -44,7 +44,7 @@ class MRotaryEmbedding(RotaryEmbedding):
         for i, n in enumerate(self.mrope_section):
             pieces.append((i % 3, lo, lo + n))
             lo += n
-        self._pieces = pieces + [(a, lo + half, hi + half) for a, lo, hi in pieces]
+        self._pieces = pieces + [(axis, first + half, end + half) for axis, first, end in pieces]
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """`positions` [3, T] (temporal, height, width) -> cos, signed sin [T, 1, head_dim]."""

@@ -22,6 +22,7 @@ from llmserve.core.multimodal import MultiModalInput
 from llmserve.layers.attention import AttentionBackend
 from llmserve.layers.mrope import MRotaryEmbedding, mrope_prompt_positions
 from llmserve.layers.rotary_embedding import rope_parameters
+from llmserve.layers.vocab_embedding import LMHead
 from llmserve.models.llama import head_dim_of
 from llmserve.models.qwen2 import Qwen2ForCausalLM
 from llmserve.models.qwen2_5_vl_vision import Qwen2_5_VisionTransformer
@@ -53,6 +54,9 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
         text = config.get_text_config()
         super().__init__(text, backend)
         self.mm_config = config
+        if getattr(config, "tie_word_embeddings", False) and not self.lm_head.tied_to:
+            # the top-level config says it (3B: tied); the text config has no such field
+            self.lm_head = LMHead(text.vocab_size, text.hidden_size, self.model.embed_tokens)
         params, section = mrope_settings(text)
         self.model.rotary_emb = MRotaryEmbedding(
             head_dim_of(text), text.max_position_embeddings, params, section
