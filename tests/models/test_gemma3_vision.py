@@ -17,7 +17,7 @@ from PIL import Image
 from llmserve.engine.llm import LLM
 from llmserve.multimodal.image import ImagePreprocessor
 from llmserve.sampling_params import SamplingParams
-from tests.models.tiny import make_tiny_gemma3_vlm
+from tests.models.tiny import assert_greedy_matches, make_tiny_gemma3_vlm
 
 NUM_TOKENS = 12
 PROMPT = "The quick brown <start_of_image> fox jumps over"
@@ -54,13 +54,7 @@ def hf_greedy(hf, ids: list[int], pixels: torch.Tensor, n: int) -> tuple[list[in
 
 def _check(outputs, hf, pixels_by_prompt) -> None:
     for out, pixels in zip(outputs, pixels_by_prompt, strict=True):
-        ids = out.prompt_token_ids
-        expected, logprobs = hf_greedy(hf, ids, pixels, NUM_TOKENS)
-        got = out.outputs[0]
-        assert got.token_ids == expected
-        for step, (lp, ref) in enumerate(zip(got.logprobs, logprobs, strict=True)):
-            for token, value in lp.items():
-                assert abs(value[0] - float(ref[token])) < 1e-4, (step, token)
+        assert_greedy_matches(out.outputs[0], *hf_greedy(hf, out.prompt_token_ids, pixels, NUM_TOKENS))
 
 
 def test_preprocessing_matches_the_image_processor(checkpoint) -> None:

@@ -172,6 +172,15 @@ def make_tiny_model(name: str, folder: Path, seed: int = 0) -> transformers.PreT
     return model
 
 
+def assert_greedy_matches(got, expected: list[int], logprobs: list[torch.Tensor], atol: float = 1e-4) -> None:
+    """An engine's `CompletionOutput` (greedy, with logprobs) against a reference's tokens and its
+    log-softmax rows: the same tokens, every returned logprob within `atol`."""
+    assert got.token_ids == expected
+    for step, (lp, ref) in enumerate(zip(got.logprobs, logprobs, strict=True)):
+        for token, value in lp.items():
+            assert abs(value[0] - float(ref[token])) < atol, (step, token)
+
+
 def make_tiny_model_eos0(folder: Path) -> None:
     """The tiny Llama with EOS = the tokenizer's <|endoftext|> (0) only (transformers' Llama
     config defaults to eos 2, which this tokenizer spells '"', so a grammar's quote would end
@@ -248,5 +257,53 @@ def make_tiny_gemma3_vlm(
         "image_processor_type": "Gemma3ImageProcessor", "do_resize": True, "size": {"height": 32, "width": 32},
         "resample": 2, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True,
+    }))  # fmt: skip
+    return model
+
+
+QWEN_VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")
+"""The tiny Qwen2.5-VL's vision start, end and image pad tokens, ids 509, 510, 511."""
+QWEN_VL_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for part in m['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""Qwen2.5-VL's chat template, cut to what the tiny model needs (its im_start/end are plain text)."""
+
+
+def make_tiny_qwen2_5_vl(folder: Path, seed: int = 0, tied: bool = False) -> transformers.PreTrainedModel:
+    """A Qwen2_5_VLForConditionalGeneration: a 2-layer Qwen2 text model with M-RoPE and a 4-block
+    vision tower (patch 4, merge 2, windows of 2 x 2 merged cells; blocks 1 and 3 attend over the
+    whole image, 0 and 2 within windows), saved with a tokenizer whose last ids are the vision
+    tokens, a chat template with image parts, and a preprocessor_config.json (images resized to
+    between 16 x 16 and 48 x 48 pixels' worth, multiples of 8). `tied`: the LM head is the
+    embedding (the top-level config's flag, as Qwen2.5-VL 3B has it)."""
+    torch.manual_seed(seed)
+    text = dict(
+        _LLAMA_LIKE, max_position_embeddings=512, eos_token_id=0, bos_token_id=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]},
+    )  # fmt: skip
+    vision = dict(
+        depth=4, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=4, temporal_patch_size=2,
+        spatial_merge_size=2, window_size=16, fullatt_block_indexes=[1, 3], out_hidden_size=64,
+        initializer_range=0.15,
+    )  # fmt: skip
+    config = transformers.Qwen2_5_VLConfig(
+        text_config=text, vision_config=vision, image_token_id=511, video_token_id=508,
+        vision_start_token_id=509, vision_end_token_id=510, tie_word_embeddings=tied,
+    )  # fmt: skip
+    model = transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
+    model.save_pretrained(folder)
+    save_tiny_tokenizer(Path(folder), 512, QWEN_VL_TOKENS)
+    path = Path(folder) / "tokenizer_config.json"
+    tok_config = json.loads(path.read_text())
+    tok_config["chat_template"] = QWEN_VL_TEMPLATE
+    path.write_text(json.dumps(tok_config))
+    (Path(folder) / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 16 * 16, "max_pixels": 48 * 48,
+        "patch_size": 4, "temporal_patch_size": 2, "merge_size": 2,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
     }))  # fmt: skip
     return model

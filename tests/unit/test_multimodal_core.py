@@ -1,5 +1,5 @@
 """Images in the scheduler and the prefix cache (core/multimodal.py), as pure Python: an image's
-tokens never split across fresh prefill chunks, and its hash is part of its blocks' identity."""
+tokens never split across fresh prefill chunks (unless attended causally), and its hash is part of its blocks' identity."""
 
 from __future__ import annotations
 
@@ -21,6 +21,15 @@ def test_cut_chunk_stops_before_an_image_or_takes_it_whole() -> None:
     assert cut_chunk(images, 6, 2) == 0  # starts inside (a cache hit): the rest whole or nothing
     assert cut_chunk(images, 6, 4) == 4
     assert cut_chunk(images, 20, 3) == 3
+
+
+def test_cut_chunk_splits_an_image_attended_causally() -> None:
+    """Qwen2.5-VL's images attend like text: a chunk may end anywhere in one; a both-ways image
+    after it still cuts."""
+    causal = MultiModalInput(4, 6, "a", bidirectional=False)
+    assert cut_chunk((causal,), 0, 7) == 7
+    assert cut_chunk((causal,), 6, 2) == 2
+    assert cut_chunk((causal, image(12)), 0, 14) == 12
 
 
 def test_blocks_holding_an_image_carry_its_hash() -> None:

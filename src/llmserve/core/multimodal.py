@@ -8,11 +8,13 @@ Two rules follow from the image tokens' K/V depending on the image, not on their
 
   * prefix caching: a block that holds any of an image's tokens is identified by the image's hash
     too (`block_extra_keys`), so the same placeholder ids with another image never hit;
-  * chunked prefill: an image's tokens attend to each other both ways (Gemma 3), so a fresh prefill
-    chunk never ends inside an image (`cut_chunk`): it stops before the image, or takes the rest of
-    the image whole. A chunk may *start* inside one: only after a prefix-cache hit, whose cached
-    K/V were computed with the whole image in view, so the rest of it computes exactly as one
-    chunk would. An image longer than the step's token budget is refused at input processing.
+  * chunked prefill: where an image's tokens attend to each other both ways (Gemma 3), a fresh
+    prefill chunk never ends inside the image (`cut_chunk`): it stops before the image, or takes
+    the rest of it whole. A chunk may *start* inside one: only after a prefix-cache hit, whose
+    cached K/V were computed with the whole image in view, so the rest of it computes exactly as
+    one chunk would. Such an image longer than the step's token budget is refused at input
+    processing. Images attended causally, as text (Qwen2.5-VL: `bidirectional` False), split
+    anywhere.
 
 Torch-free (the `core/` rule): `data` is whatever the model runner needs to encode the image.
 """
@@ -35,6 +37,8 @@ class MultiModalInput:
     """A hash of its content (hex sha256 of the processed pixels): part of the blocks' identity."""
     data: object = None
     """What the model runner encodes (a pixel tensor); opaque here."""
+    bidirectional: bool = True
+    """Whether its tokens attend to each other both ways (else causally, as text)."""
 
     @property
     def end(self) -> int:
@@ -52,6 +56,6 @@ def cut_chunk(mm_inputs: Sequence[MultiModalInput], start: int, num_new: int) ->
     must then take the rest of it whole, which the budget did not allow)."""
     end = start + num_new
     for m in mm_inputs:  # in prompt order
-        if m.offset < end < m.end and start < m.end:
+        if m.bidirectional and m.offset < end < m.end and start < m.end:
             return max(0, m.offset - start)
     return num_new

@@ -143,7 +143,8 @@ class LLM:
         """Completions for a prompt or a list of prompts, in order. A prompt is a string, a list
         of token ids, or (vLLM's forms) {"prompt": text} or {"prompt_token_ids": ids}; a model that
         takes images takes {"prompt": text, "multi_modal_data": {"image": a PIL image or a list}},
-        the text holding one image marker per image (Gemma 3: `<start_of_image>`).
+        the text holding one image marker per image (Gemma 3: `<start_of_image>`; Qwen2.5-VL:
+        `<|vision_start|><|image_pad|><|vision_end|>`).
         `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base
         model); the engine needs `enable_lora=True`."""
         if _is_single_prompt(prompts):

@@ -35,7 +35,7 @@ from llmserve.model_executor.model_loader import LoadedModel, load_model
 from llmserve.model_executor.model_runner import ModelRunner
 from llmserve.model_executor.pooler import default_pooling_params
 from llmserve.model_executor.tp_executor import TPExecutor
-from llmserve.multimodal.processor import ImagePromptProcessor
+from llmserve.multimodal.processor import PromptProcessor, make_prompt_processor
 from llmserve.outputs import RequestOutput
 from llmserve.pooling_params import PoolingParams
 from llmserve.sampling_params import SamplingParams
@@ -229,33 +229,35 @@ class LLMEngine:
 
     # -- input processing ------------------------------------------------------------------------
 
-    def _image_processor(self) -> ImagePromptProcessor | None:
+    def _image_processor(self) -> PromptProcessor | None:
         model = self.loaded.model
         if not getattr(model, "supports_images", False):
             return None
         source, vision = self.loaded.source, self.loaded.gguf_vision
-        return ImagePromptProcessor(
+        return make_prompt_processor(
+            model,
             self.loaded.hf_config,
-            int(model.mm_tokens_per_image),  # type: ignore[attr-defined]
             self.tokenizer.id_to_token,
             source.path if source.kind == "hf" else None,
             vision.preprocessing if vision is not None else None,
             self.model_config.do_pan_and_scan,
         )
 
-    def _check_images(self, images: Sequence[Any]) -> ImagePromptProcessor:
+    def _check_images(self, images: Sequence[Any]) -> PromptProcessor:
         """The processor for a prompt with `images`, or a ParameterError saying why there is none."""
         if self.images is None:
             raise ParameterError(
                 f"model {self.loaded.source.name} takes no images (text only)", param="images"
             )
+        if not self.images.both_ways:
+            return self.images  # attended causally: any backend, chunks split images anywhere
         if not getattr(self.loaded.model, "bidirectional_images", False):
             raise ParameterError(
                 f"images need an attention backend that attends an image's tokens both ways (torch, "
                 f"cpu, triton); this engine runs {self.loaded.profile.attention_backend!r}",
                 param="images",
             )
-        n = self.images.tokens_per_image
+        n = self.images.tokens_per_image  # type: ignore[attr-defined]  # both ways: Gemma 3's fixed count
         budget = self.scheduler_config.max_num_batched_tokens
         if n > budget:  # an image's tokens run in one chunk (core/multimodal.py)
             raise ParameterError(
@@ -292,7 +294,8 @@ class LLMEngine:
     ) -> ProcessedPrompt:
         """Tokenize and check a prompt against the model; raises ValueError, changes nothing.
         `images` (encoded bytes or PIL images): one per image marker of the text prompt (Gemma 3's
-        `<start_of_image>`, which its chat template writes for each image part).
+        `<start_of_image>`, Qwen2.5-VL's `<|image_pad|>`: what their chat templates write for each
+        image part).
         `add_special_tokens`: False for a rendered chat template (it holds them already).
 
         Safe to call from another thread than the one that runs `step()`.
@@ -303,10 +306,9 @@ class LLMEngine:
         if processor is not None:
             if not isinstance(prompt, str):
                 raise ParameterError("a prompt with images must be text", param="prompt")
-            images, num_crops = processor.split(images)  # pan-and-scan crops follow their image
-            prompt = processor.expand(prompt, num_crops)
+            prompt, prepared = processor.expand(prompt, images)
         text, ids = self.encode_prompt(prompt, add_special_tokens)
-        mm_inputs = processor.inputs(ids, images) if processor is not None else ()
+        mm_inputs = processor.inputs(ids, prepared) if processor is not None else ()
         if processor is None and self.images is not None:
             self.images.check_no_placeholders(ids)
         if not ids:

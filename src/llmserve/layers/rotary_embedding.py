@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -102,6 +102,10 @@ def _attention_factor(params: dict[str, Any]) -> float:
 
 
 class RotaryEmbedding(nn.Module):
+    backend_can_rotate: ClassVar[bool] = True
+    """Whether a backend that rotates q and k in its cache write (one table row per token, read at
+    the token's position) can apply this RoPE; M-RoPE (layers/mrope.py) mixes three rows."""
+
     def __init__(self, head_dim: int, rotary_dim: int, max_position: int, params: dict[str, Any]) -> None:
         super().__init__()
         self.head_dim = head_dim
@@ -128,7 +132,10 @@ class RotaryEmbedding(nn.Module):
         With c, s the per-frequency halves: cos = [c | c] and sin = [-s | s], so that
         rotate_half(x) * [s | s] == roll(x, half) * [-s | s] and `forward` needs no negation.
         """
-        cs = self.cos_sin_cache.index_select(0, positions)
+        return self._signed(self.cos_sin_cache.index_select(0, positions), dtype)
+
+    def _signed(self, cs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, rotary_dim] rows of the table -> (cos, signed sin) as `cos_sin` returns them."""
         half = self.rotary_dim // 2
         cos = cs[:, :half].repeat(1, 2).unsqueeze(1).to(dtype)
         sin = cs[:, half:]
@@ -168,7 +175,7 @@ class RotaryInputs:
     def make(
         cls, rope: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype, in_backend: bool
     ) -> RotaryInputs:
-        if in_backend:
+        if in_backend and rope.backend_can_rotate:
             return cls(rope, positions)
         cos, sin = rope.cos_sin(positions, dtype)
         return cls(rope, positions, cos, sin)

@@ -88,7 +88,7 @@ class ForwardRunner:
         max_blocks = -(-(max_model_len or 2048) // block_size)
         self.buffers = InputBuffers(
             self.device, block_size, self.pad_block, max_num_tokens, max_num_seqs, max_blocks,
-            pin_memory=self.profile.pin_memory,
+            pin_memory=self.profile.pin_memory, rope_axes=model.rope_axes,
         )  # fmt: skip
         self.group = group
         """A tensor-parallel rank's group (the model is its shard), or None."""
@@ -165,7 +165,7 @@ class ForwardRunner:
         md = inputs.metadata
         if self.fused is not None:
             return self.fused(self.model.embed(inputs.input_ids), inputs.positions, md)
-        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, md)
+        return self.model(inputs.input_ids, inputs.model_positions, self.kv_caches, md)
 
     def forward(
         self, batch: list[SequenceBatchEntry], logits_rows: Sequence[int] | None = None
@@ -186,7 +186,7 @@ class ForwardRunner:
             ):
                 embeds = self._embed_images(inputs, batch) if images else None
                 hidden = self.model(
-                    inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata,
+                    inputs.input_ids, inputs.model_positions, self.kv_caches, inputs.metadata,
                     **({} if embeds is None else {"inputs_embeds": embeds}),
                 )  # fmt: skip
             return ForwardOutput(hidden, inputs.metadata, inputs.logits_rows)

@@ -11,6 +11,8 @@ allocated per step:
     seq_lens      [max_seqs]     int32    -->   seq_lens      [:S]
     query_start   [max_seqs + 1] int32    -->   query_start   [:S + 1]
     logits_rows   [max_tokens]   int64    -->   logits_rows   [:R]   the rows the LM head reads
+    rope_positions [3 * max_tokens] int64 -->   viewed as [3, T]: M-RoPE's three ids a token
+                                                (only for a model with `rope_axes` 3)
     block_tables  [max_seqs * max_blocks] -->   viewed as [S, W], contiguous: row i holds sequence
                                                 i's blocks, padded with the pad block past its last
 
@@ -50,6 +52,9 @@ class SequenceBatchEntry:
     `new_token_ids`, vectors [n, hidden]); they replace those tokens' embeddings."""
     bidirectional: tuple[tuple[int, int], ...] = ()
     """Position spans [start, end) whose tokens attend to each other both ways (its images')."""
+    rope_positions: np.ndarray | None = None
+    """[3, len(new_token_ids)] M-RoPE positions of its new tokens (None: its sequence positions
+    on all three axes, what a request without images has)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +82,13 @@ class StepInputs:
     logits_rows: torch.Tensor | None = None
     """[R] int64 on the device: the flat-batch rows whose hidden states go through the LM head
     (sent with the other inputs, so selecting them after the forward needs no copy or sync)."""
+    rope_positions: torch.Tensor | None = None
+    """[3, T] for a model with M-RoPE (what it takes as positions); `positions` still place K/V."""
+
+    @property
+    def model_positions(self) -> torch.Tensor:
+        """The positions the model's forward takes: [T], or [3, T] under M-RoPE."""
+        return self.positions if self.rope_positions is None else self.rope_positions
 
 
 class InputBuffers:
@@ -89,9 +101,12 @@ class InputBuffers:
         max_num_seqs: int = 16,
         max_num_blocks: int = 16,
         pin_memory: bool = False,
+        rope_axes: int = 1,
     ) -> None:
-        """`pad_block`: a cache block no sequence owns, where padding rows write their K/V."""
+        """`pad_block`: a cache block no sequence owns, where padding rows write their K/V.
+        `rope_axes`: the model's position ids a token (3: M-RoPE's buffer too)."""
         self.device, self.block_size, self.pad_block = device, block_size, pad_block
+        self.rope_axes = rope_axes
         self.pin_memory = pin_memory and device.type != "cpu"
         self.generation = 0
         self._allocate(max_num_tokens, max_num_seqs, max_num_blocks)
@@ -107,6 +122,8 @@ class InputBuffers:
             "block_tables": (num_seqs * num_blocks, torch.int64),
             "logits_rows": (num_tokens, torch.int64),
         }
+        if self.rope_axes > 1:
+            sizes["rope_positions"] = (self.rope_axes * num_tokens, torch.int64)
         self.host = {k: torch.zeros(n, dtype=t, pin_memory=self.pin_memory) for k, (n, t) in sizes.items()}
         self.np = {k: v.numpy() for k, v in self.host.items()}
         on_host = self.device.type == "cpu"
@@ -157,6 +174,8 @@ class InputBuffers:
             query_lens[i], seq_lens[i] = q, s
             t += q
             starts[i + 1] = t
+        if self.rope_axes > 1:
+            self._fill_rope_positions(batch, T)
         np_["seq_lens"][:S] = seq_lens
         np_["query_start_loc"][: S + 1] = starts
         R = 0 if logits_rows is None else len(logits_rows)
@@ -175,7 +194,24 @@ class InputBuffers:
             max_query_len=max(query_lens),
             bidirectional={i: list(e.bidirectional) for i, e in enumerate(batch) if e.bidirectional},
         )
-        return StepInputs(dev["input_ids"], dev["positions"], md, dev["logits_rows"] if R else None)
+        return StepInputs(
+            dev["input_ids"],
+            dev["positions"],
+            md,
+            dev["logits_rows"] if R else None,
+            dev.get("rope_positions"),
+        )
+
+    def _fill_rope_positions(self, batch: Sequence[SequenceBatchEntry], T: int) -> None:
+        """M-RoPE's [3, T] ids: the sequence positions on every axis, or an entry's own."""
+        rope = self.np["rope_positions"][: self.rope_axes * T].reshape(self.rope_axes, T)
+        rope[:] = self.np["positions"][:T]
+        t = 0
+        for e in batch:
+            q = len(e.new_token_ids)
+            if e.rope_positions is not None:
+                rope[:, t : t + q] = e.rope_positions
+            t += q
 
     def _upload(self, T: int, S: int, W: int, R: int) -> dict[str, torch.Tensor]:
         """The step's device views; on CUDA, one asynchronous copy per tensor from pinned memory
@@ -184,6 +220,8 @@ class InputBuffers:
         lengths = {"input_ids": T, "positions": T, "slot_mapping": T, "seq_lens": S, "query_start_loc": S + 1}
         lengths["block_tables"] = S * W
         lengths["logits_rows"] = R
+        if self.rope_axes > 1:
+            lengths["rope_positions"] = self.rope_axes * T
         views = {}
         for name, n in lengths.items():
             dst = self.dev[name][:n]
@@ -191,4 +229,6 @@ class InputBuffers:
                 dst.copy_(self.host[name][:n], non_blocking=self.pin_memory)
             views[name] = dst
         views["block_tables"] = views["block_tables"].view(S, W)
+        if self.rope_axes > 1:
+            views["rope_positions"] = views["rope_positions"].view(self.rope_axes, T)
         return views

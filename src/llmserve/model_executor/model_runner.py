@@ -27,13 +27,14 @@ import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from llmserve.core.sched_output import Logprobs, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from llmserve.model_executor.device import DeviceProfile, build_profile
 from llmserve.model_executor.encoder_runner import EncoderForwardRunner
 from llmserve.model_executor.forward_runner import ForwardRunner, SequenceBatchEntry
-from llmserve.model_executor.image_inputs import RequestImages
+from llmserve.model_executor.image_inputs import RequestImages, RopePositions
 from llmserve.model_executor.pooler import PoolingState, finish
 from llmserve.model_executor.transformers_runner import TransformersCausalLM, TransformersForwardRunner
 from llmserve.models import CausalLM
@@ -60,6 +61,12 @@ class CachedRequestState:
     """Its LoRA adapter (0: the base model)."""
     images: RequestImages | None = None
     """Its images (image_inputs.py): encoded when a chunk reaches them."""
+    rope: RopePositions | None = None
+    """Its M-RoPE positions, for a model with three position ids a token and a prompt with images
+    (None: its sequence positions, on every axis)."""
+
+    def rope_slice(self, start: int, end: int) -> np.ndarray | None:
+        return None if self.rope is None else self.rope.slice(start, end)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -168,6 +175,9 @@ class ModelRunner:
             else PoolingState(new.pooling_params, len(new.prompt_token_ids)),
             new.lora_id,
             RequestImages(new.mm_inputs) if new.mm_inputs else None,
+            RopePositions.of(self.runner.model, len(new.prompt_token_ids), new.mm_inputs)
+            if new.mm_inputs and getattr(self.runner.model, "rope_axes", 1) > 1
+            else None,
         )
 
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -207,7 +217,8 @@ class ModelRunner:
                 start = state.num_computed_tokens
                 assert start + 1 == state.num_tokens and n == 1 + len(drafts), req_id
                 batch.append(SequenceBatchEntry([*state.token_slice(start, start + 1), *drafts], start + n,
-                                                state.block_ids, req_id, state.lora_id))  # fmt: skip
+                                                state.block_ids, req_id, state.lora_id,
+                                                rope_positions=state.rope_slice(start, start + n)))  # fmt: skip
                 verifiers.append(Verification(pos, state, row, drafts))
                 state.num_computed_tokens = start + 1  # and the accepted ones, once verified
                 row += n
@@ -220,7 +231,7 @@ class ModelRunner:
             )
             batch.append(
                 SequenceBatchEntry(state.token_slice(start, end), end, state.block_ids, req_id,
-                                   state.lora_id, rows, spans)
+                                   state.lora_id, rows, spans, state.rope_slice(start, end))
             )  # fmt: skip
             if state.pooler is not None:  # an embedding request: pooled, never sampled
                 pooled.append((state, row, n, start))

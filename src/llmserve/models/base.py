@@ -63,8 +63,12 @@ class CausalLM(nn.Module):
     """An encoder-only model (BERT): bidirectional attention, no KV cache, no LM head; the engine
     runs it through `EncoderForwardRunner` and serves embeddings only."""
     supports_images: ClassVar[bool] = False
-    """Whether it takes images (then it has `embed_images`, `embed_with_images` and
-    `mm_tokens_per_image`; the runner feeds their vectors in, see gemma3_mm.py)."""
+    """Whether it takes images (then it has `encode_image` (one image's preprocessed data -> its
+    tokens' vectors), `embed_with_images` and `image_prompt_format`, the multimodal/ processor
+    that writes its prompts; the runner feeds the vectors in, see gemma3_mm.py, qwen2_5_vl.py)."""
+    rope_axes: ClassVar[int] = 1
+    """Position ids per token its forward takes: 3 for M-RoPE (positions [3, T], layers/mrope.py,
+    with `rope_positions` giving a prompt's), else 1 (positions [T])."""
 
     backbone_name: ClassVar[str] = "model"
     """The attribute holding the decoder stack (its name is the checkpoint's prefix)."""
@@ -76,8 +80,12 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,  # [T]
         kv_caches: list[LayerKVCache],  # one per layer
         attn_metadata: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,  # [T, hidden]: a model with images' (`embed_with_images`)
     ) -> torch.Tensor:  # [T, hidden]
-        return getattr(self, self.backbone_name)(input_ids, positions, kv_caches, attn_metadata)
+        backbone = getattr(self, self.backbone_name)
+        if inputs_embeds is None:
+            return backbone(input_ids, positions, kv_caches, attn_metadata)
+        return backbone(input_ids, positions, kv_caches, attn_metadata, inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
         return self.lm_head(hidden)

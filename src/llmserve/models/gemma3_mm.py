@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmserve.layers.attention import AttentionBackend, AttentionMetadata, LayerKVCache
+from llmserve.layers.attention import AttentionBackend
 from llmserve.layers.layernorm import RMSNorm
 from llmserve.models.gemma3 import Gemma3ForCausalLM
 from llmserve.models.siglip import SiglipVisionModel
@@ -54,6 +54,7 @@ class Gemma3MultiModalProjector(nn.Module):
 
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     supports_images: ClassVar[bool] = True
+    image_prompt_format: ClassVar[str] = "gemma3"
     _VISION_PREFIXES = ("model.vision_tower.", "vision_tower.")
     _PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
 
@@ -67,19 +68,17 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         self.bidirectional_images = bool(getattr(backend, "bidirectional_spans", False))
         """Whether the backend can attend an image's tokens both ways (else images are refused)."""
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T]
-        kv_caches: list[LayerKVCache],
-        attn_metadata: AttentionMetadata,
-        inputs_embeds: torch.Tensor | None = None,  # [T, H] from `embed_with_images`
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds)
-
     @torch.inference_mode()
     def embed_images(self, pixels: torch.Tensor) -> torch.Tensor:  # [N, 3, S, S] -> [N, tokens, H]
         return self.multi_modal_projector(self.vision_tower(pixels))
+
+    def encode_image(self, pixels: torch.Tensor) -> torch.Tensor:  # [3, S, S] -> [tokens, H]
+        """One preprocessed image (multimodal/image.py) -> the vectors of its placeholder tokens."""
+        return self.embed_images(pixels.to(self.mm_input_device)[None])[0]
+
+    @property
+    def mm_input_device(self) -> torch.device:
+        return self.multi_modal_projector.mm_input_projection_weight.device
 
     def embed_with_images(
         self, input_ids: torch.Tensor, rows: torch.Tensor, image_embeds: torch.Tensor

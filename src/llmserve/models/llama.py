@@ -160,8 +160,10 @@ class LlamaModel(nn.Module):
             D, rotary_dim, config.max_position_embeddings, rope_parameters(config)
         )
 
-    def forward(self, input_ids, positions, kv_caches, md) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+    def forward(self, input_ids, positions, kv_caches, md, inputs_embeds=None) -> torch.Tensor:
+        """`inputs_embeds` [T, H]: the stack's input instead of `input_ids`' embeddings (images'
+        rows in place, qwen2_5_vl.py); `positions` [T], or [3, T] under M-RoPE."""
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         in_backend = self.layers[0].self_attn.attn.rope_in_backend
         rotary = RotaryInputs.make(self.rotary_emb, positions, x.dtype, in_backend)  # shared by every layer
         residual = None

@@ -142,10 +142,17 @@ class ImagePreprocessor:
         return [image, *(self.pan_and_scan.crops(image) if self.pan_and_scan is not None else ())]
 
     def __call__(self, image: Any) -> torch.Tensor:  # PIL image -> [3, height, width] float32
-        resized = decode_image(image).resize((self.width, self.height), resample=self.resample)
-        x = np.asarray(resized, dtype=np.float32) * np.float32(self.rescale_factor)  # [h, w, 3]
-        x = (x - np.asarray(self.mean, dtype=np.float32)) / np.asarray(self.std, dtype=np.float32)
-        return torch.from_numpy(np.ascontiguousarray(x.transpose(2, 0, 1)))
+        x = resize_and_normalize(decode_image(image), self.height, self.width, self)
+        return torch.from_numpy(np.ascontiguousarray(x))
+
+
+def resize_and_normalize(image: Any, height: int, width: int, norm: Any) -> np.ndarray:
+    """An RGB PIL image -> [3, height, width] float32: resized on the 8-bit image (`norm.resample`),
+    x * `norm.rescale_factor`, then (x - `norm.mean`) / `norm.std` per channel."""
+    resized = image.resize((width, height), resample=norm.resample)
+    x = np.asarray(resized, dtype=np.float32) * np.float32(norm.rescale_factor)  # [h, w, 3]
+    x = (x - np.asarray(norm.mean, dtype=np.float32)) / np.asarray(norm.std, dtype=np.float32)
+    return x.transpose(2, 0, 1)
 
 
 def image_hash(pixels: torch.Tensor) -> str:

@@ -8,23 +8,68 @@ one by the image's full sequence before tokenizing:
 
 and so does this (the same text, so the same tokens). An image with pan-and-scan crops becomes
 "Here is the original image " + its sequence + " and here are some crops to help you see better "
-+ the crops' sequences joined by spaces, as transformers' Gemma3Processor writes it. After tokenization each run of placeholder
-ids is one image: its offset, length and hash go to the scheduler as `MultiModalInput`s, with the
-preprocessed pixels the model runner encodes.
++ the crops' sequences joined by spaces, as transformers' Gemma3Processor writes it; each crop is
+an image input of its own. After tokenization each run of placeholder ids is one image: its offset, length and hash go to the scheduler as `MultiModalInput`s, with the
+preprocessed pixels the model runner encodes. Qwen2.5-VL's processor (qwen_vl.py) shares the
+helpers below; `make_prompt_processor` picks one by the model's `image_prompt_format`.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from llmserve.core.multimodal import MultiModalInput
 from llmserve.errors import ParameterError
 from llmserve.multimodal.image import ImagePreprocessor, image_hash
 
 
-class ImagePromptProcessor:
+class PromptProcessor(Protocol):
+    """A model's prompts with images: markers expanded, images preprocessed and placed."""
+
+    both_ways: bool
+    """Whether an image's tokens attend to each other both ways (then a chunk never splits one)."""
+
+    def expand(self, prompt: str, images: Sequence[Any]) -> tuple[str, list[PreparedImage]]: ...
+
+    def inputs(
+        self, token_ids: Sequence[int], images: Sequence[PreparedImage]
+    ) -> tuple[MultiModalInput, ...]: ...
+
+    def check_no_placeholders(self, token_ids: Sequence[int]) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedImage:
+    """One image of a prompt, preprocessed: what the model encodes, its identity, its token count."""
+
+    data: Any
+    identifier: str
+    num_tokens: int
+
+
+class PlaceholderCheck:
+    image_token_id: int
+
+    def check_no_placeholders(self, token_ids: Sequence[int]) -> None:
+        """A prompt without images must not hold the image placeholder (transformers refuses it
+        too: the model would read the placeholder's own embedding as an image)."""
+        if self.image_token_id in token_ids:
+            raise ParameterError(
+                f"the prompt holds the image placeholder token {self.image_token_id} but no image was "
+                f"given (an image part adds it; do not type it)",
+                param="prompt",
+            )
+
+
+class ImagePromptProcessor(PlaceholderCheck):
+    """Gemma 3's: a fixed number of tokens per image, which attend to each other both ways."""
+
+    both_ways = True
+
     def __init__(
         self,
         mm_config: Any,
@@ -43,11 +88,7 @@ class ImagePromptProcessor:
         for key, attrs in {"image": ("image_token_id", "image_token_index"),
                            "boi": ("boi_token_id", "boi_token_index"),
                            "eoi": ("eoi_token_id", "eoi_token_index")}.items():  # fmt: skip
-            token_id = int(_first(mm_config, *attrs))
-            text = token_text(token_id)
-            if not text:
-                raise ValueError(f"the tokenizer has no token {token_id} (the config's {key} token)")
-            names[key] = text
+            names[key] = token_name(token_text, int(_first(mm_config, *attrs)), key)
         self.tokens_per_image = tokens_per_image
         self.boi_token = names["boi"]
         self.full_image_sequence = f"\n\n{names['boi']}{names['image'] * tokens_per_image}{names['eoi']}\n\n"
@@ -55,31 +96,35 @@ class ImagePromptProcessor:
             folder, mm_config.vision_config, preprocessing, do_pan_and_scan
         )
 
-    def split(self, images: Sequence[Any]) -> tuple[list[Any], list[int]]:
-        """The images decoded, each followed by its pan-and-scan crops, and each one's number of crops."""
-        flat, num_crops = [], []
-        for i, image in enumerate(images):
-            try:
-                parts = self.preprocess.split(image)
-            except ValueError as e:
-                raise ParameterError(f"image {i}: {e}", param=f"images[{i}]") from None
-            flat += parts
-            num_crops.append(len(parts) - 1)
-        return flat, num_crops
+    @classmethod
+    def for_model(
+        cls,
+        model: Any,
+        mm_config: Any,
+        token_text: Any,
+        folder: Path | None,
+        preprocessing: dict[str, Any] | None = None,
+        do_pan_and_scan: bool | None = None,
+    ) -> ImagePromptProcessor:
+        return cls(
+            mm_config, int(model.mm_tokens_per_image), token_text, folder, preprocessing, do_pan_and_scan
+        )
 
-    def expand(self, prompt: str, num_crops: Sequence[int]) -> str:
+    def expand(self, prompt: str, images: Sequence[Any]) -> tuple[str, list[PreparedImage]]:
         """The prompt text with each image marker replaced by the image's full sequence (and its
-        crops'); `num_crops`: each image's number of crops (`split`'s)."""
-        found = prompt.count(self.boi_token)
-        if found != len(num_crops):
-            raise ParameterError(
-                f"the prompt has {found} image marker(s) ({self.boi_token!r}) for {len(num_crops)} image(s)",
-                param="prompt",
-            )
+        pan-and-scan crops'), and the images preprocessed, each followed by its crops."""
+        check_markers(prompt, self.boi_token, len(images))
+        prepared, num_crops = [], []
+        for i, image in enumerate(images):
+            parts = preprocess_one(self.preprocess.split, image, i)
+            for part in parts:
+                pixels = preprocess_one(self.preprocess, part, i)
+                prepared.append(PreparedImage(pixels, image_hash(pixels), self.tokens_per_image))
+            num_crops.append(len(parts) - 1)
         text, *after = prompt.split(self.boi_token)
         for n, piece in zip(num_crops, after, strict=True):
             text += self._image_text(n) + piece
-        return text
+        return text, prepared
 
     def _image_text(self, num_crops: int) -> str:
         full = self.full_image_sequence
@@ -88,34 +133,52 @@ class ImagePromptProcessor:
         crops = " ".join([full] * num_crops)
         return f"Here is the original image {full} and here are some crops to help you see better {crops}"
 
-    def check_no_placeholders(self, token_ids: Sequence[int]) -> None:
-        """A prompt without images must not hold the image placeholder (transformers refuses it
-        too: the model would read the placeholder's own embedding as an image)."""
-        if self.image_token_id in token_ids:
-            raise ParameterError(
-                f"the prompt holds the image placeholder token {self.image_token_id} but no image was "
-                f"given (an image part adds it; do not type it)",
-                param="prompt",
-            )
+    def inputs(
+        self, token_ids: Sequence[int], images: Sequence[PreparedImage]
+    ) -> tuple[MultiModalInput, ...]:
+        """Each image placed at its run of placeholder ids."""
+        return place_images(token_ids, self.image_token_id, images, both_ways=True)
 
-    def inputs(self, token_ids: Sequence[int], images: Sequence[Any]) -> tuple[MultiModalInput, ...]:
-        """Each image (`split`'s: crops are images of their own) preprocessed, hashed and placed at
-        its run of placeholder ids."""
-        runs = _runs(token_ids, self.image_token_id)
-        if len(runs) != len(images) or any(n != self.tokens_per_image for _, n in runs):
-            raise ParameterError(
-                f"the prompt's image placeholder tokens ({[n for _, n in runs]}) do not match "
-                f"{len(images)} image(s) of {self.tokens_per_image} tokens",
-                param="prompt",
-            )
-        out = []
-        for i, ((offset, n), image) in enumerate(zip(runs, images, strict=True)):
-            try:
-                pixels = self.preprocess(image)
-            except ValueError as e:
-                raise ParameterError(f"image {i}: {e}", param=f"images[{i}]") from None
-            out.append(MultiModalInput(offset, n, image_hash(pixels), pixels))
-        return tuple(out)
+
+def token_name(token_text: Any, token_id: int, key: str) -> str:
+    """The text of the config's `key` token, or a ValueError when the tokenizer lacks it."""
+    text = token_text(token_id)
+    if not text:
+        raise ValueError(f"the tokenizer has no token {token_id} (the config's {key} token)")
+    return text
+
+
+def check_markers(prompt: str, marker: str, num_images: int) -> None:
+    found = prompt.count(marker)
+    if found != num_images:
+        raise ParameterError(
+            f"the prompt has {found} image marker(s) ({marker!r}) for {num_images} image(s)", param="prompt"
+        )
+
+
+def preprocess_one(preprocess: Any, image: Any, index: int) -> Any:
+    """`preprocess(image)`, its ValueError a ParameterError naming `images[index]`."""
+    try:
+        return preprocess(image)
+    except ValueError as e:
+        raise ParameterError(f"image {index}: {e}", param=f"images[{index}]") from None
+
+
+def place_images(
+    token_ids: Sequence[int], image_token_id: int, images: Sequence[PreparedImage], both_ways: bool
+) -> tuple[MultiModalInput, ...]:
+    """Each image at its run of placeholder ids (one run an image, in order, of its length)."""
+    runs = _runs(token_ids, image_token_id)
+    if [n for _, n in runs] != [im.num_tokens for im in images]:
+        raise ParameterError(
+            f"the prompt's image placeholder tokens ({[n for _, n in runs]}) do not match "
+            f"{len(images)} image(s) of {[im.num_tokens for im in images]} tokens",
+            param="prompt",
+        )
+    return tuple(
+        MultiModalInput(offset, n, im.identifier, im.data, bidirectional=both_ways)
+        for (offset, n), im in zip(runs, images, strict=True)
+    )
 
 
 def _first(config: Any, *names: str) -> Any:
@@ -137,3 +200,25 @@ def _runs(ids: Sequence[int], token: int) -> list[tuple[int, int]]:
         else:
             runs.append((i, 1))
     return runs
+
+
+_PROCESSORS: dict[str, tuple[str, str]] = {
+    "gemma3": ("processor", "ImagePromptProcessor"),
+    "qwen2_vl": ("qwen_vl", "QwenVLPromptProcessor"),
+}
+"""A model's `image_prompt_format` -> (module under multimodal/, class)."""
+
+
+def make_prompt_processor(
+    model: Any,
+    mm_config: Any,
+    token_text: Any,
+    folder: Path | None,
+    preprocessing: dict[str, Any] | None = None,
+    do_pan_and_scan: bool | None = None,
+) -> PromptProcessor:
+    """The prompt processor of a model that takes images (`supports_images`); `preprocessing`
+    and `do_pan_and_scan`: Gemma 3's (a GGUF projector's values, pan-and-scan)."""
+    module, name = _PROCESSORS[model.image_prompt_format]
+    cls = getattr(importlib.import_module(f"llmserve.multimodal.{module}"), name)
+    return cls.for_model(model, mm_config, token_text, folder, preprocessing, do_pan_and_scan)

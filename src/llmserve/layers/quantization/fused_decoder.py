@@ -68,6 +68,8 @@ def _norms(layer: DecoderLayerSpec) -> list[RMSNorm]:
 def unsupported_reason(spec: DecoderSpec, kv_caches: list[LayerKVCache], sharded: bool = False) -> str | None:
     """Why the fused decoder cannot run this stack (None: it can); `sharded`: the stack is a
     tensor-parallel rank's shard (its row-parallel outputs summed over the group)."""
+    if not spec.rotary.backend_can_rotate:  # its RoPE takes one position a token
+        return "M-RoPE (three position ids a token)"
     if not cpu_kernels.has_native_kernels():
         return f"quantized kernel set is {cpu_kernels.kernels()!r}"
     if spec.activation != "silu":

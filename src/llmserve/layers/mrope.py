@@ -1,0 +1,73 @@
+"""Multimodal RoPE (M-RoPE, Qwen2-VL / Qwen2.5-VL): three position ids per token, temporal,
+height and width, each rotating its own section of the frequencies.
+
+    frequencies  [ f_0 ... f_a-1 | f_a ... f_a+b-1 | f_a+b ... f_D/2-1 ]     mrope_section = [a, b, c]
+    rotated by     temporal pos     height pos          width pos
+
+A text token has the same id on all three axes, so a prompt without images is plain RoPE. An
+image's tokens (a grid of h x w after the merger) sit at (s, s + row, s + col), s the position
+the image starts at, and the text after it continues from s + max(h, w):
+
+    text  t t t [image  h x w ]  t    t    ...  decode token at sequence index i
+    pos   0 1 2 (3,3+r,3+c)     3+m  4+m         i + delta,   delta = last position + 1 - length
+
+so past the prompt every axis is the sequence index plus the request's `delta`, which the runner
+keeps (decode steps, prefix-cache hits and recomputed prompts all take the same positions).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from llmserve.layers.rotary_embedding import RotaryEmbedding
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    backend_can_rotate: ClassVar[bool] = False
+
+    def __init__(
+        self, head_dim: int, max_position: int, params: dict[str, Any], mrope_section: Sequence[int]
+    ) -> None:
+        super().__init__(head_dim, head_dim, max_position, params)
+        if sum(mrope_section) != head_dim // 2:
+            raise ValueError(
+                f"mrope_section {list(mrope_section)} must sum to head_dim / 2 = {head_dim // 2}"
+            )
+        self.mrope_section = tuple(int(n) for n in mrope_section)
+        # (axis, first column, end column) of the table read from each axis's row: the section's
+        # cos columns, then the same frequencies' sin columns half a row further
+        half, pieces, lo = head_dim // 2, [], 0
+        for i, n in enumerate(self.mrope_section):
+            pieces.append((i % 3, lo, lo + n))
+            lo += n
+        self._pieces = pieces + [(axis, first + half, end + half) for axis, first, end in pieces]
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`positions` [3, T] (temporal, height, width) -> cos, signed sin [T, 1, head_dim]."""
+        rows = self.cos_sin_cache[positions]  # [3, T, head_dim]: each axis's table rows
+        cs = torch.cat([rows[axis, :, lo:hi] for axis, lo, hi in self._pieces], dim=-1)  # [T, head_dim]
+        return self._signed(cs, dtype)
+
+
+def mrope_prompt_positions(
+    num_tokens: int, images: Sequence[tuple[int, int, int, int]]
+) -> tuple[np.ndarray, int]:
+    """A prompt's M-RoPE positions [3, num_tokens] and its delta. `images`: (offset, t, h, w) of
+    each image in prompt order, its t * h * w tokens from `offset` (the grid the language model
+    sees, after the merger), row-major over (t, h, w)."""
+    out = np.empty((3, num_tokens), dtype=np.int64)
+    index = pos = 0  # the next token's index in the prompt, its text position
+    for offset, t, h, w in images:
+        n = offset - index  # text before the image
+        out[:, index:offset] = np.arange(pos, pos + n)
+        pos += n
+        grid = np.indices((t, h, w)).reshape(3, -1)  # [3, t*h*w]: (frame, row, col) of each token
+        out[:, offset : offset + t * h * w] = grid + pos
+        index, pos = offset + t * h * w, pos + max(h, w)  # as transformers (images: t = 1)
+    out[:, index:] = np.arange(pos, pos + num_tokens - index)
+    delta = int(out.max()) + 1 - num_tokens if num_tokens else 0
+    return out, delta
