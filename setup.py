@@ -23,6 +23,7 @@ setup(
                     "decoder_stack",
                     "decoder_moe",
                     "decoder_cache_rows",
+                    "decoder_lora",
                 )
             ],
             depends=[f"{CSRC}/{name}" for name in ("qgemm.h", "decoder_stack.h", "act_quant.inc")],

@@ -11,6 +11,7 @@
 #include <Python.h>
 
 #include <cstring>
+#include <vector>
 
 #include "decoder_stack.h"
 #include "qgemm.h"
@@ -223,9 +224,68 @@ PyObject* py_decoder_new(PyObject*, PyObject* args) {
   return capsule;
 }
 
-// decoder_forward(decoder, x, T, positions, slots, token_seqs, block_tables, max_blocks, out) -> None
+// -- LoRA adapters of the fused decoder (decoder_lora.cpp) --------------------------------------------------------
+
+const char* const kLoraCapsule = "llmserve.LoraAdapter";
+
+void free_lora(PyObject* capsule) { delete static_cast<LoraAdapter*>(PyCapsule_GetPointer(capsule, kLoraCapsule)); }
+
+// None (the adapter leaves this linear layer alone) or (a, b, cols, R)
+bool parse_lora_pair(PyObject* t, LoraPair* p) {
+  if (t == Py_None) return true;
+  if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 4) {
+    PyErr_SetString(PyExc_TypeError, "a LoRA pair is (a, b, cols, R) or None");
+    return false;
+  }
+  if (!item_ptr(t, 0, const_cast<void**>(&p->a)) || !item_ptr(t, 1, const_cast<void**>(&p->b)) ||
+      !item_ptr(t, 2, const_cast<int64_t**>(&p->cols)) || !item_ll(t, 3, &p->R))
+    return false;
+  if (p->R < 1 || !p->a || !p->b || !p->cols) {
+    PyErr_SetString(PyExc_ValueError, "decoder_lora_new: a LoRA pair needs R >= 1 and its three tensors");
+    return false;
+  }
+  return true;
+}
+
+// decoder_lora_new(decoder, dtype, layers) -> capsule; layers: per decoder layer, a tuple of 4 LoRA
+// pairs (qkv, o, gate_up, down). The tensors are the caller's, kept alive as long as the capsule.
+PyObject* py_decoder_lora_new(PyObject*, PyObject* args) {
+  PyObject *decoder, *layers;
+  int dtype;
+  if (!PyArg_ParseTuple(args, "OiO!", &decoder, &dtype, &PyList_Type, &layers)) return nullptr;
+  auto dec = static_cast<Decoder*>(PyCapsule_GetPointer(decoder, kDecoderCapsule));
+  if (!dec) return nullptr;
+  if (dtype < kLoraF32 || dtype > kLoraF16 || PyList_GET_SIZE(layers) != static_cast<Py_ssize_t>(dec->layers.size())) {
+    PyErr_SetString(PyExc_ValueError, "decoder_lora_new: a dtype of 0, 1 or 2 and one entry per decoder layer");
+    return nullptr;
+  }
+  auto lora = new LoraAdapter();
+  lora->dtype = dtype;
+  lora->layers.resize(dec->layers.size());
+  bool ok = true;
+  for (Py_ssize_t i = 0; ok && i < PyList_GET_SIZE(layers); ++i) {
+    PyObject* t = PyList_GET_ITEM(layers, i);
+    ok = PyTuple_Check(t) && PyTuple_GET_SIZE(t) == kLoraModules;
+    if (!ok) PyErr_SetString(PyExc_TypeError, "a layer's LoRA pairs are a tuple of 4 (qkv, o, gate_up, down)");
+    for (int j = 0; ok && j < kLoraModules; ++j) ok = parse_lora_pair(PyTuple_GET_ITEM(t, j), &lora->layers[i][j]);
+    ok = ok && (!dec->layers[i].moe.E || (!lora->layers[i][kLoraGateUp].R && !lora->layers[i][kLoraDown].R));
+    if (ok) continue;
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "decoder_lora_new: a MoE layer takes no MLP pairs");
+  }
+  if (!ok) {
+    delete lora;
+    return nullptr;
+  }
+  PyObject* capsule = PyCapsule_New(lora, kLoraCapsule, free_lora);
+  if (!capsule) delete lora;
+  return capsule;
+}
+
+// decoder_forward(decoder, x, T, positions, slots, token_seqs, block_tables, max_blocks, loras,
+//                 row_slots, out) -> None; loras: a tuple of decoder_lora_new capsules (empty: none),
+//                 row_slots [T] int64: each token's index in it, -1 for the base model
 PyObject* py_decoder_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (!check_args(nargs, 9, "decoder_forward")) return nullptr;
+  if (!check_args(nargs, 11, "decoder_forward")) return nullptr;
   auto dec = static_cast<Decoder*>(PyCapsule_GetPointer(args[0], kDecoderCapsule));
   if (!dec) return nullptr;
   const float* x = ptr<const float>(args[1]);
@@ -235,14 +295,28 @@ PyObject* py_decoder_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs)
   const int64_t* token_seqs = ptr<const int64_t>(args[5]);
   const int64_t* tables = ptr<const int64_t>(args[6]);
   const int64_t max_blocks = PyLong_AsLongLong(args[7]);
-  float* out = ptr<float>(args[8]);
+  const int64_t* row_slots = ptr<const int64_t>(args[9]);
+  float* out = ptr<float>(args[10]);
   if (PyErr_Occurred()) return nullptr;
+  if (!PyTuple_Check(args[8])) {
+    PyErr_SetString(PyExc_TypeError, "decoder_forward: loras is a tuple");
+    return nullptr;
+  }
+  const Py_ssize_t num_loras = PyTuple_GET_SIZE(args[8]);
+  std::vector<const LoraAdapter*> loras(num_loras);
+  for (Py_ssize_t i = 0; i < num_loras; ++i)
+    if (!(loras[i] = static_cast<LoraAdapter*>(PyCapsule_GetPointer(PyTuple_GET_ITEM(args[8], i), kLoraCapsule))))
+      return nullptr;
+  if (num_loras && (!row_slots || loras[0]->layers.size() != dec->layers.size())) {
+    PyErr_SetString(PyExc_ValueError, "decoder_forward: adapters need row_slots and one entry per layer");
+    return nullptr;
+  }
   if (g_isa == Isa::none) {
     PyErr_SetString(PyExc_RuntimeError, "decoder_forward: no quantized kernel set on this CPU");
     return nullptr;
   }
   Py_BEGIN_ALLOW_THREADS;
-  dec->forward(x, M, positions, slots, token_seqs, tables, max_blocks, out);
+  dec->forward(x, M, positions, slots, token_seqs, tables, max_blocks, loras.data(), num_loras, row_slots, out);
   Py_END_ALLOW_THREADS;
   Py_RETURN_NONE;
 }
@@ -335,7 +409,10 @@ PyMethodDef kMethods[] = {
      "decoder_new(config, layers, cos_sin, final_norm): a fused Llama-family decoder stack (capsule)"},
     {"decoder_forward", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_decoder_forward)),
      METH_FASTCALL,
-     "decoder_forward(decoder, x, T, positions, slots, token_seqs, block_tables, max_blocks, out)"},
+     "decoder_forward(decoder, x, T, positions, slots, token_seqs, block_tables, max_blocks, loras, row_slots, "
+     "out)"},
+    {"decoder_lora_new", py_decoder_lora_new, METH_VARARGS,
+     "decoder_lora_new(decoder, dtype, layers): a LoRA adapter the fused decoder adds (capsule)"},
     {"isa", py_isa, METH_NOARGS, "the kernel set in use: 'avx512_vnni', 'avx2' or 'none'"},
     {"best_isa", py_best_isa, METH_NOARGS, "the best kernel set this CPU runs"},
     {"set_isa", py_set_isa, METH_O, "use the named kernel set (no better than best_isa())"},
