@@ -5,6 +5,7 @@ to load.
     python benchmarks/bench_lora.py [--model M] [--adapters DIR_OR_GGUF ...] [--concurrency 16]
                                     [--requests 64] [--prompt-len 128] [--output-len 64]
                                     [--lora-dtype auto|bfloat16|float16] [--repeat 1]
+                                    [--step-cpu-time]
 
 One engine (`LLM(enable_lora=True)`, in this process, no HTTP), closed loops of `--concurrency`
 requests in flight until `--requests` have finished, on the same random prompts:
@@ -15,6 +16,7 @@ requests in flight until `--requests` have finished, on the same random prompts:
            else the model's layers do (no CUDA graph takes adapters);
   - where the fused decoder ran them, the loras loop again with it turned off: the layer path
            (`LoRALinear`'s masked matmul pair), what such steps ran before the fused deltas.
+`--step-cpu-time` measures one decode step instead, in one thread's CPU time (`step_cpu_times`).
 `--repeat` runs the base and loras loops that many times, alternating, and reports each pair's
 ratio (a machine shared with other jobs drifts between runs; adjacent pairs drift least).
 Greedy, EOS ignored: every loop produces exactly `--output-len` tokens per request. Reported:
@@ -91,6 +93,43 @@ def closed_loop(engine, prompts: list[list[int]], concurrency: int, output_len: 
     return produced / (time.perf_counter() - start)
 
 
+def step_cpu_times(
+    engine, lora_ids: list[int], context: int, repeats: int
+) -> tuple[float, float, float | None]:
+    """One thread's CPU time (`time.thread_time`, min of `repeats`) of one decode step of
+    `len(lora_ids)` sequences at `context` tokens (runner.execute: the forward and the logits),
+    every sequence on the base, then sequence i on lora_ids[i], then that again with the fused
+    decoder off (None without one). CPU time, not wall time: on a machine shared with other jobs
+    the thread's own work is what stays comparable (run it with OMP_NUM_THREADS=1)."""
+    from llmserve.model_executor.forward_runner import SequenceBatchEntry
+
+    runner = engine.runner.runner
+    blocks = -(-context // runner.block_size)
+    assert len(lora_ids) * blocks <= runner.num_blocks, "the KV cache is too small for these sequences"
+    tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(len(lora_ids))]
+
+    def step(ids: list[int]) -> float:
+        batch = [SequenceBatchEntry([5], context, t, lora_id=i) for t, i in zip(tables, ids, strict=True)]
+        start = time.thread_time()
+        runner.execute(batch)
+        return time.thread_time() - start
+
+    base_ids = [0] * len(lora_ids)
+    for _ in range(3):  # warm-up: the adapters' capsules, the buffers
+        step(base_ids), step(lora_ids)
+    base = min(step(base_ids) for _ in range(repeats))
+    loras = min(step(lora_ids) for _ in range(repeats))
+    layered = None
+    fused = runner.fused
+    if fused is not None:
+        runner.fused = None
+        try:
+            layered = min(step(lora_ids) for _ in range(repeats))
+        finally:
+            runner.fused = fused
+    return base, loras, layered
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="the base model (default: the embedded SmolLM2-135M)")
@@ -104,6 +143,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lora-dtype", default="auto", help="the adapters' weights (auto, bfloat16, float16)")
     ap.add_argument("--repeat", type=int, default=1, help="alternating base / adapters pairs")
+    ap.add_argument(
+        "--step-cpu-time", action="store_true",
+        help="instead of the closed loops: one thread's CPU time of a decode step of --concurrency "
+        "sequences at --prompt-len tokens (step_cpu_times; with OMP_NUM_THREADS=1)",
+    )  # fmt: skip
     args = ap.parse_args()
 
     from llmserve.engine.llm import build_engine
@@ -126,6 +170,14 @@ def main() -> None:
             print(
                 f"adapter {request.lora_name} ({request.lora_path}): loaded in {time.perf_counter() - start:.3f} s"
             )
+        if args.step_cpu_time:
+            ids = [requests[i % len(requests)].lora_int_id for i in range(args.concurrency)]
+            base, loras, layered = step_cpu_times(engine, ids, args.prompt_len, repeats=15)
+            print(f"decode step of {args.concurrency} at {args.prompt_len} tokens, one thread's CPU time "
+                  f"(lora_dtype {args.lora_dtype}): base {base * 1e3:.1f} ms, {len(requests)} adapters "
+                  f"{loras * 1e3:.1f} ms ({base / loras:.2f}x the base's speed)"
+                  + ("" if layered is None else f", layer path {layered * 1e3:.1f} ms ({base / layered:.2f}x)"))  # fmt: skip
+            return
         rng = random.Random(args.seed)
         prompts = [[rng.randrange(100, engine.vocab_size - 100) for _ in range(args.prompt_len)]
                    for _ in range(args.requests)]  # fmt: skip

@@ -56,7 +56,7 @@ class FusedLoRA:
         ]
         self._fused_paths = {p for layer in self.paths for p in layer if p is not None}
         self._entries: dict[int, _Entry] = {}
-        self._reasons: dict[int, str | None] = {}
+        self._logged: dict[int, str] = {}
 
     def unsupported_reason(self, adapter: LoRAAdapter) -> str | None:
         """Why the fused decoder cannot add `adapter`'s deltas (None: it can)."""
@@ -94,14 +94,14 @@ class FusedLoRA:
         return tuple(capsules), rows
 
     def _reason(self, adapter: LoRAAdapter) -> str | None:
-        """`unsupported_reason`, worked out and logged once per adapter id (a folder's adapter
-        has the same layers and dtype each time it is loaded)."""
-        key = adapter.lora_int_id
-        if key not in self._reasons:
-            self._reasons[key] = reason = self.unsupported_reason(adapter)
-            if reason is not None:
-                logger.info("LoRA steps with %r run layer by layer: %s", adapter.name, reason)
-        return self._reasons[key]
+        """`unsupported_reason`, logged once per adapter id and reason (an adapter it takes is
+        asked once: its capsule is cached; one it does not take is asked at each of its steps,
+        a set difference of its layer names)."""
+        reason = self.unsupported_reason(adapter)
+        if reason is not None and self._logged.get(adapter.lora_int_id) != reason:
+            logger.info("LoRA steps with %r run layer by layer: %s", adapter.name, reason)
+            self._logged[adapter.lora_int_id] = reason
+        return reason
 
     def _build(self, adapter: LoRAAdapter) -> _Entry:
         cols: list[torch.Tensor] = []
