@@ -24,10 +24,12 @@ setup(
                     "decoder_moe",
                     "decoder_cache_rows",
                     "shm_comm",
+                    "decoder_lora",
+                    "module_comm",
                 )
             ],
             depends=[
-                f"{CSRC}/{name}" for name in ("qgemm.h", "decoder_stack.h", "shm_comm.h", "act_quant.inc")
+                f"{CSRC}/{name}" for name in ("qgemm.h", "decoder_stack.h", "shm_comm.h", "py_util.h", "act_quant.inc")
             ],
             include_dirs=[CSRC],
             language="c++",

@@ -71,11 +71,13 @@ def make_runner(folder: Path, quantization: str, **lora: int) -> tuple[ForwardRu
     return runner, manager
 
 
-def run_mixed(runner: ForwardRunner, lora_ids: list[int], steps: int = 3) -> list[torch.Tensor]:
-    """Prefill PROMPTS together (sequence i with adapter lora_ids[i]), then `steps` decode steps;
+def run_mixed(
+    runner: ForwardRunner, lora_ids: list[int], steps: int = 3, prompts: list[list[int]] = PROMPTS
+) -> list[torch.Tensor]:
+    """Prefill `prompts` together (sequence i with adapter lora_ids[i]), then `steps` decode steps;
     per sequence, its logits at the prompt's positions and every decoded one."""
-    tables = [list(range(i * 16, i * 16 + 16)) for i in range(len(PROMPTS))]
-    seqs = [list(p) for p in PROMPTS]
+    tables = [list(range(i * 16, i * 16 + 16)) for i in range(len(prompts))]
+    seqs = [list(p) for p in prompts]
     batch = [
         SequenceBatchEntry(s, len(s), t, lora_id=i) for s, t, i in zip(seqs, tables, lora_ids, strict=True)
     ]

@@ -80,6 +80,17 @@ def test_bad_lora_modules_name_the_model():
         EngineArgs.from_options({"model": "m", "enable_lora": True, "lora_modules": ["sql"]}, "model 'm'")
 
 
+def test_lora_dtype_reaches_the_lora_config_and_a_bad_one_is_named():
+    assert cli_args("--enable-lora", "--lora-dtype", "bfloat16").lora_config().lora_dtype == "bfloat16"
+    assert cli_args("--enable-lora").lora_config().lora_dtype == "auto"  # default: the model's dtype
+    options = {"model": "m", "enable_lora": True, "lora_dtype": "float16"}
+    assert EngineArgs.from_options(options, "model 'm'").lora_config().lora_dtype == "float16"
+    with pytest.raises(ValueError, match=r"lora_dtype must be one of .*got 'int8'"):
+        EngineArgs.from_options({**options, "lora_dtype": "int8"}, "model 'm'")
+    with pytest.raises(SystemExit):
+        cli_args("--enable-lora", "--lora-dtype", "int8")
+
+
 def test_cli_lora_modules_take_vllms_json_entries():
     args = cli_args(
         "--lora-modules",

@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from llmserve.config.cache import parse_bytes, parse_kv_cache_dtype
+from llmserve.config.lora import LORA_DTYPES
 
 
 def _kv_cache_dtype(text: str) -> str:
@@ -168,6 +169,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="adapters kept loaded, least recently used dropped (default --max-loras)",
     )
     g.add_argument(
+        "--lora-dtype", choices=LORA_DTYPES, default="auto",
+        help="adapters' weights: auto (the model's dtype, exact) or a 16-bit copy (bfloat16, float16) "
+        "the fused CPU decoder reads at half the bytes, rounding each weight (default auto)",
+    )  # fmt: skip
+    g.add_argument(
         "--lora-modules", nargs="+", default=None, metavar="NAME=PATH|JSON",
         help="adapters served by name: a request whose `model` is NAME runs on the base model with it; "
         'or vLLM\'s JSON, \'{"name": NAME, "path": PATH, "base_model_name": MODEL}\' (the served model it is for)',
@@ -207,6 +213,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_loras": args.max_loras,
         "max_lora_rank": args.max_lora_rank,
         "max_cpu_loras": args.max_cpu_loras,
+        "lora_dtype": args.lora_dtype,
         "lora_modules": list(args.lora_modules) if args.lora_modules else None,
         "tensor_parallel_size": args.tensor_parallel_size,
         "distributed_executor_backend": args.distributed_executor_backend,

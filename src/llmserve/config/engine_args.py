@@ -67,6 +67,7 @@ class EngineArgs:
     max_loras: int = 4
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    lora_dtype: str = "auto"
     lora_modules: str | None = None
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
@@ -147,7 +148,7 @@ class EngineArgs:
             if modules:
                 raise ValueError("lora_modules needs enable_lora")
             return None
-        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras, modules)
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras, self.lora_dtype, modules)
 
 
 def _convert(name: str, value: Any, hint: Any, where: str) -> Any:

@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+LORA_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
 
 @dataclass(frozen=True, slots=True)
 class LoRAConfig:
@@ -19,6 +21,11 @@ class LoRAConfig:
     max_cpu_loras: int | None = None
     """Adapters kept loaded (least recently used dropped first, reloaded from their folder when
     asked again); default `max_loras`."""
+    lora_dtype: str = "auto"
+    """What adapters' weights are kept in: `auto` (the model's dtype: float32 on the CPU, exact),
+    or `bfloat16` / `float16`, a 16-bit copy that the fused CPU decoder reads at half the bytes,
+    each weight rounded to 8 (bfloat16) or 11 (float16) significant bits: outputs move by that
+    rounding (vLLM's `--lora-dtype`)."""
     modules: tuple[tuple[str, str], ...] = ()
     """(name, PEFT folder or GGUF LoRA file) of the adapters the engine serves by name from the
     start (ids 1, 2, ... in this order; loaded and checked when the engine starts):
@@ -32,6 +39,8 @@ class LoRAConfig:
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
 
+        if self.lora_dtype not in LORA_DTYPES:
+            raise ValueError(f"lora_dtype must be one of {sorted(LORA_DTYPES)}; got {self.lora_dtype!r}")
         names = [name for name, _ in self.modules]
         if len(set(names)) != len(names) or not all(names):
             raise ValueError(f"lora_modules: names must be non-empty and distinct; got {names}")

@@ -15,7 +15,9 @@
 //   mlp_out = (silu(h @ Wgate.T) * (h @ Wup.T)) @ Wdown.T
 //
 // and after the last layer the final norm: out = rms_norm(res + mlp_out) * w_final. The math and
-// its order are those of llmserve/models/llama.py; matmuls are the q8/q4 kernels of qgemm.h.
+// its order are those of llmserve/models/llama.py; matmuls are the q8/q4 kernels of qgemm.h. In a
+// step with LoRA adapters, each token's adapter adds its delta to the output of qkv, o, gate_up and
+// down (decoder_lora.cpp), as the model's LoRALinear wrappers do.
 //
 // Compiled for AVX2 + FMA + F16C (every CPU that runs the quantized kernels); the element-wise
 // loops are left to the compiler's vectorizer.
@@ -432,8 +434,10 @@ void Decoder::fit(int64_t M) {
 }
 
 void Decoder::forward(const float* x, int64_t M, const int64_t* positions, const int64_t* slots,
-                      const int64_t* token_seqs, const int64_t* block_tables, int64_t max_blocks, float* out) {
+                      const int64_t* token_seqs, const int64_t* block_tables, int64_t max_blocks,
+                      const LoraAdapter* const* loras, int64_t num_loras, const int64_t* row_slots, float* out) {
   fit(M);
+  group_lora(loras, num_loras, row_slots, M);  // LoRA deltas join each linear layer's output (add_lora)
   const int64_t qkv_n = (Hq + 2 * Hkv) * D, G = Hq / Hkv;
   float *res_ = res.data(), *h_ = h.data(), *qkv_ = qkv.data(), *attn_ = attn.data();
   float *gu_ = gate_up.data(), *act_ = act.data();
@@ -454,6 +458,7 @@ void Decoder::forward(const float* x, int64_t M, const int64_t* positions, const
     }
     // 2. q, k, v; per-head norms (Qwen3); rotary embedding of q and k
     linear(L.qkv, h_, M, qkv_);
+    add_lora(l, kLoraQKV, h_, L.qkv.K, L.qkv.N, qkv_);
     char* kv = static_cast<char*>(L.kv_cache);  // K's half; V's at v_offset
     char* kv_v = kv + v_offset;
     const int64_t rk = row_bytes(cache_type, D), rv = row_bytes(v_cache_type, D);
@@ -526,6 +531,7 @@ void Decoder::forward(const float* x, int64_t M, const int64_t* positions, const
     }
     // 5. output projection into the residual stream, post-attention norm
     linear(L.o, attn_, M, h_);
+    add_lora(l, kLoraO, attn_, L.o.K, L.o.N, h_);
     if (comm) comm->all_reduce(h_, M * H);  // a tensor-parallel rank: the heads' shares summed
 #pragma omp parallel for schedule(static) if (M >= kParallelTokens)
     for (int64_t m = 0; m < M; ++m) {
@@ -542,12 +548,14 @@ void Decoder::forward(const float* x, int64_t M, const int64_t* positions, const
       continue;
     }
     linear(L.gate_up, h_, M, gu_);
+    add_lora(l, kLoraGateUp, h_, L.gate_up.K, L.gate_up.N, gu_);
 #pragma omp parallel for schedule(static) if (M >= kParallelTokens)
     for (int64_t m = 0; m < M; ++m) {
       const float* g = gu_ + m * 2 * I;
       silu_mul(g, g + I, I, act_ + m * I);
     }
     linear(L.down, act_, M, h_);
+    add_lora(l, kLoraDown, act_, L.down.K, L.down.N, h_);
     if (comm) comm->all_reduce(h_, M * H);  // the intermediate slices' shares summed
   }
   // 7. final norm

@@ -3,6 +3,8 @@
 // as the Decoder exists.
 #pragma once
 
+#include <array>
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -33,6 +35,23 @@ struct Moe {
   std::vector<QuantLinear> gate_up, down;  // per expert: [gate | up] rows [2 I_e, H], down [H, I_e]
   QuantLinear shared_gate_up, shared_down;  // a shared expert (Qwen2-MoE), N == 0 where none
   const float* shared_gate = nullptr;       // [H]: sigmoid(h . shared_gate) scales the shared expert
+};
+
+// One adapter's LoRA pair for one linear layer (decoder_lora.cpp): y[t] += (x[t] A) B, the scale folded
+// into B. a [K, R] and b [R, N] row-major in `dtype` (kLoraF32, kLoraBF16 or kLoraF16); R == 0: the
+// adapter leaves the layer as it is. cols [R, 2]: the columns [cols[2r], cols[2r + 1]) where rank row
+// r of b can be non-zero (a fused layer's stacked B is block-diagonal: q's ranks reach only q's columns).
+constexpr int kLoraF32 = 0, kLoraBF16 = 1, kLoraF16 = 2;
+struct LoraPair {
+  const void* a = nullptr;
+  const void* b = nullptr;
+  const int64_t* cols = nullptr;
+  int64_t R = 0;
+};
+constexpr int kLoraQKV = 0, kLoraO = 1, kLoraGateUp = 2, kLoraDown = 3, kLoraModules = 4;
+struct LoraAdapter {
+  int dtype = kLoraF32;
+  std::vector<std::array<LoraPair, kLoraModules>> layers;  // per decoder layer: qkv, o, gate_up, down
 };
 
 struct Layer {
@@ -80,14 +99,21 @@ struct Decoder {
   // positions, slots [T]: each token's position in its sequence and its cache slot; token_seqs [T]:
   // its sequence, a row of block_tables [num_seqs, max_blocks]. A token attends causally to its
   // sequence's positions up to its own (the batch's K/V are written to the cache first).
+  // loras [num_loras], row_slots [T]: each token's adapter, an index in loras (-1: the base model);
+  // num_loras == 0: every token runs the base model.
   void forward(const float* x, int64_t T, const int64_t* positions, const int64_t* slots,
-               const int64_t* token_seqs, const int64_t* block_tables, int64_t max_blocks, float* out);
+               const int64_t* token_seqs, const int64_t* block_tables, int64_t max_blocks,
+               const LoraAdapter* const* loras, int64_t num_loras, const int64_t* row_slots, float* out);
 
  private:
   void fit(int64_t M);
   int64_t mlp_width() const;  // the widest MLP (dense or expert) of any layer
   // h [M, H] (the post-attention norm's output) -> the MoE block's output, in place (decoder_moe.cpp)
   void moe_mlp(const Moe& moe, int64_t M, float* h);
+  // The step's tokens grouped by adapter (decoder_lora.cpp): slot s's are lora_rows[lora_first[s] ..
+  // lora_first[s + 1]); then y [M, N] += each token's adapter delta of layer l's `module`, x [M, K] its input.
+  void group_lora(const LoraAdapter* const* loras, int64_t num_loras, const int64_t* row_slots, int64_t M);
+  void add_lora(size_t l, int module, const float* x, int64_t K, int64_t N, float* y);
   void plan_attention(int64_t T, const int64_t* positions, const int64_t* token_seqs, int64_t window);
   int64_t capacity = 0;
   std::vector<float> res, h, qkv, attn, gate_up, act;
@@ -97,6 +123,10 @@ struct Decoder {
   std::vector<float> part_o, part_mx, part_l;  // per slot and query head: o [D], mx, l
   std::vector<float> moe_x, moe_y, moe_out, moe_w;   // expert rows in and out, the block's sum, weights
   std::vector<int64_t> moe_ids, moe_rows;           // each token's chosen experts; one expert's pairs
+  std::vector<const LoraAdapter*> lora;             // this forward's adapters (empty: none)
+  std::vector<int64_t> lora_rows, lora_first;       // their tokens, grouped by adapter
+  std::vector<int64_t> lora_items;                  // one layer's work: (adapter, first token) pairs
+  std::vector<float> lora_h;                        // the shrink's output, [tokens of any adapter, R]
 };
 
 // Shared with decoder_moe.cpp (defined in decoder_stack.cpp).

@@ -11,9 +11,11 @@
 #include <Python.h>
 
 #include <cstring>
+#include <vector>
 
 #include "decoder_stack.h"
 #include "qgemm.h"
+#include "py_util.h"
 #include "shm_comm.h"
 
 namespace llmserve {
@@ -59,17 +61,6 @@ float half_to_float(uint16_t h) {  // IEEE binary16 -> binary32, subnormals incl
   float f;
   std::memcpy(&f, &bits, 4);
   return f;
-}
-
-template <typename T>
-T* ptr(PyObject* o) {
-  return static_cast<T*>(PyLong_AsVoidPtr(o));
-}
-
-bool check_args(Py_ssize_t nargs, Py_ssize_t want, const char* name) {
-  if (nargs == want) return true;
-  PyErr_Format(PyExc_TypeError, "%s takes %zd arguments (%zd given)", name, want, nargs);
-  return false;
 }
 
 // -- the fused decoder stack (decoder_stack.cpp) ----------------------------------------------------------------
@@ -181,107 +172,6 @@ void free_decoder(PyObject* capsule) {
   delete static_cast<Decoder*>(PyCapsule_GetPointer(capsule, kDecoderCapsule));
 }
 
-// -- shared-memory collectives (shm_comm.cpp) ---------------------------------------------------------------------
-
-const char* const kCommCapsule = "llmserve.ShmComm";
-
-void free_comm(PyObject* capsule) { delete static_cast<ShmComm*>(PyCapsule_GetPointer(capsule, kCommCapsule)); }
-
-ShmComm* comm_of(PyObject* o) { return static_cast<ShmComm*>(PyCapsule_GetPointer(o, kCommCapsule)); }
-
-// A collective's CommError as a RuntimeError (the executor's failure path catches those).
-template <typename F>
-bool run_comm(F&& f) {
-  std::string error;
-  Py_BEGIN_ALLOW_THREADS;
-  try {
-    f();
-  } catch (const CommError& e) {
-    error = e.what();
-  }
-  Py_END_ALLOW_THREADS;
-  if (error.empty()) return true;
-  PyErr_SetString(PyExc_RuntimeError, error.c_str());
-  return false;
-}
-
-// comm_segment_bytes(world, slot_bytes, bcast_bytes) -> the segment's size
-PyObject* py_comm_segment_bytes(PyObject*, PyObject* args) {
-  long long world, slot, bcast;
-  if (!PyArg_ParseTuple(args, "LLL", &world, &slot, &bcast)) return nullptr;
-  return PyLong_FromLongLong(ShmComm::segment_bytes(world, slot, bcast));
-}
-
-// comm_new(address, rank, world, slot_bytes, bcast_bytes, timeout_s) -> capsule (the segment
-// mapped at `address` by the caller, who keeps it mapped while the capsule lives)
-PyObject* py_comm_new(PyObject*, PyObject* args) {
-  PyObject* addr;
-  long long rank, world, slot, bcast;
-  double timeout;
-  if (!PyArg_ParseTuple(args, "OLLLLd", &addr, &rank, &world, &slot, &bcast, &timeout)) return nullptr;
-  char* base = static_cast<char*>(PyLong_AsVoidPtr(addr));
-  if (PyErr_Occurred()) return nullptr;
-  if (world < 1 || rank < 0 || rank >= world || slot < 64 || slot % 64 || bcast < 64) {
-    PyErr_SetString(PyExc_ValueError, "comm_new: inconsistent rank, world or sizes");
-    return nullptr;
-  }
-  auto comm = new ShmComm(base, rank, world, slot, bcast, timeout);
-  PyObject* capsule = PyCapsule_New(comm, kCommCapsule, free_comm);
-  if (!capsule) delete comm;
-  return capsule;
-}
-
-// comm_all_reduce(comm, address, n) -> None: float32 [n] at address summed over the ranks in place
-PyObject* py_comm_all_reduce(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (!check_args(nargs, 3, "comm_all_reduce")) return nullptr;
-  ShmComm* comm = comm_of(args[0]);
-  float* x = ptr<float>(args[1]);
-  const int64_t n = PyLong_AsLongLong(args[2]);
-  if (!comm || PyErr_Occurred()) return nullptr;
-  if (!run_comm([&] { comm->all_reduce(x, n); })) return nullptr;
-  Py_RETURN_NONE;
-}
-
-// comm_all_gather(comm, src, nbytes, dst) -> None: dst [world * nbytes] = every rank's src in rank order
-PyObject* py_comm_all_gather(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (!check_args(nargs, 4, "comm_all_gather")) return nullptr;
-  ShmComm* comm = comm_of(args[0]);
-  const void* src = ptr<const void>(args[1]);
-  const int64_t bytes = PyLong_AsLongLong(args[2]);
-  void* dst = ptr<void>(args[3]);
-  if (!comm || PyErr_Occurred()) return nullptr;
-  if (!run_comm([&] { comm->all_gather(src, bytes, dst); })) return nullptr;
-  Py_RETURN_NONE;
-}
-
-// comm_broadcast(comm, data: bytes | None) -> bytes: rank 0 sends `data` (and gets it back), the
-// others pass None and receive it
-PyObject* py_comm_broadcast(PyObject*, PyObject* args) {
-  PyObject *capsule, *data;
-  if (!PyArg_ParseTuple(args, "OO", &capsule, &data)) return nullptr;
-  ShmComm* comm = comm_of(capsule);
-  if (!comm) return nullptr;
-  if (comm->rank == 0) {
-    char* buf;
-    Py_ssize_t len;
-    if (PyBytes_AsStringAndSize(data, &buf, &len) < 0) return nullptr;
-    if (!run_comm([&] { comm->broadcast_send(buf, len); })) return nullptr;
-    Py_INCREF(data);
-    return data;
-  }
-  std::string got;
-  if (!run_comm([&] { got = comm->broadcast_recv(); })) return nullptr;
-  return PyBytes_FromStringAndSize(got.data(), static_cast<Py_ssize_t>(got.size()));
-}
-
-// comm_abort(comm) -> None: every rank's waits end with an error
-PyObject* py_comm_abort(PyObject*, PyObject* capsule) {
-  ShmComm* comm = comm_of(capsule);
-  if (!comm) return nullptr;
-  comm->abort();
-  Py_RETURN_NONE;
-}
-
 // decoder_new(config, layers, cos_sin, final_norm[, comm]) -> capsule
 // config = (H, Hq, Hkv, D, rot, I, num_blocks, block_size, max_position, eps, scale, cache_type,
 //           v_cache_type, v_offset): K's cache type, V's, and the bytes from a layer's cache to its V half;
@@ -335,9 +225,68 @@ PyObject* py_decoder_new(PyObject*, PyObject* args) {
   return capsule;
 }
 
-// decoder_forward(decoder, x, T, positions, slots, token_seqs, block_tables, max_blocks, out) -> None
+// -- LoRA adapters of the fused decoder (decoder_lora.cpp) --------------------------------------------------------
+
+const char* const kLoraCapsule = "llmserve.LoraAdapter";
+
+void free_lora(PyObject* capsule) { delete static_cast<LoraAdapter*>(PyCapsule_GetPointer(capsule, kLoraCapsule)); }
+
+// None (the adapter leaves this linear layer alone) or (a, b, cols, R)
+bool parse_lora_pair(PyObject* t, LoraPair* p) {
+  if (t == Py_None) return true;
+  if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 4) {
+    PyErr_SetString(PyExc_TypeError, "a LoRA pair is (a, b, cols, R) or None");
+    return false;
+  }
+  if (!item_ptr(t, 0, const_cast<void**>(&p->a)) || !item_ptr(t, 1, const_cast<void**>(&p->b)) ||
+      !item_ptr(t, 2, const_cast<int64_t**>(&p->cols)) || !item_ll(t, 3, &p->R))
+    return false;
+  if (p->R < 1 || !p->a || !p->b || !p->cols) {
+    PyErr_SetString(PyExc_ValueError, "decoder_lora_new: a LoRA pair needs R >= 1 and its three tensors");
+    return false;
+  }
+  return true;
+}
+
+// decoder_lora_new(decoder, dtype, layers) -> capsule; layers: per decoder layer, a tuple of 4 LoRA
+// pairs (qkv, o, gate_up, down). The tensors are the caller's, kept alive as long as the capsule.
+PyObject* py_decoder_lora_new(PyObject*, PyObject* args) {
+  PyObject *decoder, *layers;
+  int dtype;
+  if (!PyArg_ParseTuple(args, "OiO!", &decoder, &dtype, &PyList_Type, &layers)) return nullptr;
+  auto dec = static_cast<Decoder*>(PyCapsule_GetPointer(decoder, kDecoderCapsule));
+  if (!dec) return nullptr;
+  if (dtype < kLoraF32 || dtype > kLoraF16 || PyList_GET_SIZE(layers) != static_cast<Py_ssize_t>(dec->layers.size())) {
+    PyErr_SetString(PyExc_ValueError, "decoder_lora_new: a dtype of 0, 1 or 2 and one entry per decoder layer");
+    return nullptr;
+  }
+  auto lora = new LoraAdapter();
+  lora->dtype = dtype;
+  lora->layers.resize(dec->layers.size());
+  bool ok = true;
+  for (Py_ssize_t i = 0; ok && i < PyList_GET_SIZE(layers); ++i) {
+    PyObject* t = PyList_GET_ITEM(layers, i);
+    ok = PyTuple_Check(t) && PyTuple_GET_SIZE(t) == kLoraModules;
+    if (!ok) PyErr_SetString(PyExc_TypeError, "a layer's LoRA pairs are a tuple of 4 (qkv, o, gate_up, down)");
+    for (int j = 0; ok && j < kLoraModules; ++j) ok = parse_lora_pair(PyTuple_GET_ITEM(t, j), &lora->layers[i][j]);
+    ok = ok && (!dec->layers[i].moe.E || (!lora->layers[i][kLoraGateUp].R && !lora->layers[i][kLoraDown].R));
+    if (ok) continue;
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "decoder_lora_new: a MoE layer takes no MLP pairs");
+  }
+  if (!ok) {
+    delete lora;
+    return nullptr;
+  }
+  PyObject* capsule = PyCapsule_New(lora, kLoraCapsule, free_lora);
+  if (!capsule) delete lora;
+  return capsule;
+}
+
+// decoder_forward(decoder, x, T, positions, slots, token_seqs, block_tables, max_blocks, loras,
+//                 row_slots, out) -> None; loras: a tuple of decoder_lora_new capsules (empty: none),
+//                 row_slots [T] int64: each token's index in it, -1 for the base model
 PyObject* py_decoder_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (!check_args(nargs, 9, "decoder_forward")) return nullptr;
+  if (!check_args(nargs, 11, "decoder_forward")) return nullptr;
   auto dec = static_cast<Decoder*>(PyCapsule_GetPointer(args[0], kDecoderCapsule));
   if (!dec) return nullptr;
   const float* x = ptr<const float>(args[1]);
@@ -347,13 +296,30 @@ PyObject* py_decoder_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs)
   const int64_t* token_seqs = ptr<const int64_t>(args[5]);
   const int64_t* tables = ptr<const int64_t>(args[6]);
   const int64_t max_blocks = PyLong_AsLongLong(args[7]);
-  float* out = ptr<float>(args[8]);
+  const int64_t* row_slots = ptr<const int64_t>(args[9]);
+  float* out = ptr<float>(args[10]);
   if (PyErr_Occurred()) return nullptr;
+  if (!PyTuple_Check(args[8])) {
+    PyErr_SetString(PyExc_TypeError, "decoder_forward: loras is a tuple");
+    return nullptr;
+  }
+  const Py_ssize_t num_loras = PyTuple_GET_SIZE(args[8]);
+  std::vector<const LoraAdapter*> loras(num_loras);
+  for (Py_ssize_t i = 0; i < num_loras; ++i)
+    if (!(loras[i] = static_cast<LoraAdapter*>(PyCapsule_GetPointer(PyTuple_GET_ITEM(args[8], i), kLoraCapsule))))
+      return nullptr;
+  if (num_loras && (!row_slots || loras[0]->layers.size() != dec->layers.size())) {
+    PyErr_SetString(PyExc_ValueError, "decoder_forward: adapters need row_slots and one entry per layer");
+    return nullptr;
+  }
   if (g_isa == Isa::none) {
     PyErr_SetString(PyExc_RuntimeError, "decoder_forward: no quantized kernel set on this CPU");
     return nullptr;
   }
-  if (!run_comm([&] { dec->forward(x, M, positions, slots, token_seqs, tables, max_blocks, out); })) return nullptr;
+  if (!run_comm([&] {
+        dec->forward(x, M, positions, slots, token_seqs, tables, max_blocks, loras.data(), num_loras, row_slots, out);
+      }))
+    return nullptr;
   Py_RETURN_NONE;
 }
 
@@ -445,7 +411,10 @@ PyMethodDef kMethods[] = {
      "decoder_new(config, layers, cos_sin, final_norm): a fused Llama-family decoder stack (capsule)"},
     {"decoder_forward", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_decoder_forward)),
      METH_FASTCALL,
-     "decoder_forward(decoder, x, T, positions, slots, token_seqs, block_tables, max_blocks, out)"},
+     "decoder_forward(decoder, x, T, positions, slots, token_seqs, block_tables, max_blocks, loras, row_slots, "
+     "out)"},
+    {"decoder_lora_new", py_decoder_lora_new, METH_VARARGS,
+     "decoder_lora_new(decoder, dtype, layers): a LoRA adapter the fused decoder adds (capsule)"},
     {"comm_segment_bytes", py_comm_segment_bytes, METH_VARARGS,
      "comm_segment_bytes(world, slot_bytes, bcast_bytes): the shared segment's size"},
     {"comm_new", py_comm_new, METH_VARARGS,

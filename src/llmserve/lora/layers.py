@@ -143,7 +143,7 @@ class LoRALinear(nn.Module):
         batch = self.step.batch
         if batch is None:
             return y
-        packed = self._packed_for(batch.adapters)
+        packed = self._packed_for(batch.adapters, x.dtype)
         if packed is None:  # no adapter of the step changes this layer
             return y
         if self.step.use_triton:
@@ -156,9 +156,10 @@ class LoRALinear(nn.Module):
             h.mul_(batch.mask(packed.layout, packed.col_slots, h.dtype))
         return y.addmm_(h, packed.b_t)
 
-    def _packed_for(self, adapters: tuple[LoRAAdapter, ...]) -> _Packed | None:
-        """This layer's weights of `adapters`, concatenated once per set of adapters (kept
-        while the steps run the same set)."""
+    def _packed_for(self, adapters: tuple[LoRAAdapter, ...], dtype: torch.dtype) -> _Packed | None:
+        """This layer's weights of `adapters` in `dtype` (the activations'; a 16-bit
+        `lora_dtype` copy is widened here), concatenated once per set of adapters (kept while
+        the steps run the same set)."""
         cached = self._packed
         if (
             cached is not None
@@ -172,6 +173,7 @@ class LoRALinear(nn.Module):
             return None
         a_t = parts[0][1].a_t if len(parts) == 1 else torch.cat([p.a_t for _, p in parts], dim=1)
         b_t = parts[0][1].b_t if len(parts) == 1 else torch.cat([p.b_t for _, p in parts], dim=0)
+        a_t, b_t = a_t.to(dtype), b_t.to(dtype)
         layout = tuple((slot, p.a_t.shape[1]) for slot, p in parts)
         col_slots = torch.cat([torch.full((r,), slot) for slot, r in layout]).to(a_t.device)
         self._packed = _Packed(adapters, a_t, b_t, layout, col_slots)

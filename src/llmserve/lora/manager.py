@@ -33,6 +33,8 @@ class LoRAManager:
         param = next(model.parameters())
         # A quantized model computes in float32; its float params are norms in that dtype
         self.device, self.dtype = param.device, param.dtype
+        self.weights_dtype = self.dtype if config.lora_dtype == "auto" else getattr(torch, config.lora_dtype)
+        """What adapters' weights are kept in (`lora_dtype`); the deltas are computed in `dtype`."""
         self.model, self.config = model, config
         self.step = LoRAStep(use_triton=self.device.type == "cuda" and _has_triton())
         self.requests: dict[int, LoRARequest] = {}
@@ -41,8 +43,8 @@ class LoRAManager:
         self._loaded: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self.num_layers = _wrap_linears(model, self.step)
         logger.info(
-            "LoRA on %d linear layers: steps with an adapter run the layer-by-layer path "
-            "(the fused CPU decoder and CUDA graphs take no adapters)",
+            "LoRA on %d linear layers: steps with an adapter run in the fused CPU decoder where it "
+            "runs the model, else layer by layer (CUDA graphs take no adapters)",
             self.num_layers,
         )
 
@@ -50,6 +52,10 @@ class LoRAManager:
     def loaded_ids(self) -> list[int]:
         """Ids of the adapters loaded now, least recently used first."""
         return list(self._loaded)
+
+    def loaded(self, lora_id: int) -> LoRAAdapter | None:
+        """Adapter `lora_id` if it is loaded now."""
+        return self._loaded.get(lora_id)
 
     def add(self, request: LoRARequest, in_use: AbstractSet[int] = frozenset()) -> LoRAAdapter:
         """Register `request`'s adapter and load it now if it is not (so a bad folder fails the
@@ -63,7 +69,9 @@ class LoRAManager:
             )
         adapter = self._loaded.get(request.lora_int_id)
         if adapter is None:
-            adapter = load_adapter(request, self.model, self.config.max_lora_rank, self.device, self.dtype)
+            adapter = load_adapter(
+                request, self.model, self.config.max_lora_rank, self.device, self.weights_dtype
+            )
             self._loaded[request.lora_int_id] = adapter
         self._loaded.move_to_end(request.lora_int_id)
         self.requests[request.lora_int_id] = request
@@ -104,6 +112,15 @@ class LoRAManager:
         """The wrappers apply these adapters while the block runs: sequence j's `num_tokens[j]`
         flat-batch rows take adapter `lora_ids[j]` (0: the base model)."""
         assert self.step.batch is None, "LoRAManager.activate does not nest"
+        self.step.batch = self.batch(lora_ids, num_tokens)
+        try:
+            yield
+        finally:
+            self.step.batch = None
+
+    def batch(self, lora_ids: Sequence[int], num_tokens: Sequence[int]) -> LoRABatch:
+        """The step's adapters and each flat-batch row's index among them: sequence j's
+        `num_tokens[j]` rows take adapter `lora_ids[j]` (0: the base model)."""
         # adapter id -> its index in the step's adapters, in id order: the same set of adapters
         # is the same tuple from step to step, which the wrappers' packed weights are kept for
         slots = {lora_id: slot for slot, lora_id in enumerate(sorted({i for i in lora_ids if i}))}
@@ -116,11 +133,12 @@ class LoRAManager:
             self._loaded.move_to_end(lora_id)
         every_row = len(slots) == 1 and -1 not in row_slots  # one adapter, no base rows: no mask
         index = None if every_row else torch.tensor(row_slots).to(self.device, non_blocking=True)
-        self.step.batch = LoRABatch(tuple(adapters), index)
-        try:
-            yield
-        finally:
-            self.step.batch = None
+        return LoRABatch(tuple(adapters), index)
+
+    def base_paths(self) -> dict[int, str]:
+        """id() of each wrapped base linear layer -> its module path (what `LoRAAdapter.layers`
+        is keyed by)."""
+        return {id(m.base): m.path for m in self.model.modules() if isinstance(m, LoRALinear)}
 
 
 def _wrap_linears(model: CausalLM, step: LoRAStep) -> int:

@@ -11,7 +11,8 @@ metadata, and runs the stack the way this device runs it:
     CUDA graph          decode steps on CUDA, replayed from graphs captured at start-up
                         (cuda_graph.py wraps this runner)
     eager               the model's layer-by-layer forward, anything else; also every step
-                        with a LoRA adapter in it (`use_lora`: the other two take none)
+                        with a LoRA adapter in it that the fused decoder does not take (CUDA
+                        graphs take none; `use_lora`)
 
 It returns logits for the last new token of each sequence (or for every new token when asked,
 for prompt logprobs and parity tests).
@@ -41,6 +42,7 @@ from llmserve.models import CausalLM
 
 if TYPE_CHECKING:
     from llmserve.distributed.group import TPGroup
+    from llmserve.lora.fused import FusedLoRA
     from llmserve.lora.manager import LoRAManager
 
 __all__ = ["ForwardOutput", "ForwardRunner", "SequenceBatchEntry"]
@@ -100,11 +102,23 @@ class ForwardRunner:
         """Decode steps padded to fixed sizes (replayed from CUDA graphs where captured)."""
         self.lora: LoRAManager | None = None
         """LoRA adapters (`use_lora`); steps whose sequences all run the base model ignore it."""
+        self._fused_lora: FusedLoRA | None = None
 
     def use_lora(self, manager: LoRAManager) -> None:
         """Serve LoRA adapters from now on. The manager wraps the model's linear layers, so this
-        comes after the fused decoder took the bare layers' weights (it keeps running base-only steps)."""
+        comes after the fused decoder took the bare layers' weights (it runs adapters' steps too,
+        given their weights by lora/fused.py)."""
         self.lora = manager
+
+    def fused_lora(self) -> FusedLoRA | None:
+        """The adapters' bridge to the fused decoder in use (None: no fused decoder or no LoRA)."""
+        if self.fused is None or self.lora is None:
+            return None
+        if self._fused_lora is None or self._fused_lora.decoder is not self.fused:
+            from llmserve.lora.fused import FusedLoRA
+
+            self._fused_lora = FusedLoRA(self.fused, self.lora.base_paths())
+        return self._fused_lora
 
     def use_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool) -> GraphRunner:
         """Run decode batches padded to the capture sizes from now on; `capture`: record CUDA
@@ -175,6 +189,8 @@ class ForwardRunner:
         rows the caller projects to the vocabulary) on the device."""
         adapters = self.lora is not None and any(e.lora_id for e in batch)
         images = any(e.image_rows for e in batch)
+        if adapters and not images and (out := self._forward_fused_lora(batch, logits_rows)) is not None:
+            return out
         if adapters or images:
             # the model's layers: adapters' wrappers add each group's delta; images' vectors
             # replace their placeholders' embeddings (neither the fused decoder nor graphs take them)
@@ -194,6 +210,24 @@ class ForwardRunner:
             return self.graphs.forward(batch, logits_rows)
         inputs = self.prepare(batch, logits_rows=logits_rows)
         return ForwardOutput(self.run(inputs), inputs.metadata, inputs.logits_rows)
+
+    def _forward_fused_lora(
+        self, batch: list[SequenceBatchEntry], logits_rows: Sequence[int] | None
+    ) -> ForwardOutput | None:
+        """A step with adapters through the fused decoder, each token adding its adapter's deltas;
+        None where it cannot take the step (no fused decoder, or an adapter it has no LoRA for)."""
+        bridge = self.fused_lora()
+        if bridge is None:
+            return None
+        assert self.lora is not None
+        num_tokens = [len(e.new_token_ids) for e in batch]
+        lora = bridge.step(self.lora.batch([e.lora_id for e in batch], num_tokens), sum(num_tokens))
+        if lora is None:
+            return None
+        inputs = self.prepare(batch, logits_rows=logits_rows)
+        assert self.fused is not None
+        hidden = self.fused(self.model.embed(inputs.input_ids), inputs.positions, inputs.metadata, lora)
+        return ForwardOutput(hidden, inputs.metadata, inputs.logits_rows)
 
     def _embed_images(self, inputs: StepInputs, batch: list[SequenceBatchEntry]) -> torch.Tensor:
         """The step's input embeddings [T, hidden] with the images' vectors in their rows."""

@@ -122,9 +122,16 @@ def decoder_new(
     return _ext.decoder_new(config, layers, cos_sin, final_norm, comm)
 
 
-def decoder_forward(decoder: object, *addresses_and_sizes: int) -> None:
+def decoder_forward(decoder: object, *args: int | tuple[object, ...]) -> None:
     assert _ext is not None
-    _ext.decoder_forward(decoder, *addresses_and_sizes)
+    _ext.decoder_forward(decoder, *args)
+
+
+def decoder_lora_new(decoder: object, dtype: int, layers: list[tuple]) -> object:
+    """A LoRA adapter the fused decoder adds (csrc/decoder_lora.cpp), its tensors by address; see
+    lora/fused.py."""
+    assert _ext is not None
+    return _ext.decoder_lora_new(decoder, dtype, layers)
 
 
 _kernels = best_kernels()

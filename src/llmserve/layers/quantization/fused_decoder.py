@@ -5,7 +5,9 @@ With quantized weights the model's layer-by-layer forward is mostly glue: at bat
 CPU, ten torch/Python calls per layer cost about as much as the quantized matmuls themselves. The
 fused decoder runs the same math (models/llama.py) on the same quantized weights and the same
 paged KV cache, layer after layer, in C++ with the GIL released; the model keeps its
-layer-by-layer path for anything the fused one does not take (`unsupported_reason`).
+layer-by-layer path for anything the fused one does not take (`unsupported_reason`). A step with
+LoRA adapters runs here too, each token adding its own adapter's deltas (csrc/decoder_lora.cpp;
+lora/fused.py hands the adapters over and says which ones it cannot take).
 
 A model describes its stack with a `DecoderSpec` (models are architecture only; this module
 knows nothing of checkpoints or configs). Tensors are passed to C++ by address: the spec's
@@ -59,6 +61,11 @@ class DecoderSpec:
     scale: float
     eps: float
     activation: str
+
+
+LORA_LINEARS = ("qkv", "o", "gate_up", "down")
+"""The `DecoderLayerSpec` linear layers the fused decoder adds LoRA deltas to, in the order of
+csrc/decoder_stack.h's kLora* indices (lora/fused.py passes an adapter's pairs in it)."""
 
 
 def _norms(layer: DecoderLayerSpec) -> list[RMSNorm]:
@@ -191,6 +198,8 @@ class FusedDecoder:
                     _moe(layer.moe),
                 )
             )
+        self.capsule: object
+        """The C++ decoder (what a LoRA adapter's capsule is built against)."""
         config = (
             spec.hidden_size,
             spec.num_heads,
@@ -208,14 +217,22 @@ class FusedDecoder:
             _v_offset(kv_caches[0]),
         )
         self._comm = comm  # kept alive with the decoder, which holds its address
-        self._decoder = cpu_kernels.decoder_new(
+        self.capsule = cpu_kernels.decoder_new(
             config, layers, self._cos_sin.data_ptr(), spec.final_norm.weight.data_ptr(), comm
         )
         self.cache_ptr = k0.data_ptr()
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+    def __call__(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        md: AttentionMetadata,
+        lora: tuple[tuple[object, ...], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """x [T, hidden] float32 (the batch's new tokens, embedded), positions [T] int64 -> final
-        hidden states [T, hidden]."""
+        hidden states [T, hidden]. `lora`: the step's adapters (`cpu_kernels.decoder_lora_new`
+        capsules, lora/fused.py builds them) and each token's index among them [T] int64 (-1:
+        the base model)."""
         T = x.shape[0]
         x = x.contiguous()
         positions = positions.contiguous()
@@ -230,7 +247,7 @@ class FusedDecoder:
             token_seqs = torch.repeat_interleave(torch.arange(md.num_seqs), torch.tensor(md.query_lens))
         tables = md.block_tables
         cpu_kernels.decoder_forward(
-            self._decoder,
+            self.capsule,
             x.data_ptr(),
             T,
             positions.data_ptr(),
@@ -238,6 +255,8 @@ class FusedDecoder:
             token_seqs.data_ptr(),
             tables.data_ptr(),
             tables.shape[1],
+            () if lora is None else lora[0],
+            0 if lora is None else lora[1].data_ptr(),
             out.data_ptr(),
         )
         return out
