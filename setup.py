@@ -29,7 +29,8 @@ setup(
                 )
             ],
             depends=[
-                f"{CSRC}/{name}" for name in ("qgemm.h", "decoder_stack.h", "shm_comm.h", "py_util.h", "act_quant.inc")
+                f"{CSRC}/{name}"
+                for name in ("qgemm.h", "decoder_stack.h", "shm_comm.h", "py_util.h", "act_quant.inc")
             ],
             include_dirs=[CSRC],
             language="c++",
