@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from llmserve.engine.llm import LLM
+from llmserve.layers.quantization import cpu_kernels
 from llmserve.lora import LoRARequest
 from llmserve.sampling_params import SamplingParams
 from tests.models.test_lora import PROMPTS, base, make_adapter, make_runner, peft_reference, run_mixed  # noqa: F401
@@ -193,3 +194,26 @@ def test_a_16_bit_copy_of_the_adapters(base, dtype):  # noqa: F811
         torch.testing.assert_close(got[i], layered[i], rtol=1e-3, atol=1e-3)
         moved = (got[i] - reference[i]).abs().max().item()
         assert moved < 0.05, f"sequence {i}: 16-bit adapters moved the logits by {moved}"
+
+
+def test_the_avx2_kernel_set_keeps_mixed_equal_to_alone_and_close_to_the_layer_path(three):
+    """With the matmuls' AVX2 kernel set (what an AVX2-only CPU runs), a token's result is still
+    the same alone or batched, and the fused steps within the layer path's tolerance."""
+    if cpu_kernels.best_kernels() != "avx512_vnni":
+        pytest.skip("the default run covers AVX2 on this CPU")
+    runner = three
+    cpu_kernels.set_kernels("avx2")
+    try:
+        mixed = run_mixed(runner, [1, 2, 3, 0], prompts=FOUR)
+        for i, lora_id in enumerate([1, 2, 3, 0]):
+            alone = run_mixed(runner, [lora_id] * 4, prompts=FOUR)[i]
+            assert torch.equal(mixed[i], alone), f"sequence {i} (adapter {lora_id})"
+        runner.use_fused(False)
+        try:
+            layered = run_mixed(runner, [1, 2, 3, 0], prompts=FOUR)
+        finally:
+            runner.use_fused(True)
+    finally:
+        cpu_kernels.set_kernels("auto")
+    for got, expected in zip(mixed, layered, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)
