@@ -133,6 +133,14 @@ def test_bad_image_inputs_are_value_errors(checkpoint) -> None:
         llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": b"not a png"}}, params)
     with pytest.raises(ValueError, match="aspect ratio"):
         llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": make_image(0, (2, 500))}}, params)
+    with pytest.raises(ValueError, match="placeholder token"):  # typed without an image
+        llm.generate("<|vision_start|><|image_pad|><|vision_end|>What?", params)
+
+
+def test_gemma_only_image_options_are_refused(checkpoint) -> None:
+    _, folder = checkpoint
+    with pytest.raises(ValueError, match="do_pan_and_scan is Gemma 3's"):
+        LLM(str(folder), do_pan_and_scan=True, show_progress=False)
 
 
 def test_the_fused_decoder_refuses_mrope(checkpoint) -> None:

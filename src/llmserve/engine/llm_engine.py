@@ -35,7 +35,7 @@ from llmserve.model_executor.model_loader import LoadedModel, load_model
 from llmserve.model_executor.model_runner import ModelRunner
 from llmserve.model_executor.pooler import default_pooling_params
 from llmserve.model_executor.tp_executor import TPExecutor
-from llmserve.multimodal.processor import PromptProcessor, make_prompt_processor
+from llmserve.multimodal.processor import ImageSource, PromptProcessor, make_prompt_processor
 from llmserve.outputs import RequestOutput
 from llmserve.pooling_params import PoolingParams
 from llmserve.sampling_params import SamplingParams
@@ -238,9 +238,11 @@ class LLMEngine:
             model,
             self.loaded.hf_config,
             self.tokenizer.id_to_token,
-            source.path if source.kind == "hf" else None,
-            vision.preprocessing if vision is not None else None,
-            self.model_config.do_pan_and_scan,
+            ImageSource(
+                source.path if source.kind == "hf" else None,
+                vision.preprocessing if vision is not None else None,
+                self.model_config.do_pan_and_scan,
+            ),
         )
 
     def _check_images(self, images: Sequence[Any]) -> PromptProcessor:

@@ -43,6 +43,18 @@ class PromptProcessor(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class ImageSource:
+    """Where a model's image preprocessing comes from."""
+
+    folder: Path | None
+    """The checkpoint's folder (its preprocessor_config.json); None for a GGUF file."""
+    preprocessing: dict[str, Any] | None = None
+    """preprocessor_config.json's values from elsewhere (a GGUF vision projector's metadata)."""
+    do_pan_and_scan: bool | None = None
+    """Gemma 3's pan-and-scan crops; None takes the preprocessing config's value."""
+
+
+@dataclass(frozen=True, slots=True)
 class PreparedImage:
     """One image of a prompt, preprocessed: what the model encodes, its identity, its token count."""
 
@@ -70,19 +82,10 @@ class ImagePromptProcessor(PlaceholderCheck):
 
     both_ways = True
 
-    def __init__(
-        self,
-        mm_config: Any,
-        tokens_per_image: int,
-        token_text: Any,
-        folder: Path | None,
-        preprocessing: dict[str, Any] | None = None,
-        do_pan_and_scan: bool | None = None,
-    ) -> None:
+    def __init__(self, model: Any, mm_config: Any, token_text: Any, source: ImageSource) -> None:
         """`mm_config`: the checkpoint's multimodal config (its image, boi and eoi token ids);
-        `token_text`: id -> the token's text (the tokenizer's `id_to_token`); `preprocessing`:
-        preprocessor_config.json's values where they do not come from `folder` (a GGUF projector);
-        `do_pan_and_scan`: None takes the preprocessing config's value."""
+        `token_text`: id -> the token's text (the tokenizer's `id_to_token`)."""
+        tokens_per_image = int(model.mm_tokens_per_image)
         self.image_token_id = int(_first(mm_config, "image_token_id", "image_token_index"))
         names = {}
         for key, attrs in {"image": ("image_token_id", "image_token_index"),
@@ -93,21 +96,7 @@ class ImagePromptProcessor(PlaceholderCheck):
         self.boi_token = names["boi"]
         self.full_image_sequence = f"\n\n{names['boi']}{names['image'] * tokens_per_image}{names['eoi']}\n\n"
         self.preprocess = ImagePreprocessor.for_model(
-            folder, mm_config.vision_config, preprocessing, do_pan_and_scan
-        )
-
-    @classmethod
-    def for_model(
-        cls,
-        model: Any,
-        mm_config: Any,
-        token_text: Any,
-        folder: Path | None,
-        preprocessing: dict[str, Any] | None = None,
-        do_pan_and_scan: bool | None = None,
-    ) -> ImagePromptProcessor:
-        return cls(
-            mm_config, int(model.mm_tokens_per_image), token_text, folder, preprocessing, do_pan_and_scan
+            source.folder, mm_config.vision_config, source.preprocessing, source.do_pan_and_scan
         )
 
     def expand(self, prompt: str, images: Sequence[Any]) -> tuple[str, list[PreparedImage]]:
@@ -210,15 +199,9 @@ _PROCESSORS: dict[str, tuple[str, str]] = {
 
 
 def make_prompt_processor(
-    model: Any,
-    mm_config: Any,
-    token_text: Any,
-    folder: Path | None,
-    preprocessing: dict[str, Any] | None = None,
-    do_pan_and_scan: bool | None = None,
+    model: Any, mm_config: Any, token_text: Any, source: ImageSource
 ) -> PromptProcessor:
-    """The prompt processor of a model that takes images (`supports_images`); `preprocessing`
-    and `do_pan_and_scan`: Gemma 3's (a GGUF projector's values, pan-and-scan)."""
+    """The prompt processor of a model that takes images (`supports_images`)."""
     module, name = _PROCESSORS[model.image_prompt_format]
     cls = getattr(importlib.import_module(f"llmserve.multimodal.{module}"), name)
-    return cls.for_model(model, mm_config, token_text, folder, preprocessing, do_pan_and_scan)
+    return cls(model, mm_config, token_text, source)

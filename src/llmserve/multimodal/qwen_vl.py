@@ -27,6 +27,7 @@ import torch
 from llmserve.core.multimodal import MultiModalInput
 from llmserve.multimodal.image import decode_image, image_hash, resize_and_normalize
 from llmserve.multimodal.processor import (
+    ImageSource,
     PlaceholderCheck,
     PreparedImage,
     check_markers,
@@ -114,26 +115,14 @@ class QwenVLPromptProcessor(PlaceholderCheck):
 
     both_ways = False
 
-    def __init__(self, mm_config: Any, token_text: Any, folder: Path | None) -> None:
+    def __init__(self, model: Any, mm_config: Any, token_text: Any, source: ImageSource) -> None:
+        if source.preprocessing is not None:
+            raise ValueError("a GGUF vision projector (--mmproj) is read for Gemma 3 only, not Qwen2.5-VL")
+        if source.do_pan_and_scan:
+            raise ValueError("do_pan_and_scan is Gemma 3's; Qwen2.5-VL takes images at their own size")
         self.image_token_id = int(mm_config.image_token_id)
         self.image_pad = token_name(token_text, self.image_token_id, "image")
-        self.preprocess = QwenVLImagePreprocessor.for_model(folder, mm_config.vision_config)
-
-    @classmethod
-    def for_model(
-        cls,
-        model: Any,
-        mm_config: Any,
-        token_text: Any,
-        folder: Path | None,
-        preprocessing: dict[str, Any] | None = None,
-        do_pan_and_scan: bool | None = None,
-    ) -> QwenVLPromptProcessor:
-        if preprocessing is not None:
-            raise ValueError("a GGUF vision projector (--mmproj) is read for Gemma 3 only, not Qwen2.5-VL")
-        if do_pan_and_scan:
-            raise ValueError("do_pan_and_scan is Gemma 3's; Qwen2.5-VL takes images at their own size")
-        return cls(mm_config, token_text, folder)
+        self.preprocess = QwenVLImagePreprocessor.for_model(source.folder, mm_config.vision_config)
 
     def expand(self, prompt: str, images: Sequence[Any]) -> tuple[str, list[PreparedImage]]:
         """Each `<|image_pad|>` repeated to its image's number of tokens; the images preprocessed."""
