@@ -322,7 +322,9 @@ def test_bad_requests(client: anthropic.Anthropic, server: ServerProcess, change
                  if k in body}  # fmt: skip
         with pytest.raises({400: anthropic.BadRequestError, 404: anthropic.NotFoundError}[status]):
             client.messages.create(**known, extra_body=body)
-    assert text_of(client.messages.create(model=MODEL_NAME, max_tokens=2, messages=USER, **GREEDY))  # still serving
+    assert text_of(
+        client.messages.create(model=MODEL_NAME, max_tokens=2, messages=USER, **GREEDY)
+    )  # still serving
 
 
 def test_bad_bodies_and_paths(server: ServerProcess) -> None:

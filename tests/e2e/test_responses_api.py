@@ -274,7 +274,9 @@ def test_bad_requests(
     assert named in error["message"] and set(error) == {"message", "type", "param", "code"}
     # still serving: greedy, so a sampled end-of-text cannot make the check flaky
     after = client.responses.create(model=MODEL_NAME, input=USER, max_output_tokens=2, temperature=0)
-    assert after.status in ("completed", "incomplete") and after.usage.output_tokens >= 1 and after.output_text
+    assert (
+        after.status in ("completed", "incomplete") and after.usage.output_tokens >= 1 and after.output_text
+    )
 
 
 def test_input_items_listed_as_given_with_pagination(client: openai.OpenAI) -> None:
