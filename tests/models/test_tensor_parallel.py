@@ -30,11 +30,15 @@ ENGINE = dict(show_progress=False, max_num_batched_tokens=8, num_kv_blocks=5, bl
 MAX_TOKENS = 16
 
 
-def _run(model: str, fused: bool | None = None, **options) -> tuple[list[list[int]], list[list[float]], int]:
+def _run(
+    model: str, fused: bool | None = None, inspect: Callable[[LLM], None] | None = None, **options
+) -> tuple[list[list[int]], list[list[float]], int]:
     """(greedy tokens, each chosen token's logprob, preemptions) of PROMPTS; `fused`: assert
-    whether the (driver's) stack runs the fused C++ decoder."""
+    whether the (driver's) stack runs the fused C++ decoder; `inspect(llm)` before it runs."""
     llm = LLM(model, **ENGINE, **options)
     try:
+        if inspect is not None:
+            inspect(llm)
         if fused is not None:
             runner = llm.engine.runner.runner
             assert (runner.fused is not None) == fused, runner.fused_unsupported

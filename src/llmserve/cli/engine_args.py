@@ -7,6 +7,7 @@ from typing import Any
 
 from llmserve.config.cache import parse_bytes, parse_kv_cache_dtype
 from llmserve.config.lora import LORA_DTYPES
+from llmserve.config.parallel import RAY_PLACEMENTS
 
 
 def _kv_cache_dtype(text: str) -> str:
@@ -153,6 +154,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--threads-per-rank", type=int, default=None,
         help="torch threads of each rank (default: CPUs / --tensor-parallel-size; workers pinned to their own)",
     )  # fmt: skip
+    g.add_argument(
+        "--ray-placement-strategy", default="PACK", choices=list(RAY_PLACEMENTS),
+        help="with --distributed-executor-backend ray: the workers' placement group strategy (STRICT_SPREAD: "
+        "one rank per node; ranks on the engine's node use shared memory, others gloo)",
+    )  # fmt: skip
 
     g = p.add_argument_group("LoRA adapters")
     g.add_argument(
@@ -218,4 +224,5 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "tensor_parallel_size": args.tensor_parallel_size,
         "distributed_executor_backend": args.distributed_executor_backend,
         "threads_per_rank": args.threads_per_rank,
+        "ray_placement_strategy": args.ray_placement_strategy,
     }

@@ -72,6 +72,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
     threads_per_rank: int | None = None
+    ray_placement_strategy: str = "PACK"
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -139,6 +140,7 @@ class EngineArgs:
             self.tensor_parallel_size,
             self.distributed_executor_backend,  # type: ignore[arg-type]
             self.threads_per_rank,
+            self.ray_placement_strategy,  # type: ignore[arg-type]
         )
 
     def lora_config(self) -> LoRAConfig | None:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 ExecutorBackend = Literal["mp", "ray"]
+RayPlacement = Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"]
+RAY_PLACEMENTS: tuple[RayPlacement, ...] = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +26,11 @@ class ParallelConfig:
     one)."""
     threads_per_rank: int | None = None
     """torch threads of each rank (default: this machine's CPUs / tensor_parallel_size)."""
+    ray_placement_strategy: RayPlacement = "PACK"
+    """With ray: the workers' placement group strategy (Ray's names). PACK: as few nodes as fit;
+    STRICT_PACK: all on one node, the engine's own when it has room (ranks that share the engine's
+    node use the shared-memory transport); SPREAD: over as many nodes as there are; STRICT_SPREAD:
+    one rank per node, the engine's node holding rank 0 only (a cluster of fewer nodes is refused)."""
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -31,6 +38,11 @@ class ParallelConfig:
         if self.distributed_executor_backend not in ("mp", "ray"):
             raise ValueError(
                 f"distributed_executor_backend must be 'mp' or 'ray'; got {self.distributed_executor_backend!r}"
+            )
+        if self.ray_placement_strategy not in RAY_PLACEMENTS:
+            raise ValueError(
+                f"ray_placement_strategy must be one of {', '.join(RAY_PLACEMENTS)}; "
+                f"got {self.ray_placement_strategy!r}"
             )
         if self.threads_per_rank is not None and self.threads_per_rank < 1:
             raise ValueError(f"threads_per_rank must be >= 1; got {self.threads_per_rank}")

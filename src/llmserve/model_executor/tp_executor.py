@@ -18,9 +18,9 @@ started (tp_worker.serve_rank): mp, processes spawned on this machine (`ProcessW
 ray, one Ray actor per rank in a placement group, on any node of the Ray cluster
 (model_executor/ray_workers.py). Either way they join the driver's store and gloo group.
 
-With mp, the collectives go through a shared-memory segment (distributed/shm.py; gloo where
-LLMSERVE_TP_TRANSPORT=gloo or the C++ extension is missing, and always with ray, whose ranks may be
-on other nodes). Each rank runs its shard of a quantized Llama-family stack in the fused C++
+When every rank shares the driver's machine (mp; ray when every actor landed on the driver's Ray
+node), the collectives go through a shared-memory segment (distributed/shm.py; gloo where
+LLMSERVE_TP_TRANSPORT=gloo or the C++ extension is missing); ray ranks on other nodes use gloo. Each rank runs its shard of a quantized Llama-family stack in the fused C++
 decoder, which sums the row-parallel outputs over that segment itself; over gloo the model's
 layers run, their hooks summing.
 
@@ -109,14 +109,18 @@ class TPExecutor:
         self.loaded: LoadedModel = load_model(model_config, self.shard)
         self._error: TensorParallelError | None = None
         store = TPGroup.create_store(size)
-        ray = parallel.distributed_executor_backend == "ray"
-        self.transport = "gloo" if ray else shm.transport()
-        shm_path = shm.create_segment(size) if self.transport == "shm" else None
-        if ray:
+        if parallel.distributed_executor_backend == "ray":
             from llmserve.model_executor.ray_workers import RayWorkers
 
-            self.workers: Workers = RayWorkers(store.port, size, model_config, threads)
+            # placed first: the transport depends on whether every actor shares this node
+            ray_workers = RayWorkers(size, model_config, threads, parallel.ray_placement_strategy)
+            self.transport = shm.transport() if ray_workers.on_driver_node else "gloo"
+            shm_path = shm.create_segment(size) if self.transport == "shm" else None
+            ray_workers.start(store.port, shm_path)
+            self.workers: Workers = ray_workers
         else:
+            self.transport = shm.transport()
+            shm_path = shm.create_segment(size) if self.transport == "shm" else None
             self.workers = ProcessWorkers(store.port, size, model_config, threads, shm_path)
         try:
             try:
