@@ -86,6 +86,17 @@ def test_parallel_options():
     assert EngineArgs.from_options(options, "LLM").parallel_config() == ParallelConfig(2, "ray")
     with pytest.raises(ValueError, match="distributed_executor_backend must be 'mp' or 'ray'"):
         ParallelConfig(2, "slurm")  # type: ignore[arg-type]
+    options = {**options, "ray_placement_strategy": "STRICT_SPREAD"}
+    assert EngineArgs.from_options(options, "LLM").parallel_config() == ParallelConfig(
+        2, "ray", None, "STRICT_SPREAD"
+    )
+    with pytest.raises(
+        ValueError,
+        match="ray_placement_strategy must be one of PACK, STRICT_PACK, SPREAD, STRICT_SPREAD; got 'spread'",
+    ):
+        EngineArgs.from_options({**options, "ray_placement_strategy": "spread"}, "LLM")
+    cli = build_parser().parse_args(["generate", "--ray-placement-strategy", "STRICT_SPREAD", "hi"])
+    assert llm_kwargs(cli)["ray_placement_strategy"] == "STRICT_SPREAD"
     cli = build_parser().parse_args(
         ["generate", "--tensor-parallel-size", "2", "--threads-per-rank", "1", "hi"]
     )
