@@ -28,7 +28,7 @@ from llmserve.model_executor.model_loader.source import resolve_model
 from llmserve.ray_serve import RayServeOptions, build_application
 from llmserve.ray_serve.metrics import merge_metrics
 from llmserve.ray_serve.prefix import PrefixKeyer, rendezvous_order
-from llmserve.ray_serve.router import PREFIX_KEY, PrefixAwareRouter
+from llmserve.ray_serve.router import AVOID_REPLICA, PREFIX_KEY, PrefixAwareRouter
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from llmserve.tokenizer import load_tokenizer
@@ -109,8 +109,10 @@ def make_router(queue_lengths: dict[str, int], imbalance: int = 2) -> tuple[Pref
     return router, replicas
 
 
-def choose(router: PrefixAwareRouter, replicas: list, key: int | None) -> list[list]:
-    pending = SimpleNamespace(kwargs={PREFIX_KEY: key})
+def choose(
+    router: PrefixAwareRouter, replicas: list, key: int | None, avoid: str | None = None
+) -> list[list]:
+    pending = SimpleNamespace(kwargs={PREFIX_KEY: key, AVOID_REPLICA: avoid})
     return asyncio.run(router.choose_replicas(replicas, pending))
 
 
@@ -123,6 +125,20 @@ def test_router_ranks_the_home_first_then_two_choices() -> None:
     assert len(ranks[1]) == 2 and len({id(r) for r in ranks[1]}) == 2
     # no key (a prompt shorter than a block): power of two choices only
     assert len(choose(router, replicas, None)) == 1
+
+
+def test_router_leaves_out_the_replica_a_retry_avoids() -> None:
+    """A retry after a replica whose engine died: never that replica while another is left."""
+    router, replicas = make_router({"a": 0, "b": 0, "c": 0})
+    key = 12345
+    home = rendezvous_order(key, ["a", "b", "c"])[0]
+    for _ in range(20):
+        ranks = choose(router, replicas, key, avoid=home)
+        assert all(r.replica_id.unique_id != home for rank in ranks for r in rank)
+    assert [r.replica_id.unique_id for r in choose(router, replicas, key, avoid="x")[0]] == [home]
+    # the only replica left: still tried (Ray may have replaced the engine by then)
+    router, replicas = make_router({"a": 0})
+    assert [r.replica_id.unique_id for r in choose(router, replicas, None, avoid="a")[0]] == ["a"]
 
 
 def test_router_skips_a_busy_home() -> None:
@@ -180,6 +196,8 @@ def test_options_from_serve_run_arguments(model_dir: Path) -> None:
         RayServeOptions.from_args({"num_replicas": "two"})
     with pytest.raises(ValueError, match="max_replicas"):
         RayServeOptions(min_replicas=3, max_replicas=2)
+    with pytest.raises(ValueError, match=r"max_replicas_per_node must be >= 1 \(got 0\)"):
+        RayServeOptions.from_args({"max_replicas_per_node": "0"})
 
 
 def test_autoscaling_on_ongoing_requests_and_the_router_reach_the_deployment() -> None:
@@ -196,6 +214,8 @@ def test_autoscaling_on_ongoing_requests_and_the_router_reach_the_deployment() -
         build_application(RayServeOptions(num_replicas=3))._bound_deployment.init_args[0]._bound_deployment
     )
     assert fixed.num_replicas == 3 and fixed._deployment_config.autoscaling_config is None
+    spread = build_application(RayServeOptions(num_replicas=2, max_replicas_per_node=1))
+    assert spread._bound_deployment.init_args[0]._bound_deployment._replica_config.max_replicas_per_node == 1
 
 
 def serve_args(*argv: str) -> argparse.Namespace:

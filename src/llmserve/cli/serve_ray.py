@@ -46,6 +46,10 @@ def add_ray_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="the Ray cluster to join (default: start a local one; 'auto': the running one)",
     )
+    r.add_argument(
+        "--max-replicas-per-node", type=int, default=None,
+        help="at most this many replicas on one Ray node (1: spread them, one per node)",
+    )  # fmt: skip
     r.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per replica")
     r.add_argument("--replica-gpus", type=float, default=0.0, help="Ray GPUs per replica")
 
@@ -68,7 +72,7 @@ def ray_serve_options(args: argparse.Namespace):  # -> RayServeOptions (the ray 
     server_options = {k: v for k, v in dataclasses.asdict(config).items() if k not in _INGRESS_FIELDS}
     return RayServeOptions(
         model=specs[0].source, served_model_name=specs[0].name, num_replicas=args.replicas,
-        min_replicas=args.replicas, max_replicas=args.max_replicas,
+        min_replicas=args.replicas, max_replicas=args.max_replicas, max_replicas_per_node=args.max_replicas_per_node,
         target_ongoing_requests=args.target_ongoing_requests, api_key=config.api_key,
         otlp_traces_endpoint=config.otlp_traces_endpoint,
         replica_cpus=args.replica_cpus, replica_gpus=args.replica_gpus, server_options=server_options,

@@ -61,6 +61,9 @@ class RayServeOptions:
     """Requests one replica holds at most; more wait in the ingress's router."""
     api_key: str | None = None
     """Clients must send this key (as the plain server's --api-key)."""
+    max_replicas_per_node: int | None = None
+    """At most this many replicas on one Ray node (1: one per node, spreading them over the
+    cluster); None: Ray places them where there is room."""
     replica_cpus: float = 1.0
     """Ray CPUs reserved for each replica."""
     replica_gpus: float = 0.0
@@ -86,6 +89,8 @@ class RayServeOptions:
             raise ValueError(
                 f"num_replicas and min_replicas must be >= 1 (got {self.num_replicas}, {self.min_replicas})"
             )
+        if self.max_replicas_per_node is not None and self.max_replicas_per_node < 1:
+            raise ValueError(f"max_replicas_per_node must be >= 1 (got {self.max_replicas_per_node})")
         if self.max_replicas is not None and self.max_replicas < self.min_replicas:
             raise ValueError(
                 f"max_replicas ({self.max_replicas}) must be >= min_replicas ({self.min_replicas})"
@@ -124,8 +129,10 @@ def build_application(options: RayServeOptions) -> Application:
         options.engine_options, where="the replicas' engine options"
     ).block_size
     scaling: dict[str, Any] = {"num_replicas": options.num_replicas}
+    if options.max_replicas_per_node is not None:
+        scaling["max_replicas_per_node"] = options.max_replicas_per_node
     if options.max_replicas is not None:
-        scaling = {
+        scaling |= {
             "num_replicas": "auto",
             "autoscaling_config": {
                 "min_replicas": options.min_replicas, "max_replicas": options.max_replicas,

@@ -14,7 +14,8 @@ answer: a stream chunk by chunk, any other answer whole.
 A replica that dies (killed, crashed) ends its requests: before the answer began, the request goes
 once more to another replica (then a 503 in the API's error shape); mid-stream, an SSE error event
 and [DONE], so no client waits forever. Ray's router stops sending to a dead replica and Ray
-starts a new one. The Files and Batches APIs are refused (501): each replica would keep its own.
+starts a new one. A replica whose engine died (ray_serve/replica.py) ends its own requests the
+same way, and refuses new ones until Ray replaces it: those go once more, to another replica. The Files and Batches APIs are refused (501): each replica would keep its own.
 
 /metrics merges every replica's metrics, labelled by replica (ray_serve/metrics.py). With
 `otlp_traces_endpoint`, each forwarded request has a span here (metrics/tracing.IngressTracer), the
@@ -37,8 +38,8 @@ from llmserve.metrics.tracing import IngressTracer, make_tracer_provider
 from llmserve.model_executor.model_loader.source import resolve_model
 from llmserve.ray_serve.metrics import merge_metrics
 from llmserve.ray_serve.prefix import PrefixKeyer
-from llmserve.ray_serve.replica import REPLICA_HEADER, ForwardedRequest
-from llmserve.ray_serve.router import PREFIX_KEY
+from llmserve.ray_serve.replica import REPLICA_HEADER, ForwardedRequest, ReplicaEngineStopped
+from llmserve.ray_serve.router import AVOID_REPLICA, PREFIX_KEY
 from llmserve.server.errors import APIError, error_sse, install_error_handlers
 from llmserve.server.middleware import OPEN_PATHS, key_matches, send_error
 from llmserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -49,7 +50,8 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
 FORWARD_ATTEMPTS = 2
-"""Tries of a request whose replica died before answering (Ray's router has then dropped it)."""
+"""Tries of a request whose replica died, or whose engine had died, before answering (Ray's router
+has then dropped the dead replica; the retry names the other to avoid)."""
 METRICS_TIMEOUT = 5.0
 """Seconds /metrics waits for the replicas' texts (one that is later is left out)."""
 
@@ -107,24 +109,28 @@ class Ingress:
     async def _answer(
         self, request: ForwardedRequest, prefix_key: int | None, stream: bool, span: Span | None
     ) -> Response:
+        routing: dict[str, Any] = {PREFIX_KEY: prefix_key}
         for attempt in range(FORWARD_ATTEMPTS):
+            last = attempt + 1 == FORWARD_ATTEMPTS
             try:
                 if not stream:
-                    status, headers, body = await self.engine.forward_whole.remote(
-                        request, **{PREFIX_KEY: prefix_key}
-                    )
+                    status, headers, body = await self.engine.forward_whole.remote(request, **routing)
                     return Response(body, status_code=status, headers=_headers(headers))
-                chunks: DeploymentResponseGenerator = self.streams.forward.remote(
-                    request, **{PREFIX_KEY: prefix_key}
-                )
+                chunks: DeploymentResponseGenerator = self.streams.forward.remote(request, **routing)
                 head = await chunks.__anext__()
                 break
             except (ActorDiedError, ActorUnavailableError) as e:
                 # nothing reached the client yet: another replica can answer it
-                if attempt + 1 == FORWARD_ATTEMPTS:
+                if last:
                     raise APIError(503, f"the engine replica failed before answering: {_reason(e)}") from None
             except RayError as e:
-                raise APIError(500, f"the engine replica failed: {_reason(e)}") from None
+                stopped = _engine_stopped(e)
+                if stopped is None:
+                    raise APIError(500, f"the engine replica failed: {_reason(e)}") from None
+                if last:
+                    raise APIError(503, f"the engine replica cannot answer: {stopped}") from None
+                # its engine died and Ray has not replaced it yet: the router sends the retry elsewhere
+                routing[AVOID_REPLICA] = stopped.replica_id
         headers = _headers(head["headers"])
         if not headers.get("content-type", "").startswith("text/event-stream"):
             try:
@@ -177,6 +183,12 @@ async def _relay(
 def _headers(headers: list[tuple[str, str]]) -> dict[str, str]:
     """A replica's answer headers, less those the ingress's own response sets."""
     return {k: v for k, v in headers if k.lower() not in _HOP_HEADERS}
+
+
+def _engine_stopped(e: RayError) -> ReplicaEngineStopped | None:
+    """The replica's `ReplicaEngineStopped` that `e` carries (Ray wraps what a replica raised)."""
+    cause = e if isinstance(e, ReplicaEngineStopped) else getattr(e, "cause", None)
+    return cause if isinstance(cause, ReplicaEngineStopped) else None
 
 
 def _reason(e: RayError) -> str:

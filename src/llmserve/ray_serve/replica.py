@@ -11,10 +11,18 @@ requests through a `DeploymentHandle`, and `forward` drives the app as an ASGI c
 reading (its client disconnected), Ray cancels this generator, `receive` answers
 `http.disconnect`, and the app aborts the request as it does for a plain HTTP client.
 
-Every answer carries `x-llmserve-replica` (this replica's id), which tells a client and the tests
-which replica served it. `metrics_text` gives the ingress this replica's /metrics (ray_serve/metrics.py).
+Every answer carries `x-llmserve-replica` (this replica's id) and `x-llmserve-node` (its Ray
+node's id), which tell a client and the tests which replica, on which node, served it.
+`metrics_text` gives the ingress this replica's /metrics (ray_serve/metrics.py).
 
-Ray restarts a replica whose health check fails: `check_health` fails once the engine has died.
+An engine that dies inside the replica (its step raised: a tensor-parallel worker killed, a bug)
+fails every request it held (a stream ends with an error event, a waiting request a 503), then the
+app reports it (`on_engine_dead`). From then on:
+
+    check_health   fails, so Ray stops this replica and starts a new one (health_check_period_s)
+    forward        raises `ReplicaEngineStopped` before answering, which the ingress takes as "try
+                   another replica" (its retry names this replica to the router to avoid), so new
+                   requests reach a survivor in the seconds before Ray has replaced this one
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import ray
 from ray import serve
 
 from llmserve.config import ServerConfig
@@ -32,6 +41,15 @@ from llmserve.config.models import ModelSpec
 from llmserve.server.app import build_app
 
 REPLICA_HEADER = "x-llmserve-replica"
+NODE_HEADER = "x-llmserve-node"
+
+
+class ReplicaEngineStopped(RuntimeError):
+    """A request reached a replica whose engine has died (nothing was answered: retry elsewhere)."""
+
+    def __init__(self, replica_id: str, cause: BaseException) -> None:
+        super().__init__(f"replica {replica_id}: the engine has stopped: {cause!r}")
+        self.replica_id = replica_id
 
 
 @dataclass(slots=True)
@@ -57,6 +75,7 @@ class EngineReplica:
 
             torch.set_num_threads(torch_threads)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.node_id = ray.get_runtime_context().get_node_id()
         # The ingress checked the key; the replica is reachable through Ray only.
         config = ServerConfig(**{**server_options, "api_key": None})
         self.app = build_app([spec], config, engine_options)
@@ -70,9 +89,14 @@ class EngineReplica:
         if self.state.load_error is not None:
             raise RuntimeError(f"cannot load {spec.name!r}: {self.state.load_error}")
 
-    async def forward(self, request: ForwardedRequest, prefix_key: int | None = None) -> AsyncIterator[Any]:
+    async def forward(
+        self, request: ForwardedRequest, prefix_key: int | None = None, avoid_replica: str | None = None
+    ) -> AsyncIterator[Any]:
         """Run `request` through the app: yields {"status", "headers"} first, then body chunks.
-        `prefix_key` is read by the router (ray_serve/router.py), not here."""
+        `prefix_key` and `avoid_replica` are read by the router (ray_serve/router.py), not here.
+        `ReplicaEngineStopped` before anything once the engine has died."""
+        if self.engine_error is not None:
+            raise ReplicaEngineStopped(self.replica_id, self.engine_error)
         messages: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         gone = asyncio.Event()
         sent_body = False
@@ -104,7 +128,7 @@ class EngineReplica:
                     headers = [(k.decode(), v.decode()) for k, v in message.get("headers", [])]
                     yield {
                         "status": message["status"],
-                        "headers": [*headers, (REPLICA_HEADER, self.replica_id)],
+                        "headers": [*headers, (REPLICA_HEADER, self.replica_id), (NODE_HEADER, self.node_id)],
                     }
                 elif kind == "http.response.body":
                     if message.get("body"):
@@ -120,7 +144,7 @@ class EngineReplica:
                 await asyncio.wait_for(asyncio.shield(call), timeout=5.0)
 
     async def forward_whole(
-        self, request: ForwardedRequest, prefix_key: int | None = None
+        self, request: ForwardedRequest, prefix_key: int | None = None, avoid_replica: str | None = None
     ) -> tuple[int, list, bytes]:
         """`forward`'s answer in one piece: (status, headers, body)."""
         head: dict[str, Any] = {}

@@ -11,7 +11,8 @@ accepts (queue below `max_ongoing_requests`), else it moves to the next rank:
     2. power of two choices: the less loaded of two random replicas (Ray's default policy).
 
 A request without a key (a prompt shorter than one KV block, or a route that has no prompt) goes
-straight to 2. The home is a pure function of the key and the live replicas, so every ingress
+straight to 2. A retry names the replica that could not answer it (`avoid_replica`: its engine had
+died, ray_serve/replica.py), which is left out of the candidates while there are others. The home is a pure function of the key and the live replicas, so every ingress
 replica agrees on it and nothing is stored per prefix; when a replica dies, only its keys move.
 Ray's node-locality and model-multiplexing preferences (its mixins) are not used: one model, and
 where a prefix's blocks are cached matters more than which node a replica is on.
@@ -27,6 +28,8 @@ from llmserve.ray_serve.prefix import rendezvous_order
 
 PREFIX_KEY = "prefix_key"
 """The keyword argument of `EngineReplica.forward` that carries the routing key."""
+AVOID_REPLICA = "avoid_replica"
+"""The keyword argument that names a replica a retry must not go to (its id)."""
 
 
 class PrefixAwareRouter(RequestRouter):
@@ -40,10 +43,14 @@ class PrefixAwareRouter(RequestRouter):
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
+        kwargs = pending_request.kwargs if pending_request is not None else {}
+        if (avoid := kwargs.get(AVOID_REPLICA)) is not None:
+            others = [r for r in candidate_replicas if r.replica_id.unique_id != avoid]
+            candidate_replicas = others or candidate_replicas
         if not candidate_replicas:
             return []
         ranks = []
-        key = pending_request.kwargs.get(PREFIX_KEY) if pending_request is not None else None
+        key = kwargs.get(PREFIX_KEY)
         if key is not None:
             home = self._home(key, candidate_replicas)
             if not self._busy(home, candidate_replicas):
