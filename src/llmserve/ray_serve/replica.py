@@ -47,9 +47,12 @@ NODE_HEADER = "x-llmserve-node"
 class ReplicaEngineStopped(RuntimeError):
     """A request reached a replica whose engine has died (nothing was answered: retry elsewhere)."""
 
-    def __init__(self, replica_id: str, cause: BaseException) -> None:
-        super().__init__(f"replica {replica_id}: the engine has stopped: {cause!r}")
-        self.replica_id = replica_id
+    def __init__(self, replica_id: str, reason: str) -> None:
+        super().__init__(replica_id, reason)  # its args rebuild it where Ray unpickles it (the ingress)
+        self.replica_id, self.reason = replica_id, reason
+
+    def __str__(self) -> str:
+        return f"replica {self.replica_id}: the engine has stopped: {self.reason}"
 
 
 @dataclass(slots=True)
@@ -96,7 +99,7 @@ class EngineReplica:
         `prefix_key` and `avoid_replica` are read by the router (ray_serve/router.py), not here.
         `ReplicaEngineStopped` before anything once the engine has died."""
         if self.engine_error is not None:
-            raise ReplicaEngineStopped(self.replica_id, self.engine_error)
+            raise ReplicaEngineStopped(self.replica_id, repr(self.engine_error))
         messages: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         gone = asyncio.Event()
         sent_body = False
