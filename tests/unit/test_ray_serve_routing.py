@@ -233,6 +233,9 @@ def test_llmserve_serve_replicas_flags(model_dir: Path) -> None:
     assert options.api_key == "k" and options.model == str(model_dir)
     assert options.server_options["max_n"] == 3 and "api_key" not in options.server_options
     assert options.engine_options["max_num_seqs"] == 5
+    assert options.max_replicas_per_node is None
+    spread = ray_serve_options(serve_args(str(model_dir), "--replicas", "2", "--max-replicas-per-node", "1"))
+    assert spread.max_replicas_per_node == 1
     # the trace endpoint: the ingress's own option, handed to the replicas by build_application
     traced = ray_serve_options(
         serve_args(str(model_dir), "--replicas", "1", "--otlp-traces-endpoint", "h:4317")
