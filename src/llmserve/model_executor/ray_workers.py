@@ -116,8 +116,8 @@ class RayWorkers:
         self.pids = [pid for pid, _, _ in described]
         self.nodes = [address for _, address, _ in described]
         self.node_ids = [node_id for _, _, node_id in described]
+        # every worker on the driver's Ray node: they share its /dev/shm (the executor's transport)
         self.on_driver_node = all(node_id == driver_node for node_id in self.node_ids)
-        """Whether every worker shares the driver's Ray node (and so its /dev/shm)."""
         self.runs: list[Any] = []
 
     def start(self, port: int, shm_path: str | None = None) -> None:
