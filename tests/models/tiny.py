@@ -258,6 +258,10 @@ def make_tiny_gemma3_vlm(
         "resample": 2, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True,
     }))  # fmt: skip
+    (Path(folder) / "video_preprocessor_config.json").write_text(json.dumps({
+        "video_processor_type": "Qwen2VLVideoProcessor", "size": {"shortest_edge": 16 * 16, "longest_edge": 48 * 48},
+        "patch_size": 4, "temporal_patch_size": 2, "merge_size": 2,
+    }))  # fmt: skip
     return model
 
 
@@ -326,5 +330,9 @@ def _save_qwen_vl(
         "image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 16 * 16, "max_pixels": 48 * 48,
         "patch_size": 4, "temporal_patch_size": 2, "merge_size": 2,
         "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+    }))  # fmt: skip
+    (Path(folder) / "video_preprocessor_config.json").write_text(json.dumps({
+        "video_processor_type": "Qwen2VLVideoProcessor", "size": {"shortest_edge": 16 * 16, "longest_edge": 48 * 48},
+        "patch_size": 4, "temporal_patch_size": 2, "merge_size": 2,
     }))  # fmt: skip
     return model

@@ -242,6 +242,8 @@ class LLMEngine:
                 source.path if source.kind == "hf" else None,
                 vision.preprocessing if vision is not None else None,
                 self.model_config.do_pan_and_scan,
+                self.model_config.max_video_frames,
+                self.model_config.max_video_pixels,
             ),
         )
 
@@ -269,6 +271,15 @@ class LLMEngine:
             )
         return self.images
 
+    def _check_videos(self) -> PromptProcessor:
+        """The processor for a prompt with videos, or a ParameterError saying why there is none."""
+        if self.images is None or not hasattr(self.images, "expand_videos"):
+            raise ParameterError(
+                f"model {self.loaded.source.name} takes no videos (Qwen2-VL and Qwen2.5-VL do)",
+                param="videos",
+            )
+        return self.images
+
     def encode_prompt(
         self, prompt: str | Sequence[int], add_special_tokens: bool = True
     ) -> tuple[str | None, list[int]]:
@@ -293,11 +304,13 @@ class LLMEngine:
         params: SamplingParams,
         images: Sequence[Any] = (),
         add_special_tokens: bool = True,
+        videos: Sequence[Any] = (),
     ) -> ProcessedPrompt:
         """Tokenize and check a prompt against the model; raises ValueError, changes nothing.
         `images` (encoded bytes or PIL images): one per image marker of the text prompt (Gemma 3's
         `<start_of_image>`, Qwen2.5-VL's `<|image_pad|>`: what their chat templates write for each
-        image part).
+        image part). `videos` (Qwen2-VL / Qwen2.5-VL: frames, or a `Video` with its fps): one per
+        `<|video_pad|>`.
         `add_special_tokens`: False for a rendered chat template (it holds them already).
 
         Safe to call from another thread than the one that runs `step()`.
@@ -305,12 +318,21 @@ class LLMEngine:
         if self.is_encoder:
             raise ParameterError(self.embedding_only_message(), param="model")
         processor = self._check_images(images) if images else None
-        if processor is not None:
+        if videos:
+            processor = self._check_videos()
+            if not isinstance(prompt, str):
+                raise ParameterError("a prompt with videos must be text", param="prompt")
+            prompt, prepared_videos = processor.expand_videos(prompt, videos)  # type: ignore[attr-defined]
+        prepared: list[Any] = []
+        if processor is not None and images:
             if not isinstance(prompt, str):
                 raise ParameterError("a prompt with images must be text", param="prompt")
             prompt, prepared = processor.expand(prompt, images)
         text, ids = self.encode_prompt(prompt, add_special_tokens)
-        mm_inputs = processor.inputs(ids, prepared) if processor is not None else ()
+        if videos:
+            mm_inputs = processor.media_inputs(ids, prepared, prepared_videos)  # type: ignore[union-attr]
+        else:
+            mm_inputs = processor.inputs(ids, prepared) if processor is not None else ()
         if processor is None and self.images is not None:
             self.images.check_no_placeholders(ids)
         if not ids:
