@@ -149,6 +149,15 @@ def check_markers(prompt: str, marker: str, num_images: int, kind: str = "image"
         )
 
 
+def repeat_marker(prompt: str, marker: str, counts: Sequence[int]) -> str:
+    """`prompt` with its i-th `marker` repeated counts[i] times (one marker per item, checked)."""
+    pieces = prompt.split(marker)
+    out = [pieces[0]]
+    for n, piece in zip(counts, pieces[1:], strict=True):
+        out += [marker * n, piece]
+    return "".join(out)
+
+
 def preprocess_one(preprocess: Any, image: Any, index: int) -> Any:
     """`preprocess(image)`, its ValueError a ParameterError naming `images[index]`."""
     try:

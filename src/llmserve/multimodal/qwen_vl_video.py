@@ -19,6 +19,7 @@ bit-identical, resized ones may differ in the last bits.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,8 +32,15 @@ import torch
 from llmserve.core.multimodal import MultiModalInput
 from llmserve.errors import ParameterError
 from llmserve.multimodal.image import decode_image, image_hash, resize_and_normalize
-from llmserve.multimodal.processor import ImageSource, PreparedImage, check_markers, place_images, token_name
-from llmserve.multimodal.qwen_vl import CLIP_MEAN, CLIP_STD, QwenVLPromptProcessor, smart_resize
+from llmserve.multimodal.processor import (
+    ImageSource,
+    PreparedImage,
+    check_markers,
+    place_images,
+    repeat_marker,
+    token_name,
+)
+from llmserve.multimodal.qwen_vl import QwenVLImagePreprocessor, QwenVLPromptProcessor, smart_resize
 
 DEFAULT_FPS = 2.0
 """The frame rate a video is taken to have when its caller gives none (Qwen's sampling rate)."""
@@ -57,47 +65,44 @@ class Video:
 
 @dataclass(frozen=True, slots=True)
 class QwenVLVideoPreprocessor:
-    patch_size: int
-    temporal_patch_size: int
-    merge_size: int
-    min_pixels: int
-    max_pixels: int
+    frame: QwenVLImagePreprocessor
+    """How each frame is resized and normalized: the image preprocessing with the video config's
+    values (its min/max pixels above all)."""
     max_frames: int
     max_pixels_in: int
-    mean: tuple[float, float, float] = CLIP_MEAN
-    std: tuple[float, float, float] = CLIP_STD
-    rescale_factor: float = 1 / 255
-    resample: int = 3  # PIL's BICUBIC
 
     @classmethod
     def for_model(cls, source: ImageSource, vision_config: Any) -> QwenVLVideoPreprocessor:
-        """From the checkpoint's video_preprocessor_config.json (`size.shortest_edge` /
-        `longest_edge` or `min_pixels` / `max_pixels`), else transformers' video defaults."""
-        folder = source.folder
-        path = None if folder is None else Path(folder) / "video_preprocessor_config.json"
+        """The image preprocessing, overridden by the checkpoint's video_preprocessor_config.json
+        (`size.shortest_edge` / `longest_edge` or `min_pixels` / `max_pixels`) or, without one,
+        transformers' video defaults for the pixel limits."""
+        image = QwenVLImagePreprocessor.for_model(source.folder, vision_config)
+        path = None if source.folder is None else Path(source.folder) / "video_preprocessor_config.json"
         cfg: dict[str, Any] = json.loads(path.read_text()) if path is not None and path.is_file() else {}
         size = cfg.get("size") or {}
-        return cls(
-            patch_size=int(cfg.get("patch_size", vision_config.patch_size)),
-            temporal_patch_size=int(cfg.get("temporal_patch_size", vision_config.temporal_patch_size)),
-            merge_size=int(cfg.get("merge_size", vision_config.spatial_merge_size)),
+        names = {"patch_size": "patch_size", "temporal_patch_size": "temporal_patch_size",
+                 "merge_size": "merge_size", "image_mean": "mean", "image_std": "std",
+                 "rescale_factor": "rescale_factor", "resample": "resample"}  # fmt: skip
+        frame = dataclasses.replace(
+            image,
             min_pixels=int(cfg.get("min_pixels") or size.get("shortest_edge") or 128 * 28 * 28),
             max_pixels=int(cfg.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 768),
-            max_frames=source.max_video_frames,
-            max_pixels_in=source.max_video_pixels,
-            mean=tuple(cfg.get("image_mean", CLIP_MEAN)),  # type: ignore[arg-type]
-            std=tuple(cfg.get("image_std", CLIP_STD)),  # type: ignore[arg-type]
-            rescale_factor=float(cfg.get("rescale_factor", 1 / 255)),
-            resample=int(cfg.get("resample", 3)),
+            **{
+                ours: tuple(cfg[key]) if key.startswith("image_") else cfg[key]
+                for key, ours in names.items()
+                if key in cfg
+            },
         )
+        return cls(frame, source.max_video_frames, source.max_video_pixels)
 
     def __call__(self, video: Video | Any) -> VideoPatches:
         video = video if isinstance(video, Video) else Video(video)
         frames = self._frames(video.frames)
-        P, T, m = self.patch_size, self.temporal_patch_size, self.merge_size
+        prep = self.frame
+        P, T, m = prep.patch_size, prep.temporal_patch_size, prep.merge_size
         first = frames[0]
-        h, w = smart_resize(first.height, first.width, P * m, self.min_pixels, self.max_pixels)
-        x = np.stack([resize_and_normalize(f, h, w, self) for f in frames])  # [F, 3, h, w]
+        h, w = smart_resize(first.height, first.width, P * m, prep.min_pixels, prep.max_pixels)
+        x = np.stack([resize_and_normalize(f, h, w, prep) for f in frames])  # [F, 3, h, w]
         if pad := -len(frames) % T:  # as transformers: the last frame repeated
             x = np.concatenate([x, np.repeat(x[-1:], pad, axis=0)])
         gt, gh, gw = len(x) // T, h // P, w // P
@@ -203,13 +208,9 @@ class QwenVLMediaPromptProcessor(QwenVLPromptProcessor):
             # the time scale is part of the identity: it moves the frames' positions (their K)
             identity = f"video:{image_hash(patches.pixels)}:{t}x{h}x{w}:{patches.second_per_grid_t!r}"
             prepared.append(
-                PreparedImage(patches, identity, t * h * w // self.preprocess_video.merge_size**2)
+                PreparedImage(patches, identity, t * h * w // self.preprocess_video.frame.merge_size**2)
             )
-        pieces = prompt.split(self.video_pad)
-        out = [pieces[0]]
-        for video, piece in zip(prepared, pieces[1:], strict=True):
-            out += [self.video_pad * video.num_tokens, piece]
-        return "".join(out), prepared
+        return repeat_marker(prompt, self.video_pad, [v.num_tokens for v in prepared]), prepared
 
     def media_inputs(
         self, token_ids: Sequence[int], images: Sequence[PreparedImage], videos: Sequence[PreparedImage]
