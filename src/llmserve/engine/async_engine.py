@@ -247,7 +247,7 @@ class AsyncEngine:
     @property
     def takes_videos(self) -> bool:
         """Whether the model takes videos (`process_inputs(..., videos=...)`: Qwen2-VL, Qwen2.5-VL)."""
-        return hasattr(self.engine.images, "expand_videos")
+        return self.engine.media.takes_videos
 
     def add_request(
         self,

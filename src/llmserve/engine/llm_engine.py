@@ -25,6 +25,7 @@ from llmserve.core.request import Request, RequestStatus
 from llmserve.core.sched_output import SchedulerOutput
 from llmserve.core.scheduler import Scheduler, make_scheduler
 from llmserve.engine.kv_sizing import encoder_blocks, size_kv_cache
+from llmserve.engine.media_inputs import MediaInputs
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.errors import ParameterError
 from llmserve.lora import LoRARequest, module_requests
@@ -113,6 +114,10 @@ class LLMEngine:
         self.hidden_size = int(getattr(text_config, "hidden_size", 0))
         self.images = self._image_processor()
         """Prompts with images (None: the model takes none)."""
+        self.media = MediaInputs(
+            self.images, self.loaded.source.name, bool(getattr(self.loaded.model, "bidirectional_images", False)),
+            self.loaded.profile.attention_backend, self.scheduler_config.max_num_batched_tokens,
+        )  # fmt: skip
         source = self.loaded.source
         self.default_pooling = default_pooling_params(
             model_config.pooling,
@@ -247,39 +252,6 @@ class LLMEngine:
             ),
         )
 
-    def _check_images(self, images: Sequence[Any]) -> PromptProcessor:
-        """The processor for a prompt with `images`, or a ParameterError saying why there is none."""
-        if self.images is None:
-            raise ParameterError(
-                f"model {self.loaded.source.name} takes no images (text only)", param="images"
-            )
-        if not self.images.both_ways:
-            return self.images  # attended causally: any backend, chunks split images anywhere
-        if not getattr(self.loaded.model, "bidirectional_images", False):
-            raise ParameterError(
-                f"images need an attention backend that attends an image's tokens both ways (torch, "
-                f"cpu, triton); this engine runs {self.loaded.profile.attention_backend!r}",
-                param="images",
-            )
-        n = self.images.tokens_per_image  # type: ignore[attr-defined]  # both ways: Gemma 3's fixed count
-        budget = self.scheduler_config.max_num_batched_tokens
-        if n > budget:  # an image's tokens run in one chunk (core/multimodal.py)
-            raise ParameterError(
-                f"an image is {n} tokens, more than the step's token budget ({budget}, "
-                f"max_num_batched_tokens)",
-                param="images",
-            )
-        return self.images
-
-    def _check_videos(self) -> PromptProcessor:
-        """The processor for a prompt with videos, or a ParameterError saying why there is none."""
-        if self.images is None or not hasattr(self.images, "expand_videos"):
-            raise ParameterError(
-                f"model {self.loaded.source.name} takes no videos (Qwen2-VL and Qwen2.5-VL do)",
-                param="videos",
-            )
-        return self.images
-
     def encode_prompt(
         self, prompt: str | Sequence[int], add_special_tokens: bool = True
     ) -> tuple[str | None, list[int]]:
@@ -317,24 +289,9 @@ class LLMEngine:
         """
         if self.is_encoder:
             raise ParameterError(self.embedding_only_message(), param="model")
-        processor = self._check_images(images) if images else None
-        if videos:
-            processor = self._check_videos()
-            if not isinstance(prompt, str):
-                raise ParameterError("a prompt with videos must be text", param="prompt")
-            prompt, prepared_videos = processor.expand_videos(prompt, videos)  # type: ignore[attr-defined]
-        prepared: list[Any] = []
-        if processor is not None and images:
-            if not isinstance(prompt, str):
-                raise ParameterError("a prompt with images must be text", param="prompt")
-            prompt, prepared = processor.expand(prompt, images)
+        prompt, place = self.media.expand(prompt, images, videos)
         text, ids = self.encode_prompt(prompt, add_special_tokens)
-        if videos:
-            mm_inputs = processor.media_inputs(ids, prepared, prepared_videos)  # type: ignore[union-attr]
-        else:
-            mm_inputs = processor.inputs(ids, prepared) if processor is not None else ()
-        if processor is None and self.images is not None:
-            self.images.check_no_placeholders(ids)
+        mm_inputs = place(ids)
         if not ids:
             raise ParameterError("the prompt is empty after tokenization", param="prompt")
         params.validate_for_model(self.vocab_size)
