@@ -258,15 +258,20 @@ def make_tiny_gemma3_vlm(
         "resample": 2, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True,
     }))  # fmt: skip
+    (Path(folder) / "video_preprocessor_config.json").write_text(json.dumps({
+        "video_processor_type": "Qwen2VLVideoProcessor", "size": {"shortest_edge": 16 * 16, "longest_edge": 48 * 48},
+        "patch_size": 4, "temporal_patch_size": 2, "merge_size": 2,
+    }))  # fmt: skip
     return model
 
 
-QWEN_VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")
-"""The tiny Qwen2.5-VL's vision start, end and image pad tokens, ids 509, 510, 511."""
+QWEN_VL_TOKENS = ("<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>")
+"""The tiny Qwen VL models' video pad, vision start, end and image pad tokens, ids 508 to 511."""
 QWEN_VL_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
     "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for part in m['content'] %}"
     "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
@@ -281,20 +286,40 @@ def make_tiny_qwen2_5_vl(folder: Path, seed: int = 0, tied: bool = False) -> tra
     between 16 x 16 and 48 x 48 pixels' worth, multiples of 8). `tied`: the LM head is the
     embedding (the top-level config's flag, as Qwen2.5-VL 3B has it)."""
     torch.manual_seed(seed)
+    vision = dict(
+        depth=4, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=4, temporal_patch_size=2,
+        spatial_merge_size=2, window_size=16, fullatt_block_indexes=[1, 3], out_hidden_size=64,
+        initializer_range=0.15, tokens_per_second=2,
+    )  # fmt: skip
+    return _save_qwen_vl(folder, transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration,
+                         vision, tied)  # fmt: skip
+
+
+def make_tiny_qwen2_vl(folder: Path, seed: int = 0) -> transformers.PreTrainedModel:
+    """A Qwen2VLForConditionalGeneration: the text model, tokenizer and preprocessing of
+    `make_tiny_qwen2_5_vl` with Qwen2-VL's 3-block vision tower (LayerNorms, a quick-GELU MLP)."""
+    torch.manual_seed(seed)
+    vision = dict(
+        depth=3, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2, patch_size=4,
+        temporal_patch_size=2, spatial_merge_size=2, hidden_act="quick_gelu", initializer_range=0.15,
+    )  # fmt: skip
+    return _save_qwen_vl(
+        folder, transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration, vision
+    )
+
+
+def _save_qwen_vl(
+    folder: Path, config_cls, model_cls, vision: dict, tied: bool = False
+) -> transformers.PreTrainedModel:
     text = dict(
         _LLAMA_LIKE, max_position_embeddings=512, eos_token_id=0, bos_token_id=None,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]},
     )  # fmt: skip
-    vision = dict(
-        depth=4, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=4, temporal_patch_size=2,
-        spatial_merge_size=2, window_size=16, fullatt_block_indexes=[1, 3], out_hidden_size=64,
-        initializer_range=0.15,
-    )  # fmt: skip
-    config = transformers.Qwen2_5_VLConfig(
+    config = config_cls(
         text_config=text, vision_config=vision, image_token_id=511, video_token_id=508,
         vision_start_token_id=509, vision_end_token_id=510, tie_word_embeddings=tied,
     )  # fmt: skip
-    model = transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
+    model = model_cls(config).eval()
     model.save_pretrained(folder)
     save_tiny_tokenizer(Path(folder), 512, QWEN_VL_TOKENS)
     path = Path(folder) / "tokenizer_config.json"
@@ -305,5 +330,9 @@ def make_tiny_qwen2_5_vl(folder: Path, seed: int = 0, tied: bool = False) -> tra
         "image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 16 * 16, "max_pixels": 48 * 48,
         "patch_size": 4, "temporal_patch_size": 2, "merge_size": 2,
         "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+    }))  # fmt: skip
+    (Path(folder) / "video_preprocessor_config.json").write_text(json.dumps({
+        "video_processor_type": "Qwen2VLVideoProcessor", "size": {"shortest_edge": 16 * 16, "longest_edge": 48 * 48},
+        "patch_size": 4, "temporal_patch_size": 2, "merge_size": 2,
     }))  # fmt: skip
     return model

@@ -35,6 +35,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "pan-and-scan); default: the checkpoint's preprocessor_config.json",
     )  # fmt: skip
     g.add_argument(
+        "--max-video-frames", type=int, default=768,
+        help="Qwen2-VL / Qwen2.5-VL videos: the most frames one video may have (more: 400)",
+    )  # fmt: skip
+    g.add_argument(
+        "--max-video-pixels", type=int, default=256 * 2**20,
+        help="Qwen2-VL / Qwen2.5-VL videos: the most pixels a video's frames hold together, as given (more: 400)",
+    )  # fmt: skip
+    g.add_argument(
         "--model-impl", default="auto", choices=["auto", "native", "transformers"],
         help="whose modelling code runs the model: llmserve's (native) or transformers' (slower; no prefix "
         "caching); auto: native when the architecture has one, else transformers",
@@ -212,6 +220,8 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "model_impl": args.model_impl,
         "mmproj": args.mmproj,
         "do_pan_and_scan": args.do_pan_and_scan,
+        "max_video_frames": args.max_video_frames,
+        "max_video_pixels": args.max_video_pixels,
         "speculative_config": args.speculative_config,
         "pooling": args.pooling,
         "normalize_embeddings": args.normalize_embeddings,

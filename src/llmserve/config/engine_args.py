@@ -45,6 +45,8 @@ class EngineArgs:
     show_progress: bool = True
     mmproj: str | None = None
     do_pan_and_scan: bool | None = None
+    max_video_frames: int = 768
+    max_video_pixels: int = 256 * 2**20
     model_impl: str = "auto"
     attention_backend: str = "auto"
     enforce_eager: bool = False
@@ -111,6 +113,8 @@ class EngineArgs:
             show_progress=self.show_progress,
             mmproj=self.mmproj,
             do_pan_and_scan=self.do_pan_and_scan,
+            max_video_frames=self.max_video_frames,
+            max_video_pixels=self.max_video_pixels,
             model_impl=self.model_impl,  # type: ignore[arg-type]
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,

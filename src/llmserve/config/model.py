@@ -103,6 +103,12 @@ class ModelConfig:
     """Gemma 3 with images: also show the model crops of a wide or tall image (transformers'
     pan-and-scan: 2 to `pan_and_scan_max_num_crops` crops along the long side, each 256 tokens more
     on Gemma 3). None: the checkpoint's preprocessor_config.json says (off where it does not)."""
+    max_video_frames: int = 768
+    """Qwen2-VL / Qwen2.5-VL videos: the most frames one video may have (transformers'
+    `max_frames`); a longer one is refused (400)."""
+    max_video_pixels: int = 256 * 2**20
+    """Qwen2-VL / Qwen2.5-VL videos: the most pixels a video's frames may hold together as given
+    (frames x height x width, before resizing); a larger one is refused (400)."""
     model_impl: ModelImplName = "auto"
     """Whose modelling code runs the forward pass. `native`: llmserve's own (paged attention,
     quantized kernels, prefix caching). `transformers`: transformers' modelling code for the
@@ -142,6 +148,11 @@ class ModelConfig:
         if self.mmproj is not None and not self.mmproj.endswith(".gguf"):
             raise ValueError(
                 f"mmproj must be a .gguf file (llama.cpp's vision projector); got {self.mmproj!r}"
+            )
+        if self.max_video_frames < 1 or self.max_video_pixels < 1:
+            raise ValueError(
+                f"max_video_frames and max_video_pixels must be >= 1; got {self.max_video_frames}, "
+                f"{self.max_video_pixels}"
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1; got {self.max_model_len}")

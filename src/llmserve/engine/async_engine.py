@@ -231,15 +231,23 @@ class AsyncEngine:
         params: SamplingParams,
         images: Sequence[Any] = (),
         add_special_tokens: bool = True,
+        videos: Sequence[Any] = (),
     ) -> ProcessedPrompt:
-        """Tokenize and check a prompt (and decode and preprocess its images) off the event loop
-        (long prompts take milliseconds, images more)."""
-        return await asyncio.to_thread(self.engine.process_inputs, prompt, params, images, add_special_tokens)
+        """Tokenize and check a prompt (and decode and preprocess its images and videos) off the
+        event loop (long prompts take milliseconds, images more)."""
+        return await asyncio.to_thread(
+            self.engine.process_inputs, prompt, params, images, add_special_tokens, videos
+        )
 
     @property
     def takes_images(self) -> bool:
         """Whether the model takes images (`process_inputs(..., images)`)."""
         return self.engine.images is not None
+
+    @property
+    def takes_videos(self) -> bool:
+        """Whether the model takes videos (`process_inputs(..., videos=...)`: Qwen2-VL, Qwen2.5-VL)."""
+        return self.engine.media.takes_videos
 
     def add_request(
         self,

@@ -11,6 +11,7 @@ prompts and the running output throughput.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Iterable, Sequence
@@ -23,6 +24,7 @@ from llmserve.config.engine_args import EngineArgs
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.errors import ParameterError
 from llmserve.lora import LoRARequest
+from llmserve.multimodal.qwen_vl_video import videos_of
 from llmserve.outputs import EmbeddingOutput, RequestOutput
 from llmserve.pooling_params import PoolingParams
 from llmserve.sampling_params import SamplingParams
@@ -59,21 +61,30 @@ def _is_single_prompt(x: object) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class ImagePrompt:
-    """A text prompt with images (vLLM's {"prompt": ..., "multi_modal_data": {"image": ...}})."""
+    """A text prompt with images and videos (vLLM's {"prompt": ..., "multi_modal_data":
+    {"image": ..., "video": ...}})."""
 
     prompt: str
     images: tuple[Any, ...]
+    videos: tuple[Any, ...] = ()
 
 
-def _images_of(data: object, index: int) -> tuple[Any, ...]:
-    """`multi_modal_data` -> its images (one image or a list; PIL images or encoded bytes)."""
-    if not isinstance(data, dict) or set(data) != {"image"}:
-        raise ValueError(f"prompt {index}: 'multi_modal_data' must be a dict with one key, 'image'")
-    images = data["image"]
+def _media_of(data: object, index: int) -> ImagePrompt:
+    """`multi_modal_data` -> its images (one image or a list; PIL images or encoded bytes) and
+    videos (multimodal/qwen_vl_video.py's `videos_of`), with an empty prompt."""
+    if not isinstance(data, dict) or not data or not set(data) <= {"image", "video"}:
+        raise ValueError(
+            f"prompt {index}: 'multi_modal_data' must be a dict with keys 'image' and/or 'video'"
+        )
+    images = data.get("image", ())
     images = tuple(images) if isinstance(images, (list, tuple)) else (images,)
-    if not images:
-        raise ValueError(f"prompt {index}: 'multi_modal_data' has no image")
-    return images
+    try:
+        videos = videos_of(data["video"]) if "video" in data else ()
+    except ValueError as e:
+        raise ValueError(f"prompt {index}: {e}") from None
+    if not images and not videos:
+        raise ValueError(f"prompt {index}: 'multi_modal_data' has no image or video")
+    return ImagePrompt("", images, videos)
 
 
 def to_prompt(x: object, index: int) -> Prompt | ImagePrompt:
@@ -85,7 +96,7 @@ def to_prompt(x: object, index: int) -> Prompt | ImagePrompt:
         text = to_prompt(rest, index)
         if not isinstance(text, str):
             raise ValueError(f"prompt {index}: a prompt with 'multi_modal_data' must be text ('prompt')")
-        return ImagePrompt(text, _images_of(x["multi_modal_data"], index))
+        return dataclasses.replace(_media_of(x["multi_modal_data"], index), prompt=text)
     if isinstance(x, dict):
         keys = [k for k in _PROMPT_KEYS if k in x]
         extra = sorted(str(k) for k in x if k not in _PROMPT_KEYS)
@@ -143,8 +154,11 @@ class LLM:
         """Completions for a prompt or a list of prompts, in order. A prompt is a string, a list
         of token ids, or (vLLM's forms) {"prompt": text} or {"prompt_token_ids": ids}; a model that
         takes images takes {"prompt": text, "multi_modal_data": {"image": a PIL image or a list}},
-        the text holding one image marker per image (Gemma 3: `<start_of_image>`; Qwen2.5-VL:
-        `<|vision_start|><|image_pad|><|vision_end|>`).
+        the text holding one image marker per image (Gemma 3: `<start_of_image>`; Qwen2-VL and
+        Qwen2.5-VL: `<|vision_start|><|image_pad|><|vision_end|>`); Qwen2-VL and Qwen2.5-VL take
+        videos too, {"video": frames} (a list of PIL images or a [T, H, W, 3] uint8 array, or
+        (frames, {"fps": ...}); several: a list), one `<|vision_start|><|video_pad|><|vision_end|>`
+        each.
         `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base
         model); the engine needs `enable_lora=True`."""
         if _is_single_prompt(prompts):
@@ -237,7 +251,7 @@ class LLM:
             for i, (req_id, prompt, p) in enumerate(zip(ids, prompts, params, strict=True)):
                 lora = loras[i] if loras else None
                 if isinstance(prompt, ImagePrompt):
-                    prompt = engine.process_inputs(prompt.prompt, p, prompt.images)
+                    prompt = engine.process_inputs(prompt.prompt, p, prompt.images, videos=prompt.videos)
                 engine.add_request(
                     req_id, prompt, p, priority=priority[i] if priority else 0, lora_request=lora
                 )

@@ -25,6 +25,7 @@ from llmserve.core.request import Request, RequestStatus
 from llmserve.core.sched_output import SchedulerOutput
 from llmserve.core.scheduler import Scheduler, make_scheduler
 from llmserve.engine.kv_sizing import encoder_blocks, size_kv_cache
+from llmserve.engine.media_inputs import MediaInputs
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.errors import ParameterError
 from llmserve.lora import LoRARequest, module_requests
@@ -113,6 +114,10 @@ class LLMEngine:
         self.hidden_size = int(getattr(text_config, "hidden_size", 0))
         self.images = self._image_processor()
         """Prompts with images (None: the model takes none)."""
+        self.media = MediaInputs(
+            self.images, self.loaded.source.name, bool(getattr(self.loaded.model, "bidirectional_images", False)),
+            self.loaded.profile.attention_backend, self.scheduler_config.max_num_batched_tokens,
+        )  # fmt: skip
         source = self.loaded.source
         self.default_pooling = default_pooling_params(
             model_config.pooling,
@@ -242,32 +247,10 @@ class LLMEngine:
                 source.path if source.kind == "hf" else None,
                 vision.preprocessing if vision is not None else None,
                 self.model_config.do_pan_and_scan,
+                self.model_config.max_video_frames,
+                self.model_config.max_video_pixels,
             ),
         )
-
-    def _check_images(self, images: Sequence[Any]) -> PromptProcessor:
-        """The processor for a prompt with `images`, or a ParameterError saying why there is none."""
-        if self.images is None:
-            raise ParameterError(
-                f"model {self.loaded.source.name} takes no images (text only)", param="images"
-            )
-        if not self.images.both_ways:
-            return self.images  # attended causally: any backend, chunks split images anywhere
-        if not getattr(self.loaded.model, "bidirectional_images", False):
-            raise ParameterError(
-                f"images need an attention backend that attends an image's tokens both ways (torch, "
-                f"cpu, triton); this engine runs {self.loaded.profile.attention_backend!r}",
-                param="images",
-            )
-        n = self.images.tokens_per_image  # type: ignore[attr-defined]  # both ways: Gemma 3's fixed count
-        budget = self.scheduler_config.max_num_batched_tokens
-        if n > budget:  # an image's tokens run in one chunk (core/multimodal.py)
-            raise ParameterError(
-                f"an image is {n} tokens, more than the step's token budget ({budget}, "
-                f"max_num_batched_tokens)",
-                param="images",
-            )
-        return self.images
 
     def encode_prompt(
         self, prompt: str | Sequence[int], add_special_tokens: bool = True
@@ -293,26 +276,22 @@ class LLMEngine:
         params: SamplingParams,
         images: Sequence[Any] = (),
         add_special_tokens: bool = True,
+        videos: Sequence[Any] = (),
     ) -> ProcessedPrompt:
         """Tokenize and check a prompt against the model; raises ValueError, changes nothing.
         `images` (encoded bytes or PIL images): one per image marker of the text prompt (Gemma 3's
         `<start_of_image>`, Qwen2.5-VL's `<|image_pad|>`: what their chat templates write for each
-        image part).
+        image part). `videos` (Qwen2-VL / Qwen2.5-VL: frames, or a `Video` with its fps): one per
+        `<|video_pad|>`.
         `add_special_tokens`: False for a rendered chat template (it holds them already).
 
         Safe to call from another thread than the one that runs `step()`.
         """
         if self.is_encoder:
             raise ParameterError(self.embedding_only_message(), param="model")
-        processor = self._check_images(images) if images else None
-        if processor is not None:
-            if not isinstance(prompt, str):
-                raise ParameterError("a prompt with images must be text", param="prompt")
-            prompt, prepared = processor.expand(prompt, images)
+        prompt, place = self.media.expand(prompt, images, videos)
         text, ids = self.encode_prompt(prompt, add_special_tokens)
-        mm_inputs = processor.inputs(ids, prepared) if processor is not None else ()
-        if processor is None and self.images is not None:
-            self.images.check_no_placeholders(ids)
+        mm_inputs = place(ids)
         if not ids:
             raise ParameterError("the prompt is empty after tokenization", param="prompt")
         params.validate_for_model(self.vocab_size)

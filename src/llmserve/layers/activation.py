@@ -14,6 +14,10 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+def _quick_gelu(x: torch.Tensor) -> torch.Tensor:  # CLIP's sigmoid approximation (Qwen2-VL's tower)
+    return x * torch.sigmoid(1.702 * x)
+
+
 # HF `hidden_act` names -> elementwise function.
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -23,6 +27,7 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_fast": _gelu_tanh,
     "gelu_pytorch_tanh": _gelu_tanh,
     "relu": F.relu,
+    "quick_gelu": _quick_gelu,
 }
 
 

@@ -1,5 +1,6 @@
 """Multimodal RoPE (M-RoPE, Qwen2-VL / Qwen2.5-VL): three position ids per token, temporal,
-height and width, each rotating its own section of the frequencies.
+height and width, each rotating its own section of the frequencies. A video's frames (after
+temporal patching: one grid frame per pair of video frames) step the temporal id.
 
     frequencies  [ f_0 ... f_a-1 | f_a ... f_a+b-1 | f_a+b ... f_D/2-1 ]     mrope_section = [a, b, c]
     rotated by     temporal pos     height pos          width pos
@@ -54,20 +55,26 @@ class MRotaryEmbedding(RotaryEmbedding):
 
 
 def mrope_prompt_positions(
-    num_tokens: int, images: Sequence[tuple[int, int, int, int]]
+    num_tokens: int, images: Sequence[tuple[int, int, int, int] | tuple[int, int, int, int, float]]
 ) -> tuple[np.ndarray, int]:
     """A prompt's M-RoPE positions [3, num_tokens] and its delta. `images`: (offset, t, h, w) of
-    each image in prompt order, its t * h * w tokens from `offset` (the grid the language model
-    sees, after the merger), row-major over (t, h, w)."""
+    each image or video in prompt order, its t * h * w tokens from `offset` (the grid the language
+    model sees, after the merger), row-major over (t, h, w); a fifth item, a video's time interval,
+    spaces its frames' temporal ids (Qwen2.5-VL: `tokens_per_second * second_per_grid_t`, each
+    frame at int(f * interval) as transformers' float32 product; default 1)."""
     out = np.empty((3, num_tokens), dtype=np.int64)
     index = pos = 0  # the next token's index in the prompt, its text position
-    for offset, t, h, w in images:
+    for offset, t, h, w, *interval in images:
         n = offset - index  # text before the image
         out[:, index:offset] = np.arange(pos, pos + n)
         pos += n
         grid = np.indices((t, h, w)).reshape(3, -1)  # [3, t*h*w]: (frame, row, col) of each token
+        if interval:
+            times = (np.arange(t, dtype=np.float32) * np.float32(interval[0])).astype(np.int64)
+            grid[0] = np.repeat(times, h * w)
         out[:, offset : offset + t * h * w] = grid + pos
-        index, pos = offset + t * h * w, pos + max(h, w)  # as transformers (images: t = 1)
+        # as transformers: the text after a video too goes on from max(h, w), whatever its length
+        index, pos = offset + t * h * w, pos + max(h, w)
     out[:, index:] = np.arange(pos, pos + num_tokens - index)
     delta = int(out.max()) + 1 - num_tokens if num_tokens else 0
     return out, delta

@@ -29,6 +29,7 @@ from llmserve.models.qwen2_5_vl_vision import Qwen2_5_VisionTransformer
 
 if TYPE_CHECKING:
     from llmserve.multimodal.qwen_vl import ImagePatches
+    from llmserve.multimodal.qwen_vl_video import VideoPatches
 
 
 def mrope_settings(text_config: Any) -> tuple[dict[str, Any], list[int]]:
@@ -37,7 +38,7 @@ def mrope_settings(text_config: Any) -> tuple[dict[str, Any], list[int]]:
     params = rope_parameters(text_config)
     section = params.pop("mrope_section", None)
     if section is None:
-        raise ValueError("Qwen2.5-VL: the text config has no mrope_section")
+        raise ValueError("Qwen2-VL / Qwen2.5-VL: the text config has no mrope_section")
     if params.get("rope_type") in ("mrope", None):
         params["rope_type"] = "default"
     return params, list(section)
@@ -49,6 +50,7 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
     rope_axes: ClassVar[int] = 3
     _TEXT_PREFIXES = ("model.language_model.",)  # older checkpoints: the text stack under `model.`
     _VISION_PREFIXES = ("model.visual.", "visual.")
+    vision_tower: ClassVar[type[torch.nn.Module]] = Qwen2_5_VisionTransformer
 
     def __init__(self, config: Any, backend: AttentionBackend) -> None:
         text = config.get_text_config()
@@ -61,12 +63,15 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
         self.model.rotary_emb = MRotaryEmbedding(
             head_dim_of(text), text.max_position_embeddings, params, section
         )
-        self.visual = Qwen2_5_VisionTransformer(config.vision_config)
+        self.visual = self.vision_tower(config.vision_config)
         self.image_token_id = int(config.image_token_id)
+        self.video_token_id = int(config.video_token_id)
         self.merge = int(config.vision_config.spatial_merge_size)
+        # a video's temporal M-RoPE ids advance tokens_per_second x its seconds a grid frame
+        self.tokens_per_second = getattr(config.vision_config, "tokens_per_second", None)
 
     @torch.inference_mode()
-    def encode_image(self, image: ImagePatches) -> torch.Tensor:  # -> [tokens, H]
+    def encode_image(self, image: ImagePatches | VideoPatches) -> torch.Tensor:  # -> [tokens, H]
         device = self.visual.patch_embed.proj.weight.device
         return self.visual(image.pixels.to(device), image.grid)
 
@@ -81,11 +86,17 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
     def rope_positions(
         self, num_prompt_tokens: int, images: Sequence[MultiModalInput]
     ) -> tuple[np.ndarray, int]:
-        """A prompt's M-RoPE positions [3, num_prompt_tokens] and the delta of its later tokens."""
+        """A prompt's M-RoPE positions [3, num_prompt_tokens] and the delta of its later tokens
+        (`images`: its images and videos in prompt order)."""
         grids = []
         for m in images:
             t, h, w = m.data.grid  # type: ignore[attr-defined]
-            grids.append((m.offset, t, h // self.merge, w // self.merge))
+            seconds = getattr(m.data, "second_per_grid_t", None)  # a video's
+            if seconds is None or self.tokens_per_second is None:  # Qwen2-VL: one id a grid frame
+                grids.append((m.offset, t, h // self.merge, w // self.merge))
+            else:
+                interval = self.tokens_per_second * seconds
+                grids.append((m.offset, t, h // self.merge, w // self.merge, interval))
         return mrope_prompt_positions(num_prompt_tokens, grids)
 
     def map_weight_name(self, name: str) -> str | None:

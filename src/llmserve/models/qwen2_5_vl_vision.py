@@ -8,11 +8,14 @@
         x = x + down(silu(gate(n2(x))) * up(n2(x)))
     merger: RMSNorm, each m * m run concatenated -> Linear -> GELU -> Linear   -> [L / m^2, H_text]
 
-Window attention: patches attend only within their window, a square of
+Attention never crosses frames: a video's patches attend within their own frame (transformers'
+`cu_seqlens`, one sequence a frame); an image is one frame. Window attention: patches attend only
+within their window, a square of
 `window_size / patch_size / m` merged cells a side (the image's last row and column of windows
 may be smaller). transformers reorders the patches window by window and back; this keeps the
-processor's order and masks instead, the same sums per query. No KV cache: an image is encoded
-once, when a prefill chunk first reaches its tokens. Architecture only.
+processor's order and masks instead, the same sums per query. No KV cache: an image or a video is
+encoded once, when a prefill chunk first reaches its tokens. `VisionTower` is what Qwen2-VL's tower
+(qwen2_vl_vision.py: LayerNorm, a fc1/fc2 MLP, no windows) shares with this one. Architecture only.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from llmserve.layers.layernorm import RMSNorm
 from llmserve.layers.linear import Linear
 from llmserve.layers.mlp import GatedMLP
 
-_NORM_EPS = 1e-6
+NORM_EPS = 1e-6
 """Every norm of the tower (transformers hard-codes it)."""
 
 
@@ -59,9 +62,9 @@ class VisionBlock(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         C = config.hidden_size
-        self.norm1 = RMSNorm(C, _NORM_EPS)
+        self.norm1 = RMSNorm(C, NORM_EPS)
         self.attn = VisionAttention(C, config.num_heads)
-        self.norm2 = RMSNorm(C, _NORM_EPS)
+        self.norm2 = RMSNorm(C, NORM_EPS)
         self.mlp = GatedMLP(C, config.intermediate_size, config.hidden_act, bias=True)
 
     def forward(self, x, cos, sin, mask) -> torch.Tensor:
@@ -70,12 +73,13 @@ class VisionBlock(nn.Module):
 
 
 class PatchMerger(nn.Module):
-    """Checkpoint names `ln_q`, `mlp.0`, `mlp.2` (the model maps the last two to fc1, fc2)."""
+    """Checkpoint names `ln_q`, `mlp.0`, `mlp.2` (the model maps the last two to fc1, fc2); `ln_q`
+    an RMSNorm (Qwen2.5-VL) or a LayerNorm (Qwen2-VL)."""
 
-    def __init__(self, out_hidden: int, hidden: int, merge: int) -> None:
+    def __init__(self, out_hidden: int, hidden: int, merge: int, norm: type[nn.Module] = RMSNorm) -> None:
         super().__init__()
         self.width = hidden * merge * merge
-        self.ln_q = RMSNorm(hidden, _NORM_EPS)
+        self.ln_q = norm(hidden, NORM_EPS)
         self.fc1 = Linear(self.width, self.width, bias=True)
         self.fc2 = Linear(self.width, out_hidden, bias=True)
 
@@ -89,52 +93,77 @@ class _PatchProjection(nn.Module):
         self.weight = nn.Parameter(torch.empty(hidden, *in_features), requires_grad=False)
 
 
-class Qwen2_5_VisionTransformer(nn.Module):
-    """Checkpoint names under the tower's prefix: `patch_embed.proj.weight`, `blocks.<i>.*`
-    (`attn.qkv`, `attn.proj`, `mlp.gate_proj`/`up_proj`/`down_proj`, `norm1`, `norm2`), `merger.*`."""
+class PatchLayout:
+    """Each patch's frame, merge block (bh, bw) and place (i, j) in it, [L] each, in the processor's
+    order [t, h/m, w/m, m, m]: frames, m x m blocks row-major, a block's patches row-major."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, grid: tuple[int, int, int], merge: int, device: torch.device) -> None:
+        t, h, w = grid
+        self.grid, self.merge = grid, merge
+        self.frame, self.bh, self.bw, i, j = (g.flatten() for g in torch.meshgrid(
+            *(torch.arange(n, device=device) for n in (t, h // merge, w // merge, merge, merge)), indexing="ij"
+        ))  # fmt: skip
+        self.rows, self.cols = (self.bh * merge + i).float(), (self.bw * merge + j).float()
+
+    def frame_mask(self) -> torch.Tensor | None:  # [L, L] (True: attend), None for one frame
+        return None if self.grid[0] == 1 else self.frame[:, None] == self.frame[None, :]
+
+
+class VisionTower(nn.Module):
+    """The patch projection, 2-D RoPE, the blocks and the merger; `block_masks` says whom each
+    block's patches attend to (by default their own frame)."""
+
+    def __init__(self, config: Any, hidden: int, blocks: nn.ModuleList, merger: PatchMerger) -> None:
         super().__init__()
-        C, P, T = config.hidden_size, config.patch_size, config.temporal_patch_size
+        P, T = config.patch_size, config.temporal_patch_size
         self.merge = int(config.spatial_merge_size)
         self.patch_size = int(P)
-        self.window_cells = config.window_size // self.merge // P  # merged cells a window side
-        self.full_attention = frozenset(config.fullatt_block_indexes)
-        self.head_dim = C // config.num_heads
+        self.head_dim = hidden // config.num_heads
         self.patch_embed = nn.Module()
-        self.patch_embed.proj = _PatchProjection(C, (config.in_channels, T, P, P))
-        self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
-        self.merger = PatchMerger(config.out_hidden_size, C, self.merge)
+        self.patch_embed.proj = _PatchProjection(hidden, (config.in_channels, T, P, P))
+        self.blocks = blocks
+        self.merger = merger
         theta = float((getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
         quarter = torch.arange(0, self.head_dim // 2, 2, dtype=torch.float32, device="cpu")
         inv_freq = 1.0 / theta ** (quarter / (self.head_dim // 2))  # head_dim / 4 frequencies
         self.register_buffer("inv_freq", inv_freq.to(torch.get_default_device()), persistent=False)
 
     def forward(self, patches: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
-        """`patches` [t * h * w, 3 * T * P * P] of one image, `grid` (t, h, w) in patches ->
+        """`patches` [t * h * w, 3 * T * P * P] of one image or video, `grid` (t, h, w) in patches ->
         [t * h * w / m^2, out_hidden]."""
         w_patch = self.patch_embed.proj.weight
         x = patches.to(w_patch.dtype) @ w_patch.flatten(1).t()  # [L, C]
-        rows, cols, window = self._layout(grid, x.device)
-        freqs = torch.cat([rows[:, None] * self.inv_freq, cols[:, None] * self.inv_freq], dim=-1)
+        layout = PatchLayout(grid, self.merge, x.device)
+        freqs = torch.cat(
+            [layout.rows[:, None] * self.inv_freq, layout.cols[:, None] * self.inv_freq], dim=-1
+        )
         angles = torch.cat([freqs, freqs], dim=-1)[:, None, :]  # [L, 1, head_dim]
         cos, sin = angles.cos(), angles.sin()
-        windowed = window[:, None] == window[None, :]  # [L, L]: same window
-        for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, None if i in self.full_attention else windowed)
+        for block, mask in zip(self.blocks, self.block_masks(layout), strict=True):
+            x = block(x, cos, sin, mask)
         return self.merger(x)
 
-    def _layout(
-        self, grid: tuple[int, int, int], device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Each patch's row, column (float32) and window index, [L] each, in the processor's
-        order [t, h/m, w/m, m, m]: frames, m x m blocks row-major, a block's patches row-major."""
-        t, h, w = grid
-        m, c = self.merge, self.window_cells
-        # index grids of each patch's frame f, block (bh, bw) and place (i, j) in the block
-        f, bh, bw, i, j = (g.flatten() for g in torch.meshgrid(
-            *(torch.arange(n, device=device) for n in (t, h // m, w // m, m, m)), indexing="ij"
-        ))  # fmt: skip
-        windows_h, windows_w = -(-(h // m) // c), -(-(w // m) // c)
-        window = (f * windows_h + bh // c) * windows_w + bw // c  # per frame, row-major
-        return (bh * m + i).float(), (bw * m + j).float(), window
+    def block_masks(self, layout: PatchLayout) -> list[torch.Tensor | None]:
+        return [layout.frame_mask()] * len(self.blocks)
+
+
+class Qwen2_5_VisionTransformer(VisionTower):
+    """Checkpoint names under the tower's prefix: `patch_embed.proj.weight`, `blocks.<i>.*`
+    (`attn.qkv`, `attn.proj`, `mlp.gate_proj`/`up_proj`/`down_proj`, `norm1`, `norm2`), `merger.*`."""
+
+    def __init__(self, config: Any) -> None:
+        C, merge = config.hidden_size, int(config.spatial_merge_size)
+        blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
+        super().__init__(config, C, blocks, PatchMerger(config.out_hidden_size, C, merge))
+        self.window_cells = config.window_size // merge // config.patch_size  # merged cells a window side
+        self.full_attention = frozenset(config.fullatt_block_indexes)
+
+    def block_masks(self, layout: PatchLayout) -> list[torch.Tensor | None]:
+        """Full attention (within the frame) at `fullatt_block_indexes`, else within the window."""
+        _, h, w = layout.grid
+        c = self.window_cells
+        windows_h, windows_w = -(-(h // self.merge) // c), -(-(w // self.merge) // c)
+        window = (layout.frame * windows_h + layout.bh // c) * windows_w + layout.bw // c  # row-major a frame
+        windowed = window[:, None] == window[None, :]  # [L, L]: same window
+        full = layout.frame_mask()
+        return [full if i in self.full_attention else windowed for i in range(len(self.blocks))]

@@ -52,6 +52,10 @@ class ImageSource:
     """preprocessor_config.json's values from elsewhere (a GGUF vision projector's metadata)."""
     do_pan_and_scan: bool | None = None
     """Gemma 3's pan-and-scan crops; None takes the preprocessing config's value."""
+    max_video_frames: int = 768
+    """Qwen VL videos: the most frames one video may have (more: a ValueError)."""
+    max_video_pixels: int = 256 * 2**20
+    """Qwen VL videos: the most pixels one video's frames may hold together, as given."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,12 +141,21 @@ def token_name(token_text: Any, token_id: int, key: str) -> str:
     return text
 
 
-def check_markers(prompt: str, marker: str, num_images: int) -> None:
+def check_markers(prompt: str, marker: str, num_images: int, kind: str = "image") -> None:
     found = prompt.count(marker)
     if found != num_images:
         raise ParameterError(
-            f"the prompt has {found} image marker(s) ({marker!r}) for {num_images} image(s)", param="prompt"
+            f"the prompt has {found} {kind} marker(s) ({marker!r}) for {num_images} {kind}(s)", param="prompt"
         )
+
+
+def repeat_marker(prompt: str, marker: str, counts: Sequence[int]) -> str:
+    """`prompt` with its i-th `marker` repeated counts[i] times (one marker per item, checked)."""
+    pieces = prompt.split(marker)
+    out = [pieces[0]]
+    for n, piece in zip(counts, pieces[1:], strict=True):
+        out += [marker * n, piece]
+    return "".join(out)
 
 
 def preprocess_one(preprocess: Any, image: Any, index: int) -> Any:
@@ -193,7 +206,7 @@ def _runs(ids: Sequence[int], token: int) -> list[tuple[int, int]]:
 
 _PROCESSORS: dict[str, tuple[str, str]] = {
     "gemma3": ("processor", "ImagePromptProcessor"),
-    "qwen2_vl": ("qwen_vl", "QwenVLPromptProcessor"),
+    "qwen2_vl": ("qwen_vl_video", "QwenVLMediaPromptProcessor"),
 }
 """A model's `image_prompt_format` -> (module under multimodal/, class)."""
 

@@ -33,6 +33,7 @@ from llmserve.multimodal.processor import (
     check_markers,
     place_images,
     preprocess_one,
+    repeat_marker,
     token_name,
 )
 
@@ -133,11 +134,7 @@ class QwenVLPromptProcessor(PlaceholderCheck):
             t, h, w = patches.grid
             identity = f"{image_hash(patches.pixels)}:{t}x{h}x{w}"  # the same bytes on another grid differ
             prepared.append(PreparedImage(patches, identity, t * h * w // self.preprocess.merge_size**2))
-        pieces = prompt.split(self.image_pad)
-        out = [pieces[0]]
-        for image, piece in zip(prepared, pieces[1:], strict=True):
-            out += [self.image_pad * image.num_tokens, piece]
-        return "".join(out), prepared
+        return repeat_marker(prompt, self.image_pad, [im.num_tokens for im in prepared]), prepared
 
     def inputs(
         self, token_ids: Sequence[int], images: Sequence[PreparedImage]

@@ -16,6 +16,7 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
+    StrictFloat,
     StrictInt,
     StrictStr,
     ValidationError,
@@ -124,6 +125,21 @@ class ImageURLPart(_Request):
     image_url: ImageURL
 
 
+class VideoURL(_Request):
+    url: StrictStr | Annotated[list[StrictStr], Field(min_length=1)]
+    """The video's frames in order, each an image URL as `image_url` takes them (a string, a video
+    file, is refused: this server decodes no video files)."""
+    fps: Annotated[StrictFloat | StrictInt, Field(gt=0)] | None = None
+    """The frames' rate (an llmserve extension; default 2): Qwen2.5-VL times them by it."""
+
+
+class VideoURLPart(_Request):
+    """vLLM's video part (Qwen2-VL, Qwen2.5-VL), its frames given as image URLs."""
+
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
 class OtherPart(_Request):
     """Any other content part (images, audio, files): recognized, then refused with a clear 400."""
 
@@ -136,10 +152,15 @@ class OtherPart(_Request):
             raise ValueError("a text content part needs `text`, a string")
         if value == "image_url":
             raise ValueError("an image_url content part needs `image_url`, an object with a string `url`")
+        if value == "video_url":
+            raise ValueError(
+                "a video_url content part needs `video_url`, an object with `url` (a list of frame URLs) "
+                "and an optional `fps` > 0"
+            )
         return value
 
 
-ContentPart = Annotated[TextPart | ImageURLPart | OtherPart, Field(union_mode="left_to_right")]
+ContentPart = Annotated[TextPart | ImageURLPart | VideoURLPart | OtherPart, Field(union_mode="left_to_right")]
 
 
 class ChatMessage(_Request):

@@ -13,11 +13,12 @@ from starlette.requests import Request
 
 from llmserve.outputs import CompletionOutput, PositionLogprobs
 from llmserve.server.errors import APIError
-from llmserve.server.protocol import ChatCompletionRequest, ChatMessage, ImageURLPart, TextPart
+from llmserve.server.protocol import ChatCompletionRequest, ChatMessage, ImageURLPart, TextPart, VideoURLPart
 from llmserve.server.serving.context import ServingContext
 from llmserve.server.serving.inputs import (
     check_caps,
     load_images,
+    load_videos,
     process_prompt,
     sampling_params,
     start_requests,
@@ -53,23 +54,35 @@ def image_urls(messages: list[ChatMessage]) -> list[tuple[str, str]]:
     ]
 
 
+def video_parts(messages: list[ChatMessage]) -> list[tuple[str, VideoURLPart]]:
+    """(the field it came in, the part) of each video part, in the order the template renders them."""
+    return [
+        (f"messages[{i}].content[{j}].video_url", part)
+        for i, m in enumerate(messages)
+        if isinstance(m.content, list)
+        for j, part in enumerate(m.content)
+        if isinstance(part, VideoURLPart)
+    ]
+
+
 def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """The template's view of the messages: text content parts joined, or, in a message with
-    images, the parts as HF's multimodal templates take them ({"type": "text"|"image"}); other
-    parts refused."""
+    images or videos, the parts as HF's multimodal templates take them ({"type":
+    "text"|"image"|"video"}); other parts refused."""
     out = []
     for i, m in enumerate(messages):
         content = m.content
         if isinstance(content, list):
             for part in content:
-                if not isinstance(part, (TextPart, ImageURLPart)):
+                if not isinstance(part, (TextPart, ImageURLPart, VideoURLPart)):
                     raise APIError(
                         400, f"messages[{i}]: content parts of type {part.type!r} are not supported",
                         param="messages",
                     )  # fmt: skip
-            if any(isinstance(part, ImageURLPart) for part in content):
+            if any(isinstance(part, (ImageURLPart, VideoURLPart)) for part in content):
+                kinds = {TextPart: "text", ImageURLPart: "image", VideoURLPart: "video"}
                 content = [
-                    {"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"}
+                    {"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": kinds[type(p)]}
                     for p in content
                 ]
             else:
@@ -88,8 +101,8 @@ def render_chat(ctx: ServingContext, messages: list[ChatMessage], add_generation
                 tools: list[dict[str, Any]] | None = None, fmt: ToolFormat | None = None) -> list[int]:  # fmt: skip
     """Chat template -> token ids (see `render_chat_text`); a conversation with images is a 400
     here (the routes that take images render text and pass the images to the engine)."""
-    if image_urls(messages):
-        raise APIError(400, "this endpoint takes no images", param="messages")
+    if image_urls(messages) or video_parts(messages):
+        raise APIError(400, "this endpoint takes no images or videos", param="messages")
     text = render_chat_text(ctx, messages, add_generation_prompt, continue_final_message, extra, tools, fmt)
     return ctx.tokenizer.encode(text, add_special_tokens=False)
 
@@ -153,6 +166,7 @@ class ChatServing:
             raise APIError(400, f"{param_name} must be >= 1; got {max_tokens}", param=param_name)
         urls = image_urls(req.messages)
         images = await load_images(ctx, urls, "messages")
+        videos = await load_videos(ctx, video_parts(req.messages))
         text = render_chat_text(
             ctx, req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs,
             plan.tools, plan.fmt,
@@ -162,7 +176,15 @@ class ChatServing:
         )
         try:
             prompt = await process_prompt(
-                ctx, text, params, req, images, add_special_tokens=False, image_fields=[f for f, _ in urls]
+                ctx,
+                text,
+                params,
+                req,
+                images,
+                add_special_tokens=False,
+                image_fields=[f for f, _ in urls],
+                videos=videos,
+                video_fields=[f for f, _ in video_parts(req.messages)],
             )
         except APIError as e:
             if plan.constraint is not None and e.param == "structured_outputs":

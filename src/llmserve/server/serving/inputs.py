@@ -8,10 +8,11 @@ from collections.abc import Sequence
 
 from llmserve.engine.async_engine import EngineDeadError, QueueFullError, RequestStream
 from llmserve.engine.llm_engine import ProcessedPrompt
+from llmserve.multimodal.qwen_vl_video import DEFAULT_FPS, Video
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.errors import APIError
 from llmserve.server.media import load_image
-from llmserve.server.protocol import _SamplingFields
+from llmserve.server.protocol import VideoURLPart, _SamplingFields
 from llmserve.server.serving.context import ServingContext
 from llmserve.server.serving.structured import structured_outputs
 
@@ -100,6 +101,25 @@ async def load_images(ctx: ServingContext, urls: list[tuple[str, str]], field: s
     return [await load_image(url, ctx.config, param) for param, url in urls]
 
 
+async def load_videos(ctx: ServingContext, parts: list[tuple[str, VideoURLPart]]) -> list[Video]:
+    """Each video part's frames (image URLs under the server's media settings) as a `Video`; a
+    model that takes no videos, or a video file's URL (no decoder here), answers 400 naming the
+    part."""
+    videos = []
+    for field, part in parts:
+        if not ctx.engine.takes_videos:
+            raise APIError(400, f"{field}: model {ctx.model_name!r} takes no videos", param=field)
+        urls = part.video_url.url
+        if isinstance(urls, str):
+            raise APIError(
+                400, f"{field}.url: this server decodes no video files; send the video's frames as a list "
+                "of image URLs (data URLs, or paths and URLs under the media settings)", param=f"{field}.url",
+            )  # fmt: skip
+        frames = [await load_image(url, ctx.config, f"{field}.url[{k}]") for k, url in enumerate(urls)]
+        videos.append(Video(frames, float(part.video_url.fps or DEFAULT_FPS)))
+    return videos
+
+
 async def process_prompt(
     ctx: ServingContext,
     prompt: str | Sequence[int],
@@ -108,18 +128,21 @@ async def process_prompt(
     images: Sequence[bytes] = (),
     add_special_tokens: bool = True,
     image_fields: Sequence[str] = (),
+    videos: Sequence[Video] = (),
+    video_fields: Sequence[str] = (),
 ) -> ProcessedPrompt:
     """Tokenize and check one prompt (with its images: one per image marker of the text); a
     prompt that cannot fit is a 400 with both numbers, an invalid structured-output constraint a
     400 naming the field it came in, an image that does not decode a 400 naming it."""
     ctx.check_generates()
     try:
-        return await ctx.engine.process_inputs(prompt, params, images, add_special_tokens)
+        return await ctx.engine.process_inputs(prompt, params, images, add_special_tokens, videos)
     except ValueError as e:
         param = getattr(e, "param", None)
-        if param is not None and param.startswith("images[") and image_fields:
-            field = image_fields[int(param[7:-1])]  # the engine's image i: the request's field
-            raise APIError(400, f"{field}: {e}", param=field) from None
+        for kind, fields in (("images", image_fields), ("videos", video_fields)):
+            if param is not None and param.startswith(f"{kind}[") and fields:
+                field = fields[int(param[len(kind) + 1 : -1])]  # the engine's image i: the request's field
+                raise APIError(400, f"{field}: {e}", param=field) from None
         if param == "structured_outputs" and req is not None:
             param = structured_outputs(req)[1] or param
         raise APIError(400, str(e), param=param) from None
