@@ -1,4 +1,5 @@
-"""How a Llama-family model is cut into tensor-parallel shards (Megatron's split):
+"""How a Llama-family model (dense or mixture-of-experts) is cut into tensor-parallel shards
+(Megatron's split):
 
     qkv_proj, gate_up_proj   column-parallel: each rank computes its heads / its slice of the
                              intermediate dimension (rows [r*n, (r+1)*n) of each checkpoint tensor)
@@ -11,6 +12,11 @@
     lm_head                  vocab-parallel: each rank's [N, Vr] logits gathered on the driver
                              and concatenated, the padding cut off
     norms, rotary            replicated
+    MoE blocks               the router (and a shared expert's sigmoid gate) replicated, so every
+                             rank picks the same experts; every expert's gate_up_proj column-split
+                             and down_proj row-split on its intermediate dimension, the shared
+                             expert as a dense MLP: each rank's block output is its share of every
+                             chosen expert's, and the one all-reduce after the MLP sums them
 
 A rank builds the model from `local_config` (its heads, KV heads, intermediate slice and
 vocabulary shard), so each layer allocates only its shard and the KV cache is sharded by KV head
@@ -39,8 +45,20 @@ from llmserve.models.base import CausalLM
 
 _COLUMN = frozenset({"qkv_proj", "gate_up_proj"})
 _ROW = frozenset({"o_proj", "down_proj"})
-SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-"""Model classes tensor parallelism splits (Mistral checkpoints run on LlamaForCausalLM)."""
+SUPPORTED = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
+"""Model classes tensor parallelism splits (Mistral checkpoints run on LlamaForCausalLM). gpt-oss
+is not among them: its stacked expert tensors are cut per expert after the shard cut would apply,
+and its attention sinks are per head."""
+_SPLIT_WIDTHS = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
+"""The MLP widths a shard holds 1 / size of: a dense MLP's, each expert's, the shared expert's
+(Mixtral's experts are `intermediate_size` wide)."""
 
 
 @dataclass(slots=True)
@@ -65,8 +83,8 @@ def check_supported(model_cls: type[CausalLM], hf_config: Any, size: int) -> Non
             f"tensor parallelism does not support the {name} architecture "
             f"(architectures {getattr(hf_config, 'architectures', None)}); supported: {', '.join(SUPPORTED)}"
         )
-    for field_name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        value = int(getattr(hf_config, field_name))
+    for field_name in ("num_attention_heads", "num_key_value_heads", *_SPLIT_WIDTHS):
+        value = int(getattr(hf_config, field_name, 0) or 0)  # (0: a width this model lacks)
         if value % size:
             raise ValueError(
                 f"tensor_parallel_size {size} does not divide the model's {field_name} ({value}); "
@@ -80,15 +98,18 @@ def local_vocab(vocab_size: int, size: int) -> int:
 
 
 def local_config(hf_config: Any, size: int) -> Any:
-    """The config a rank builds its shard from: its heads, KV heads, intermediate slice and
-    vocabulary rows; everything else (hidden size, head_dim, RoPE) as the model's."""
+    """The config a rank builds its shard from: its heads, KV heads, MLP slices (dense, expert and
+    shared-expert widths) and vocabulary rows; everything else (hidden size, head_dim, RoPE, the
+    number of experts) as the model's."""
     from llmserve.models.llama import head_dim_of
 
     config = copy.deepcopy(hf_config)
     config.head_dim = head_dim_of(hf_config)  # no longer hidden_size / heads once heads are split
     config.num_attention_heads = hf_config.num_attention_heads // size
     config.num_key_value_heads = hf_config.num_key_value_heads // size
-    config.intermediate_size = hf_config.intermediate_size // size
+    for width in _SPLIT_WIDTHS:
+        if getattr(hf_config, width, None):
+            setattr(config, width, getattr(hf_config, width) // size)
     config.vocab_size = local_vocab(hf_config.vocab_size, size)
     return config
 
@@ -202,3 +223,29 @@ def _gathered_head(head: nn.Module, shard: TPShard, vocab_size: int) -> None:
         return out if parts is None else torch.cat(parts, dim=-1)[..., :vocab_size]
 
     head.register_forward_hook(post)
+
+
+# -- LoRA adapters ---------------------------------------------------------------------------------
+
+
+def shard_lora_pair(
+    module_path: str, a: torch.Tensor, b: torch.Tensor, shard: TPShard, where: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's part of one projection's LoRA pair (A [r, in], B [out, r]), as punica / vLLM
+    shard them: a column-parallel layer's B cut to the rank's output rows (its A, over the whole
+    replicated input, kept), a row-parallel layer's A cut to the rank's input columns (its
+    partial delta then summed by the layer's all-reduce, B kept). `where`: the file and layer,
+    for the ValueError of a size that does not split."""
+    leaf = module_path.rpartition(".")[2]
+    if leaf in _COLUMN:
+        dim, n = "lora_B's rows", b.shape[0]
+    elif leaf in _ROW:
+        dim, n = "lora_A's columns", a.shape[-1]
+    else:
+        return a, b
+    if n % shard.size:
+        raise ValueError(f"{where}: {dim} ({n}) do not split into {shard.size} tensor-parallel shards")
+    part, start = n // shard.size, shard.rank * (n // shard.size)
+    if leaf in _COLUMN:
+        return a, b[start : start + part]
+    return a[:, start : start + part], b
