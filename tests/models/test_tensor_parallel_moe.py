@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from gguf import GGMLQuantizationType as Q
 
 from llmserve.engine.llm import build_engine
-from tests.models.test_tensor_parallel import _run, compare_tp
+from tests.models.test_moe import moe_gguf
+from tests.models.test_tensor_parallel import PROMPTS, _run, compare_tp
 from tests.models.tiny import _LLAMA_LIKE, make_tiny_model, save_tiny_tokenizer
 
 
@@ -64,6 +66,22 @@ def test_tp2_moe_int8_fused_and_layers_match_tp1(name, tmp_path, monkeypatch):
     assert tp_tokens == ref_tokens == gloo_tokens
     np.testing.assert_allclose(np.array(tp_lp), np.array(ref_lp), rtol=0, atol=2e-3)
     np.testing.assert_allclose(np.array(gloo_lp), np.array(ref_lp), rtol=0, atol=2e-3)
+
+
+@pytest.mark.parametrize(("label", "expert_type"), [("qwen3moe", Q.Q4_K), ("mixtral", Q.Q8_0)])
+def test_tp2_moe_gguf_blocks_fused_match_tp1(label, expert_type, tmp_path):
+    """A llama.cpp MoE file's stacked experts, kept in their q4 / q8 blocks, cut along whole
+    blocks (256-wide experts: 128 columns a rank): each rank's fused decoder gives TP=1's tokens
+    (itself fused); the vocabulary is 256, so the prompts' ids are taken modulo it."""
+    model = str(moe_gguf(tmp_path, label, expert_type, tokenizer=True))
+    prompts = [[t % 256 for t in p] for p in PROMPTS]
+    ref_tokens, ref_lp, ref_preempt = _run(model, fused=True, prompts=prompts)
+    tp_tokens, tp_lp, tp_preempt = _run(
+        model, fused=True, prompts=prompts, tensor_parallel_size=2, threads_per_rank=1
+    )
+    assert ref_preempt > 0 and tp_preempt == ref_preempt
+    assert tp_tokens == ref_tokens
+    np.testing.assert_allclose(np.array(tp_lp), np.array(ref_lp), rtol=0, atol=2e-3)
 
 
 def test_moe_refusals(tmp_path):
