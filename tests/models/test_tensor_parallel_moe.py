@@ -1,7 +1,8 @@
 """Tensor parallelism of mixture-of-experts models (TP=2, one thread per rank) against the same
-engine at TP=1: Mixtral, Qwen2-MoE (a shared expert, a dense layer) and Qwen3-MoE, float on the
-layer path and q8 on the fused C++ decoder (the MoE block's shares summed over the shared-memory
-group inside the call) and on the layer path over gloo; refusals of what the experts cannot split."""
+engine at TP=1: Mixtral, Qwen2-MoE (a shared expert, a dense layer), Qwen3-MoE and gpt-oss
+(stacked and MXFP4 experts, biases, sinks); float on the layer path, q8 on the fused C++ decoder
+(the MoE block's shares summed over the shared-memory group inside the call) and on the layer
+path over gloo, llama.cpp's expert blocks; the refusal of a width the size does not divide."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import transformers
 from gguf import GGMLQuantizationType as Q
 
 from llmserve.engine.llm import build_engine
+from tests.models.test_gpt_oss import write_mxfp4_checkpoint
 from tests.models.test_moe import moe_gguf
 from tests.models.test_tensor_parallel import PROMPTS, _run, compare_tp
 from tests.models.tiny import _LLAMA_LIKE, make_tiny_model, save_tiny_tokenizer
@@ -84,15 +86,38 @@ def test_tp2_moe_gguf_blocks_fused_match_tp1(label, expert_type, tmp_path):
     np.testing.assert_allclose(np.array(tp_lp), np.array(ref_lp), rtol=0, atol=2e-3)
 
 
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_tp2_gpt_oss_matches_tp1(quantization, tmp_path):
+    """gpt-oss: its stacked, interleaved expert tensors cut before they are split per expert,
+    the experts' gate_up bias split with them and their down bias added once, the sinks split
+    by head, the attention biases as Qwen2's; float, and q8 experts quantized as each rank loads
+    its slices (the layer path either way: the fused decoder has no sinks or clamped SwiGLU).
+    transformers initialises the biases to zero: they are drawn at random here, so they count."""
+    hf = make_tiny_model("gpt-oss", tmp_path)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("bias") and ".router." not in name:
+                p.normal_(0.0, 0.1)
+    hf.save_pretrained(tmp_path)
+    compare_tp(str(tmp_path), atol=1e-4 if quantization == "none" else 2e-3, quantization=quantization)
+
+
+def test_tp2_gpt_oss_mxfp4_matches_tp1(tmp_path):
+    """OpenAI's MXFP4 experts (`*_blocks` / `*_scales`): gate_up's rows and down's input blocks
+    cut before they are dequantized (whole blocks of 32: 64 of down's 128 columns a rank)."""
+    hf = make_tiny_model("gpt-oss", tmp_path / "float")
+    (tmp_path / "mxfp4").mkdir()
+    write_mxfp4_checkpoint(hf, tmp_path / "float", tmp_path / "mxfp4")
+    compare_tp(str(tmp_path / "mxfp4"))
+
+
 def test_moe_refusals(tmp_path):
-    """An expert width the size does not divide, and gpt-oss: ValueError naming them, before
-    any worker starts. (q8 experts quantized at load take any width: each rank quantizes its
-    own slice; a GGUF's blocks are refused as test_tensor_parallel's dense layers are.)"""
+    """An expert width the size does not divide: ValueError naming it, before any worker
+    starts. (q8 experts quantized at load take any width: each rank quantizes its own slice; a
+    GGUF's blocks are refused as test_tensor_parallel's dense layers are.)"""
     config = _quantizable("qwen3-moe")
     config.moe_intermediate_size = 33
     odd = _save(config, tmp_path / "odd")
     with pytest.raises(ValueError, match=r"does not divide the model's moe_intermediate_size \(33\)"):
         build_engine(odd, show_progress=False, tensor_parallel_size=2)
-    make_tiny_model("gpt-oss", tmp_path / "oss")
-    with pytest.raises(ValueError, match="does not support the GptOssForCausalLM architecture"):
-        build_engine(str(tmp_path / "oss"), show_progress=False, tensor_parallel_size=2)

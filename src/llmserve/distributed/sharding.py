@@ -17,6 +17,8 @@
                              and down_proj row-split on its intermediate dimension, the shared
                              expert as a dense MLP: each rank's block output is its share of every
                              chosen expert's, and the one all-reduce after the MLP sums them
+                             (gpt-oss: its stacked expert tensors cut before they are split per
+                             expert, `_stacked_experts`; its attention sinks split by head)
 
 A rank builds the model from `local_config` (its heads, KV heads, intermediate slice and
 vocabulary shard), so each layer allocates only its shard and the KV cache is sharded by KV head
@@ -42,6 +44,7 @@ from llmserve.distributed.group import TPGroup
 from llmserve.layers.quantization.formats import BLOCK, QuantizedRows, num_blocks
 from llmserve.layers.vocab_embedding import LMHead, VocabEmbedding
 from llmserve.models.base import CausalLM
+from llmserve.models.gpt_oss import STACKED_EXPERTS
 
 _COLUMN = frozenset({"qkv_proj", "gate_up_proj"})
 _ROW = frozenset({"o_proj", "down_proj"})
@@ -52,10 +55,9 @@ SUPPORTED = (
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
+    "GptOssForCausalLM",
 )
-"""Model classes tensor parallelism splits (Mistral checkpoints run on LlamaForCausalLM). gpt-oss
-is not among them: its stacked expert tensors are cut per expert after the shard cut would apply,
-and its attention sinks are per head."""
+"""Model classes tensor parallelism splits (Mistral checkpoints run on LlamaForCausalLM)."""
 _SPLIT_WIDTHS = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
 """The MLP widths a shard holds 1 / size of: a dense MLP's, each expert's, the shared expert's
 (Mixtral's experts are `intermediate_size` wide)."""
@@ -160,10 +162,16 @@ def _columns(name: str, t: Any, start: int, n: int) -> torch.Tensor | QuantizedR
 def shard_tensor(model: CausalLM, name: str, tensor: Any, shard: TPShard) -> torch.Tensor | QuantizedRows:
     """This rank's part of checkpoint tensor `name` (as the full model stores it): a tensor,
     quantized rows, or a safetensors slice, of which only this part is read."""
+    stacked = STACKED_EXPERTS.match(name)
+    if stacked is not None:
+        return _stacked_experts(stacked.group(2), stacked.group(3) or "", tensor, shard)
     route = model.route_weight(name)
     if route is None:
         return tensor[:] if hasattr(tensor, "get_shape") else tensor
     module_path, attr, index = route
+    if attr == "sinks":  # gpt-oss's per-head sink logits [num_heads]: the rank's heads
+        n = _shape(tensor)[0] // shard.size
+        return _rows(tensor, shard.rank * n, n)
     module = model.get_submodule(module_path)
     leaf = module_path.rpartition(".")[2]
     r = shard.rank
@@ -177,6 +185,34 @@ def shard_tensor(model: CausalLM, name: str, tensor: Any, shard: TPShard) -> tor
             return tensor[:] if r == 0 else torch.zeros(_shape(tensor))
         return _columns(name, tensor, r * module.in_features, module.in_features)
     return tensor[:] if hasattr(tensor, "get_shape") else tensor
+
+
+def _stacked_experts(proj: str, kind: str, t: Any, shard: TPShard) -> torch.Tensor:
+    """This rank's part of one of gpt-oss's stacked expert tensors (models/gpt_oss.py), cut before
+    they are split per expert, on the experts' intermediate dimension I (n = I / size a rank):
+
+        gate_up_proj       [E, H, 2I]   gate and up units interleaved (column 2i gate unit i, 2i + 1
+                                        up unit i), so the rank's units are the contiguous columns
+                                        [2rn, 2(r+1)n); its bias [E, 2I] the same
+        down_proj          [E, I, H]    rows [rn, (r+1)n); its bias [E, H] rank 0's, zeros elsewhere
+        MXFP4 *_blocks     [E, out, in / 32, 16] and *_scales [E, out, in / 32]: gate_up's rows
+                           as above, down's input on whole blocks of 32
+    """
+    shape, r, size = _shape(t), shard.rank, shard.size
+    if proj == "down_proj" and kind == "_bias":  # added once, by rank 0, to the summed output
+        return t[:] if r == 0 else torch.zeros(shape)
+    axis = {("gate_up_proj", ""): 2, ("gate_up_proj", "_bias"): 1, ("down_proj", ""): 1}.get((proj, kind))
+    if axis is None:  # MXFP4 codes or scales: gate_up's output rows, down's input blocks
+        axis = 1 if proj == "gate_up_proj" else 2
+    if shape[axis] % size:
+        raise ValueError(
+            f"gpt-oss's {proj}{kind} {shape}: dimension {axis} does not split into {size} tensor-parallel "
+            f"shards (MXFP4 weights split only along whole blocks of 32)"
+        )
+    n = shape[axis] // size
+    index = [slice(None)] * len(shape)
+    index[axis] = slice(r * n, (r + 1) * n)
+    return t[tuple(index)]
 
 
 # -- collectives as hooks --------------------------------------------------------------------------
