@@ -290,16 +290,25 @@ def tiny_llama_gguf(tmp: Path, types: dict[str, GGMLQuantizationType], tokenizer
     path = write_hf_model(tmp / "f32.gguf", "llama", config, hf.state_dict())[0]
     # Re-write with quantized types: read the float tensors back and quantize with gguf.
     tensors = requantized(path, lambda name, _arr: types.get(name.split(".")[-2], Q.F32))
-    model_metadata = hf_metadata("llama", config)
-
-    def metadata(w: GGUFWriter) -> None:
-        model_metadata(w)
-        if tokenizer:
-            w.add_tokenizer_model("llama")
-            w.add_token_scores([0.0] * config.vocab_size)
-            w.add_token_types([1] * config.vocab_size)
-
+    metadata = hf_metadata("llama", config)
+    if tokenizer:
+        metadata = with_placeholder_tokenizer(metadata, config.vocab_size)
     return write_gguf(tmp / "quantized.gguf", "llama", tensors, metadata)[0]
+
+
+def with_placeholder_tokenizer(
+    metadata: Callable[[GGUFWriter], None], vocab_size: int
+) -> Callable[[GGUFWriter], None]:
+    """`metadata` plus a SentencePiece-style vocabulary of `vocab_size` placeholder tokens (what
+    an engine needs to start; tests prompt with token ids)."""
+
+    def write(w: GGUFWriter) -> None:
+        metadata(w)
+        w.add_tokenizer_model("llama")
+        w.add_token_scores([0.0] * vocab_size)
+        w.add_token_types([1] * vocab_size)
+
+    return write
 
 
 # -- ggml's reference dequantization, one block at a time ------------------------------------------

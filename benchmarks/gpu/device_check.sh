@@ -10,6 +10,9 @@
 # 3. the CUDA tests run: every test of test_gpu.py, test_gpu_fp8_offload.py, and the Triton kernel
 #    (attention, elementwise, grouped MoE) and sampler files (compiled on the GPU instead of
 #    interpreted), under TESTS_SECONDS;
+# 3b. tensor parallelism on CUDA (benchmarks/gpu/tp_check.py, issue 25): TP=2 over NCCL against TP=1
+#    on tiny Llama and Mixtral models where 2 GPUs are visible; on a 1-GPU machine only the engine's
+#    refusal ("needs 2 GPUs; 1 visible") is checked. Its lines go to tests.log and are printed;
 # 4. times the grouped MoE kernel against the dense fallback (benchmarks/gpu/moe_kernel.py: one
 #    Mixtral-width block, T = 1 .. 2048; about a minute) unless BENCH_SECONDS is 0;
 # 5. runs benchmarks/bench_gpu.py under BENCH_SECONDS (0 skips it).
@@ -61,6 +64,10 @@ timeout "$T_TESTS" python3 -m pytest -q --tb=short -rfE -p no:cacheprovider -n 4
     >"$OUT/tests.log" 2>&1
 echo "tests: exit $?"
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -40
+mkdir -p /tmp/gpu/logs
+timeout 300 python3 benchmarks/gpu/tp_check.py --out /tmp/gpu/logs >/tmp/gpu/logs/tp_check.log 2>&1
+echo "tp check: exit $?"
+tail -6 /tmp/gpu/logs/tp_check.log | tee -a "$OUT/tests.log"
 
 if [ "$T_BENCH" -gt 0 ]; then
     mkdir -p /tmp/gpu/logs

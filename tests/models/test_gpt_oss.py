@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -159,10 +160,10 @@ def test_mxfp4_dequantization_equals_transformers() -> None:
     assert torch.equal(dequantize_mxfp4(blocks.bfloat16(), scales.bfloat16()).transpose(1, 2), want)
 
 
-def test_mxfp4_checkpoint_as_openai_ships_it(tiny, tmp_path: Path) -> None:
-    """Experts as `*_blocks` / `*_scales` with `quantization_config: mxfp4` (OpenAI's layout):
-    dequantized at load, the logits are transformers' on the same dequantized weights."""
-    hf, folder = copy.deepcopy(tiny[0]), tiny[1]  # its experts are replaced below
+def write_mxfp4_checkpoint(hf: torch.nn.Module, folder: Path, out: Path) -> None:
+    """`folder`'s gpt-oss checkpoint in `out` with its experts as random MXFP4 `*_blocks` /
+    `*_scales` and `quantization_config: mxfp4` (OpenAI's layout), its other files copied; `hf`
+    (the model saved in `folder`) gets the dequantized experts, as a reference."""
     tensors = load_file(folder / "model.safetensors")
     g = torch.Generator().manual_seed(1)
     for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
@@ -171,10 +172,20 @@ def test_mxfp4_checkpoint_as_openai_ships_it(tiny, tmp_path: Path) -> None:
         scales = torch.randint(122, 126, (E, n_out, n_in // 32), dtype=torch.uint8, generator=g)
         tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
         hf.get_parameter(name).data = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
-    save_file(tensors, tmp_path / "model.safetensors")
+    save_file(tensors, out / "model.safetensors")
+    for other in folder.iterdir():  # the tokenizer's files
+        if other.is_file() and other.name not in ("model.safetensors", "config.json"):
+            shutil.copy(other, out / other.name)
     config = json.loads((folder / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["router", "lm_head"]}
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    (out / "config.json").write_text(json.dumps(config))
+
+
+def test_mxfp4_checkpoint_as_openai_ships_it(tiny, tmp_path: Path) -> None:
+    """Experts as `*_blocks` / `*_scales` with `quantization_config: mxfp4` (OpenAI's layout):
+    dequantized at load, the logits are transformers' on the same dequantized weights."""
+    hf = copy.deepcopy(tiny[0])  # its experts are replaced
+    write_mxfp4_checkpoint(hf, tiny[1], tmp_path)
     loaded = load_model(ModelConfig(model=str(tmp_path), show_progress=False))
     with torch.no_grad():
         ref = hf(torch.tensor([PROMPT])).logits[0]

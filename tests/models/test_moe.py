@@ -21,7 +21,7 @@ from llmserve.layers.quantization import QuantizedLinear
 from llmserve.model_executor.forward_runner import ForwardRunner, SequenceBatchEntry
 from llmserve.model_executor.model_loader import load_model
 from llmserve.model_executor.model_loader.gguf_loader import GGUFCheckpoint
-from tests.gguf_writer import hf_metadata, write_gguf, write_hf_model
+from tests.gguf_writer import hf_metadata, with_placeholder_tokenizer, write_gguf, write_hf_model
 from tests.models.test_quantized import TOL
 from tests.models.tiny import make_tiny_model
 
@@ -128,10 +128,10 @@ def test_load_report_names_experts_and_active_parameters(tmp_path: Path) -> None
 GGUF_LABELS = {"qwen3moe": "qwen3moe", "mixtral": "llama"}
 
 
-def _moe_gguf(tmp: Path, label: str, expert_type: Q) -> Path:
+def moe_gguf(tmp: Path, label: str, expert_type: Q, tokenizer: bool = False) -> Path:
     """A tiny MoE (rows 256 wide: K-quant super-blocks) as llama.cpp writes it, its stacked
     expert tensors in `expert_type`, other matrices Q8_0 (auto would requantize F32 ones to q8)
-    and vectors F32."""
+    and vectors F32. `tokenizer`: placeholder tokens too, for an engine."""
     common = dict(
         vocab_size=256, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=128, initializer_range=0.08, num_experts_per_tok=2, tie_word_embeddings=False,
@@ -157,7 +157,10 @@ def _moe_gguf(tmp: Path, label: str, expert_type: Q) -> Path:
             tensors[t.name] = (arr, expert_type)
         else:
             tensors[t.name] = (arr, Q.Q8_0) if arr.ndim == 2 and "ffn_gate_inp" not in t.name else arr
-    return write_gguf(tmp / "moe.gguf", arch, tensors, hf_metadata(arch, config))[0]
+    metadata = hf_metadata(arch, config)
+    if tokenizer:
+        metadata = with_placeholder_tokenizer(metadata, config.vocab_size)
+    return write_gguf(tmp / "moe.gguf", arch, tensors, metadata)[0]
 
 
 @pytest.mark.parametrize("label", sorted(GGUF_LABELS))
@@ -165,7 +168,7 @@ def _moe_gguf(tmp: Path, label: str, expert_type: Q) -> Path:
 def test_gguf_experts_stay_in_their_blocks(tmp_path: Path, label: str, expert_type: Q) -> None:
     """Each expert's slice of a stacked `*_exps` tensor reaches its layer as the file's blocks,
     and the model served that way matches the same file dequantized to float."""
-    path = _moe_gguf(tmp_path, label, expert_type)
+    path = moe_gguf(tmp_path, label, expert_type)
     quant = load_model(ModelConfig(model=str(path), cpu_activations="int16", show_progress=False))
     plain = load_model(ModelConfig(model=str(path), quantization="none", show_progress=False))
     assert quant.quantization == "auto" and "MoE layers" in quant.summary()

@@ -31,9 +31,13 @@ MAX_TOKENS = 16
 
 
 def _run(
-    model: str, fused: bool | None = None, inspect: Callable[[LLM], None] | None = None, **options
+    model: str,
+    fused: bool | None = None,
+    inspect: Callable[[LLM], None] | None = None,
+    prompts: list[list[int]] = PROMPTS,
+    **options,
 ) -> tuple[list[list[int]], list[list[float]], int]:
-    """(greedy tokens, each chosen token's logprob, preemptions) of PROMPTS; `fused`: assert
+    """(greedy tokens, each chosen token's logprob, preemptions) of `prompts`; `fused`: assert
     whether the (driver's) stack runs the fused C++ decoder; `inspect(llm)` before it runs."""
     llm = LLM(model, **ENGINE, **options)
     try:
@@ -43,7 +47,7 @@ def _run(
             runner = llm.engine.runner.runner
             assert (runner.fused is not None) == fused, runner.fused_unsupported
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=1, ignore_eos=True)
-        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        outs = llm.generate(prompts, params, use_tqdm=False)
         preemptions = llm.engine.scheduler.num_preemptions
         if fused is not None:  # the shared prefix was served from the cache
             assert llm.engine.scheduler.kv_cache_manager.prefix_cache_stats.hits > 0

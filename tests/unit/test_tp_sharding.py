@@ -11,9 +11,18 @@ from llmserve.cli.engine_args import llm_kwargs
 from llmserve.cli.main import build_parser
 from llmserve.config.engine_args import EngineArgs
 from llmserve.config.parallel import ParallelConfig
-from llmserve.distributed.sharding import _columns, _rows, check_supported, local_config
+from llmserve.distributed.sharding import (
+    TPShard,
+    _columns,
+    _rows,
+    _stacked_experts,
+    check_supported,
+    local_config,
+    shard_lora_pair,
+)
 from llmserve.layers.quantization.formats import quantize
 from llmserve.models.gemma3 import Gemma3ForCausalLM
+from llmserve.models.gpt_oss import split_experts
 from llmserve.models.llama import LlamaForCausalLM
 from llmserve.models.qwen_moe import Qwen3MoeForCausalLM
 
@@ -72,9 +81,76 @@ def test_check_supported():
         check_supported(LlamaForCausalLM, config, 4)
     with pytest.raises(ValueError, match=r"num_key_value_heads \(2\)"):
         check_supported(LlamaForCausalLM, config, 3)
-    for cls in (Gemma3ForCausalLM, Qwen3MoeForCausalLM):
-        with pytest.raises(ValueError, match=f"does not support the {cls.__name__} architecture"):
-            check_supported(cls, config, 2)
+    with pytest.raises(ValueError, match="does not support the Gemma3ForCausalLM architecture"):
+        check_supported(Gemma3ForCausalLM, config, 2)
+    moe = transformers.Qwen2MoeConfig(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=4, intermediate_size=128,
+        moe_intermediate_size=48, shared_expert_intermediate_size=90,
+    )  # fmt: skip
+    check_supported(Qwen3MoeForCausalLM, moe, 2)
+    with pytest.raises(
+        ValueError, match=r"does not divide the model's shared_expert_intermediate_size \(90\)"
+    ):
+        check_supported(Qwen3MoeForCausalLM, moe, 4)
+
+
+def test_local_config_of_moe_models():
+    """The expert and shared-expert widths split with the dense one; the experts stay whole in
+    number (every rank holds a slice of each)."""
+    config = transformers.Qwen2MoeConfig(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, num_experts=8,
+        moe_intermediate_size=64, shared_expert_intermediate_size=96,
+    )  # fmt: skip
+    local = local_config(config, 2)
+    assert (local.intermediate_size, local.moe_intermediate_size, local.shared_expert_intermediate_size) == (
+        64,
+        32,
+        48,
+    )
+    assert local.num_experts == 8
+    mixtral = local_config(transformers.MixtralConfig(intermediate_size=256, num_local_experts=4), 4)
+    assert (mixtral.intermediate_size, mixtral.num_local_experts) == (64, 4)
+    assert not hasattr(mixtral, "moe_intermediate_size")  # a width the model lacks is not made up
+
+
+def test_lora_pairs_cut_as_punica_shards_them():
+    """B of a column-parallel layer on its output rows, A of a row-parallel one on its input
+    columns; other layers whole; a size that does not split is a ValueError naming it."""
+    a, b = torch.randn(8, 64), torch.randn(96, 8)  # A [r, in], B [out, r]
+    shard = TPShard(1, 2)
+    got_a, got_b = shard_lora_pair("model.layers.0.self_attn.qkv_proj", a, b, shard, "x")
+    assert got_a is a and torch.equal(got_b, b[48:])
+    got_a, got_b = shard_lora_pair("model.layers.0.mlp.experts.3.down_proj", a, b, shard, "x")
+    assert torch.equal(got_a, a[:, 32:]) and got_b is b
+    assert shard_lora_pair("model.layers.0.mlp.gate", a, b, shard, "x") == (a, b)
+    with pytest.raises(ValueError, match=r"f: lora_B's rows \(96\) do not split into 5"):
+        shard_lora_pair("model.layers.0.mlp.gate_up_proj", a, b, TPShard(0, 5), "f")
+
+
+@pytest.mark.parametrize("kind", ["", "_bias"])
+@pytest.mark.parametrize("proj", ["gate_up_proj", "down_proj"])
+def test_gpt_oss_stacked_experts_cut_before_the_split(proj, kind):
+    """Cutting gpt-oss's stacked (gate/up interleaved) tensors and then splitting them per expert
+    gives each expert's rank rows / columns, as cutting the per-expert tensors would; the down
+    bias is rank 0's alone."""
+    experts, hidden, inter, size = 3, 8, 12, 2
+    shapes = {("gate_up_proj", ""): (experts, hidden, 2 * inter), ("gate_up_proj", "_bias"): (experts, 2 * inter),
+              ("down_proj", ""): (experts, inter, hidden), ("down_proj", "_bias"): (experts, hidden)}  # fmt: skip
+    name = f"model.layers.0.mlp.experts.{proj}{kind}"
+    t = torch.randn(shapes[(proj, kind)])
+    full = {n: x for n, x, _ in split_experts([(name, t, "f")])}
+    n = inter // size
+    for rank in range(size):
+        cut = _stacked_experts(proj, kind, t, TPShard(rank, size))
+        for part_name, part in ((n_, x) for n_, x, _ in split_experts([(name, cut, "f")])):
+            whole = full[part_name]
+            if proj == "down_proj" and kind == "_bias":
+                want = whole if rank == 0 else torch.zeros_like(whole)
+            elif proj == "down_proj":  # [H, I]: the rank's input columns
+                want = whole[:, rank * n : (rank + 1) * n]
+            else:  # gate or up rows (bias entries) of the rank's units
+                want = whole[rank * n : (rank + 1) * n]
+            assert torch.equal(part, want), part_name
 
 
 def test_parallel_options():

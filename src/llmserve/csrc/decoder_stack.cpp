@@ -545,6 +545,8 @@ void Decoder::forward(const float* x, int64_t M, const int64_t* positions, const
     //    the mixture of experts the router picks per token
     if (L.moe.E) {
       moe_mlp(L.moe, M, h_);
+      // a rank's experts are slices of their intermediate dimension: their shares summed
+      if (comm) comm->all_reduce(h_, M * H);
       continue;
     }
     linear(L.gate_up, h_, M, gu_);

@@ -211,11 +211,6 @@ PyObject* py_decoder_new(PyObject*, PyObject* args) {
     ok = parse_layer(PyList_GET_ITEM(layers, i), &dec->layers.back());
   }
   dec->comm = group;
-  for (const Layer& L : dec->layers)
-    if (ok && group && L.moe.E) {  // the MoE block has no sums in it
-      PyErr_SetString(PyExc_ValueError, "decoder_new: tensor-parallel shards of MoE layers are not supported");
-      ok = false;
-    }
   if (!ok) {
     delete dec;
     return nullptr;

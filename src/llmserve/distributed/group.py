@@ -17,6 +17,10 @@ Two transports (`shm.transport()` picks one when the driver starts the group):
            round trip through the kernel; objects as one broadcast of the length, one of the bytes
 
 The gloo group exists either way: start-up's `all_ok` votes and other dtypes use it.
+
+On CUDA (`device` cuda:r, model_executor/tp_placement.py) a second group, NCCL's, sums and gathers
+the ranks' GPU tensors (the sharded layers' hooks); commands, the step's batch and the votes stay
+on the CPU transport above.
 """
 
 from __future__ import annotations
@@ -49,15 +53,22 @@ class TPGroup:
         timeout: timedelta = DEFAULT_TIMEOUT,
         shm_path: str | None = None,
         shm: ShmComm | None = None,
+        device: torch.device | None = None,
     ) -> None:
         """`shm_path`: the driver's shared segment (shm.create_segment) to map, or `shm` the
-        mapped one; neither: gloo alone."""
+        mapped one; neither: gloo alone. `device`: this rank's GPU (cuda:r, the current device
+        already), whose tensors an NCCL group sums; None or the CPU: no NCCL group."""
         self.rank, self.size = rank, size
         self.store = store  # kept alive: the group's connections were set up through it
         if shm is None and shm_path is not None:
             shm = ShmComm(shm_path, rank, size, timeout.total_seconds())
         self.shm = shm
         self.pg = dist.ProcessGroupGloo(store, rank, size, timeout)  # waits for every rank
+        self.nccl: Any = None
+        if device is not None and device.type == "cuda":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout  # (torch's own helper sets it so)
+            self.nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, size, opts)
 
     @classmethod
     def create_store(cls, size: int, timeout: timedelta = DEFAULT_TIMEOUT) -> dist.TCPStore:
@@ -73,6 +84,7 @@ class TPGroup:
         shm_path: str | None = None,
         timeout: timedelta = DEFAULT_TIMEOUT,
         host: str = "127.0.0.1",
+        device: torch.device | None = None,
     ) -> TPGroup:
         """A worker's side: join the driver's store at `host` (its node's address when the worker
         runs on another node; the store listens on every interface), saying so
@@ -81,7 +93,7 @@ class TPGroup:
         store = dist.TCPStore(host, port, size, is_master=False, timeout=timeout)
         shm = None if shm_path is None else ShmComm(shm_path, rank, size, timeout.total_seconds())
         store.set(_joined(rank), "1")
-        return cls(store, rank, size, timeout, shm=shm)
+        return cls(store, rank, size, timeout, shm=shm, device=device)
 
     @staticmethod
     def wait_for_workers(
@@ -107,6 +119,9 @@ class TPGroup:
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` over the ranks, in place (every rank gets the same sum)."""
+        if t.is_cuda:
+            self.nccl.allreduce([t]).wait()
+            return t
         if self.shm is not None and t.dtype == torch.float32:
             return self.shm.all_reduce(t)
         self.pg.allreduce([t]).wait()
@@ -114,6 +129,10 @@ class TPGroup:
 
     def gather_to_driver(self, t: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank's `t` (same shape everywhere), in rank order, on the driver; None elsewhere."""
+        if t.is_cuda:  # an all-gather, as over shared memory
+            parts = [torch.empty_like(t) for _ in range(self.size)]
+            self.nccl.allgather([parts], [t.contiguous()]).wait()
+            return parts if self.is_driver else None
         if self.shm is not None:  # an all-gather: every rank waits for all (shm.py's slots)
             parts = self.shm.all_gather(t)
             return list(parts.unbind(0)) if self.is_driver else None
@@ -161,8 +180,10 @@ class TPGroup:
         """Shut the group's connections down (its threads joined: no abort at interpreter exit)."""
         if self.shm is not None:
             self.shm.unlink()
-        with contextlib.suppress(RuntimeError):  # a peer already gone
-            self.pg.shutdown()
+        for pg in (self.pg, self.nccl):
+            if pg is not None:
+                with contextlib.suppress(RuntimeError):  # a peer already gone
+                    pg.shutdown()
 
     def _broadcast(self, t: torch.Tensor) -> None:
         opts = dist.BroadcastOptions()

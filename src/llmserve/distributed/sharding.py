@@ -1,4 +1,5 @@
-"""How a Llama-family model is cut into tensor-parallel shards (Megatron's split):
+"""How a Llama-family model (dense or mixture-of-experts) is cut into tensor-parallel shards
+(Megatron's split):
 
     qkv_proj, gate_up_proj   column-parallel: each rank computes its heads / its slice of the
                              intermediate dimension (rows [r*n, (r+1)*n) of each checkpoint tensor)
@@ -11,6 +12,13 @@
     lm_head                  vocab-parallel: each rank's [N, Vr] logits gathered on the driver
                              and concatenated, the padding cut off
     norms, rotary            replicated
+    MoE blocks               the router (and a shared expert's sigmoid gate) replicated, so every
+                             rank picks the same experts; every expert's gate_up_proj column-split
+                             and down_proj row-split on its intermediate dimension, the shared
+                             expert as a dense MLP: each rank's block output is its share of every
+                             chosen expert's, and the one all-reduce after the MLP sums them
+                             (gpt-oss: its stacked expert tensors cut before they are split per
+                             expert, `_stacked_experts`; its attention sinks split by head)
 
 A rank builds the model from `local_config` (its heads, KV heads, intermediate slice and
 vocabulary shard), so each layer allocates only its shard and the KV cache is sharded by KV head
@@ -36,11 +44,23 @@ from llmserve.distributed.group import TPGroup
 from llmserve.layers.quantization.formats import BLOCK, QuantizedRows, num_blocks
 from llmserve.layers.vocab_embedding import LMHead, VocabEmbedding
 from llmserve.models.base import CausalLM
+from llmserve.models.gpt_oss import STACKED_EXPERTS
 
 _COLUMN = frozenset({"qkv_proj", "gate_up_proj"})
 _ROW = frozenset({"o_proj", "down_proj"})
-SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "GptOssForCausalLM",
+)
 """Model classes tensor parallelism splits (Mistral checkpoints run on LlamaForCausalLM)."""
+_SPLIT_WIDTHS = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
+"""The MLP widths a shard holds 1 / size of: a dense MLP's, each expert's, the shared expert's
+(Mixtral's experts are `intermediate_size` wide)."""
 
 
 @dataclass(slots=True)
@@ -65,8 +85,8 @@ def check_supported(model_cls: type[CausalLM], hf_config: Any, size: int) -> Non
             f"tensor parallelism does not support the {name} architecture "
             f"(architectures {getattr(hf_config, 'architectures', None)}); supported: {', '.join(SUPPORTED)}"
         )
-    for field_name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        value = int(getattr(hf_config, field_name))
+    for field_name in ("num_attention_heads", "num_key_value_heads", *_SPLIT_WIDTHS):
+        value = int(getattr(hf_config, field_name, 0) or 0)  # (0: a width this model lacks)
         if value % size:
             raise ValueError(
                 f"tensor_parallel_size {size} does not divide the model's {field_name} ({value}); "
@@ -80,15 +100,18 @@ def local_vocab(vocab_size: int, size: int) -> int:
 
 
 def local_config(hf_config: Any, size: int) -> Any:
-    """The config a rank builds its shard from: its heads, KV heads, intermediate slice and
-    vocabulary rows; everything else (hidden size, head_dim, RoPE) as the model's."""
+    """The config a rank builds its shard from: its heads, KV heads, MLP slices (dense, expert and
+    shared-expert widths) and vocabulary rows; everything else (hidden size, head_dim, RoPE, the
+    number of experts) as the model's."""
     from llmserve.models.llama import head_dim_of
 
     config = copy.deepcopy(hf_config)
     config.head_dim = head_dim_of(hf_config)  # no longer hidden_size / heads once heads are split
     config.num_attention_heads = hf_config.num_attention_heads // size
     config.num_key_value_heads = hf_config.num_key_value_heads // size
-    config.intermediate_size = hf_config.intermediate_size // size
+    for width in _SPLIT_WIDTHS:
+        if getattr(hf_config, width, None):
+            setattr(config, width, getattr(hf_config, width) // size)
     config.vocab_size = local_vocab(hf_config.vocab_size, size)
     return config
 
@@ -139,10 +162,16 @@ def _columns(name: str, t: Any, start: int, n: int) -> torch.Tensor | QuantizedR
 def shard_tensor(model: CausalLM, name: str, tensor: Any, shard: TPShard) -> torch.Tensor | QuantizedRows:
     """This rank's part of checkpoint tensor `name` (as the full model stores it): a tensor,
     quantized rows, or a safetensors slice, of which only this part is read."""
+    stacked = STACKED_EXPERTS.match(name)
+    if stacked is not None:
+        return _stacked_experts(stacked.group(2), stacked.group(3) or "", tensor, shard)
     route = model.route_weight(name)
     if route is None:
         return tensor[:] if hasattr(tensor, "get_shape") else tensor
     module_path, attr, index = route
+    if attr == "sinks":  # gpt-oss's per-head sink logits [num_heads]: the rank's heads
+        n = _shape(tensor)[0] // shard.size
+        return _rows(tensor, shard.rank * n, n)
     module = model.get_submodule(module_path)
     leaf = module_path.rpartition(".")[2]
     r = shard.rank
@@ -156,6 +185,34 @@ def shard_tensor(model: CausalLM, name: str, tensor: Any, shard: TPShard) -> tor
             return tensor[:] if r == 0 else torch.zeros(_shape(tensor))
         return _columns(name, tensor, r * module.in_features, module.in_features)
     return tensor[:] if hasattr(tensor, "get_shape") else tensor
+
+
+def _stacked_experts(proj: str, kind: str, t: Any, shard: TPShard) -> torch.Tensor:
+    """This rank's part of one of gpt-oss's stacked expert tensors (models/gpt_oss.py), cut before
+    they are split per expert, on the experts' intermediate dimension I (n = I / size a rank):
+
+        gate_up_proj       [E, H, 2I]   gate and up units interleaved (column 2i gate unit i, 2i + 1
+                                        up unit i), so the rank's units are the contiguous columns
+                                        [2rn, 2(r+1)n); its bias [E, 2I] the same
+        down_proj          [E, I, H]    rows [rn, (r+1)n); its bias [E, H] rank 0's, zeros elsewhere
+        MXFP4 *_blocks     [E, out, in / 32, 16] and *_scales [E, out, in / 32]: gate_up's rows
+                           as above, down's input on whole blocks of 32
+    """
+    shape, r, size = _shape(t), shard.rank, shard.size
+    if proj == "down_proj" and kind == "_bias":  # added once, by rank 0, to the summed output
+        return t[:] if r == 0 else torch.zeros(shape)
+    axis = {("gate_up_proj", ""): 2, ("gate_up_proj", "_bias"): 1, ("down_proj", ""): 1}.get((proj, kind))
+    if axis is None:  # MXFP4 codes or scales: gate_up's output rows, down's input blocks
+        axis = 1 if proj == "gate_up_proj" else 2
+    if shape[axis] % size:
+        raise ValueError(
+            f"gpt-oss's {proj}{kind} {shape}: dimension {axis} does not split into {size} tensor-parallel "
+            f"shards (MXFP4 weights split only along whole blocks of 32)"
+        )
+    n = shape[axis] // size
+    index = [slice(None)] * len(shape)
+    index[axis] = slice(r * n, (r + 1) * n)
+    return t[tuple(index)]
 
 
 # -- collectives as hooks --------------------------------------------------------------------------
@@ -202,3 +259,29 @@ def _gathered_head(head: nn.Module, shard: TPShard, vocab_size: int) -> None:
         return out if parts is None else torch.cat(parts, dim=-1)[..., :vocab_size]
 
     head.register_forward_hook(post)
+
+
+# -- LoRA adapters ---------------------------------------------------------------------------------
+
+
+def shard_lora_pair(
+    module_path: str, a: torch.Tensor, b: torch.Tensor, shard: TPShard, where: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's part of one projection's LoRA pair (A [r, in], B [out, r]), as punica / vLLM
+    shard them: a column-parallel layer's B cut to the rank's output rows (its A, over the whole
+    replicated input, kept), a row-parallel layer's A cut to the rank's input columns (its
+    partial delta then summed by the layer's all-reduce, B kept). `where`: the file and layer,
+    for the ValueError of a size that does not split."""
+    leaf = module_path.rpartition(".")[2]
+    if leaf in _COLUMN:
+        dim, n = "lora_B's rows", b.shape[0]
+    elif leaf in _ROW:
+        dim, n = "lora_A's columns", a.shape[-1]
+    else:
+        return a, b
+    if n % shard.size:
+        raise ValueError(f"{where}: {dim} ({n}) do not split into {shard.size} tensor-parallel shards")
+    part, start = n // shard.size, shard.rank * (n // shard.size)
+    if leaf in _COLUMN:
+        return a, b[start : start + part]
+    return a[:, start : start + part], b

@@ -97,7 +97,7 @@ class LLMEngine:
         self.parallel_config = parallel_config or ParallelConfig()
         self.executor: TPExecutor | None = None
         if self.parallel_config.is_parallel:
-            _check_parallel_options(speculative_config, lora_config, loaded)
+            _check_parallel_options(speculative_config, loaded)
             self.executor = TPExecutor(model_config, self.parallel_config)
             loaded = self.executor.loaded
         self.loaded = loaded or load_model(model_config)
@@ -194,7 +194,11 @@ class LLMEngine:
         if lora_config is not None:
             if not isinstance(self.runner.runner, ForwardRunner):
                 raise ValueError("LoRA adapters need the native model implementation (model_impl native)")
-            self.lora = LoRAManager(self.loaded.model, lora_config)
+            self.lora = (
+                LoRAManager(self.loaded.model, lora_config)
+                if self.executor is None
+                else self.executor.lora_manager(lora_config)
+            )
             self.runner.runner.use_lora(self.lora)
             for request in module_requests(lora_config):  # a bad folder fails start-up
                 self.lora.add(request)
@@ -548,13 +552,9 @@ class LLMEngine:
         return 0.0 if allocated == 0 else 1.0 - stored / allocated
 
 
-def _check_parallel_options(
-    speculative: SpeculativeConfig | None, lora: LoRAConfig | None, loaded: LoadedModel | None
-) -> None:
+def _check_parallel_options(speculative: SpeculativeConfig | None, loaded: LoadedModel | None) -> None:
     """What tensor parallelism does not combine with yet: ValueError naming it."""
     if speculative is not None:
         raise ValueError("tensor_parallel_size > 1 does not support speculative decoding yet")
-    if lora is not None:
-        raise ValueError("tensor_parallel_size > 1 does not support LoRA adapters yet")
     if loaded is not None:
         raise ValueError("a tensor-parallel engine loads its shards itself; it takes no loaded model")

@@ -21,6 +21,9 @@ adapter and layer, whatever the number of shards:
 
 The scale is folded into B. Pairs are stored transposed (A.T [in, r], B.T [r, out]) so both
 matmuls read contiguous rows.
+
+A tensor-parallel rank's model is its shard: each pair is cut to the rank's part as it is read
+(distributed/sharding.py `shard_lora_pair`), then checked against the shard's layers.
 """
 
 from __future__ import annotations
@@ -29,12 +32,16 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from llmserve.lora.request import LoRARequest
 from llmserve.models import CausalLM
+
+if TYPE_CHECKING:
+    from llmserve.distributed.sharding import TPShard
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -98,11 +105,17 @@ def read_adapter_config(folder: Path, max_rank: int) -> tuple[int, float]:
 
 
 def load_adapter(
-    request: LoRARequest, model: CausalLM, max_rank: int, device: torch.device, dtype: torch.dtype
+    request: LoRARequest,
+    model: CausalLM,
+    max_rank: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    tp_shard: TPShard | None = None,
 ) -> LoRAAdapter:
     """The adapter of `request` (a PEFT folder, or a llama.cpp GGUF LoRA file), its tensors
     checked against `model`'s layers (shape, rank, both halves present); a bad one is a
-    ValueError naming the file and the tensor."""
+    ValueError naming the file and the tensor. `tp_shard`: `model` is this tensor-parallel
+    rank's shard, and the adapter is cut to it."""
     source = Path(request.lora_path)
     if source.suffix == ".gguf":
         from llmserve.lora.gguf_adapter import read_gguf_adapter
@@ -122,7 +135,7 @@ def load_adapter(
         raise ValueError(f"{path}: no LoRA tensors (lora_A / lora_B) in the file")
     per_layer: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
     for (module_path, shard), pair in halves.items():
-        a, b = _checked_pair(model, module_path, shard, pair, path, max_rank)
+        a, b = _checked_pair(model, module_path, shard, pair, path, max_rank, tp_shard)
         per_layer.setdefault(module_path, {})[shard] = (a, b)
     layers = {
         name: _stack(model.get_submodule(name).output_sizes, shards, scale, device, dtype)
@@ -160,7 +173,13 @@ def _route(model: CausalLM, key: str, path: Path) -> tuple[str, int, str]:
 
 
 def _checked_pair(
-    model: CausalLM, module_path: str, shard: int, pair: dict[str, torch.Tensor], path: Path, max_rank: int
+    model: CausalLM,
+    module_path: str,
+    shard: int,
+    pair: dict[str, torch.Tensor],
+    path: Path,
+    max_rank: int,
+    tp_shard: TPShard | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     layer = model.get_submodule(module_path)
     where = f"{module_path}" + (f" (shard {shard})" if len(layer.output_sizes) > 1 else "")
@@ -168,6 +187,10 @@ def _checked_pair(
         if half not in pair:
             raise ValueError(f"{path}: the adapter of {where} lacks its lora_{half} tensor")
     a, b = pair["A"], pair["B"]
+    if tp_shard is not None and a.dim() == 2 and b.dim() == 2:
+        from llmserve.distributed.sharding import shard_lora_pair
+
+        a, b = shard_lora_pair(module_path, a, b, tp_shard, f"{path}: {where}")
     r = a.shape[0]
     expected_a, expected_b = (r, layer.in_features), (layer.output_sizes[shard], r)
     if a.dim() != 2 or tuple(a.shape) != expected_a:

@@ -15,6 +15,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,17 +26,21 @@ from llmserve.lora.layers import LoRABatch, LoRALinear, LoRAStep
 from llmserve.lora.request import LoRARequest
 from llmserve.models import CausalLM
 
+if TYPE_CHECKING:
+    from llmserve.distributed.sharding import TPShard
+
 logger = logging.getLogger(__name__)
 
 
 class LoRAManager:
-    def __init__(self, model: CausalLM, config: LoRAConfig) -> None:
+    def __init__(self, model: CausalLM, config: LoRAConfig, tp_shard: TPShard | None = None) -> None:
+        """`tp_shard`: `model` is this tensor-parallel rank's shard; adapters are cut to it."""
         param = next(model.parameters())
         # A quantized model computes in float32; its float params are norms in that dtype
         self.device, self.dtype = param.device, param.dtype
         self.weights_dtype = self.dtype if config.lora_dtype == "auto" else getattr(torch, config.lora_dtype)
         """What adapters' weights are kept in (`lora_dtype`); the deltas are computed in `dtype`."""
-        self.model, self.config = model, config
+        self.model, self.config, self.tp_shard = model, config, tp_shard
         self.step = LoRAStep(use_triton=self.device.type == "cuda" and _has_triton())
         self.requests: dict[int, LoRARequest] = {}
         self.names: dict[int, str] = {}
@@ -70,13 +75,13 @@ class LoRAManager:
         adapter = self._loaded.get(request.lora_int_id)
         if adapter is None:
             adapter = load_adapter(
-                request, self.model, self.config.max_lora_rank, self.device, self.weights_dtype
+                request, self.model, self.config.max_lora_rank, self.device, self.weights_dtype, self.tp_shard
             )
             self._loaded[request.lora_int_id] = adapter
         self._loaded.move_to_end(request.lora_int_id)
         self.requests[request.lora_int_id] = request
         self.names[request.lora_int_id] = request.lora_name
-        self.trim(in_use | {request.lora_int_id})
+        self._trim(in_use | {request.lora_int_id})
         return adapter
 
     def remove(self, lora_id: int, in_use: AbstractSet[int] = frozenset()) -> bool:
@@ -84,7 +89,7 @@ class LoRAManager:
         requests in `in_use` still run it, at the first `trim` after they end."""
         if self.requests.pop(lora_id, None) is None:
             return False
-        self.trim(in_use)
+        self._trim(in_use)
         return True
 
     @property
@@ -100,6 +105,11 @@ class LoRAManager:
         exceeded while every loaded adapter is busy). A dropped registered adapter is loaded
         again from its folder by the next request that names it. (The wrappers keep the last
         adapter step's weights side by side until the next one: layers.py.)"""
+        self._trim(in_use)
+
+    def _trim(self, in_use: AbstractSet[int]) -> None:
+        # (`add` and `remove` trim through this, not `trim`: a tensor-parallel driver's manager
+        # mirrors each public call on the workers, whose own `add` / `remove` trim alike)
         for lora_id in [i for i in self._loaded if i not in self.requests and i not in in_use]:
             del self._loaded[lora_id]
         for lora_id in [i for i in self._loaded if i not in in_use]:

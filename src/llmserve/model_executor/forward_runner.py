@@ -139,11 +139,7 @@ class ForwardRunner:
                 "tensor parallelism over gloo (a shard's stack sums over the shared-memory group)"
             )
         else:
-            reason = (
-                "no decoder spec"
-                if spec is None
-                else unsupported_reason(spec, self.kv_caches, comm is not None)
-            )
+            reason = "no decoder spec" if spec is None else unsupported_reason(spec, self.kv_caches)
         if reason is None:
             self.fused = FusedDecoder(spec, self.kv_caches, self.block_size, comm)
         self.fused_unsupported = reason

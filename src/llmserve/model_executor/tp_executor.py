@@ -38,20 +38,25 @@ import logging
 import os
 import weakref
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any, Protocol
 
 import torch
 import torch.multiprocessing as mp
 
 from llmserve.config import ModelConfig
+from llmserve.config.lora import LoRAConfig
 from llmserve.config.parallel import ParallelConfig
 from llmserve.distributed import shm
 from llmserve.distributed.group import TPGroup
 from llmserve.distributed.sharding import TPShard
 from llmserve.layers import numba_jit
-from llmserve.model_executor.device import resolve_device
+from llmserve.lora.adapter import LoRAAdapter
+from llmserve.lora.manager import LoRAManager
+from llmserve.lora.request import LoRARequest
 from llmserve.model_executor.forward_runner import ForwardOutput, ForwardRunner, SequenceBatchEntry
 from llmserve.model_executor.model_loader import LoadedModel, load_model
+from llmserve.model_executor.tp_placement import RankPlacement, place_ranks
 from llmserve.model_executor.tp_worker import WorkerArgs, run_worker
 
 logger = logging.getLogger("llmserve")
@@ -92,11 +97,9 @@ class TPExecutor:
         starts), then start the workers (`parallel.distributed_executor_backend`) and wait until
         every rank has loaded its shard."""
         size = parallel.tensor_parallel_size
-        if resolve_device(model_config.device).type != "cpu":
-            raise ValueError(
-                f"tensor_parallel_size {size} runs on the CPU only for now (gloo); device {model_config.device!r} "
-                "would need NCCL, which is not supported yet"
-            )
+        placement = place_ranks(model_config.device, size, parallel.distributed_executor_backend)
+        if placement.device_type == "cuda":
+            torch.cuda.set_device(placement.device(0))  # NCCL's and the allocator's current device
         threads = parallel.resolved_threads_per_rank()
         torch.set_num_threads(threads)  # before loading: linear layers chunk their weights per thread
         if not numba_jit.limit_threads(threads):
@@ -106,7 +109,7 @@ class TPExecutor:
                 threads,
             )
         self.shard = TPShard(0, size)
-        self.loaded: LoadedModel = load_model(model_config, self.shard)
+        self.loaded: LoadedModel = load_model(placement.model_config(model_config, 0), self.shard)
         self._error: TensorParallelError | None = None
         store = TPGroup.create_store(size)
         if parallel.distributed_executor_backend == "ray":
@@ -121,11 +124,11 @@ class TPExecutor:
         else:
             self.transport = shm.transport()
             shm_path = shm.create_segment(size) if self.transport == "shm" else None
-            self.workers = ProcessWorkers(store.port, size, model_config, threads, shm_path)
+            self.workers = ProcessWorkers(store.port, placement, model_config, threads, shm_path)
         try:
             try:
                 TPGroup.wait_for_workers(store, size, self.workers.exited)
-                self.group = TPGroup(store, 0, size, shm_path=shm_path)
+                self.group = TPGroup(store, 0, size, shm_path=shm_path, device=placement.device(0))
             finally:  # every rank has mapped the segment by now (or never will): its name goes
                 if shm_path is not None:
                     os.unlink(shm_path)
@@ -145,6 +148,12 @@ class TPExecutor:
         return DriverForwardRunner(
             self, self.loaded.model, profile=self.loaded.profile, group=self.group, **kwargs
         )
+
+    def lora_manager(self, config: LoRAConfig) -> DriverLoRAManager:
+        """The driver's LoRA adapters (after `init_runner`: the managers wrap the layers after the
+        fused decoder is built from the bare ones); every rank's manager holds its slice of each."""
+        self.send(("lora", config))
+        return DriverLoRAManager(self, config)
 
     def check(self) -> None:
         """Raise the `TensorParallelError` of an earlier failure, if there was one."""
@@ -203,11 +212,38 @@ class DriverForwardRunner(ForwardRunner):
             raise self.executor.failure(e) from e
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        self.executor.send(("logits", hidden))
+        # (a GPU's rows travel through the host: each worker moves them to its own GPU)
+        self.executor.send(("logits", hidden.cpu() if hidden.is_cuda else hidden))
         try:
             return super().compute_logits(hidden)
         except RuntimeError as e:
             raise self.executor.failure(e) from e
+
+
+class DriverLoRAManager(LoRAManager):
+    """The driver's adapters. Each public change (`add`, `remove`, `trim`) is made here first (a bad
+    adapter fails here, and reaches no worker), then broadcast, so every worker's manager loads,
+    drops and orders the same adapters (each rank its slice); the step's adapter of each sequence
+    travels in the broadcast batch (`SequenceBatchEntry.lora_id`)."""
+
+    def __init__(self, executor: TPExecutor, config: LoRAConfig) -> None:
+        super().__init__(executor.loaded.model, config, executor.shard)
+        self.executor = executor
+
+    def add(self, request: LoRARequest, in_use: AbstractSet[int] = frozenset()) -> LoRAAdapter:
+        adapter = super().add(request, in_use)
+        self.executor.send(("lora_call", "add", request, set(in_use)))
+        return adapter
+
+    def remove(self, lora_id: int, in_use: AbstractSet[int] = frozenset()) -> bool:
+        removed = super().remove(lora_id, in_use)
+        if removed:
+            self.executor.send(("lora_call", "remove", lora_id, set(in_use)))
+        return removed
+
+    def trim(self, in_use: AbstractSet[int]) -> None:
+        super().trim(in_use)
+        self.executor.send(("lora_call", "trim", set(in_use)))
 
 
 class ProcessWorkers:
@@ -215,14 +251,31 @@ class ProcessWorkers:
     own CPUs when there are enough."""
 
     def __init__(
-        self, port: int, size: int, model_config: ModelConfig, threads: int, shm_path: str | None = None
+        self,
+        port: int,
+        placement: RankPlacement,
+        model_config: ModelConfig,
+        threads: int,
+        shm_path: str | None = None,
     ) -> None:
         spawn = mp.get_context("spawn")
+        size = placement.size
         cpus = _cpu_sets(size, threads)
         self.processes = [
             spawn.Process(
                 target=run_worker,
-                args=(WorkerArgs(rank, size, port, model_config, threads, cpus[rank], shm_path=shm_path),),
+                args=(
+                    WorkerArgs(
+                        rank,
+                        size,
+                        port,
+                        placement.model_config(model_config, rank),
+                        threads,
+                        cpus[rank],
+                        shm_path=shm_path,
+                        device=str(placement.device(rank)),
+                    ),
+                ),
                 name=f"llmserve-tp{rank}",
                 daemon=True,
             )

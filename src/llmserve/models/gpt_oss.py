@@ -36,7 +36,7 @@ from llmserve.layers.quantization.fused_decoder import DecoderSpec
 from llmserve.layers.quantization.mxfp4 import dequantize_mxfp4
 from llmserve.models.llama import ArchFlags, LlamaForCausalLM
 
-_STACKED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
+STACKED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
 
 
 def _per_expert(prefix: str, proj: str, kind: str, t: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
@@ -57,7 +57,7 @@ def split_experts(weights: Iterable[tuple[str, Any, str]]) -> Iterator[tuple[str
     as per-expert tensors; everything else passes through."""
     blocks: dict[str, torch.Tensor] = {}
     for name, tensor, file in weights:
-        m = _STACKED.match(name)
+        m = STACKED_EXPERTS.match(name)
         if m is None:
             yield name, tensor, file
             continue

@@ -72,9 +72,9 @@ def _norms(layer: DecoderLayerSpec) -> list[RMSNorm]:
     return [n for n in (layer.input_norm, layer.q_norm, layer.k_norm, layer.post_norm) if n is not None]
 
 
-def unsupported_reason(spec: DecoderSpec, kv_caches: list[LayerKVCache], sharded: bool = False) -> str | None:
-    """Why the fused decoder cannot run this stack (None: it can); `sharded`: the stack is a
-    tensor-parallel rank's shard (its row-parallel outputs summed over the group)."""
+def unsupported_reason(spec: DecoderSpec, kv_caches: list[LayerKVCache]) -> str | None:
+    """Why the fused decoder cannot run this stack (None: it can); a tensor-parallel rank's
+    shard runs the same (its row-parallel and MoE outputs summed over the group in the call)."""
     if not spec.rotary.backend_can_rotate:  # its RoPE takes one position a token
         return "M-RoPE (three position ids a token)"
     if not cpu_kernels.has_native_kernels():
@@ -89,8 +89,6 @@ def unsupported_reason(spec: DecoderSpec, kv_caches: list[LayerKVCache], sharded
             return "float linear layers"
         if any(m.input_perm is not None for m in linears):  # type: ignore[union-attr]
             return "act-order input permutations (GPTQ desc_act)"
-        if layer.moe is not None and sharded:
-            return "a tensor-parallel shard of MoE layers"
         if layer.moe is not None and any(
             w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous()
             for w in _routers(layer.moe)
@@ -174,7 +172,7 @@ class FusedDecoder:
     def __init__(
         self, spec: DecoderSpec, kv_caches: list[LayerKVCache], block_size: int, comm: object | None = None
     ) -> None:
-        reason = unsupported_reason(spec, kv_caches, comm is not None)
+        reason = unsupported_reason(spec, kv_caches)
         if reason is not None:
             raise ValueError(f"the fused decoder cannot run this model: {reason}")
         self.spec, self.kv_caches = spec, kv_caches
