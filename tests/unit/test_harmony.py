@@ -20,6 +20,9 @@ from transformers.utils.chat_template_utils import render_jinja_template
 from llmserve.config import ServerConfig
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.protocol import ChatMessage
+from llmserve.server.protocol_anthropic import CountTokensRequest
+from llmserve.server.protocol_responses import parse_item
+from llmserve.server.serving.anthropic import chat_messages as anthropic_messages
 from llmserve.server.serving.chat import messages_to_dicts
 from llmserve.server.serving.harmony import (
     HARMONY,
@@ -28,6 +31,7 @@ from llmserve.server.serving.harmony import (
     parse_harmony,
     uses_channels,
 )
+from llmserve.server.serving.responses import chat_messages as responses_messages
 from llmserve.server.serving.tools import FORMATS, plan_tools, with_tools
 from llmserve.tokenizer.chat_template import ChatTemplate
 from tests.unit.test_tool_formats import _ByteTokenizer
@@ -248,3 +252,32 @@ def test_required_grammar_accepts_a_call_the_parser_reads() -> None:
     assert accepts(compact) and accepts(compact + "<|start|>assistant" + compact)
     assert not accepts(compact.replace("get_weather", "get_time"))
     assert [c.name for c in parse_harmony(compact)[2]] == ["get_weather"]
+
+
+def test_past_reasoning_from_the_other_apis_reaches_the_turn_it_preceded() -> None:
+    """A Responses reasoning item goes to the assistant turn after it (the function call it led
+    to), an Anthropic thinking block to its own assistant message: both as reasoning_content."""
+    items = [
+        parse_item({"role": "user", "content": "Weather in Paris?"}, "input.0"),
+        parse_item({"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": THINK}]}, "input.1"),
+        parse_item({"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": json.dumps(ARGS)}, "input.2"),
+        parse_item({"type": "function_call_output", "call_id": "c1", "output": "sunny"}, "input.3"),
+    ]  # fmt: skip
+    messages, _ = responses_messages(None, items)
+    assert [(m.role, m.reasoning_content) for m in messages] == [
+        ("user", None),
+        ("assistant", THINK),
+        ("tool", None),
+    ]
+    req = CountTokensRequest.model_validate({"model": "m", "messages": [
+        USER,
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": THINK, "signature": ""},
+                                          {"type": "tool_use", "id": "t1", "name": "get_weather", "input": ARGS}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "sunny"}]},
+    ]})  # fmt: skip
+    messages, _ = anthropic_messages(req)
+    assert [(m.role, m.reasoning_content) for m in messages] == [
+        ("user", None),
+        ("assistant", THINK),
+        ("tool", None),
+    ]
