@@ -151,12 +151,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="TLS: client certificates 0: not asked for, 1: optional, 2: required (Python's ssl.CERT_*)",
     )  # fmt: skip
     s.add_argument(
-        "--reasoning-parser", choices=["auto", "none", "think"], default="auto",
-        help="split <think>...</think> into reasoning_content (auto: when the chat template uses <think>)",
+        "--reasoning-parser", choices=["auto", "none", "think", "openai_gptoss"], default="auto",
+        help="split <think>...</think> (think) or gpt-oss's analysis channel (openai_gptoss) into "
+        "reasoning_content (auto: the one the chat template uses)",
     )  # fmt: skip
     s.add_argument(
-        "--tool-call-parser", choices=["auto", "hermes", "llama3_json", "mistral"], default="auto",
-        help="tool-call format: hermes (<tool_call>), llama3_json, mistral ([TOOL_CALLS]); "
+        "--tool-call-parser", choices=["auto", "hermes", "llama3_json", "mistral", "openai"], default="auto",
+        help="tool-call format: hermes (<tool_call>), llama3_json, mistral ([TOOL_CALLS]), openai (gpt-oss's harmony); "
         "auto: the one the chat template uses",
     )  # fmt: skip
     b = p.add_argument_group("batches (the Files and Batches APIs)")

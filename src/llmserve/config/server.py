@@ -53,11 +53,14 @@ class ServerConfig:
     `return_timings: true`."""
     reasoning_parser: str = "auto"
     """`think`: a chat reply's `<think>…</think>` becomes `reasoning_content` (Qwen3, DeepSeek-R1);
-    `none`: the text is left as it is; `auto`: `think` when the chat template mentions `<think>`."""
+    `openai_gptoss`: gpt-oss's harmony reply, its `analysis` channel the reasoning (tool calls
+    parsed too); `none`: the text is left as it is; `auto`: `think` when the chat template
+    mentions `<think>`, `openai_gptoss` when it writes `<|channel|>` (and tool_call_parser is auto)."""
     tool_call_parser: str = "auto"
     """How tool calls are written and read back: `hermes` (`<tool_call>` JSON blocks: Qwen,
-    Hermes), `llama3_json` (Llama 3.1+), `mistral` (`[TOOL_CALLS]`), or `auto`: the format the chat
-    template uses (hermes when it names none)."""
+    Hermes), `llama3_json` (Llama 3.1+), `mistral` (`[TOOL_CALLS]`), `openai` (gpt-oss's harmony
+    commentary messages: the whole reply parsed as with reasoning_parser openai_gptoss), or `auto`:
+    the format the chat template uses (hermes when it names none)."""
     max_loaded_models: int | None = None
     """Native models loaded at once; loading one more unloads the least recently used idle one.
     None: no limit (only `models_memory`)."""
@@ -114,11 +117,23 @@ class ServerConfig:
             raise ValueError(f"stats_log_interval must be >= 0; got {self.stats_log_interval}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0; got {self.shutdown_timeout}")
-        if self.reasoning_parser not in ("auto", "none", "think"):
-            raise ValueError(f"reasoning_parser must be auto, none or think; got {self.reasoning_parser!r}")
-        if self.tool_call_parser not in ("auto", "hermes", "llama3_json", "mistral"):
+        if self.reasoning_parser not in ("auto", "none", "think", "openai_gptoss"):
             raise ValueError(
-                f"tool_call_parser must be auto, hermes, llama3_json or mistral; got {self.tool_call_parser!r}"
+                f"reasoning_parser must be auto, none, think or openai_gptoss; got {self.reasoning_parser!r}"
+            )
+        if self.tool_call_parser not in ("auto", "hermes", "llama3_json", "mistral", "openai"):
+            raise ValueError(
+                "tool_call_parser must be auto, hermes, llama3_json, mistral or openai; "
+                f"got {self.tool_call_parser!r}"
+            )
+        # harmony is one parser for both: the other half cannot be another format
+        gptoss, openai = self.reasoning_parser == "openai_gptoss", self.tool_call_parser == "openai"
+        if (gptoss and self.tool_call_parser not in ("auto", "openai")) or (
+            openai and self.reasoning_parser == "think"
+        ):
+            raise ValueError(
+                "reasoning_parser openai_gptoss and tool_call_parser openai read the same harmony reply: "
+                f"got reasoning_parser {self.reasoning_parser!r} with tool_call_parser {self.tool_call_parser!r}"
             )
         if self.max_loaded_models is not None and self.max_loaded_models < 1:
             raise ValueError(f"max_loaded_models must be >= 1; got {self.max_loaded_models}")

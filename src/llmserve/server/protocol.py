@@ -169,6 +169,10 @@ class ChatMessage(_Request):
     name: StrictStr | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: StrictStr | None = None
+    reasoning_content: StrictStr | None = None
+    """An earlier assistant turn's reasoning, as this server returned it (vLLM's field)."""
+    reasoning: StrictStr | None = None
+    """The same, under vLLM's newer name."""
 
 
 class ChatCompletionRequest(_SamplingFields):

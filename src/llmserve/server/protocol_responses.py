@@ -118,7 +118,7 @@ class FunctionCallOutputItem(_Strict):
 
 
 class ReasoningItem(_Strict):
-    """A past response's reasoning: accepted and left out (templates drop past turns' thinking)."""
+    """A past response's reasoning: its text goes to the assistant turn after it."""
 
     type: Literal["reasoning"]
     id: StrictStr | None = None
@@ -126,6 +126,13 @@ class ReasoningItem(_Strict):
     content: list[dict[str, Any]] | None = None
     encrypted_content: StrictStr | None = None
     status: StrictStr | None = None
+
+    def text(self) -> str | None:
+        """The reasoning's text: its `reasoning_text` parts (as this server writes them), else its
+        summary's; None when it has neither (an encrypted one)."""
+        parts = [p.get("text") for p in self.content or [] if p.get("type") == "reasoning_text"]
+        parts = parts or [p.get("text") for p in self.summary if p.get("type") == "summary_text"]
+        return "".join(t for t in parts if isinstance(t, str)) or None
 
 
 Item = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem

@@ -16,7 +16,8 @@ upstream. The conversion:
                                                server's media rules), in place among the text
     user tool_result blocks                 -> tool messages (tool_call_id, the tool's name)
     assistant text, tool_use blocks         -> an assistant message with tool_calls
-    assistant thinking blocks               -> left out (templates drop past turns' reasoning)
+    assistant thinking blocks               -> its reasoning_content (the templates that show past
+                                               reasoning read it: gpt-oss's before a tool call)
     a final assistant message               -> continued (Anthropic's prefill)
     tools, tool_choice auto/any/tool/none   -> tools, tool_choice auto/required/named/none
     stop_sequences, temperature, top_p, top_k, max_tokens, output_config.format -> SamplingParams
@@ -88,12 +89,13 @@ def chat_messages(req: CountTokensRequest) -> tuple[list[ChatMessage], list[str]
 
 def _assistant(blocks: list[Any], names: dict[str, str]) -> list[ChatMessage]:
     """One assistant message: its text, its tool_use blocks as tool_calls (arguments as objects,
-    as templates read them); thinking is left out. Records each call's name in `names`."""
+    as templates read them), its thinking as reasoning_content. Records each call's name in `names`."""
     calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}}
              for b in blocks if b.type == "tool_use"]  # fmt: skip
     names.update((c["id"], c["function"]["name"]) for c in calls)
     text = "".join(b.text for b in blocks if b.type == "text")
-    return [ChatMessage(role="assistant", content=text, tool_calls=calls or None)]
+    thinking = "".join(b.thinking for b in blocks if b.type == "thinking") or None
+    return [ChatMessage(role="assistant", content=text, tool_calls=calls or None, reasoning_content=thinking)]
 
 
 def _user(blocks: list[Any], names: dict[str, str], where: str) -> list[ChatMessage]:

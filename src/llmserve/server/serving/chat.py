@@ -6,6 +6,7 @@ ends with exactly one chunk that has a `finish_reason`, then an optional usage c
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import jinja2
@@ -15,6 +16,7 @@ from llmserve.outputs import CompletionOutput, PositionLogprobs
 from llmserve.server.errors import APIError
 from llmserve.server.protocol import ChatCompletionRequest, ChatMessage, ImageURLPart, TextPart, VideoURLPart
 from llmserve.server.serving.context import ServingContext
+from llmserve.server.serving.harmony import parse_harmony, reply_splitter
 from llmserve.server.serving.inputs import (
     check_caps,
     load_images,
@@ -24,18 +26,12 @@ from llmserve.server.serving.inputs import (
     start_requests,
 )
 from llmserve.server.serving.outputs import Choice
-from llmserve.server.serving.reasoning import (
-    ReasoningStreamSplitter,
-    prompt_opens_thinking,
-    split_reasoning,
-    uses_think_tags,
-)
+from llmserve.server.serving.reasoning import prompt_opens_thinking, split_reasoning, uses_think_tags
 from llmserve.server.serving.streaming import ChoiceBuilder, respond
 from llmserve.server.serving.tools import (
     FORMATS,
     ToolFormat,
     ToolPlan,
-    ToolStreamSplitter,
     finish_reason_with_calls,
     plan_tools,
     template_mentions_tools,
@@ -88,12 +84,33 @@ def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             else:
                 content = "\n".join(p.text for p in content if isinstance(p, TextPart))
         d: dict[str, Any] = {"role": m.role, "content": content if content is not None else ""}
-        for key in ("name", "tool_calls", "tool_call_id"):
+        for key in ("name", "tool_call_id"):
             value = getattr(m, key)
             if value is not None:
                 d[key] = value
+        if m.tool_calls is not None:
+            d["tool_calls"] = [_with_object_arguments(call) for call in m.tool_calls]
+        reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+        if reasoning is not None:  # Qwen3's templates read `reasoning_content`, gpt-oss's `thinking`
+            d["reasoning_content"] = d["thinking"] = reasoning
         out.append(d)
     return out
+
+
+def _with_object_arguments(call: Any) -> Any:
+    """A tool call as templates read it: OpenAI's `arguments` JSON text decoded to its object (as
+    vLLM hands them over; gpt-oss's template writes `arguments|tojson`, which would quote the
+    text again). Arguments that are not a JSON object stay as they came."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(fn["arguments"])
+    except ValueError:
+        return call
+    if not isinstance(arguments, dict):
+        return call
+    return {**call, "function": {**fn, "arguments": arguments}}
 
 
 def render_chat(ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool,
@@ -195,17 +212,23 @@ class ChatServing:
         return await respond(ctx, raw, req, [prompt], streams, _ChatChoices(ctx, req, plan, think))
 
     def _reasoning(self, prompt_ids: list[int]) -> bool | None:
-        """None: replies are left as they are; else whether the prompt already opened `<think>`."""
+        """None: no `<think>` split (none, or harmony's channels instead); else whether the prompt
+        already opened `<think>`."""
         ctx = self.ctx
         mode = ctx.config.reasoning_parser
-        if mode == "none" or (mode == "auto" and not uses_think_tags(ctx.tokenizer.chat_template)):
+        if (
+            ctx.harmony
+            or mode == "none"
+            or (mode == "auto" and not uses_think_tags(ctx.tokenizer.chat_template))
+        ):
             return None
         return prompt_opens_thinking(ctx.tokenizer, prompt_ids)
 
 
 class _ChatChoices(ChoiceBuilder):
-    """Assistant messages: `<think>` split off as reasoning_content, tool calls parsed out of the
-    text. Streamed, the first chunk of each choice carries the role, content follows as deltas."""
+    """Assistant messages: `<think>` (or harmony's analysis channel) split off as
+    reasoning_content, tool calls parsed out of the text. Streamed, the first chunk of each
+    choice carries the role, content follows as deltas."""
 
     id_prefix, whole_object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
@@ -216,9 +239,11 @@ class _ChatChoices(ChoiceBuilder):
         self.ctx, self.req, self.plan, self.think = ctx, req, plan, think
         self.k = req.top_logprobs or 0
         # streaming only: what each choice holds back (a possible tool call, an unclosed <think>)
-        self.splitters = [ToolStreamSplitter(plan.fmt) for _ in range(req.n)] if plan.active else None
-        self.thinkers = (
-            [ReasoningStreamSplitter(opened=think) for _ in range(req.n)] if think is not None else None
+        tools = plan.fmt if plan.active else None
+        self.splitters = (
+            [reply_splitter(ctx.harmony, think, tools) for _ in range(req.n)]
+            if ctx.harmony or think is not None or tools is not None
+            else None
         )
 
     def _logprobs(self, token_ids: list[int], positions: list[PositionLogprobs]) -> dict[str, Any]:
@@ -242,17 +267,29 @@ class _ChatChoices(ChoiceBuilder):
     def whole(self, choice: Choice) -> dict[str, Any]:
         text: str | None = choice.text
         message: dict[str, Any] = {"role": "assistant"}
+        finish_reason = choice.finish_reason
+        if self.ctx.harmony:
+            reasoning, message["content"], calls = parse_harmony(
+                choice.text, cut=finish_reason == "length", calls=self.plan.active
+            )
+            if reasoning is not None:
+                message["reasoning_content"] = reasoning
+            if calls:
+                message["tool_calls"] = [call.to_dict() for call in calls]
+            return self._whole(choice, message, finish_reason_with_calls(finish_reason, calls))
         if self.think is not None:
             reasoning, text = split_reasoning(choice.text, opened=self.think)
             if reasoning is not None:
                 message["reasoning_content"] = reasoning
         message["content"] = text
-        finish_reason = choice.finish_reason
         if self.plan.active and text:
             message["content"], calls = self.plan.fmt.parse(text, cut=finish_reason == "length")
             if calls:
                 message["tool_calls"] = [call.to_dict() for call in calls]
             finish_reason = finish_reason_with_calls(finish_reason, calls)
+        return self._whole(choice, message, finish_reason)
+
+    def _whole(self, choice: Choice, message: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
         return {
             "index": choice.index,
             "message": message,
@@ -270,16 +307,13 @@ class _ChatChoices(ChoiceBuilder):
             self._logprobs(c.token_ids, c.logprobs or []) if self.req.logprobs and c.token_ids else None
         )
         text, reasoning, finish_reason, calls = c.text, "", c.finish_reason, []
-        if self.thinkers is not None:  # <think>...</think> goes to reasoning_content
-            reasoning, text = self.thinkers[index].feed(c.text)
+        if self.splitters is not None:  # reasoning split off, tool calls held back until the choice ends
+            reasoning, text = self.splitters[index].feed(c.text)
             if c.finished:
-                more_reasoning, more_text = self.thinkers[index].finish()
+                more_reasoning, more_text, calls = self.splitters[index].finish(
+                    cut=c.finish_reason == "length"
+                )
                 reasoning, text = reasoning + more_reasoning, text + more_text
-        if self.splitters is not None:  # tool calls are held back until the choice ends
-            text = self.splitters[index].feed(text)
-            if c.finished:
-                rest, calls = self.splitters[index].finish(cut=c.finish_reason == "length")
-                text += rest or ""
                 finish_reason = finish_reason_with_calls(finish_reason, calls)
         if not text and not reasoning and logprobs is None and not c.finished:
             return []

@@ -11,6 +11,7 @@ from llmserve.engine.async_engine import AsyncEngine
 from llmserve.lora import LoRARequest
 from llmserve.outputs import PositionLogprobs
 from llmserve.server.errors import APIError
+from llmserve.server.serving.harmony import HARMONY, harmony_on
 from llmserve.server.serving.tools import ToolFormat, tool_format
 
 
@@ -46,9 +47,18 @@ class ServingContext:
             raise APIError(400, engine.embedding_only_message(), param="model")
 
     @cached_property
+    def harmony(self) -> bool:
+        """Whether this model's replies are gpt-oss's harmony (`harmony_on`), decided once."""
+        return harmony_on(
+            self.config.reasoning_parser, self.config.tool_call_parser, self.tokenizer.chat_template
+        )
+
+    @cached_property
     def tool_format(self) -> ToolFormat:
         """How tool calls are written for this model: `--tool-call-parser`, or read off the chat
         template once (`auto`)."""
+        if self.harmony:
+            return HARMONY
         return tool_format(self.config.tool_call_parser, self.tokenizer.chat_template)
 
     def token_str(self, token_id: int) -> str:

@@ -22,10 +22,11 @@ from llmserve.engine.async_engine import RequestStream
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.protocol import ChatMessage
 from llmserve.server.serving.context import ServingContext
+from llmserve.server.serving.harmony import ReplySplitter, reply_splitter
 from llmserve.server.serving.inputs import process_prompt, start_requests
-from llmserve.server.serving.reasoning import ReasoningStreamSplitter, prompt_opens_thinking, uses_think_tags
+from llmserve.server.serving.reasoning import prompt_opens_thinking, uses_think_tags
 from llmserve.server.serving.streaming import merged
-from llmserve.server.serving.tools import ToolCall, ToolFormat, ToolStreamSplitter
+from llmserve.server.serving.tools import ToolCall, ToolFormat
 
 if TYPE_CHECKING:
     from llmserve.server.remote import RemoteModel
@@ -81,7 +82,7 @@ async def gather(pieces: AsyncIterator[Piece]) -> Piece:
 def thinks(ctx: ServingContext) -> bool:
     """Whether the model's replies are split into thinking and content (`--reasoning-parser`)."""
     mode = ctx.config.reasoning_parser
-    return mode == "think" or (mode == "auto" and uses_think_tags(ctx.tokenizer.chat_template))
+    return ctx.harmony or mode == "think" or (mode == "auto" and uses_think_tags(ctx.tokenizer.chat_template))
 
 
 async def start_answer(ctx: ServingContext, prompt: str | list[int], params: SamplingParams, prefix: str,
@@ -97,7 +98,8 @@ async def start_answer(ctx: ServingContext, prompt: str | list[int], params: Sam
                                          images.fields)  # fmt: skip
     streams = start_requests(ctx, [processed], 0, prefix)
     opened = prompt_opens_thinking(ctx.tokenizer, processed.token_ids) if split else None
-    pieces = _engine_pieces(ctx, streams, processed.token_ids, opened, tools, context)
+    splitter = reply_splitter(ctx.harmony, opened, tools)
+    pieces = _engine_pieces(ctx, streams, processed.token_ids, splitter, context)
     return Answer(streams, pieces, len(processed.token_ids))
 
 
@@ -112,26 +114,19 @@ class ImageInputs:
 
 
 async def _engine_pieces(ctx: ServingContext, streams: list[RequestStream], prompt_ids: list[int],
-                         opened: bool | None, tools: ToolFormat | None, context: bool) -> AsyncIterator[Piece]:  # fmt: skip
-    """A native model's answer as pieces: `<think>…</think>` split off as thinking (`opened`: None
-    for no split, else whether the prompt opened it), tool calls in `tools`' format held back and
-    parsed at the end, and the engine's timings; `context`: the tokens in the end (/api/generate)."""
-    thinker = ReasoningStreamSplitter(opened) if opened is not None else None
-    splitter = ToolStreamSplitter(tools) if tools is not None else None
+                         splitter: ReplySplitter, context: bool) -> AsyncIterator[Piece]:  # fmt: skip
+    """A native model's answer as pieces: thinking split off and tool calls held back and parsed
+    at the end (`splitter`, see `reply_splitter`), and the engine's timings; `context`: the tokens
+    in the end (/api/generate)."""
     tokens: list[int] = []
     async for _, out in merged(ctx, streams):
         c = out.outputs[0]
         tokens.extend(c.token_ids)
-        thinking, text = thinker.feed(c.text) if thinker is not None else ("", c.text)
-        if out.finished and thinker is not None:
-            more_thinking, more_text = thinker.finish()
-            thinking, text = thinking + more_thinking, text + more_text
+        thinking, text = splitter.feed(c.text)
         calls: list[ToolCall] = []
-        if splitter is not None:
-            text = splitter.feed(text)
-            if out.finished:
-                held, calls = splitter.finish(cut=c.finish_reason == "length")  # no cut call as text
-                text += held or ""
+        if out.finished:  # no cut call as text
+            more_thinking, more_text, calls = splitter.finish(cut=c.finish_reason == "length")
+            thinking, text = thinking + more_thinking, text + more_text
         if text or thinking or calls:
             yield Piece(text, thinking, calls)
         if out.finished:

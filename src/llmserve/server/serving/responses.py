@@ -25,7 +25,9 @@ the chat request upstream. The conversion:
     assistant message items                -> assistant messages
     function_call items                    -> tool_calls of the assistant message before them
     function_call_output items             -> tool messages (tool_call_id, the function's name)
-    reasoning items                        -> left out (templates drop past turns' reasoning)
+    reasoning items                        -> reasoning_content of the assistant turn they precede (the
+                                              templates that show past reasoning read it: gpt-oss's
+                                              before a tool call)
     tools, tool_choice, parallel_tool_calls -> the chat path's tool plan
     max_output_tokens, temperature, top_p, text.format -> SamplingParams
 """
@@ -51,6 +53,7 @@ from llmserve.server.protocol_responses import (
     ImagePart,
     Item,
     MessageItem,
+    ReasoningItem,
     ResponsesRequest,
     TextPart,
     parse_item,
@@ -75,13 +78,18 @@ def chat_messages(instructions: str | None, items: list[Item]) -> tuple[list[Cha
     out = [ChatMessage(role="system", content=instructions)] if instructions else []
     fields: list[str] = []
     names: dict[str, str] = {}  # call_id -> the function's name, for the output answering it
+    reasoning: str | None = None  # a reasoning item's text, for the assistant turn after it
     for i, item in enumerate(items):
         where = f"input.{i}"
+        if isinstance(item, ReasoningItem):
+            reasoning = item.text()
+            continue
         if isinstance(item, MessageItem):
             role = "system" if item.role == "developer" else item.role
             parts = item.parts(where)
             if parts is None:
-                out.append(ChatMessage(role=role, content=item.text(where)))
+                thinking, reasoning = (reasoning if role == "assistant" else None), None
+                out.append(ChatMessage(role=role, content=item.text(where), reasoning_content=thinking))
                 continue
             fields += [
                 f"{where}.content.{j}.image_url" for j, p in enumerate(parts) if isinstance(p, ImagePart)
@@ -100,9 +108,15 @@ def chat_messages(instructions: str | None, items: list[Item]) -> tuple[list[Cha
             names[item.call_id] = item.name
             last = out[-1] if out else None
             if last is not None and last.role == "assistant":  # calls join the turn that made them
-                out[-1] = last.model_copy(update={"tool_calls": [*(last.tool_calls or []), call]})
+                update = {"tool_calls": [*(last.tool_calls or []), call]}
+                if reasoning is not None and last.reasoning_content is None:
+                    update["reasoning_content"] = reasoning
+                out[-1] = last.model_copy(update=update)
             else:
-                out.append(ChatMessage(role="assistant", content="", tool_calls=[call]))
+                out.append(
+                    ChatMessage(role="assistant", content="", tool_calls=[call], reasoning_content=reasoning)
+                )
+            reasoning = None
         elif isinstance(item, FunctionCallOutputItem):
             if item.call_id not in names:
                 raise APIError(400, f"{where}.call_id: {item.call_id!r} answers no function_call item before it",

@@ -41,7 +41,7 @@ from typing import Any
 from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
 from llmserve.server.errors import APIError
 
-TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "openai")
 
 # JSON inside a grammar comes compact, as for response_format: no free whitespace to loop on
 _COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -122,6 +122,9 @@ class ToolFormat:
     """Or: prefixes that open calls only at the very start of a reply (after whitespace)."""
     keeps_special_tokens = False
     """The marker is a special token of the family's tokenizer: detokenize with it kept."""
+    whole_reply = False
+    """The format structures every reply, tools or not (harmony's channels): its markers are kept
+    even when the request has no tools."""
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
         raise NotImplementedError
@@ -388,7 +391,7 @@ def plan_tools(
 def with_tools(params: SamplingParams, plan: ToolPlan) -> SamplingParams:
     """`params` for a request with `plan`: the calls' marker kept in the text when it is a special
     token, and the grammar of `required` and named choices as the output constraint."""
-    if plan.active and plan.fmt.keeps_special_tokens:
+    if (plan.active or plan.fmt.whole_reply) and plan.fmt.keeps_special_tokens:
         params = dataclasses.replace(params, skip_special_tokens=False)
     if plan.constraint is not None:
         if params.structured_outputs is not None:
