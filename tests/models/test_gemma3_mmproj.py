@@ -12,7 +12,6 @@ loader then adds it as the next id, transformers' id for it)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import gguf
@@ -24,7 +23,7 @@ from gguf import GGMLQuantizationType as Q
 
 from llmserve.engine.llm import LLM
 from llmserve.sampling_params import SamplingParams
-from tests.gguf_writer import convert_state_dict, hf_metadata, write_gguf
+from tests.gguf_writer import convert_state_dict, hf_metadata, hf_vocab, write_gguf
 from tests.models.test_gemma3_vision import PROMPT, _pixels, make_image
 from tests.models.tiny import GEMMA3_VLM_TEMPLATE, make_tiny_gemma3_vlm
 
@@ -35,18 +34,7 @@ def text_gguf(path: Path, hf, folder: Path, keep_image_token: bool) -> Path:
     """The language model as Gemma3Model converts it, with the folder's tokenizer as a gpt2
     vocabulary (tokenizer.json's tokens, added ones CONTROL or USER_DEFINED, its merges)."""
     config = hf.config.text_config
-    tokenizer = json.loads((folder / "tokenizer.json").read_text())
-    tokens = sorted(tokenizer["model"]["vocab"], key=tokenizer["model"]["vocab"].get)
-    added = {t["id"]: t for t in tokenizer["added_tokens"]}
-    for i in sorted(added):
-        if i >= len(tokens):
-            tokens.append(added[i]["content"])
-    types = [
-        (gguf.TokenType.CONTROL if added[i]["special"] else gguf.TokenType.USER_DEFINED)
-        if i in added
-        else gguf.TokenType.NORMAL
-        for i in range(len(tokens))
-    ]
+    tokens, types, merges = hf_vocab(folder)
     if not keep_image_token:  # Gemma 3's GGUF: the placeholder (the last id) is not in the vocabulary
         assert tokens[-1] == "<image_soft_token>"
         tokens, types = tokens[:-1], types[:-1]
@@ -57,7 +45,6 @@ def text_gguf(path: Path, hf, folder: Path, keep_image_token: bool) -> Path:
     }
     tensors = convert_state_dict("gemma3", config, state)
     tensors["token_embd.weight"] = tensors["token_embd.weight"][: len(tokens)]  # "remove OOV rows"
-    merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]]
     base = hf_metadata("gemma3", config)
 
     def metadata(w: gguf.GGUFWriter) -> None:
@@ -67,7 +54,7 @@ def text_gguf(path: Path, hf, folder: Path, keep_image_token: bool) -> Path:
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre("gpt-2")
         w.add_token_list(tokens)
-        w.add_token_types([int(t) for t in types])
+        w.add_token_types(types)
         w.add_token_merges(merges)
         w.add_eos_token_id(0)
         w.add_add_bos_token(False)

@@ -2,11 +2,13 @@
 (`mmproj`, projector type qwen2.5vl_merger), against transformers' Qwen2_5_VLForConditionalGeneration
 on the same tiny random checkpoint.
 
-Both files come from llama.cpp's own convert_hf_to_gguf.py run on the saved folder (the outside
-reference for names, the split Conv3d patch kernel, the split qkv, `rope.dimension_sections`,
-`n_wa_pattern`): the text file F32, the projector F32, F16 and Q8_0 (`--mmproj --outtype`). Its
-BPE pre-tokenizer check, which recognises real tokenizers by a hash, is told the tiny one is
-Qwen2's. Skipped where llama.cpp's sources are not unpacked (benchmarks/peers/build_llama_server.sh).
+The files come from llama.cpp's own convert_hf_to_gguf.py run on the saved folder where its sources
+are unpacked (benchmarks/peers/build_llama_server.sh): the outside reference for names, the split
+Conv3d patch kernel, the split qkv, `rope.dimension_sections`, `n_wa_pattern`. The text file F32,
+the projector F32, F16 and Q8_0 (`--mmproj --outtype`). Its BPE pre-tokenizer check, which
+recognises real tokenizers by a hash, is told the tiny one is Qwen2's. Elsewhere (CI) the gguf
+package's writer writes them following the converter; where both can run, the two are checked
+equal, tensor by tensor and key by key.
 
 The tiny tower has Qwen2.5-VL's patch 14 and window 112 (what clip.cpp uses: the files do not
 store it), so a 224 x 168 image has 2 x 2 windows; the processor's pixel bounds are clip.cpp's
@@ -15,6 +17,7 @@ store it), so a 224 x 168 image has 2 x 2 windows; the processor's pixel bounds 
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -24,15 +27,19 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType as Q
 
 from llmserve.engine.llm import LLM
 from llmserve.model_executor.model_loader.gguf_loader import GGUFCheckpoint
+from llmserve.multimodal.qwen_vl import CLIP_MEAN, CLIP_STD
 from llmserve.sampling_params import SamplingParams
+from tests.gguf_writer import convert_state_dict, hf_metadata, hf_vocab, write_gguf
 from tests.models.test_qwen2_5_vl import PROMPT, _hf_images, hf_generate, make_image
-from tests.models.tiny import assert_greedy_matches, make_tiny_qwen2_5_vl
+from tests.models.tiny import QWEN_VL_TEMPLATE, assert_greedy_matches, make_tiny_qwen2_5_vl
 
 NUM_TOKENS = 8
-LLAMA_CPP = Path.home() / ".cache/llmserve/peers/llama_cpp_python-0.3.36/vendor/llama.cpp"
+PEERS = Path(os.environ.get("LLMSERVE_PEERS_DIR", Path.home() / ".cache/llmserve/peers"))  # as benchmarks/
+LLAMA_CPP = PEERS / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
 CELL = 28 * 28  # pixels a token: patch 14, merge 2
 IMAGES = ((0, (224, 168)), (1, (60, 40)))  # 2 x 2 windows; one scaled up to min_pixels
 # convert_hf_to_gguf.py with the tiny tokenizer taken as Qwen2's pre-tokenizer
@@ -55,18 +62,134 @@ def convert(folder: Path, out: Path, outtype: str, mmproj: bool = False) -> Path
     return out
 
 
+def convert_missing() -> str | None:
+    if not (LLAMA_CPP / "convert_hf_to_gguf.py").is_file():
+        return f"no llama.cpp sources at {LLAMA_CPP} (benchmarks/peers/build_llama_server.sh)"
+    return None
+
+
+def write_text(folder: Path, hf, out: Path) -> Path:
+    """The language model as Qwen2VLModel converts it: Qwen2's tensors, M-RoPE's sections padded
+    to four, the folder's tokenizer as a gpt2 vocabulary with Qwen2's pre-tokenizer."""
+    config = hf.config.text_config
+    state = {k.replace("model.language_model.", "model."): v for k, v in hf.state_dict().items()}
+    state = {k: v for k, v in state.items() if not k.startswith("model.visual.")}
+    tensors = convert_state_dict("qwen2vl", config, state)
+    tokens, types, merges = hf_vocab(folder)
+    base = hf_metadata("qwen2vl", config)
+
+    def metadata(w: gguf.GGUFWriter) -> None:
+        base(w)
+        w.add_type(gguf.GGUFType.MODEL)
+        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
+            w.kv_data[0].pop(key)
+        w.add_rope_dimension_sections([*config.rope_parameters["mrope_section"], 0])
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("qwen2")
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_merges(merges)
+        w.add_eos_token_id(0)
+        w.add_add_bos_token(False)
+        w.add_chat_template(QWEN_VL_TEMPLATE)
+
+    return write_gguf(out, "qwen2vl", dict(tensors), metadata)[0]
+
+
+def _projector_type(name: str, w: torch.Tensor, outtype: Q) -> Q:
+    """The converter's choice: vectors F32; the patch kernel F16 in F16 files, else F32; Q8_0's
+    matrices F16 where a row is not whole blocks of 32."""
+    if w.dim() == 1 or outtype == Q.F32:
+        return Q.F32
+    if "patch_embd" in name:
+        return Q.F16 if outtype == Q.F16 else Q.F32
+    return Q.F16 if outtype == Q.F16 or w.shape[-1] % 32 else outtype
+
+
+def write_mmproj(hf, out: Path, outtype: Q) -> Path:
+    """The vision tower and merger as Qwen2VLVisionModel converts them (MmprojModel's keys): qkv
+    cut into q, k, v; the Conv3d patch kernel into one 2-D kernel per frame."""
+    vision, text = hf.config.vision_config, hf.config.text_config
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision.depth)
+    tensors: dict[str, tuple[np.ndarray, Q]] = {}
+    for name, w in hf.state_dict().items():
+        if not name.startswith("model.visual."):
+            continue
+        name, w = name.removeprefix("model."), w.detach().float()
+        if "patch_embed" in name:  # [C, 3, T, P, P] -> T kernels [C, 3, P, P]
+            pieces = [("v.patch_embd.weight", w[:, :, 0]), ("v.patch_embd.weight.1", w[:, :, 1])]
+        else:
+            cut = (
+                zip((name.replace("qkv", x) for x in "qkv"), w.chunk(3), strict=True)
+                if ".qkv." in name
+                else [(name, w)]
+            )
+            pieces = [(name_map.get_name(n, try_suffixes=(".weight", ".bias")), t) for n, t in cut]
+        for gguf_name, t in pieces:
+            tensors[gguf_name] = (np.ascontiguousarray(t.numpy()), _projector_type(gguf_name, t, outtype))
+
+    def metadata(w: gguf.GGUFWriter) -> None:
+        w.add_type(gguf.GGUFType.MMPROJ)
+        w.add_clip_has_vision_encoder(True)
+        w.add_vision_projection_dim(text.hidden_size)
+        w.add_vision_image_size(560)  # the converter's default; clip.cpp warms up with it only
+        w.add_vision_patch_size(vision.patch_size)
+        w.add_vision_embedding_length(vision.hidden_size)
+        w.add_vision_feed_forward_length(vision.intermediate_size)
+        w.add_vision_block_count(vision.depth)
+        w.add_vision_head_count(vision.num_heads)
+        w.add_vision_image_mean(list(CLIP_MEAN))
+        w.add_vision_image_std(list(CLIP_STD))
+        w.add_clip_projector_type(gguf.VisionProjectorType.QWEN25VL)
+        w.add_vision_use_silu(True)
+        w.add_vision_n_wa_pattern(vision.fullatt_block_indexes[0] + 1)
+        w.add_vision_attention_layernorm_eps(1e-6)
+
+    return write_gguf(out, "clip", tensors, metadata)[0]  # type: ignore[arg-type]
+
+
+OUTTYPES = {"f32": Q.F32, "f16": Q.F16, "q8_0": Q.Q8_0}
+
+
+def make_files(folder: Path, hf, use_converter: bool) -> dict[str, Path]:
+    if use_converter:
+        out = {"text": convert(folder, folder / "model-f32.gguf", "f32")}
+        return out | {t: convert(folder, folder / f"mmproj-{t}.gguf", t, mmproj=True) for t in OUTTYPES}
+    out = {"text": write_text(folder, hf, folder / "w-model-f32.gguf")}
+    return out | {t: write_mmproj(hf, folder / f"w-mmproj-{t}.gguf", q) for t, q in OUTTYPES.items()}
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    if not (LLAMA_CPP / "convert_hf_to_gguf.py").is_file():
-        pytest.skip(f"no llama.cpp sources at {LLAMA_CPP} (benchmarks/peers/build_llama_server.sh)")
     folder = tmp_path_factory.mktemp("qwen2_5_vl_gguf")
     hf = make_tiny_qwen2_5_vl(
         folder, vision_overrides={"patch_size": 14, "window_size": 112}, pixels=(8 * CELL, 4096 * CELL)
     )
-    out = {"text": convert(folder, folder / "model-f32.gguf", "f32")}
-    for outtype in ("f32", "f16", "q8_0"):
-        out[outtype] = convert(folder, folder / f"mmproj-{outtype}.gguf", outtype, mmproj=True)
-    return hf, folder, out
+    return hf, folder, make_files(folder, hf, convert_missing() is None)
+
+
+def test_the_fallback_writer_writes_what_the_converter_writes(files) -> None:
+    """Every tensor (name, type, shape, bytes) and metadata value alike, but the converter's
+    naming and size labels."""
+    if why := convert_missing():
+        pytest.skip(why)
+    hf, folder, converted = files
+    written = make_files(folder, hf, use_converter=False)
+    for kind in ("text", *OUTTYPES):
+        ours, theirs = gguf.GGUFReader(written[kind]), gguf.GGUFReader(converted[kind])
+        skip = ("general.name", "general.size_label", "general.file_type", "general.quantization_version")
+        fields = {k: f.contents() for k, f in theirs.fields.items() if not k.startswith(("GGUF.", *skip))}
+        assert {k: ours.fields[k].contents() for k in fields if k in ours.fields} == fields, kind
+        assert not {k for k in ours.fields if not k.startswith(("GGUF.", *skip))} - fields.keys(), kind
+        tensors = {t.name: t for t in ours.tensors}
+        assert sorted(tensors) == sorted(t.name for t in theirs.tensors), kind
+        for t in theirs.tensors:
+            mine = tensors[t.name]
+            assert (mine.tensor_type, mine.shape.tolist()) == (t.tensor_type, t.shape.tolist()), (
+                kind,
+                t.name,
+            )
+            assert np.array_equal(np.asarray(mine.data), np.asarray(t.data)), (kind, t.name)
 
 
 def _generate(text: Path, mmproj: Path, **kw):
