@@ -103,7 +103,7 @@ def _projector_type(name: str, w: torch.Tensor, outtype: Q) -> Q:
         return Q.F32
     if "patch_embd" in name:
         return Q.F16 if outtype == Q.F16 else Q.F32
-    return Q.F16 if outtype == Q.F16 or w.shape[-1] % 32 else outtype
+    return Q.F16 if outtype == Q.Q8_0 and w.shape[-1] % 32 else outtype
 
 
 def write_mmproj(hf, out: Path, outtype: Q) -> Path:
@@ -148,7 +148,7 @@ def write_mmproj(hf, out: Path, outtype: Q) -> Path:
     return write_gguf(out, "clip", tensors, metadata)[0]  # type: ignore[arg-type]
 
 
-OUTTYPES = {"f32": Q.F32, "f16": Q.F16, "q8_0": Q.Q8_0}
+OUTTYPES = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0}
 
 
 def make_files(folder: Path, hf, use_converter: bool) -> dict[str, Path]:
@@ -216,12 +216,13 @@ def test_f32_projector_matches_transformers(files) -> None:
     assert outputs[0].prompt_token_ids.count(511) == 48  # 224 x 168: 16 x 12 patches, 8 x 6 tokens
 
 
-def test_f16_projector_is_exact_on_f16_weights(files) -> None:
-    """The F16 file (matrices F16, the patch kernel and vectors F32, as the converter writes
-    them) against the reference with those weights rounded to half floats: exact parity."""
+@pytest.mark.parametrize("outtype", ["f16", "bf16"])
+def test_16_bit_projector_is_exact_on_its_weights(files, outtype) -> None:
+    """The F16 / BF16 file (matrices 16-bit, vectors F32, as the converter writes them) against
+    the reference with those weights rounded alike: exact parity."""
     hf, folder, f = files
-    _, outputs = _generate(f["text"], f["f16"])
-    _check(_with_projector_weights(hf, f["f16"]), folder, outputs)
+    _, outputs = _generate(f["text"], f[outtype])
+    _check(_with_projector_weights(hf, f[outtype]), folder, outputs)
 
 
 def test_q8_0_projector_within_its_quantization(files) -> None:
