@@ -232,7 +232,9 @@ def test_q8_0_projector_within_its_quantization(files) -> None:
     kernels' int16 activation rounding (several times closer: the file's weights are what runs)."""
     hf, folder, f = files
     llm, outputs = _generate(f["text"], f["q8_0"])
-    assert "q8" in llm.engine.loaded.linear_kernel
+    model = llm.engine.loaded.model  # the tower's layers from the file's blocks; the F32 text stays float
+    assert type(model.visual.blocks[0].attn.qkv).__name__ == "QuantizedLinear"
+    assert type(model.model.layers[0].self_attn.qkv_proj).__name__ == "Linear"
     _check(hf, folder, outputs, atol=0.1)
     dequantized = _with_projector_weights(hf, f["q8_0"])
     for out, (seed, size) in zip(outputs, IMAGES, strict=True):

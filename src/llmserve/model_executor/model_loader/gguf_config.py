@@ -260,7 +260,7 @@ def clip_vision_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
     kind = gguf_clip.projector_type(ckpt)
     if not ckpt.field("clip.has_vision_encoder", False):
         raise ModelLoadError(f"{ckpt.parts[0]}: the projector file has no vision encoder")
-    return (_qwen25vl_vision_config if kind == "qwen2.5vl_merger" else _siglip_config)(ckpt)
+    return _VISION_CONFIGS[kind](ckpt)
 
 
 def _siglip_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
@@ -302,3 +302,7 @@ def _qwen25vl_vision_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConf
         hidden_act="silu",  # clip.use_silu
         in_channels=3,
     )
+
+
+_VISION_CONFIGS = {"gemma3": _siglip_config, "qwen2.5vl_merger": _qwen25vl_vision_config}
+"""`clip.projector_type` -> its vision tower's config."""

@@ -26,6 +26,7 @@ the image's vectors replace it). Does not know tokenizers: it says which token t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,16 +76,14 @@ def gguf_vision(text: GGUFCheckpoint, proj: GGUFCheckpoint) -> GGUFVision:
             f"{text.architecture!r} (general.architecture)"
         )
     _check_tensors(proj, projector)
-    text_config = (
-        gguf_config.qwen2vl_text_config if kind == "qwen2.5vl_merger" else GGUFCheckpoint.hf_config
-    )(text)
+    text_config_of, build = _BUILDERS[kind]
+    text_config = text_config_of(text)
     width = proj.require("vision.projection_dim")
     if width != text_config.hidden_size:
         raise ModelLoadError(
             f"{proj.parts[0]}: the projector's output width {width} (clip.vision.projection_dim) is not "
             f"the language model's hidden size {text_config.hidden_size} (a projector for another model size?)"
         )
-    build = _qwen25vl_vision if kind == "qwen2.5vl_merger" else _gemma3_vision
     return build(text, proj, text_config, proj.hf_config())
 
 
@@ -174,6 +173,13 @@ def _qwen25vl_vision(
         "resample": 3,  # bicubic, as clip.cpp and HF's processor resize Qwen's images
     }
     return GGUFVision(config, (), preprocessing)
+
+
+_BUILDERS: dict[str, tuple[Callable[[GGUFCheckpoint], Any], Callable[..., GGUFVision]]] = {
+    "gemma3": (GGUFCheckpoint.hf_config, _gemma3_vision),
+    "qwen2.5vl_merger": (gguf_config.qwen2vl_text_config, _qwen25vl_vision),  # the text config with M-RoPE
+}
+"""`clip.projector_type` -> (the text file's config, the multimodal config from both files')."""
 
 
 def _image_token_ids(tokens: list[str], file: str) -> tuple[dict[str, int], tuple[tuple[int, str], ...]]:
