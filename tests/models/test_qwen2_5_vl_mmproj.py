@@ -214,6 +214,14 @@ def test_f32_projector_matches_transformers(files) -> None:
     _check(hf, folder, outputs)
     assert type(llm.engine.loaded.model).__name__ == "Qwen2_5_VLForConditionalGeneration"
     assert outputs[0].prompt_token_ids.count(511) == 48  # 224 x 168: 16 x 12 patches, 8 x 6 tokens
+    # the GGUF's chat template and vocabulary give the HF folder's prompt ids for a chat with an image
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "fox?"}]}]
+    params, image = SamplingParams(max_tokens=1), [make_image(*IMAGES[0])]
+    ids = [
+        engine.process_inputs(engine.tokenizer.apply_chat_template(messages), params, image).token_ids
+        for engine in (llm.engine, LLM(str(folder), show_progress=False).engine)
+    ]
+    assert ids[0] == ids[1] and ids[0].count(511) == 48
 
 
 @pytest.mark.parametrize("outtype", ["f16", "bf16"])
