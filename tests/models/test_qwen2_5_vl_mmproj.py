@@ -279,11 +279,11 @@ def _with_projector_weights(hf, mmproj: Path):
 
 
 def _rewrite(src: Path, dst: Path, drop: str = "", fields: dict | None = None) -> Path:
-    """`src` copied with tensor `drop` left out and string `fields` replaced."""
+    """`src` copied with the tensor or metadata key `drop` left out and `fields` replaced."""
     reader = gguf.GGUFReader(src)
     writer = gguf.GGUFWriter(dst, str(reader.fields["general.architecture"].contents()))
     for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
+        if key.startswith("GGUF.") or key in ("general.architecture", drop):
             continue
         value = (fields or {}).get(key, field.contents())
         vtype = field.types[0]
@@ -318,6 +318,10 @@ def test_mismatched_or_incomplete_projectors_are_refused(files, tmp_path) -> Non
         broken = _rewrite(f["f32"], tmp_path / "broken.gguf", drop=name)
         with pytest.raises(ValueError, match=r"broken\.gguf: .*" + re.escape(repr(name))):
             LLM(str(f["text"]), mmproj=str(broken), show_progress=False)
+    # a key the projector type needs (clip.cpp requires it too)
+    broken = _rewrite(f["f32"], tmp_path / "no-key.gguf", drop="clip.vision.n_wa_pattern")
+    with pytest.raises(ValueError, match=r"no-key\.gguf: GGUF metadata lacks clip\.vision\.n_wa_pattern"):
+        LLM(str(f["text"]), mmproj=str(broken), show_progress=False)
     # a projector for a text model of another width
     wide = _rewrite(f["f32"], tmp_path / "wide.gguf", fields={"clip.vision.projection_dim": 128})
     with pytest.raises(ValueError, match=r"wide\.gguf: the projector's output width 128"):
