@@ -16,6 +16,7 @@ Also ggml's reference dequantization of one block per type, written from ggml's 
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -166,6 +167,25 @@ def _moe_metadata(w: GGUFWriter, config: Any) -> None:
         w.add_expert_feed_forward_length(config.moe_intermediate_size)
     if getattr(config, "shared_expert_intermediate_size", None):
         w.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+
+
+def hf_vocab(folder: Path) -> tuple[list[str], list[int], list[str]]:
+    """An HF folder's tokenizer.json as the converter's gpt2 vocabulary: tokens in id order
+    (added ones after the model's), their types (added ones CONTROL or USER_DEFINED), merges."""
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    tokens = sorted(tokenizer["model"]["vocab"], key=tokenizer["model"]["vocab"].get)
+    added = {t["id"]: t for t in tokenizer["added_tokens"]}
+    for i in sorted(added):
+        if i >= len(tokens):
+            tokens.append(added[i]["content"])
+    types = [
+        int(gguf.TokenType.CONTROL if added[i]["special"] else gguf.TokenType.USER_DEFINED)
+        if i in added
+        else int(gguf.TokenType.NORMAL)
+        for i in range(len(tokens))
+    ]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]]
+    return tokens, types, merges
 
 
 def write_gguf(

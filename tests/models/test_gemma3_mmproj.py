@@ -12,7 +12,6 @@ loader then adds it as the next id, transformers' id for it)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import gguf
@@ -24,7 +23,7 @@ from gguf import GGMLQuantizationType as Q
 
 from llmserve.engine.llm import LLM
 from llmserve.sampling_params import SamplingParams
-from tests.gguf_writer import convert_state_dict, hf_metadata, write_gguf
+from tests.gguf_writer import convert_state_dict, hf_metadata, hf_vocab, write_gguf
 from tests.models.test_gemma3_vision import PROMPT, _pixels, make_image
 from tests.models.tiny import GEMMA3_VLM_TEMPLATE, make_tiny_gemma3_vlm
 
@@ -35,18 +34,7 @@ def text_gguf(path: Path, hf, folder: Path, keep_image_token: bool) -> Path:
     """The language model as Gemma3Model converts it, with the folder's tokenizer as a gpt2
     vocabulary (tokenizer.json's tokens, added ones CONTROL or USER_DEFINED, its merges)."""
     config = hf.config.text_config
-    tokenizer = json.loads((folder / "tokenizer.json").read_text())
-    tokens = sorted(tokenizer["model"]["vocab"], key=tokenizer["model"]["vocab"].get)
-    added = {t["id"]: t for t in tokenizer["added_tokens"]}
-    for i in sorted(added):
-        if i >= len(tokens):
-            tokens.append(added[i]["content"])
-    types = [
-        (gguf.TokenType.CONTROL if added[i]["special"] else gguf.TokenType.USER_DEFINED)
-        if i in added
-        else gguf.TokenType.NORMAL
-        for i in range(len(tokens))
-    ]
+    tokens, types, merges = hf_vocab(folder)
     if not keep_image_token:  # Gemma 3's GGUF: the placeholder (the last id) is not in the vocabulary
         assert tokens[-1] == "<image_soft_token>"
         tokens, types = tokens[:-1], types[:-1]
@@ -57,7 +45,6 @@ def text_gguf(path: Path, hf, folder: Path, keep_image_token: bool) -> Path:
     }
     tensors = convert_state_dict("gemma3", config, state)
     tensors["token_embd.weight"] = tensors["token_embd.weight"][: len(tokens)]  # "remove OOV rows"
-    merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]]
     base = hf_metadata("gemma3", config)
 
     def metadata(w: gguf.GGUFWriter) -> None:
@@ -67,7 +54,7 @@ def text_gguf(path: Path, hf, folder: Path, keep_image_token: bool) -> Path:
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre("gpt-2")
         w.add_token_list(tokens)
-        w.add_token_types([int(t) for t in types])
+        w.add_token_types(types)
         w.add_token_merges(merges)
         w.add_eos_token_id(0)
         w.add_add_bos_token(False)
@@ -76,8 +63,10 @@ def text_gguf(path: Path, hf, folder: Path, keep_image_token: bool) -> Path:
     return write_gguf(path, "gemma3", dict(tensors), metadata)[0]
 
 
-def mmproj_gguf(path: Path, hf) -> Path:
-    """The vision tower and projector as Gemma3VisionModel converts them (MmprojModel's keys)."""
+def mmproj_gguf(path: Path, hf, matrices: Q = Q.F16) -> Path:
+    """The vision tower and projector as Gemma3VisionModel converts them (MmprojModel's keys).
+    `matrices`: the tower's matrices' type (`--outtype f16` or `q8_0`; Q8_0 falls back to F16
+    for rows that are not whole blocks of 32, as the converter does)."""
     vision, text = hf.config.vision_config, hf.config.text_config
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision.num_hidden_layers)
     tensors: dict[str, tuple[np.ndarray, Q]] = {}
@@ -93,6 +82,8 @@ def mmproj_gguf(path: Path, hf) -> Path:
         gguf_name = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name
         qtype = Q.F16 if _stored_f16(name, w) else Q.F32
+        if matrices == Q.Q8_0 and qtype == Q.F16 and "input_projection" not in name and w.shape[-1] % 32 == 0:
+            qtype = Q.Q8_0  # (the input projection: F16 whatever the outtype, tensor_force_quant)
         tensors[gguf_name] = (np.ascontiguousarray(w.numpy()), qtype)
 
     def metadata(w: gguf.GGUFWriter) -> None:
@@ -211,3 +202,32 @@ def test_mmproj_refusals(checkpoint, tmp_path) -> None:
     llm = LLM(str(text), mmproj=str(mmproj), show_progress=False)
     with pytest.raises(ValueError, match="image placeholder token 511"):
         llm.generate("a <image_soft_token> b", SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_q8_0_mmproj_within_its_quantization(checkpoint, tmp_path) -> None:
+    """A Q8_0 projector (blocks kept: the tower's layers run llmserve's q8 kernels) beside the F32
+    language model (which stays float): transformers' greedy tokens, logprobs within what 8-bit
+    weights move them, and not the F16 file's answers (the blocks are what runs)."""
+    hf, folder = checkpoint
+    text = text_gguf(tmp_path / "model.gguf", hf, folder, True)
+    q8 = mmproj_gguf(tmp_path / "mmproj-q8_0.gguf", hf, Q.Q8_0)
+    assert sum(t.tensor_type == Q.Q8_0 for t in gguf.GGUFReader(q8).tensors) >= 8  # the blocks' matrices
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, logprobs=3, ignore_eos=True)
+    runs = {}
+    for name, mmproj in (("q8_0", q8), ("f16", mmproj_gguf(tmp_path / "mmproj-f16.gguf", hf))):
+        llm = LLM(str(text), mmproj=str(mmproj), block_size=4, show_progress=False)
+        runs[name] = llm.generate(
+            {"prompt": PROMPT, "multi_modal_data": {"image": make_image(0)}}, params, use_tqdm=False
+        )[0]
+        if name == "q8_0":
+            assert "q8" in llm.engine.loaded.linear_kernel and "float" in llm.engine.loaded.linear_kernel
+    out = runs["q8_0"]
+    expected, logprobs = hf_greedy(hf, out.prompt_token_ids, _pixels(folder, make_image(0)), NUM_TOKENS, 512)
+    assert out.outputs[0].token_ids == expected
+    errors = [
+        abs(v[0] - float(ref[t]))
+        for lp, ref in zip(out.outputs[0].logprobs, logprobs, strict=True)
+        for t, v in lp.items()
+    ]
+    assert 0 < max(errors) < 0.1
+    assert out.outputs[0].logprobs != runs["f16"].outputs[0].logprobs

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -258,10 +259,6 @@ def make_tiny_gemma3_vlm(
         "resample": 2, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True,
     }))  # fmt: skip
-    (Path(folder) / "video_preprocessor_config.json").write_text(json.dumps({
-        "video_processor_type": "Qwen2VLVideoProcessor", "size": {"shortest_edge": 16 * 16, "longest_edge": 48 * 48},
-        "patch_size": 4, "temporal_patch_size": 2, "merge_size": 2,
-    }))  # fmt: skip
     return model
 
 
@@ -278,21 +275,28 @@ QWEN_VL_TEMPLATE = (
 """Qwen2.5-VL's chat template, cut to what the tiny model needs (its im_start/end are plain text)."""
 
 
-def make_tiny_qwen2_5_vl(folder: Path, seed: int = 0, tied: bool = False) -> transformers.PreTrainedModel:
+def make_tiny_qwen2_5_vl(
+    folder: Path,
+    seed: int = 0,
+    tied: bool = False,
+    vision_overrides: dict[str, Any] | None = None,
+    pixels: tuple[int, int] = (16 * 16, 48 * 48),
+) -> transformers.PreTrainedModel:
     """A Qwen2_5_VLForConditionalGeneration: a 2-layer Qwen2 text model with M-RoPE and a 4-block
     vision tower (patch 4, merge 2, windows of 2 x 2 merged cells; blocks 1 and 3 attend over the
     whole image, 0 and 2 within windows), saved with a tokenizer whose last ids are the vision
     tokens, a chat template with image parts, and a preprocessor_config.json (images resized to
     between 16 x 16 and 48 x 48 pixels' worth, multiples of 8). `tied`: the LM head is the
-    embedding (the top-level config's flag, as Qwen2.5-VL 3B has it)."""
+    embedding (the top-level config's flag, as Qwen2.5-VL 3B has it). `vision_overrides`: vision
+    config values to change; `pixels`: the processor's (min_pixels, max_pixels)."""
     torch.manual_seed(seed)
     vision = dict(
         depth=4, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=4, temporal_patch_size=2,
         spatial_merge_size=2, window_size=16, fullatt_block_indexes=[1, 3], out_hidden_size=64,
         initializer_range=0.15, tokens_per_second=2,
-    )  # fmt: skip
+    ) | (vision_overrides or {})  # fmt: skip
     return _save_qwen_vl(folder, transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration,
-                         vision, tied)  # fmt: skip
+                         vision, tied, pixels)  # fmt: skip
 
 
 def make_tiny_qwen2_vl(folder: Path, seed: int = 0) -> transformers.PreTrainedModel:
@@ -309,7 +313,12 @@ def make_tiny_qwen2_vl(folder: Path, seed: int = 0) -> transformers.PreTrainedMo
 
 
 def _save_qwen_vl(
-    folder: Path, config_cls, model_cls, vision: dict, tied: bool = False
+    folder: Path,
+    config_cls,
+    model_cls,
+    vision: dict,
+    tied: bool = False,
+    pixels: tuple[int, int] = (16 * 16, 48 * 48),
 ) -> transformers.PreTrainedModel:
     text = dict(
         _LLAMA_LIKE, max_position_embeddings=512, eos_token_id=0, bos_token_id=None,
@@ -327,12 +336,12 @@ def _save_qwen_vl(
     tok_config["chat_template"] = QWEN_VL_TEMPLATE
     path.write_text(json.dumps(tok_config))
     (Path(folder) / "preprocessor_config.json").write_text(json.dumps({
-        "image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 16 * 16, "max_pixels": 48 * 48,
-        "patch_size": 4, "temporal_patch_size": 2, "merge_size": 2,
+        "image_processor_type": "Qwen2VLImageProcessor", "min_pixels": pixels[0], "max_pixels": pixels[1],
+        "patch_size": vision["patch_size"], "temporal_patch_size": 2, "merge_size": 2,
         "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
     }))  # fmt: skip
     (Path(folder) / "video_preprocessor_config.json").write_text(json.dumps({
-        "video_processor_type": "Qwen2VLVideoProcessor", "size": {"shortest_edge": 16 * 16, "longest_edge": 48 * 48},
-        "patch_size": 4, "temporal_patch_size": 2, "merge_size": 2,
+        "video_processor_type": "Qwen2VLVideoProcessor", "size": {"shortest_edge": pixels[0], "longest_edge": pixels[1]},
+        "patch_size": vision["patch_size"], "temporal_patch_size": 2, "merge_size": 2,
     }))  # fmt: skip
     return model

@@ -311,7 +311,7 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
     for call in (ckpt.hf_config, lambda: ckpt.iter_weights(torch.float32)):
         with pytest.raises(
             UnsupportedArchitectureError,
-            match=rf"{path}.*'mamba'.*gemma3, gpt-oss, gpt2, llama, qwen2, qwen2moe, qwen3, qwen3moe",
+            match=rf"{path}.*'mamba'.*gemma3, gpt-oss, gpt2, llama, qwen2, qwen2moe, qwen2vl, qwen3, qwen3moe",
         ):
             call()
 

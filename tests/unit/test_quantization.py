@@ -342,3 +342,18 @@ def test_fused_layer_stores_minimums_only_where_its_shards_disagree():
     assert layers["symmetric"].m is None and layers["symmetric"].nbytes() == 64 * 2 * 18
     back = unpack(layers["mixed"])
     assert back.m is not None and torch.equal(back.m, torch.cat([-8 * sym[0].d, -8 * sym[1].d, asym.m]))
+
+
+def test_rows_concatenated_are_the_parts_one_after_another() -> None:
+    """A fused layer's shards stored apart (a GGUF projector's q, k, v) joined without a float
+    round trip: the same values as the parts' rows stacked; mixed formats, widths or minimums
+    are refused (None: the loader then takes the float path)."""
+    parts = [_random_rows("q8", n, 96, False, seed=n) for n in (4, 8, 4)]
+    joined = QuantizedRows.concat(parts)
+    assert joined is not None and joined.num_rows == 16
+    assert torch.equal(joined.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    q4 = [_random_rows("q4", 4, 96, True, seed=1), _random_rows("q4", 4, 96, True, seed=2)]
+    assert torch.equal(QuantizedRows.concat(q4).dequantize(), torch.cat([p.dequantize() for p in q4]))  # type: ignore[union-attr]
+    assert QuantizedRows.concat([parts[0], _random_rows("q8", 4, 64, False)]) is None
+    assert QuantizedRows.concat([parts[0], q4[0]]) is None
+    assert QuantizedRows.concat([q4[0], _random_rows("q4", 4, 96, False)]) is None

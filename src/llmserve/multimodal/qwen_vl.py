@@ -80,11 +80,15 @@ class QwenVLImagePreprocessor:
     resample: int = 3  # PIL's BICUBIC
 
     @classmethod
-    def for_model(cls, folder: Path | None, vision_config: Any) -> QwenVLImagePreprocessor:
+    def for_model(
+        cls, folder: Path | None, vision_config: Any, preprocessing: dict[str, Any] | None = None
+    ) -> QwenVLImagePreprocessor:
         """From the checkpoint's preprocessor_config.json (`min_pixels`/`max_pixels` or, newer,
-        `size.shortest_edge`/`longest_edge`), else the vision config and transformers' defaults."""
+        `size.shortest_edge`/`longest_edge`) or `preprocessing` (its keys, from a GGUF vision
+        projector's metadata), else the vision config and transformers' defaults."""
         path = None if folder is None else Path(folder) / "preprocessor_config.json"
         cfg: dict[str, Any] = json.loads(path.read_text()) if path is not None and path.is_file() else {}
+        cfg = preprocessing if preprocessing is not None else cfg
         size = cfg.get("size") or {}
         return cls(
             patch_size=int(cfg.get("patch_size", vision_config.patch_size)),
@@ -117,13 +121,13 @@ class QwenVLPromptProcessor(PlaceholderCheck):
     both_ways = False
 
     def __init__(self, model: Any, mm_config: Any, token_text: Any, source: ImageSource) -> None:
-        if source.preprocessing is not None:
-            raise ValueError("a GGUF vision projector (--mmproj) is read for Gemma 3 only, not Qwen2.5-VL")
         if source.do_pan_and_scan:
             raise ValueError("do_pan_and_scan is Gemma 3's; Qwen2.5-VL takes images at their own size")
         self.image_token_id = int(mm_config.image_token_id)
         self.image_pad = token_name(token_text, self.image_token_id, "image")
-        self.preprocess = QwenVLImagePreprocessor.for_model(source.folder, mm_config.vision_config)
+        self.preprocess = QwenVLImagePreprocessor.for_model(
+            source.folder, mm_config.vision_config, source.preprocessing
+        )
 
     def expand(self, prompt: str, images: Sequence[Any]) -> tuple[str, list[PreparedImage]]:
         """Each `<|image_pad|>` repeated to its image's number of tokens; the images preprocessed."""

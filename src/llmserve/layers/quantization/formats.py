@@ -78,6 +78,20 @@ class QuantizedRows:
         m = None if self.m is None else self.m[index]
         return QuantizedRows(self.fmt, self.q[index], self.d[index], m, self.in_features)
 
+    @staticmethod
+    def concat(parts: list[QuantizedRows]) -> QuantizedRows | None:
+        """The parts' rows one after another (a fused layer's shards stored apart), or None
+        when they differ in format, width or whether they carry minimums."""
+        first = parts[0]
+        if any(
+            (r.fmt, r.in_features, r.m is None) != (first.fmt, first.in_features, first.m is None)
+            for r in parts
+        ):
+            return None
+        m = None if first.m is None else torch.cat([r.m for r in parts])  # type: ignore[misc]
+        q, d = torch.cat([r.q for r in parts]), torch.cat([r.d for r in parts])
+        return QuantizedRows(first.fmt, q, d, m, first.in_features)
+
     def dequantize(self) -> torch.Tensor:
         """[N, K] float32."""
         N, nb = self.d.shape

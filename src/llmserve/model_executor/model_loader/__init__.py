@@ -48,6 +48,7 @@ from llmserve.model_executor.model_loader.prequantized import PrequantizedCheckp
 from llmserve.model_executor.model_loader.quant_plan import (
     check_supported,
     fp8_kernel_name,
+    gguf_tensor_types,
     gguf_type_report,
     plan_quantization,
     use_fp8_kernel,
@@ -196,11 +197,11 @@ def load_model(config: ModelConfig, shard: TPShard | None = None) -> LoadedModel
         ckpts = [ckpt]
         if config.mmproj is not None:  # the vision projector file: its tensors follow the model's
             ckpts.append(gguf_mmproj.open_mmproj(config.mmproj))
-            vision = gguf_mmproj.gemma3_vision(ckpt, ckpts[1])
+            vision = gguf_mmproj.gguf_vision(ckpt, ckpts[1])
         hf_config = ckpt.hf_config() if vision is None else vision.hf_config
         num_tensors: int | None = sum(c.num_tensors() for c in ckpts)
         fmt = f"gguf ({', '.join(ckpt.tensor_types())})" + (f" + mmproj {config.mmproj}" if vision else "")
-        tensor_types: dict[str, str] | None = {k: v for c in ckpts for k, v in c.hf_tensor_types().items()}
+        tensor_types: dict[str, str] | None = gguf_tensor_types([c.hf_tensor_types() for c in ckpts])
 
         def weights(dtype: torch.dtype, keep_quantized: Any, cut: Any) -> Iterator[tuple[str, Any, str]]:
             stream = itertools.chain.from_iterable(c.iter_weights(dtype, keep_quantized) for c in ckpts)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import transformers
 
+from llmserve.model_executor.model_loader import gguf_clip
 from llmserve.model_executor.model_loader.errors import ModelLoadError
 
 if TYPE_CHECKING:
@@ -141,6 +142,22 @@ def qwen2_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
     return transformers.Qwen2Config(**_decoder_kwargs(ckpt), **_rope_kwargs(_rope(ckpt)))
 
 
+def qwen2vl_text_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
+    """Qwen2-VL's and Qwen2.5-VL's language model (`qwen2vl`) with its M-RoPE: the converter
+    writes `mrope_section` as `rope.dimension_sections`, padded with zeros to four."""
+    sections = [int(x) for x in ckpt.require("rope.dimension_sections")]
+    while sections and sections[-1] == 0:
+        sections.pop()
+    kw = _decoder_kwargs(ckpt)
+    if 2 * sum(sections) != kw["head_dim"]:
+        raise ModelLoadError(
+            f"{ckpt.parts[0]}: {ckpt.architecture}.rope.dimension_sections {sections} do not cover the "
+            f"head dimension {kw['head_dim']} (twice their sum)"
+        )
+    rope = _rope(ckpt) | {"mrope_section": sections}
+    return transformers.Qwen2_5_VLTextConfig(**kw, **_rope_kwargs(rope))
+
+
 def qwen2moe_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
     """Every layer sparse (llama.cpp keeps no dense layers for this architecture), each with a
     shared expert."""
@@ -237,16 +254,17 @@ def gpt2_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
 
 
 def clip_vision_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
-    """A vision projector file (llama.cpp's mmproj, `clip.vision.*` keys) -> the SigLIP tower's
-    config. Only Gemma 3's projector is read (`clip.projector_type` gemma3); the projector's own
-    sizes (pooling, text width) are `gguf_mmproj.py`'s."""
-    kind = ckpt.field("clip.projector_type")
-    if kind != "gemma3":
-        raise ModelLoadError(
-            f"{ckpt.parts[0]}: vision projector type {kind!r} is not supported; supported: gemma3"
-        )
+    """A vision projector file (llama.cpp's mmproj, `clip.vision.*` keys) -> its vision tower's
+    config, by `clip.projector_type` (gguf_clip.PROJECTORS); the projector's own sizes (pooling,
+    text width, image tokens) are `gguf_mmproj.py`'s."""
+    kind = gguf_clip.projector_type(ckpt)
     if not ckpt.field("clip.has_vision_encoder", False):
         raise ModelLoadError(f"{ckpt.parts[0]}: the projector file has no vision encoder")
+    return _VISION_CONFIGS[kind](ckpt)
+
+
+def _siglip_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
+    """Gemma 3's SigLIP tower."""
     return transformers.SiglipVisionConfig(
         hidden_size=ckpt.require("vision.embedding_length"),
         intermediate_size=ckpt.require("vision.feed_forward_length"),
@@ -258,3 +276,33 @@ def clip_vision_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
         hidden_act="gelu_pytorch_tanh",  # clip.use_gelu: ggml's gelu is the tanh approximation
         vision_use_head=False,
     )
+
+
+QWEN25VL_WINDOW = 112
+"""Qwen2.5-VL's attention window in pixels: clip.cpp uses 112 (HF's value) for this projector type,
+whose files do not store it."""
+
+
+def _qwen25vl_vision_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
+    """Qwen2.5-VL's vision transformer. Every `n_wa_pattern`-th block attends over the whole
+    image, the others within windows (clip.cpp's rule, from HF's `fullatt_block_indexes`); the
+    Conv3d patch kernel spans 2 frames (the converter splits it in two and refuses other counts)."""
+    depth, every = ckpt.require("vision.block_count"), ckpt.require("vision.n_wa_pattern")
+    return transformers.Qwen2_5_VLVisionConfig(
+        depth=depth,
+        hidden_size=ckpt.require("vision.embedding_length"),
+        intermediate_size=ckpt.require("vision.feed_forward_length"),
+        num_heads=ckpt.require("vision.attention.head_count"),
+        patch_size=ckpt.require("vision.patch_size"),
+        temporal_patch_size=2,
+        spatial_merge_size=ckpt.arch_field("vision.spatial_merge_size", 2),
+        window_size=QWEN25VL_WINDOW,
+        fullatt_block_indexes=[i for i in range(depth) if (i + 1) % every == 0],
+        out_hidden_size=ckpt.require("vision.projection_dim"),
+        hidden_act="silu",  # clip.use_silu
+        in_channels=3,
+    )
+
+
+_VISION_CONFIGS = {"gemma3": _siglip_config, "qwen2.5vl_merger": _qwen25vl_vision_config}
+"""`clip.projector_type` -> its vision tower's config."""

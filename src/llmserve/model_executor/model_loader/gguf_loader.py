@@ -7,6 +7,12 @@ converter changed so each tensor equals the HF original:
     llama   attn_q / attn_k rows permuted for ggml's interleaved RoPE  -> un-permute
     gemma3  every RMSNorm weight stored as (w + 1)                     -> subtract 1
     gpt2    Conv1D weights stored transposed ([out, in])               -> transpose back to [in, out]
+    clip    (Qwen2.5-VL's projector) one HF tensor written as several:
+            the fused qkv as attn_q, attn_k, attn_v                    -> concatenated again
+            the Conv3d patch kernel [C, 3, T, P, P] as T 2-D kernels   -> stacked on axis 2
+            (`v.patch_embd.weight`, `v.patch_embd.weight.1`)
+
+The vision projector's tables (architecture `clip`, by `clip.projector_type`) are gguf_clip.py's.
 
 Does not know models, devices or tokenizers (the GGUF vocabulary is the tokenizer's business).
 """
@@ -14,6 +20,7 @@ Does not know models, devices or tokenizers (the GGUF vocabulary is the tokenize
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import mmap
 import re
 import sys
@@ -30,7 +37,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
 from gguf.quants import dequantize
 
 from llmserve.layers.quantization.formats import QuantizedRows
-from llmserve.model_executor.model_loader import gguf_config
+from llmserve.model_executor.model_loader import gguf_clip, gguf_config
 from llmserve.model_executor.model_loader.errors import (
     ModelLoadError,
     ModelNotFoundError,
@@ -38,6 +45,7 @@ from llmserve.model_executor.model_loader.errors import (
     UnsupportedArchitectureError,
     UnsupportedTensorTypeError,
 )
+from llmserve.model_executor.model_loader.gguf_clip import Fix, Join
 from llmserve.model_executor.model_loader.gguf_quant import EXACT_TYPES, read_rows
 
 _Q = GGMLQuantizationType
@@ -182,32 +190,6 @@ _GPT2_NAMES = {
     "blk.{bid}.ffn_down": "transformer.h.{bid}.mlp.c_proj",
 }
 
-# A vision projector (llama.cpp's mmproj file, architecture `clip`) for Gemma 3: SigLIP and the
-# projector under Gemma3ForConditionalGeneration's checkpoint names (convert_hf_to_gguf.py's
-# Gemma3VisionModel through gguf's MODEL_ARCH.MMPROJ name map; clip.cpp's TN_* names).
-_SIGLIP = "model.vision_tower.vision_model."
-_CLIP_GEMMA3_NAMES = {
-    "v.patch_embd": _SIGLIP + "embeddings.patch_embedding",
-    "v.position_embd": _SIGLIP + "embeddings.position_embedding",
-    "v.blk.{bid}.attn_q": _SIGLIP + "encoder.layers.{bid}.self_attn.q_proj",
-    "v.blk.{bid}.attn_k": _SIGLIP + "encoder.layers.{bid}.self_attn.k_proj",
-    "v.blk.{bid}.attn_v": _SIGLIP + "encoder.layers.{bid}.self_attn.v_proj",
-    "v.blk.{bid}.attn_out": _SIGLIP + "encoder.layers.{bid}.self_attn.out_proj",
-    "v.blk.{bid}.ln1": _SIGLIP + "encoder.layers.{bid}.layer_norm1",
-    "v.blk.{bid}.ln2": _SIGLIP + "encoder.layers.{bid}.layer_norm2",
-    "v.blk.{bid}.ffn_up": _SIGLIP + "encoder.layers.{bid}.mlp.fc1",
-    "v.blk.{bid}.ffn_down": _SIGLIP + "encoder.layers.{bid}.mlp.fc2",
-    "v.post_ln": _SIGLIP + "post_layernorm",
-    # HF's bare parameter `mm_input_projection_weight` [C_v, H] (a name ending in `_weight` is
-    # taken whole): the converter renamed it `.weight` and wrote the array as it is (clip.cpp
-    # transposes it in its graph)
-    "mm.input_projection": "model.multi_modal_projector.mm_input_projection_weight",
-    "mm.soft_emb_norm": "model.multi_modal_projector.mm_soft_emb_norm",
-}
-
-# A fix takes the tensor (float32, GGUF layout) and the checkpoint, and returns the HF tensor.
-Fix = Callable[[torch.Tensor, "GGUFCheckpoint"], torch.Tensor]
-
 
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Invert llama.cpp's `permute`: within each head, rows (x0, x1, ..., y0, y1, ...) became
@@ -229,8 +211,6 @@ _LLAMA_FIXES: dict[str, Fix] = {
 _QWEN2MOE_FIXES: dict[str, Fix] = {"blk.{bid}.ffn_gate_inp_shexp": lambda w, c: w.reshape(1, -1)}
 # Gemma's RMSNorm multiplies by (1 + w); llama.cpp stores 1 + w.
 _GEMMA3_FIXES: dict[str, Fix] = {key: lambda w, c: w - 1.0 for key in _GEMMA3_NAMES if key.endswith("norm")}
-# Only the projector's RMSNorm is Gemma's (1 + w), stored as 1 + w; SigLIP's LayerNorms are plain.
-_CLIP_GEMMA3_FIXES: dict[str, Fix] = {"mm.soft_emb_norm": lambda w, c: w - 1.0}
 # HF's Conv1D keeps [in, out]; llama.cpp stores the nn.Linear layout [out, in]. Biases stay as they are.
 _GPT2_FIXES: dict[str, Fix] = {
     f"blk.{{bid}}.{n}": lambda w, c: w.T.contiguous() if w.dim() == 2 else w
@@ -258,6 +238,8 @@ class _ArchSpec:
     names: dict[str, str]  # GGUF base name -> HF base name (".weight" / ".bias" are appended)
     fixes: dict[str, Fix]  # GGUF base name -> what undoes llama.cpp's conversion of it
     build_config: Callable[[GGUFCheckpoint], transformers.PretrainedConfig]
+    joins: dict[str, Join] = dataclasses.field(default_factory=dict)
+    """GGUF tensor name (its first part) -> the parts that go back into one HF tensor."""
 
 
 _ARCHS: dict[str, _ArchSpec] = {
@@ -268,16 +250,19 @@ _ARCHS: dict[str, _ArchSpec] = {
         "Qwen2MoeForCausalLM", _QWEN2MOE_NAMES, _QWEN2MOE_FIXES, gguf_config.qwen2moe_config
     ),
     "qwen3moe": _ArchSpec("Qwen3MoeForCausalLM", _QWEN3MOE_NAMES, {}, gguf_config.qwen3moe_config),
+    # Qwen2-VL's and Qwen2.5-VL's language model (M-RoPE): alone, text positions are equal on the
+    # three axes, which is plain RoPE; with a projector (gguf_mmproj.py) the VL model
+    "qwen2vl": _ArchSpec("Qwen2ForCausalLM", _LLAMA_NAMES, {}, gguf_config.qwen2_config),
     "gemma3": _ArchSpec("Gemma3ForCausalLM", _GEMMA3_NAMES, _GEMMA3_FIXES, gguf_config.gemma3_config),
     "gpt2": _ArchSpec("GPT2LMHeadModel", _GPT2_NAMES, _GPT2_FIXES, gguf_config.gpt2_config),
-    # a vision projector: its config is the vision tower's; the model's comes from both files
-    "clip": _ArchSpec(
-        "Gemma3ForConditionalGeneration",
-        _CLIP_GEMMA3_NAMES,
-        _CLIP_GEMMA3_FIXES,
-        gguf_config.clip_vision_config,
-    ),
     "gpt-oss": _ArchSpec("GptOssForCausalLM", _GPT_OSS_NAMES, {}, gguf_config.gpt_oss_config),
+}
+
+
+# A vision projector: its config is the vision tower's; the model's comes from both files.
+_CLIP_ARCHS = {
+    kind: _ArchSpec(p.hf_architecture, p.names, p.fixes, gguf_config.clip_vision_config, p.joins)
+    for kind, p in gguf_clip.PROJECTORS.items()
 }
 
 
@@ -292,6 +277,9 @@ class _Planned:
     expert: int | None = None
     last_of_tensor: bool = True
     """The last slice read from `name`: its mapped pages can go."""
+    join: Join | None = None
+    """One HF tensor written as several (`name` the first): the parts' GGUF names and how."""
+    parts: tuple[str, ...] = ()
 
 
 def _f32(v: float) -> float:
@@ -399,6 +387,8 @@ class GGUFCheckpoint:
 
     @property
     def _spec(self) -> _ArchSpec:
+        if self.architecture == "clip":
+            return _CLIP_ARCHS[gguf_clip.projector_type(self)]
         spec = _ARCHS.get(self.architecture)
         if spec is None:
             raise UnsupportedArchitectureError(
@@ -463,11 +453,12 @@ class GGUFCheckpoint:
                 f"{file}: tensor {t.name!r} has type {t.tensor_type.name}{more}, which this loader cannot "
                 f"dequantize; supported: {', '.join(q.name for q in SUPPORTED_TENSOR_TYPES)}"
             )
+        later_parts = {part for j in spec.joins.values() for part in j.parts[1:]}
         for name, (file, t) in self._tensors.items():
             base, _, suffix = name.rpartition(".")
             key, bid = _table_key(base)
-            if key in _NON_HF_TENSORS:
-                continue
+            if key in _NON_HF_TENSORS or f"{key}.{suffix}" in later_parts:
+                continue  # (a join's later part is read with its first)
             hf_base = spec.names.get(key)
             if hf_base is None or suffix not in ("weight", "bias"):
                 raise UnexpectedWeightError(
@@ -476,9 +467,10 @@ class GGUFCheckpoint:
             fix = spec.fixes.get(key)
             if "{xid}" not in hf_base:
                 hf_name = hf_base.format(bid=bid)
-                plan.append(
-                    _Planned(name, hf_name if hf_name.endswith("_weight") else f"{hf_name}.{suffix}", fix)
-                )
+                hf_name = hf_name if hf_name.endswith("_weight") else f"{hf_name}.{suffix}"
+                join = spec.joins.get(f"{key}.{suffix}")
+                parts = () if join is None else self._join_parts(join, bid, file)
+                plan.append(_Planned(name, hf_name, fix, join=join, parts=parts))
                 continue
             if len(t.shape) != (
                 3 if suffix == "weight" else 2
@@ -493,12 +485,26 @@ class GGUFCheckpoint:
             ]
         return plan
 
+    def _join_parts(self, join: Join, bid: str | None, file: str) -> tuple[str, ...]:
+        """The GGUF names of a join's parts in block `bid`, each checked to be in the file."""
+        names = tuple(part.format(bid=bid) for part in join.parts)
+        for name in names:
+            if name not in self._tensors:
+                raise ModelLoadError(
+                    f"{file}: tensor {name!r} is missing (with {names[0]!r}, one HF tensor's parts: "
+                    f"{', '.join(names)})"
+                )
+        return names
+
     def _dequantized(
         self, plan: list[_Planned], dtype: torch.dtype, keep_quantized: Callable[[str], bool] | None
     ) -> Iterator[tuple[str, torch.Tensor | QuantizedRows, str]]:
         readers = dict(zip(map(str, self.parts), self._readers, strict=True))
         for p in plan:
             file, t = self._tensors[p.name]
+            if p.join is not None:
+                yield p.hf_name, self._joined(p, dtype, keep_quantized), file
+                continue
             # One expert of a stacked tensor is its slice along the outermost (ggml's last) axis.
             data, shape = (
                 (t.data, t.shape.tolist()) if p.expert is None else (t.data[p.expert], t.shape[:-1].tolist())
@@ -534,3 +540,24 @@ class GGUFCheckpoint:
             return rows
         order = row_order(fix, rows.num_rows, self)
         return None if order is None else rows.select_rows(order)
+
+    def _joined(
+        self, p: _Planned, dtype: torch.dtype, keep_quantized: Callable[[str], bool] | None
+    ) -> torch.Tensor | QuantizedRows:
+        """A join's parts put back into one HF tensor: block rows concatenated as they are where
+        every part keeps its blocks (a cat along rows), else float32 parts joined, then `dtype`."""
+        assert p.join is not None and p.fix is None
+        tensors = [self._tensors[name][1] for name in p.parts]
+        if keep_quantized is not None and keep_quantized(p.hf_name) and p.join.dim == 0 and not p.join.stack:
+            rows = [
+                read_rows(np.asarray(t.data), t.tensor_type, int(t.shape[0]))
+                if t.tensor_type in EXACT_TYPES and len(t.shape) == 2
+                else None
+                for t in tensors
+            ]
+            if all(r is not None for r in rows):
+                joined = QuantizedRows.concat(rows)  # type: ignore[arg-type]
+                if joined is not None:
+                    return joined
+        arrays = [np.asarray(dequantize(t.data, t.tensor_type)) for t in tensors]
+        return p.join([torch.from_numpy(np.array(a)) for a in arrays]).to(dtype)

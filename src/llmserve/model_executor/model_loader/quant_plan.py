@@ -149,6 +149,14 @@ def use_fp8_kernel(model: torch.nn.Module, device: torch.device) -> None:
             m.use_kernel(kernel)
 
 
+def gguf_tensor_types(per_file: list[dict[str, str]]) -> dict[str, str]:
+    """The tensor types `auto` plans from, for a model read from several GGUF files (a language
+    model and its vision projector): only quantized files' tensors, so that a float file's layers
+    stay float beside a quantized one (an F32 language model with a Q8_0 projector keeps its F32
+    weights, as llama.cpp runs them)."""
+    return {k: v for types in per_file if _is_quantized(types) for k, v in types.items()}
+
+
 def _is_quantized(tensor_types: dict[str, str]) -> bool:
     return any(t not in _FLOAT_TYPES for t in tensor_types.values())
 
