@@ -5,7 +5,11 @@
 
 `ForwardRunner.execute` (the decoder's layers and final norm; no LM head, no sampling) on three
 batches: a decode step of 1 and of 16 sequences (contexts 128-256, shuffled block tables) and a
-128-token prefill. Reports the minimum and median ms of --repeats steps after one warm-up. On one
+128-token prefill. Reports the minimum and median ms of --repeats steps after one warm-up, and the
+weight bytes a decode step streams (`step_bytes`: every packed matrix once, the LM head's included,
+and the float parameters) next to the file's tensor bytes: a format wider than the file's (Q6_K
+held as q8, Q4_K's half scales) lowers the ceiling of decode / streaming floor before any kernel
+runs (docs/benchmarks.md, issue 30). --bytes-only stops after the accounting. On one
 thread the time is the main thread's CPU time, which a shared, time-sliced core does not inflate
 (the kernels run on the calling thread); with more threads, wall time. Two builds are compared as
 bench_decode_gguf.py does: alternating processes with PYTHONPATH at each tree's `src`.
@@ -21,9 +25,11 @@ import time
 from pathlib import Path
 
 import torch
+from gguf import GGUFReader
 
 from llmserve.config import ModelConfig
 from llmserve.layers.quantization import cpu_kernels
+from llmserve.layers.quantization.layers import QuantizedLinear, QuantizedLMHead
 from llmserve.model_executor.cpu_memory import keep_freed_memory
 from llmserve.model_executor.forward_runner import ForwardRunner, SequenceBatchEntry
 from llmserve.model_executor.model_loader import load_model
@@ -32,16 +38,44 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_attention import BLOCK, make_batch
 
 
+def step_bytes(model: torch.nn.Module, file: str) -> dict[str, object]:
+    """Weight bytes one decode step reads, by kernel format, against the GGUF's tensor bytes: every
+    quantized linear layer's packed matrix and the LM head's (a tied head is the embedding's table,
+    counted once; an untied embedding's table is not counted: a step reads only its tokens' rows),
+    and the float parameters (norms)."""
+    by_fmt: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear | QuantizedLMHead):
+            w = module.qweight if isinstance(module, QuantizedLinear) else module.packed_weight
+            assert w is not None
+            by_fmt[w.fmt] = by_fmt.get(w.fmt, 0) + w.nbytes()
+    by_fmt["float"] = sum(p.numel() * p.element_size() for p in model.parameters() if p.is_floating_point())
+    file_bytes = sum(int(t.n_bytes) for t in GGUFReader(file).tensors)
+    total = sum(by_fmt.values())
+    return {
+        "step_bytes": total,
+        "by_format": by_fmt,
+        "file_tensor_bytes": file_bytes,
+        "ratio": round(total / file_bytes, 3),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("file")
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--bytes-only", action="store_true", help="print the byte accounting and stop")
     args = ap.parse_args()
     keep_freed_memory()
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.threads == 1 else time.perf_counter
     model = load_model(ModelConfig(model=args.file, show_progress=False)).model
+    result: dict[str, object] = {"extension": cpu_kernels._ext.__file__ if cpu_kernels._ext else None}
+    result["bytes"] = step_bytes(model, args.file)
+    if args.bytes_only:
+        print(json.dumps(result))
+        return
     seq_lens, tables, num_blocks = make_batch(16, 0, 128, 256)
     T = 128
     runner = ForwardRunner(model, num_blocks=max(num_blocks, T // BLOCK + 1), block_size=BLOCK)
@@ -51,7 +85,6 @@ def main() -> None:
         SequenceBatchEntry([7 + i], n, t) for i, (n, t) in enumerate(zip(seq_lens, tables, strict=True))
     ]
     prefill = [SequenceBatchEntry(list(range(5, 5 + T)), T, list(range(T // BLOCK)))]
-    result: dict[str, object] = {"extension": cpu_kernels._ext.__file__ if cpu_kernels._ext else None}
     with torch.inference_mode():
         for name, batch in (("decode_1", decode[:1]), ("decode_16", decode), (f"prefill_{T}", prefill)):
             times = []
