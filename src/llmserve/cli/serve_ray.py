@@ -5,7 +5,10 @@ OpenAI-compatible ingress (llmserve.ray_serve), a thin wrapper over `serve.run`.
     llmserve serve ./model --replicas 1 --max-replicas 4 --ray-address auto   # autoscaled, on a cluster
 
 The server flags that shape requests (limits, parsers, metrics) apply in every replica; the
-ingress listens on --host/--port (Ray Serve's HTTP proxy) and checks --api-key. One model only.
+ingress listens on --host/--port and checks --api-key. One model only. On a local cluster HTTP
+reaches the ingress through HAProxy (Ray Serve's HAProxy mode: the ingress replica serves HTTP
+itself, no Python proxy and no Ray call between them; `--ray-http-proxy serve` keeps Serve's own
+proxy); a cluster joined with --ray-address runs whichever its Serve was started with.
 """
 
 from __future__ import annotations
@@ -46,6 +49,11 @@ def add_ray_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="the Ray cluster to join (default: start a local one; 'auto': the running one)",
     )
+    r.add_argument(
+        "--ray-http-proxy", choices=("haproxy", "serve"), default="haproxy",
+        help="what fronts the ingress on a local cluster: HAProxy (Ray Serve's HAProxy mode; fewer "
+        "hops) or Serve's own Python proxy",
+    )  # fmt: skip
     r.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per replica")
     r.add_argument("--replica-gpus", type=float, default=0.0, help="Ray GPUs per replica")
 
@@ -82,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
         from ray import serve
 
         from llmserve.ray_serve import build_application
+        from llmserve.ray_serve.application import HAPROXY_ENV
     except ImportError as e:
         raise ValueError(f"--replicas needs Ray Serve: pip install 'llmserve[ray]' ({e})") from None
     options = ray_serve_options(args)
@@ -89,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
     needed = cpus_needed(options)
     if args.ray_address is None:  # a local cluster: room for every replica (Ray's CPUs are logical)
         cores = os.cpu_count() or 1
+        if args.ray_http_proxy == "haproxy":  # every process of the cluster reads them at start
+            os.environ.update(HAPROXY_ENV)
         ray.init(num_cpus=max(cores, math.ceil(needed)))
         if needed > cores:
             logger.warning("the replicas (%s Ray CPUs each) and the ingress need %.2f CPUs; this "
