@@ -1,7 +1,7 @@
 """Where Ray Serve's ingress spends a request: one configuration of the llmserve application on a
 local Ray cluster, `--requests` one-token completions one at a time, the median wall time and the
-CPU time each kind of process (Serve's proxy, HAProxy, the ingress, the engine replicas, Ray's
-own daemons) spent per request.
+CPU time each kind of process (Serve's proxy, HAProxy and its manager actor, the ingress, the
+engine replicas, Ray's own daemons) spent per request.
 
     python benchmarks/bench_ray_ingress.py [--model M] [--replicas 2] [--requests 200] [--haproxy]
         [--env NAME=VALUE ...]
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import time
 from collections import defaultdict
@@ -26,13 +25,18 @@ from collections import defaultdict
 import httpx
 import psutil
 
-KINDS = ("ProxyActor", "haproxy", "Ingress", "EngineReplica", "ServeController", "raylet", "gcs_server")
+from compare import free_port  # benchmarks/ is the script's folder, on sys.path
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+KINDS = (
+    "HAProxyManager",
+    "ProxyActor",
+    "haproxy",
+    "Ingress",
+    "EngineReplica",
+    "ServeController",
+    "raylet",
+    "gcs_server",
+)
 
 
 def _kind(proc: psutil.Process) -> str | None:
@@ -87,7 +91,7 @@ def main() -> None:
     if args.haproxy:
         os.environ.update(HAPROXY_ENV)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    port = _free_port()
+    port = free_port()
     options = {"num_replicas": str(args.replicas), "replica_cpus": "1", "torch_threads": "1"}
     if args.model:
         options["model"] = args.model

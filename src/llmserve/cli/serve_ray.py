@@ -90,7 +90,6 @@ def run(args: argparse.Namespace) -> int:
         from ray import serve
 
         from llmserve.ray_serve import build_application
-        from llmserve.ray_serve.application import HAPROXY_ENV
     except ImportError as e:
         raise ValueError(f"--replicas needs Ray Serve: pip install 'llmserve[ray]' ({e})") from None
     options = ray_serve_options(args)
@@ -98,8 +97,7 @@ def run(args: argparse.Namespace) -> int:
     needed = cpus_needed(options)
     if args.ray_address is None:  # a local cluster: room for every replica (Ray's CPUs are logical)
         cores = os.cpu_count() or 1
-        if args.ray_http_proxy == "haproxy":  # every process of the cluster reads them at start
-            os.environ.update(HAPROXY_ENV)
+        os.environ.update(local_cluster_env(args))  # every process of the cluster reads them at start
         ray.init(num_cpus=max(cores, math.ceil(needed)))
         if needed > cores:
             logger.warning("the replicas (%s Ray CPUs each) and the ingress need %.2f CPUs; this "
@@ -119,6 +117,13 @@ def run(args: argparse.Namespace) -> int:
     finally:
         ray.shutdown()
     return 0
+
+
+def local_cluster_env(args: argparse.Namespace) -> dict[str, str]:
+    """Ray Serve's environment flags for the local cluster that `--replicas` starts."""
+    from llmserve.ray_serve.application import HAPROXY_ENV
+
+    return dict(HAPROXY_ENV) if args.ray_http_proxy == "haproxy" else {}
 
 
 def cpus_needed(options) -> float:
