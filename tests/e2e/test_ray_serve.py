@@ -1,5 +1,6 @@
-"""llmserve on Ray Serve (llmserve.ray_serve): a local Ray cluster, the ingress before two replicas of
-a tiny real model, driven over HTTP by httpx and OpenAI's client.
+"""llmserve on Ray Serve (llmserve.ray_serve): a local Ray cluster, HAProxy before the ingress (Ray
+Serve's HAProxy mode, as `llmserve serve --replicas` runs it) before two replicas of a tiny real
+model, driven over HTTP by httpx and OpenAI's client.
 
 One module-scoped cluster (Ray starts in tens of seconds): requests spread over both replicas, a
 shared-prefix workload cached on the replica the router chose (usage and the replica-labelled
@@ -23,6 +24,7 @@ import pytest
 pytest.importorskip("ray.serve")
 
 import openai
+import psutil
 import ray
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from prometheus_client.parser import text_string_to_metric_families
@@ -67,10 +69,13 @@ def app_args(model_dir: Path, collector) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def url(app_args: dict[str, str]) -> Iterator[str]:
     from llmserve.ray_serve import app
+    from llmserve.ray_serve.application import HAPROXY_ENV
 
-    # Every Ray process inherits these: spans exported within 50 ms (the SDK's default: 5 s), and
-    # the load the autoscaler reads reported every half second (Ray's default: 10 s)
+    # Every Ray process inherits these: HAProxy before the ingress (as `llmserve serve --replicas`
+    # runs it), spans exported within 50 ms (the SDK's default: 5 s), and the load the autoscaler
+    # reads reported every half second (Ray's default: 10 s)
     env = {
+        **HAPROXY_ENV,
         "OTEL_BSP_SCHEDULE_DELAY": "50",
         "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
         "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
@@ -113,6 +118,16 @@ def metric_replicas(text: str) -> set[str]:
 def running_replicas() -> int:
     status = serve.status().applications[APP].deployments["EngineReplica"]
     return status.replica_states.get("RUNNING", 0)
+
+
+def test_haproxy_fronts_the_ingress(url: str) -> None:
+    """HAProxy, not Serve's Python proxy, listens on Serve's HTTP port (HAPROXY_ENV)."""
+    port = int(url.rsplit(":", 1)[1])
+    listening = {
+        c.pid for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+    }  # fmt: skip
+    assert listening and {psutil.Process(pid).name() for pid in listening} == {"haproxy"}
+    complete(url, "through HAProxy " * 4)
 
 
 def test_requests_spread_over_both_replicas(url: str) -> None:

@@ -21,11 +21,12 @@ from ray.serve._private.common import DeploymentID, ReplicaID
 from ray.serve._private.request_router.common import ReplicaQueueLengthCache
 
 from llmserve.cli import serve
-from llmserve.cli.serve_ray import cpus_needed, ray_serve_options
+from llmserve.cli.serve_ray import cpus_needed, local_cluster_env, ray_serve_options
 from llmserve.core.kv_cache.block_hash import request_block_hashes
 from llmserve.core.request import Request
 from llmserve.model_executor.model_loader.source import resolve_model
 from llmserve.ray_serve import RayServeOptions, build_application
+from llmserve.ray_serve.application import HAPROXY_ENV
 from llmserve.ray_serve.metrics import merge_metrics
 from llmserve.ray_serve.prefix import PrefixKeyer, rendezvous_order
 from llmserve.ray_serve.router import AVOID_REPLICA, PREFIX_KEY, PrefixAwareRouter
@@ -259,3 +260,13 @@ def test_cpus_a_local_cluster_needs(model_dir: Path) -> None:
     scaled = ray_serve_options(serve_args(str(model_dir), "--replicas", "1", "--max-replicas", "4",
                                           "--replica-cpus", "0.5"))  # fmt: skip
     assert cpus_needed(scaled) == 0.5 + scaled.ingress_cpus
+
+
+def test_a_local_cluster_runs_haproxy_unless_told(model_dir: Path) -> None:
+    """`--replicas` sets Ray Serve's HAProxy mode on the cluster it starts (tests/e2e/test_ray_serve.py
+    checks that HAProxy then listens); `--ray-http-proxy serve` keeps Serve's Python proxy."""
+    assert HAPROXY_ENV == {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
+    assert local_cluster_env(serve_args(str(model_dir), "--replicas", "2")) == HAPROXY_ENV
+    assert local_cluster_env(serve_args(str(model_dir), "--replicas", "2", "--ray-http-proxy", "serve")) == {}
+    with pytest.raises(SystemExit):
+        serve_args(str(model_dir), "--replicas", "2", "--ray-http-proxy", "nginx")

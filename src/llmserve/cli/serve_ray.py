@@ -5,7 +5,10 @@ OpenAI-compatible ingress (llmserve.ray_serve), a thin wrapper over `serve.run`.
     llmserve serve ./model --replicas 1 --max-replicas 4 --ray-address auto   # autoscaled, on a cluster
 
 The server flags that shape requests (limits, parsers, metrics) apply in every replica; the
-ingress listens on --host/--port (Ray Serve's HTTP proxy) and checks --api-key. One model only.
+ingress listens on --host/--port and checks --api-key. One model only. On a local cluster HTTP
+reaches the ingress through HAProxy (Ray Serve's HAProxy mode: the ingress replica serves HTTP
+itself, no Python proxy and no Ray call between them; `--ray-http-proxy serve` keeps Serve's own
+proxy); a cluster joined with --ray-address runs whichever its Serve was started with.
 """
 
 from __future__ import annotations
@@ -50,6 +53,11 @@ def add_ray_args(p: argparse.ArgumentParser) -> None:
         "--max-replicas-per-node", type=int, default=None,
         help="at most this many replicas on one Ray node (1: spread them, one per node)",
     )  # fmt: skip
+    r.add_argument(
+        "--ray-http-proxy", choices=("haproxy", "serve"), default="haproxy",
+        help="what fronts the ingress on a local cluster: HAProxy (Ray Serve's HAProxy mode; fewer "
+        "hops) or Serve's own Python proxy",
+    )  # fmt: skip
     r.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per replica")
     r.add_argument("--replica-gpus", type=float, default=0.0, help="Ray GPUs per replica")
 
@@ -93,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
     needed = cpus_needed(options)
     if args.ray_address is None:  # a local cluster: room for every replica (Ray's CPUs are logical)
         cores = os.cpu_count() or 1
+        os.environ.update(local_cluster_env(args))  # every process of the cluster reads them at start
         ray.init(num_cpus=max(cores, math.ceil(needed)))
         if needed > cores:
             logger.warning("the replicas (%s Ray CPUs each) and the ingress need %.2f CPUs; this "
@@ -112,6 +121,13 @@ def run(args: argparse.Namespace) -> int:
     finally:
         ray.shutdown()
     return 0
+
+
+def local_cluster_env(args: argparse.Namespace) -> dict[str, str]:
+    """Ray Serve's environment flags for the local cluster that `--replicas` starts."""
+    from llmserve.ray_serve.application import HAPROXY_ENV
+
+    return dict(HAPROXY_ENV) if args.ray_http_proxy == "haproxy" else {}
 
 
 def cpus_needed(options) -> float:

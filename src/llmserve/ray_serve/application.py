@@ -35,6 +35,13 @@ QUIET = {"enable_access_log": False}
 """No line per request in Ray's logs (the plain server keeps uvicorn's access log off too;
 `--log-requests` still logs each request in the replica's app)."""
 
+HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
+"""Ray Serve's HAProxy mode, for every process of a cluster (read when each starts): HAProxy
+(Ray's bundled binary) listens on Serve's HTTP port and sends each request straight to an
+`Ingress` replica, which serves HTTP itself (Serve's "direct ingress"). Without it, Serve's Python
+proxy takes the request and calls the ingress through Ray, and the ingress fetches the body by a
+call back to the proxy (benchmarks/bench_ray_ingress.py measures both; docs/benchmarks.md)."""
+
 
 @dataclass(frozen=True)
 class RayServeOptions:

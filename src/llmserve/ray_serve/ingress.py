@@ -1,7 +1,12 @@
 """`Ingress`: the HTTP front of a Ray Serve application, before N engine replicas.
 
-    client -> Ray Serve's proxy -> Ingress (this: the key, the request schemas, the prefix key)
-           -> DeploymentHandle.forward (PrefixAwareRouter picks the replica) -> EngineReplica
+    client -> HAProxy (or Serve's Python proxy) -> Ingress (this: the key, the request schemas,
+           the prefix key) -> DeploymentHandle.forward (PrefixAwareRouter picks the replica)
+           -> EngineReplica
+
+Under Ray Serve's HAProxy mode (application.py's HAPROXY_ENV) this replica serves HTTP itself and
+HAProxy sends it each request; under Serve's proxy, the proxy calls it through Ray. The code here
+is the same for both.
 
 The ingress checks what the plain server's gate and routes check first, with the same code, so
 its refusals are the same: the API key (`middleware.key_matches`, the 401 in the path's error
