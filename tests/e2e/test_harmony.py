@@ -1,9 +1,8 @@
 """gpt-oss's harmony replies through the `openai` and `anthropic` clients, on a tiny random gpt-oss
 whose tokenizer carries gpt-oss's own chat template (`--reasoning-parser auto` reads harmony off
-its `<|channel|>`). The markers are plain text in the tiny vocabulary, as the other formats' tests
-spell theirs: with them as special tokens, a regex constraint let the model pick the special
-`<|channel|>` and then forced the end of the reply (a structured-output matter, not harmony's). A regex constraint makes the
-random model write harmony; the server returns reasoning_content and tool calls, streamed and
+its `<|channel|>`). The markers are special tokens in the tiny vocabulary, as in gpt-oss's: under a
+grammar the reply spells them in plain pieces, which decode to the same text. A regex constraint
+makes the random model write harmony; the server returns reasoning_content and tool calls, streamed and
 not; `required` forces a call in harmony on chat, Responses and Messages; an earlier turn's
 reasoning and call reach the template as gpt-oss's template reads them."""
 
@@ -33,6 +32,7 @@ TOOLS = [
     }
 ]
 MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
+MARKERS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
 THINK = "The user wants the weather."
 ARGS = {"city": "Paris", "unit": "c"}
 CALL_REPLY = (
@@ -47,7 +47,7 @@ FINAL_REPLY = (
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     folder = tmp_path_factory.mktemp("gpt-oss-harmony")
-    make_tiny_model("gpt-oss", folder)
+    make_tiny_model("gpt-oss", folder, special=MARKERS)
     config = json.loads((folder / "tokenizer_config.json").read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
     for name in (

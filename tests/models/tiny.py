@@ -162,14 +162,17 @@ def save_tiny_tokenizer(folder: Path, vocab_size: int = 512, special: tuple[str,
     )
 
 
-def make_tiny_model(name: str, folder: Path, seed: int = 0) -> transformers.PreTrainedModel:
-    """Build, save (safetensors + a tokenizer) and return the HF reference model for `name`."""
+def make_tiny_model(
+    name: str, folder: Path, seed: int = 0, special: tuple[str, ...] = ()
+) -> transformers.PreTrainedModel:
+    """Build, save (safetensors + a tokenizer, with `special` tokens last) and return the HF
+    reference model for `name`."""
     torch.manual_seed(seed)
     config = {**TINY_CONFIGS, **FALLBACK_CONFIGS}[name]()
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.eval()
     model.save_pretrained(folder)
-    save_tiny_tokenizer(Path(folder), config.vocab_size)
+    save_tiny_tokenizer(Path(folder), config.vocab_size, special)
     return model
 
 
@@ -182,11 +185,11 @@ def assert_greedy_matches(got, expected: list[int], logprobs: list[torch.Tensor]
             assert abs(value[0] - float(ref[token])) < atol, (step, token)
 
 
-def make_tiny_model_eos0(folder: Path) -> None:
+def make_tiny_model_eos0(folder: Path, special: tuple[str, ...] = ()) -> None:
     """The tiny Llama with EOS = the tokenizer's <|endoftext|> (0) only (transformers' Llama
     config defaults to eos 2, which this tokenizer spells '"', so a grammar's quote would end
-    the output) and a 2048-token context."""
-    make_tiny_model("llama", folder)
+    the output) and a 2048-token context; `special`: added special tokens, the last ids."""
+    make_tiny_model("llama", folder, special=special)
     for name in ("config.json", "generation_config.json"):
         path = folder / name
         if path.exists():

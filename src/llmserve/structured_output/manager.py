@@ -29,6 +29,7 @@ from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from llmserve.errors import ParameterError
 from llmserve.sampling_params import StructuredOutputsParams
+from llmserve.structured_output.ll_tokenizer import build_ll_tokenizer
 from llmserve.tokenizer import Tokenizer
 
 # JSON is generated compact, with json.dumps' separators: no free whitespace between tokens, where
@@ -101,9 +102,7 @@ class StructuredOutputManager:
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._ll is None:
-                self._ll = llguidance.LLTokenizer(
-                    self._tokenizer.backend.to_str(), n_vocab=self.vocab_size, eos_token=self._eos or None
-                )
+                self._ll = build_ll_tokenizer(self._tokenizer, self.vocab_size, self._eos)
             return self._ll
 
     def compile(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
