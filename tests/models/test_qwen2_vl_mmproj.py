@@ -80,6 +80,12 @@ def test_incomplete_or_mismatched_projectors_are_refused(files, tmp_path) -> Non
     )
     with pytest.raises(ValueError, match=r"as25\.gguf: .*lacks tensor 'v\.blk\.0\.ffn_gate\.weight'"):
         LLM(str(f["text"]), mmproj=str(relabelled), show_progress=False)
+    # a tower width the MLP's rows are no multiple of
+    narrow = _rewrite(f["f32"], tmp_path / "narrow.gguf", fields={"clip.vision.embedding_length": 40})
+    with pytest.raises(
+        ValueError, match=r"narrow\.gguf: v\.blk\.0\.ffn_up\.weight has 96 rows, not a multiple"
+    ):
+        LLM(str(f["text"]), mmproj=str(narrow), show_progress=False)
     # the language model's file as the projector
     with pytest.raises(ValueError, match="not a vision projector"):
         LLM(str(f["text"]), mmproj=str(f["text"]), show_progress=False)
