@@ -1,7 +1,7 @@
-"""`llmserve serve model.gguf --mmproj mmproj-q8_0.gguf` for Qwen2.5-VL (llama-server's flag): chat
-images through the `openai` client answer as the offline engine on the same two files (whose
-parity with transformers tests/models/test_qwen2_5_vl_mmproj.py checks); an image the processor
-refuses is a 400 naming its field, and the server keeps serving."""
+"""`llmserve serve model.gguf --mmproj mmproj-q8_0.gguf` for Qwen2.5-VL and Qwen2-VL (llama-server's
+flag): chat images through the `openai` client answer as the offline engine on the same two files
+(whose parity with transformers tests/models/test_qwen2_5_vl_mmproj.py and test_qwen2_vl_mmproj.py
+check); an image the processor refuses is a 400 naming its field, and the server keeps serving."""
 
 from __future__ import annotations
 
@@ -15,15 +15,19 @@ from tests.e2e.conftest import ServerProcess
 from tests.e2e.test_vision_api import chat, data_url, expected_text, png
 from tests.models.test_qwen2_5_vl import make_image
 from tests.models.test_qwen2_5_vl_mmproj import CELL, make_files
-from tests.models.tiny import make_tiny_qwen2_5_vl
+from tests.models.tiny import make_tiny_qwen2_5_vl, make_tiny_qwen2_vl
 
 pytestmark = pytest.mark.e2e
+MODELS = {
+    "qwen2_5_vl": (make_tiny_qwen2_5_vl, {"window_size": 112}),  # projector type qwen2.5vl_merger
+    "qwen2_vl": (make_tiny_qwen2_vl, {"mlp_ratio": 3}),  # qwen2vl_merger
+}
 
 
-def test_gguf_qwen2_5_vl_with_a_q8_0_mmproj_serves_images(tmp_path) -> None:
-    hf = make_tiny_qwen2_5_vl(
-        tmp_path, vision_overrides={"patch_size": 14, "window_size": 112}, pixels=(8 * CELL, 4096 * CELL)
-    )
+@pytest.mark.parametrize("model", list(MODELS))
+def test_gguf_qwen_vl_with_a_q8_0_mmproj_serves_images(tmp_path, model) -> None:
+    make_tiny, overrides = MODELS[model]
+    hf = make_tiny(tmp_path, vision_overrides={"patch_size": 14, **overrides}, pixels=(8 * CELL, 4096 * CELL))
     files = make_files(tmp_path, hf, use_converter=False)  # the gguf package's writer, as the converter
     offline = LLM(str(files["text"]), mmproj=str(files["q8_0"]), show_progress=False)
     proc = ServerProcess(files["text"], "--mmproj", str(files["q8_0"])).start()

@@ -22,12 +22,14 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
 
 from llmserve.engine.llm import LLM
 from llmserve.model_executor.model_loader.gguf_loader import GGUFCheckpoint
@@ -108,8 +110,11 @@ def _projector_type(name: str, w: torch.Tensor, outtype: Q) -> Q:
 
 def write_mmproj(hf, out: Path, outtype: Q) -> Path:
     """The vision tower and merger as Qwen2VLVisionModel converts them (MmprojModel's keys): qkv
-    cut into q, k, v; the Conv3d patch kernel into one 2-D kernel per frame."""
+    cut into q, k, v; the Conv3d patch kernel into one 2-D kernel per frame. Qwen2-VL's config
+    names the tower's width `embed_dim` and has no `intermediate_size`: the converter writes its
+    `hidden_size` (the text width) as the feed-forward length, and no activation or windows."""
     vision, text = hf.config.vision_config, hf.config.text_config
+    qwen2 = hf.config.model_type == "qwen2_vl"
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision.depth)
     tensors: dict[str, tuple[np.ndarray, Q]] = {}
     for name, w in hf.state_dict().items():
@@ -134,15 +139,18 @@ def write_mmproj(hf, out: Path, outtype: Q) -> Path:
         w.add_vision_projection_dim(text.hidden_size)
         w.add_vision_image_size(560)  # the converter's default; clip.cpp warms up with it only
         w.add_vision_patch_size(vision.patch_size)
-        w.add_vision_embedding_length(vision.hidden_size)
-        w.add_vision_feed_forward_length(vision.intermediate_size)
+        w.add_vision_embedding_length(vision.embed_dim if qwen2 else vision.hidden_size)
+        w.add_vision_feed_forward_length(vision.hidden_size if qwen2 else vision.intermediate_size)
         w.add_vision_block_count(vision.depth)
         w.add_vision_head_count(vision.num_heads)
         w.add_vision_image_mean(list(CLIP_MEAN))
         w.add_vision_image_std(list(CLIP_STD))
-        w.add_clip_projector_type(gguf.VisionProjectorType.QWEN25VL)
-        w.add_vision_use_silu(True)
-        w.add_vision_n_wa_pattern(vision.fullatt_block_indexes[0] + 1)
+        if qwen2:
+            w.add_clip_projector_type(gguf.VisionProjectorType.QWEN2VL)
+        else:
+            w.add_clip_projector_type(gguf.VisionProjectorType.QWEN25VL)
+            w.add_vision_use_silu(True)
+            w.add_vision_n_wa_pattern(vision.fullatt_block_indexes[0] + 1)
         w.add_vision_attention_layernorm_eps(1e-6)
 
     return write_gguf(out, "clip", tensors, metadata)[0]  # type: ignore[arg-type]
@@ -159,13 +167,18 @@ def make_files(folder: Path, hf, use_converter: bool) -> dict[str, Path]:
     return out | {t: write_mmproj(hf, folder / f"w-mmproj-{t}.gguf", q) for t, q in OUTTYPES.items()}
 
 
-@pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("qwen2_5_vl_gguf")
-    hf = make_tiny_qwen2_5_vl(
-        folder, vision_overrides={"patch_size": 14, "window_size": 112}, pixels=(8 * CELL, 4096 * CELL)
+def tiny_model_files(folder: Path, make_tiny, **vision_overrides) -> tuple[Any, Path, dict[str, Path]]:
+    """A tiny model made by `make_tiny` in `folder` with patch 14 and clip.cpp's pixel bounds,
+    and its GGUF files (`make_files`: the converter's where it runs)."""
+    hf = make_tiny(
+        folder, vision_overrides={"patch_size": 14, **vision_overrides}, pixels=(8 * CELL, 4096 * CELL)
     )
     return hf, folder, make_files(folder, hf, convert_missing() is None)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    return tiny_model_files(tmp_path_factory.mktemp("qwen2_5_vl_gguf"), make_tiny_qwen2_5_vl, window_size=112)
 
 
 def test_the_fallback_writer_writes_what_the_converter_writes(files) -> None:
@@ -176,20 +189,23 @@ def test_the_fallback_writer_writes_what_the_converter_writes(files) -> None:
     hf, folder, converted = files
     written = make_files(folder, hf, use_converter=False)
     for kind in ("text", *OUTTYPES):
-        ours, theirs = gguf.GGUFReader(written[kind]), gguf.GGUFReader(converted[kind])
-        skip = ("general.name", "general.size_label", "general.file_type", "general.quantization_version")
-        fields = {k: f.contents() for k, f in theirs.fields.items() if not k.startswith(("GGUF.", *skip))}
-        assert {k: ours.fields[k].contents() for k in fields if k in ours.fields} == fields, kind
-        assert not {k for k in ours.fields if not k.startswith(("GGUF.", *skip))} - fields.keys(), kind
-        tensors = {t.name: t for t in ours.tensors}
-        assert sorted(tensors) == sorted(t.name for t in theirs.tensors), kind
-        for t in theirs.tensors:
-            mine = tensors[t.name]
-            assert (mine.tensor_type, mine.shape.tolist()) == (t.tensor_type, t.shape.tolist()), (
-                kind,
-                t.name,
-            )
-            assert np.array_equal(np.asarray(mine.data), np.asarray(t.data)), (kind, t.name)
+        assert_same_gguf(written[kind], converted[kind])
+
+
+def assert_same_gguf(ours: Path, theirs: Path) -> None:
+    """Two GGUF files alike: every metadata value but the tool's naming, size and type labels,
+    every tensor's name, type, shape and bytes."""
+    mine, other = gguf.GGUFReader(ours), gguf.GGUFReader(theirs)
+    skip = ("general.name", "general.size_label", "general.file_type", "general.quantization_version")
+    fields = {k: f.contents() for k, f in other.fields.items() if not k.startswith(("GGUF.", *skip))}
+    assert {k: mine.fields[k].contents() for k in fields if k in mine.fields} == fields, ours
+    assert not {k for k in mine.fields if not k.startswith(("GGUF.", *skip))} - fields.keys(), ours
+    tensors = {t.name: t for t in mine.tensors}
+    assert sorted(tensors) == sorted(t.name for t in other.tensors), ours
+    for t in other.tensors:
+        got = tensors[t.name]
+        assert (got.tensor_type, got.shape.tolist()) == (t.tensor_type, t.shape.tolist()), (ours, t.name)
+        assert np.array_equal(np.asarray(got.data), np.asarray(t.data)), (ours, t.name)
 
 
 def _generate(text: Path, mmproj: Path, **kw):
@@ -267,19 +283,26 @@ def test_language_model_alone_is_qwen2(files) -> None:
 
 
 def _with_projector_weights(hf, mmproj: Path):
-    """A copy of `hf` whose vision tower holds the projector file's weights, dequantized."""
+    """A copy of `hf` whose vision tower (and projector) holds the projector file's weights,
+    dequantized: every tensor of the file, and every one of the model's outside its language model."""
     import copy
 
     ref = copy.deepcopy(hf)
     state = {name: t for name, t, _ in GGUFCheckpoint([mmproj]).iter_weights(torch.float32)}
-    assert all(name.startswith("model.visual.") for name in state)
+    # transformers 5 names Gemma 3's SigLIP `model.vision_tower.*` (the loader reads 4's names)
+    state = {k.replace("vision_tower.vision_model.", "vision_tower."): v for k, v in state.items()}
     missing, unexpected = ref.load_state_dict(state, strict=False)
-    assert not unexpected and not [m for m in missing if m.startswith("model.visual.")]
+    assert (
+        state and not unexpected and all(m.startswith(("model.language_model.", "lm_head.")) for m in missing)
+    )
     return ref
 
 
-def _rewrite(src: Path, dst: Path, drop: str = "", fields: dict | None = None) -> Path:
-    """`src` copied with the tensor or metadata key `drop` left out and `fields` replaced."""
+def _rewrite(
+    src: Path, dst: Path, drop: str = "", fields: dict | None = None, quantize: Q | None = None
+) -> Path:
+    """`src` copied with the tensor or metadata key `drop` left out and `fields` replaced;
+    `quantize`: the tensors llama-quantize quantizes (`llama_quantizable`) in that type."""
     reader = gguf.GGUFReader(src)
     writer = gguf.GGUFWriter(dst, str(reader.fields["general.architecture"].contents()))
     for key, field in reader.fields.items():
@@ -290,16 +313,30 @@ def _rewrite(src: Path, dst: Path, drop: str = "", fields: dict | None = None) -
         sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(key, value, vtype, sub_type=sub)
     for t in reader.tensors:
-        if t.name != drop:
-            shape = [int(x) for x in reversed(t.shape.tolist())]
-            data = np.asarray(t.data)
-            writer.add_tensor(t.name, data, raw_shape=data.shape if t.tensor_type > 1 else shape,
-                              raw_dtype=t.tensor_type)  # fmt: skip
+        if t.name == drop:
+            continue
+        shape = [int(x) for x in reversed(t.shape.tolist())]
+        data, qtype = np.asarray(t.data), t.tensor_type
+        if quantize is not None and llama_quantizable(t.name, shape):
+            data = dequantize(data, qtype).reshape(shape)
+            qtype = quantize if shape[-1] % 32 == 0 else Q.F16  # llama-quantize's fallback
+            data = gguf.quants.quantize(data, qtype)
+        writer.add_tensor(t.name, data, raw_shape=data.shape if qtype > 1 else shape, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return dst
+
+
+def llama_quantizable(name: str, shape: list[int]) -> bool:
+    """What llama-quantize quantizes in a projector file: matrices named `*weight`, but the patch
+    and position embeddings (a norm here is a vector)."""
+    return (
+        len(shape) == 2
+        and name.endswith("weight")
+        and not any(x in name for x in (".position_embd", ".patch_embd", ".patch_merger"))
+    )
 
 
 def test_mismatched_or_incomplete_projectors_are_refused(files, tmp_path) -> None:
@@ -308,9 +345,9 @@ def test_mismatched_or_incomplete_projectors_are_refused(files, tmp_path) -> Non
     gemma_type = _rewrite(f["f32"], tmp_path / "gemma.gguf", fields={"clip.projector_type": "gemma3"})
     with pytest.raises(ValueError, match=r"gemma\.gguf: a 'gemma3' vision projector .* is 'qwen2vl'"):
         LLM(str(f["text"]), mmproj=str(gemma_type), show_progress=False)
-    unknown = _rewrite(f["f32"], tmp_path / "u.gguf", fields={"clip.projector_type": "qwen2vl_merger"})
+    unknown = _rewrite(f["f32"], tmp_path / "u.gguf", fields={"clip.projector_type": "qwen3vl_merger"})
     with pytest.raises(
-        ValueError, match=r"u\.gguf: vision projector type 'qwen2vl_merger' \(clip.projector_type\)"
+        ValueError, match=r"u\.gguf: vision projector type 'qwen3vl_merger' \(clip.projector_type\)"
     ):
         LLM(str(f["text"]), mmproj=str(unknown), show_progress=False)
     # tensors missing: a block's, and the second half of the patch kernel

@@ -302,16 +302,26 @@ def make_tiny_qwen2_5_vl(
                          vision, tied, pixels)  # fmt: skip
 
 
-def make_tiny_qwen2_vl(folder: Path, seed: int = 0) -> transformers.PreTrainedModel:
+def make_tiny_qwen2_vl(
+    folder: Path,
+    seed: int = 0,
+    vision_overrides: dict[str, Any] | None = None,
+    pixels: tuple[int, int] = (16 * 16, 48 * 48),
+) -> transformers.PreTrainedModel:
     """A Qwen2VLForConditionalGeneration: the text model, tokenizer and preprocessing of
-    `make_tiny_qwen2_5_vl` with Qwen2-VL's 3-block vision tower (LayerNorms, a quick-GELU MLP)."""
+    `make_tiny_qwen2_5_vl` with Qwen2-VL's 3-block vision tower (LayerNorms, a quick-GELU MLP).
+    `vision_overrides` and `pixels` as there."""
     torch.manual_seed(seed)
     vision = dict(
         depth=3, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2, patch_size=4,
         temporal_patch_size=2, spatial_merge_size=2, hidden_act="quick_gelu", initializer_range=0.15,
-    )  # fmt: skip
+    ) | (vision_overrides or {})  # fmt: skip
     return _save_qwen_vl(
-        folder, transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration, vision
+        folder,
+        transformers.Qwen2VLConfig,
+        transformers.Qwen2VLForConditionalGeneration,
+        vision,
+        pixels=pixels,
     )
 
 

@@ -11,6 +11,8 @@ converter wrote as several):
                                                                   v.patch_embd.weight.1 [C, 3, P, P] (t = 1)
                        visual.merger.ln_q                      -> v.post_ln (the merger's RMSNorm)
                        visual.merger.mlp.0 / mlp.2             -> mm.0 / mm.2
+    qwen2vl_merger     as qwen2.5vl_merger, with LayerNorms (weight and bias: ln1, ln2, post_ln)
+                       and a two-layer MLP: visual.blocks.N.mlp.fc1 / fc2 -> v.blk.N.ffn_up / ffn_down
 
 Does not know the metadata (gguf_config.py, gguf_mmproj.py) or how tensors are read (gguf_loader.py).
 """
@@ -96,7 +98,12 @@ _QWEN25VL_NAMES = {
     "mm.0": _QWEN_VIT + "merger.mlp.0",
     "mm.2": _QWEN_VIT + "merger.mlp.2",
 }
-_QWEN25VL_JOINS = {
+# Qwen2-VL: the same tower with LayerNorms and a fc1 / fc2 MLP (Qwen2VLForConditionalGeneration).
+_QWEN2VL_NAMES = {k: v for k, v in _QWEN25VL_NAMES.items() if ".ffn_" not in k} | {
+    "v.blk.{bid}.ffn_up": _QWEN_VIT + "blocks.{bid}.mlp.fc1",
+    "v.blk.{bid}.ffn_down": _QWEN_VIT + "blocks.{bid}.mlp.fc2",
+}
+_QWEN_VL_JOINS = {
     f"v.blk.{{bid}}.attn_q.{suffix}": Join(tuple(f"v.blk.{{bid}}.attn_{x}.{suffix}" for x in "qkv"), dim=0)
     for suffix in ("weight", "bias")
 } | {"v.patch_embd.weight": Join(("v.patch_embd.weight", "v.patch_embd.weight.1"), dim=2, stack=True)}
@@ -116,8 +123,16 @@ PROJECTORS: dict[str, ClipProjector] = {
         ("qwen2vl",),
         _QWEN25VL_NAMES,
         {},
-        _QWEN25VL_JOINS,
+        _QWEN_VL_JOINS,
         frozenset(k for k in _QWEN25VL_NAMES if not k.startswith(("v.patch", "v.post")) and "ln" not in k),
+    ),
+    "qwen2vl_merger": ClipProjector(
+        "Qwen2VLForConditionalGeneration",
+        ("qwen2vl",),
+        _QWEN2VL_NAMES,
+        {},
+        _QWEN_VL_JOINS,
+        frozenset(k for k in _QWEN2VL_NAMES if k != "v.patch_embd"),  # LayerNorms have biases
     ),
 }
 """`clip.projector_type` -> its tables."""

@@ -304,5 +304,34 @@ def _qwen25vl_vision_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConf
     )
 
 
-_VISION_CONFIGS = {"gemma3": _siglip_config, "qwen2.5vl_merger": _qwen25vl_vision_config}
+def _qwen2vl_vision_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
+    """Qwen2-VL's vision transformer (no windows, quick-GELU as clip.cpp's default activation).
+    Its MLP width is read off `v.blk.0.ffn_up`: the converter writes Qwen2-VL's
+    `clip.vision.feed_forward_length` as the config's `hidden_size`, the language model's width."""
+    width = ckpt.require("vision.embedding_length")
+    ffn = int(ckpt.tensor_shape("v.blk.0.ffn_up.weight")[0])
+    if ffn % width:
+        raise ModelLoadError(
+            f"{ckpt.parts[0]}: v.blk.0.ffn_up.weight has {ffn} rows, not a multiple of the tower's width "
+            f"{width} (clip.vision.embedding_length)"
+        )
+    return transformers.Qwen2VLVisionConfig(
+        depth=ckpt.require("vision.block_count"),
+        embed_dim=width,
+        hidden_size=ckpt.require("vision.projection_dim"),
+        mlp_ratio=ffn // width,
+        num_heads=ckpt.require("vision.attention.head_count"),
+        patch_size=ckpt.require("vision.patch_size"),
+        temporal_patch_size=2,
+        spatial_merge_size=ckpt.arch_field("vision.spatial_merge_size", 2),
+        hidden_act="quick_gelu",  # neither clip.use_gelu nor clip.use_silu: clip.cpp's gelu_quick
+        in_channels=3,
+    )
+
+
+_VISION_CONFIGS = {
+    "gemma3": _siglip_config,
+    "qwen2.5vl_merger": _qwen25vl_vision_config,
+    "qwen2vl_merger": _qwen2vl_vision_config,
+}
 """`clip.projector_type` -> its vision tower's config."""

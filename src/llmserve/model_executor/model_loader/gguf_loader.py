@@ -7,7 +7,7 @@ converter changed so each tensor equals the HF original:
     llama   attn_q / attn_k rows permuted for ggml's interleaved RoPE  -> un-permute
     gemma3  every RMSNorm weight stored as (w + 1)                     -> subtract 1
     gpt2    Conv1D weights stored transposed ([out, in])               -> transpose back to [in, out]
-    clip    (Qwen2.5-VL's projector) one HF tensor written as several:
+    clip    (Qwen2-VL's, Qwen2.5-VL's projectors) one HF tensor written as several:
             the fused qkv as attn_q, attn_k, attn_v                    -> concatenated again
             the Conv3d patch kernel [C, 3, T, P, P] as T 2-D kernels   -> stacked on axis 2
             (`v.patch_embd.weight`, `v.patch_embd.weight.1`)
@@ -368,6 +368,12 @@ class GGUFCheckpoint:
 
     def has_tensor(self, gguf_name: str) -> bool:
         return gguf_name in self._tensors
+
+    def tensor_shape(self, gguf_name: str) -> tuple[int, ...]:
+        """A tensor's logical shape in torch's order (GGUF stores it innermost first)."""
+        if gguf_name not in self._tensors:
+            raise ModelLoadError(f"{self._file}: GGUF file lacks tensor {gguf_name!r}")
+        return tuple(int(n) for n in reversed(self._tensors[gguf_name][1].shape.tolist()))
 
     def tensor_data(self, gguf_name: str) -> np.ndarray:
         """One tensor dequantized to float32 in its GGUF layout (no name mapping, no fixes)."""

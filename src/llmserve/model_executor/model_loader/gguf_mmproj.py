@@ -3,6 +3,7 @@ multimodal checkpoint, by the projector's `clip.projector_type` (gguf_clip.PROJE
 
     gemma3             Gemma 3's text GGUF + its projector = Gemma3ForConditionalGeneration
     qwen2.5vl_merger   a `qwen2vl` text GGUF + its projector = Qwen2_5_VLForConditionalGeneration
+    qwen2vl_merger     a `qwen2vl` text GGUF + its projector = Qwen2VLForConditionalGeneration
 
 What an HF folder keeps in config.json, preprocessor_config.json and tokenizer.json comes from the
 two files' metadata here (names as llama.cpp's convert_hf_to_gguf.py writes them):
@@ -14,7 +15,7 @@ two files' metadata here (names as llama.cpp's convert_hf_to_gguf.py writes them
     Gemma 3     clip.vision.projector.scale_factor (default 4, clip.cpp's n_merge)
                                               -> mm_tokens_per_image = (image_size / patch / k)^2;
                                                  images resized to image_size, bilinear
-    Qwen2.5-VL  clip.vision.spatial_merge_size (default 2), patch_size
+    Qwen2(.5)-VL clip.vision.spatial_merge_size (default 2), patch_size
                                               -> images of any size between clip.cpp's limits,
                                                  8 and 4096 tokens (bicubic, as HF's processor)
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -132,25 +134,31 @@ def _gemma3_vision(
 
 QWEN_IMAGE_TOKENS = ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>")
 _QWEN_TOKENS_PER_IMAGE = (8, 4096)
-"""clip.cpp's bounds on a Qwen2.5-VL image's tokens (after the merger): its min and max pixels."""
+"""clip.cpp's bounds on a Qwen2-VL or Qwen2.5-VL image's tokens (after the merger): its min and
+max pixels."""
 
 
-def _qwen25vl_vision(
-    text: GGUFCheckpoint, proj: GGUFCheckpoint, text_config: Any, vision_config: Any
+def _qwen_vl_vision(
+    config_cls: type[transformers.PretrainedConfig],
+    text: GGUFCheckpoint,
+    proj: GGUFCheckpoint,
+    text_config: Any,
+    vision_config: Any,
 ) -> GGUFVision:
-    """A `qwen2vl` text GGUF and a Qwen2.5-VL projector as one Qwen2_5_VLConfig. The image
-    tokens are the vocabulary's (Qwen's GGUF vocabularies hold them)."""
+    """A `qwen2vl` text GGUF and a Qwen2-VL or Qwen2.5-VL projector as one `config_cls` config.
+    The image tokens are the vocabulary's (Qwen's GGUF vocabularies hold them)."""
+    architecture = gguf_clip.PROJECTORS[gguf_clip.projector_type(proj)].hf_architecture
     tokens = text.field("tokenizer.ggml.tokens") or []
     ids = {}
     for name in QWEN_IMAGE_TOKENS:
         if name not in tokens:
             raise ModelLoadError(
                 f"{text.parts[0]}: the vocabulary (tokenizer.ggml.tokens) has no {name} token, which "
-                f"Qwen2.5-VL's images need"
+                f"{architecture}'s images need"
             )
         ids[name] = tokens.index(name)
     extra = {"video_token_id": tokens.index("<|video_pad|>")} if "<|video_pad|>" in tokens else {}
-    config = transformers.Qwen2_5_VLConfig(
+    config = config_cls(
         text_config=text_config.to_dict(),
         vision_config=vision_config.to_dict(),
         image_token_id=ids["<|image_pad|>"],
@@ -159,7 +167,7 @@ def _qwen25vl_vision(
         tie_word_embeddings=text_config.tie_word_embeddings,
         **extra,
     )
-    config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    config.architectures = [architecture]
     cell = (vision_config.patch_size * vision_config.spatial_merge_size) ** 2  # pixels a token
     low, high = _QWEN_TOKENS_PER_IMAGE
     preprocessing = {
@@ -177,7 +185,12 @@ def _qwen25vl_vision(
 
 _BUILDERS: dict[str, tuple[Callable[[GGUFCheckpoint], Any], Callable[..., GGUFVision]]] = {
     "gemma3": (GGUFCheckpoint.hf_config, _gemma3_vision),
-    "qwen2.5vl_merger": (gguf_config.qwen2vl_text_config, _qwen25vl_vision),  # the text config with M-RoPE
+    # the text config with M-RoPE
+    "qwen2.5vl_merger": (
+        gguf_config.qwen2vl_text_config,
+        partial(_qwen_vl_vision, transformers.Qwen2_5_VLConfig),
+    ),
+    "qwen2vl_merger": (gguf_config.qwen2vl_text_config, partial(_qwen_vl_vision, transformers.Qwen2VLConfig)),
 }
 """`clip.projector_type` -> (the text file's config, the multimodal config from both files')."""
 
