@@ -312,6 +312,23 @@ def make_tiny_qwen2_vl(folder: Path, seed: int = 0) -> transformers.PreTrainedMo
     )
 
 
+def make_tiny_qwen3_vl(folder: Path, seed: int = 0) -> transformers.PreTrainedModel:
+    """A Qwen3VLForConditionalGeneration: a 2-layer Qwen3 text model (q/k norms) with interleaved
+    M-RoPE and a 3-block vision tower (LayerNorms, a GELU(tanh) MLP, a 4 x 4 table of learned
+    position embeddings) whose blocks 0 and 2 feed DeepStack into text layers 0 and 1; the
+    tokenizer and preprocessing of `make_tiny_qwen2_5_vl`."""
+    torch.manual_seed(seed)
+    vision = dict(
+        depth=3, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=4, temporal_patch_size=2,
+        spatial_merge_size=2, out_hidden_size=64, num_position_embeddings=16, deepstack_visual_indexes=[0, 2],
+        hidden_act="gelu_pytorch_tanh", initializer_range=0.15,
+    )  # fmt: skip
+    text = {"head_dim": 16, "mrope_interleaved": True}
+    return _save_qwen_vl(
+        folder, transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration, vision, text=text
+    )
+
+
 def _save_qwen_vl(
     folder: Path,
     config_cls,
@@ -319,10 +336,14 @@ def _save_qwen_vl(
     vision: dict,
     tied: bool = False,
     pixels: tuple[int, int] = (16 * 16, 48 * 48),
+    text: dict | None = None,
 ) -> transformers.PreTrainedModel:
+    extra = dict(text or {})
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]}
+    if extra.pop("mrope_interleaved", False):
+        rope["mrope_interleaved"] = True
     text = dict(
-        _LLAMA_LIKE, max_position_embeddings=512, eos_token_id=0, bos_token_id=None,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]},
+        _LLAMA_LIKE, max_position_embeddings=512, eos_token_id=0, bos_token_id=None, rope_parameters=rope, **extra
     )  # fmt: skip
     config = config_cls(
         text_config=text, vision_config=vision, image_token_id=511, video_token_id=508,
