@@ -1,4 +1,4 @@
-"""Qwen3-VL against transformers' Qwen3VLForConditionalGeneration on a tiny random checkpoint
+"""Qwen3-VL (and Qwen3-VL-MoE) against transformers' Qwen3VLForConditionalGeneration on a tiny random checkpoint
 (tests/models/tiny.py `make_tiny_qwen3_vl`: a 3-block vision tower with learned position
 embeddings and two DeepStack mergers, a Qwen3 text model with interleaved M-RoPE): the tower's
 vectors against its vision model, greedy tokens against its `generate` and logprobs within fp32
@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 
 from llmserve.engine.llm import LLM
 from llmserve.layers.mrope import MRotaryEmbedding
@@ -137,3 +138,39 @@ def test_bad_deepstack_indexes_are_refused() -> None:
     config = transformers.Qwen3VLVisionConfig(depth=2, deepstack_visual_indexes=[0, 5])
     with pytest.raises(ValueError, match=r"deepstack_visual_indexes \[0, 5\]"):
         Qwen3VisionTransformer(config)
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("qwen3_vl_moe")
+    return make_tiny_qwen3_vl(folder, moe=True), folder
+
+
+def test_moe_greedy_and_logprobs_match_transformers(moe_checkpoint) -> None:
+    """Qwen3-VL-MoE: the sparse stack under the same tower, DeepStack and M-RoPE; chunks of 13."""
+    hf, folder = moe_checkpoint
+    llm = LLM(str(folder), max_num_batched_tokens=13, block_size=4, show_progress=False)
+    small, large = make_image(0, (40, 24)), make_image(1, (30, 50))
+    prompts = [{"prompt": f"A {IMAGE} and {IMAGE} two", "multi_modal_data": {"image": [large, small]}}]
+    prompts.append("The lazy dog")
+    _check(llm.generate(prompts, _params(), use_tqdm=False), hf, folder, [[large, small], []])
+
+
+def test_moe_experts_stacked_input_major_load_alike(moe_checkpoint, tmp_path) -> None:
+    """Released Qwen3-VL-MoE checkpoints stack experts input-major ([E, H, 2I], [E, I, H]);
+    transformers' `save_pretrained` writes them output-major. Both load to the same model."""
+    _, folder = moe_checkpoint
+    for f in folder.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(folder / "model.safetensors")
+    stacked = [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert len(stacked) == 4
+    save_file({k: v.transpose(1, 2).contiguous() if k in stacked else v for k, v in tensors.items()},
+              tmp_path / "model.safetensors", metadata={"format": "pt"})  # fmt: skip
+    prompt = {"prompt": PROMPT, "multi_modal_data": {"image": make_image(0)}}
+    outs = [
+        LLM(str(d), show_progress=False).generate(prompt, _params(), use_tqdm=False)[0]
+        for d in (folder, tmp_path)
+    ]
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+    assert outs[0].outputs[0].logprobs == outs[1].outputs[0].logprobs

@@ -60,9 +60,12 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
         text = config.get_text_config()
         super().__init__(text, backend)
         self.mm_config = config
-        if getattr(config, "tie_word_embeddings", False) and not self.lm_head.tied_to:
-            # the top-level config says it (3B: tied); the text config has no such field
-            self.lm_head = LMHead(text.vocab_size, text.hidden_size, self.model.embed_tokens)
+        tied = getattr(config, "tie_word_embeddings", None)
+        if tied is not None and bool(tied) != bool(self.lm_head.tied_to):
+            # the top-level config decides, as in transformers (Qwen2.5-VL 3B: tied, its text
+            # config silent; Qwen3-VL-MoE's text config defaults to tied where the model is not)
+            embed = self.model.embed_tokens if tied else None
+            self.lm_head = LMHead(text.vocab_size, text.hidden_size, embed)
         self.model.rotary_emb = self.make_rotary(text)
         self.visual = self.vision_tower(config.vision_config)
         self.image_token_id = int(config.image_token_id)

@@ -12,21 +12,26 @@ The deep vectors travel as extra columns of the stack's input, so they follow ea
 wherever the runner puts it: a chunk that ends inside an image takes its rows' slices, a
 recomputed (preempted) prompt re-encodes them, and text rows add zeros (the same sums). Steps
 without image rows run the plain stack. Videos (timestamped frames) are not taken here.
+Qwen3-VL-MoE: the same with the Qwen3-MoE stack (`Qwen3VLMoeForConditionalGeneration`).
 Architecture only.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar
 
 import torch
+from torch import nn
 
 from llmserve.layers.attention import AttentionBackend, AttentionMetadata, LayerKVCache
 from llmserve.layers.mrope import MRotaryEmbedding
+from llmserve.models.gpt_oss import STACKED_EXPERTS, per_expert
 from llmserve.models.llama import ArchFlags, head_dim_of
 from llmserve.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration, mrope_settings
 from llmserve.models.qwen3 import Qwen3ForCausalLM
 from llmserve.models.qwen3_vl_vision import Qwen3VisionTransformer
+from llmserve.models.qwen_moe import qwen_moe_mlp
 
 DEFAULT_MROPE_SECTION = (24, 20, 20)
 """transformers' section when the text config names none (Qwen3-VL's head_dim 128)."""
@@ -84,3 +89,41 @@ class Qwen3VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
             name = name.replace(".linear_fc", ".fc").replace("merger.norm.", "merger.ln_q.")
             name = name.replace(".norm.", ".ln_q.") if "deepstack_merger_list." in name else name
         return super().map_weight_name(name)
+
+
+class Qwen3VLMoeForConditionalGeneration(Qwen3VLForConditionalGeneration):
+    """Qwen3-VL-MoE (30B-A3B, 235B-A22B): Qwen3-VL with the Qwen3-MoE stack (`SparseMoE` layers,
+    the top-k weights always renormalised: its config has no `norm_topk_prob`). Its checkpoints
+    stack each layer's experts:
+
+        mlp.experts.gate_up_proj  [E, H, 2I]  gate units, then up units (released checkpoints)
+        mlp.experts.down_proj     [E, I, H]
+
+    or out-major, [E, 2I, H] and [E, H, I], as transformers' `save_pretrained` writes them;
+    like transformers, a tensor whose shape is the out-major one is taken as is, any other
+    transposed. `load_weights` cuts them into the per-expert tensors `SparseMoE` loads."""
+
+    @classmethod
+    def build_mlp(cls, config: Any, layer_idx: int) -> nn.Module:
+        return qwen_moe_mlp(config, layer_idx, renormalize=True)
+
+    def load_weights(self, weights: Iterable[tuple[str, Any, str]]) -> None:
+        super().load_weights(self._per_expert(weights))
+
+    def _per_expert(self, weights: Iterable[tuple[str, Any, str]]) -> Iterator[tuple[str, Any, str]]:
+        c = self.config
+        out_major = {
+            "gate_up_proj": (2 * c.moe_intermediate_size, c.hidden_size),
+            "down_proj": (c.hidden_size, c.moe_intermediate_size),
+        }
+        for name, tensor, file in weights:
+            m = STACKED_EXPERTS.match(name)
+            if m is None or m.group(3):
+                yield name, tensor, file
+                continue
+            prefix, proj = m.group(1), m.group(2)
+            stacked = (
+                tensor.transpose(1, 2) if tuple(tensor.shape[1:]) == out_major[proj] else tensor
+            )  # [E, in, out]
+            for item in per_expert(prefix, proj, "", stacked, interleaved=False):
+                yield (*item, file)
