@@ -179,26 +179,34 @@ def test_rope_positions_of_later_tokens_add_the_delta() -> None:
     assert rope.slice(8, 9).tolist() == [[6]] * 3
 
 
-def test_preemption_and_speculation_keep_the_positions(checkpoint) -> None:
-    """Requests with images preempted and recomputed (their M-RoPE positions rebuilt from the
-    prompt), and verified n-gram proposals (each at index + delta), answer as plain decoding."""
-    _, folder = checkpoint
+def run_image_prompts(llm: LLM) -> list[list[int]]:
+    """Greedy tokens of four prompts with images of different sizes (24 tokens each)."""
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     prompts = [
         {"prompt": PROMPT, "multi_modal_data": {"image": make_image(seed, size)}}
         for seed, size in ((0, (40, 24)), (1, (30, 50)), (2, (48, 16)), (3, (24, 24)))
     ]
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
-    def run(llm: LLM) -> list[list[int]]:
-        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
-    want = run(LLM(str(folder), block_size=4, show_progress=False))
+def assert_preemption_keeps_answers(folder) -> list[list[int]]:
+    """`run_image_prompts` in 24 blocks of 4 (requests preempted and recomputed, their images
+    encoded again) answers as with room for all; returns those answers."""
+    want = run_image_prompts(LLM(str(folder), block_size=4, show_progress=False))
     small = LLM(str(folder), block_size=4, num_kv_blocks=24, enable_prefix_caching=False, show_progress=False)
-    assert run(small) == want
+    assert run_image_prompts(small) == want
     assert small.engine.scheduler.num_preemptions > 0
+    return want
+
+
+def test_preemption_and_speculation_keep_the_positions(checkpoint) -> None:
+    """Requests with images preempted and recomputed (their M-RoPE positions rebuilt from the
+    prompt), and verified n-gram proposals (each at index + delta), answer as plain decoding."""
+    _, folder = checkpoint
+    want = assert_preemption_keeps_answers(folder)
     spec = LLM(str(folder), block_size=4, show_progress=False,
                speculative_config={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False})  # fmt: skip
-    assert run(spec) == want
+    assert run_image_prompts(spec) == want
     assert spec.engine.scheduler.spec_stats.num_draft_tokens > 0
 
 

@@ -325,6 +325,27 @@ def make_tiny_qwen2_vl(
     )
 
 
+def make_tiny_qwen3_vl(folder: Path, seed: int = 0, moe: bool = False) -> transformers.PreTrainedModel:
+    """A Qwen3VLForConditionalGeneration: a 2-layer Qwen3 text model (q/k norms) with interleaved
+    M-RoPE and a 3-block vision tower (LayerNorms, a GELU(tanh) MLP, a 4 x 4 table of learned
+    position embeddings) whose blocks 0 and 2 feed DeepStack into text layers 0 and 1; the
+    tokenizer and preprocessing of `make_tiny_qwen2_5_vl`. `moe`: a Qwen3VLMoeForConditionalGeneration,
+    each text layer 4 experts of 24 units, 2 a token (its experts saved stacked)."""
+    torch.manual_seed(seed)
+    vision = dict(
+        depth=3, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=4, temporal_patch_size=2,
+        spatial_merge_size=2, out_hidden_size=64, num_position_embeddings=16, deepstack_visual_indexes=[0, 2],
+        hidden_act="gelu_pytorch_tanh", initializer_range=0.15,
+    )  # fmt: skip
+    text: dict[str, Any] = {"head_dim": 16, "mrope_interleaved": True}
+    if not moe:
+        classes = (transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration)
+        return _save_qwen_vl(folder, *classes, vision, text=text)
+    text |= {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24}
+    classes = (transformers.Qwen3VLMoeConfig, transformers.Qwen3VLMoeForConditionalGeneration)
+    return _save_qwen_vl(folder, *classes, vision, text=text)
+
+
 def _save_qwen_vl(
     folder: Path,
     config_cls,
@@ -332,10 +353,14 @@ def _save_qwen_vl(
     vision: dict,
     tied: bool = False,
     pixels: tuple[int, int] = (16 * 16, 48 * 48),
+    text: dict | None = None,
 ) -> transformers.PreTrainedModel:
+    extra = dict(text or {})
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]}
+    if extra.pop("mrope_interleaved", False):
+        rope["mrope_interleaved"] = True
     text = dict(
-        _LLAMA_LIKE, max_position_embeddings=512, eos_token_id=0, bos_token_id=None,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]},
+        _LLAMA_LIKE, max_position_embeddings=512, eos_token_id=0, bos_token_id=None, rope_parameters=rope, **extra
     )  # fmt: skip
     config = config_cls(
         text_config=text, vision_config=vision, image_token_id=511, video_token_id=508,

@@ -1,9 +1,15 @@
-"""Multimodal RoPE (M-RoPE, Qwen2-VL / Qwen2.5-VL): three position ids per token, temporal,
-height and width, each rotating its own section of the frequencies. A video's frames (after
+"""Multimodal RoPE (M-RoPE, Qwen2-VL / Qwen2.5-VL / Qwen3-VL): three position ids per token,
+temporal, height and width, each rotating its own set of the frequencies. A video's frames (after
 temporal patching: one grid frame per pair of video frames) step the temporal id.
 
     frequencies  [ f_0 ... f_a-1 | f_a ... f_a+b-1 | f_a+b ... f_D/2-1 ]     mrope_section = [a, b, c]
     rotated by     temporal pos     height pos          width pos
+
+Qwen3-VL interleaves the axes instead (`mrope_interleaved`): frequency j takes the height id when
+j % 3 == 1 and j < 3b, the width id when j % 3 == 2 and j < 3c, else the temporal id
+
+    frequencies  [ f_0 f_1 f_2 f_3 f_4 f_5 ... ]
+    rotated by     t   h   w   t   h   w  ...  t t t     (the high end temporal only)
 
 A text token has the same id on all three axes, so a prompt without images is plain RoPE. An
 image's tokens (a grid of h x w after the merger) sit at (s, s + row, s + col), s the position
@@ -31,7 +37,12 @@ class MRotaryEmbedding(RotaryEmbedding):
     backend_can_rotate: ClassVar[bool] = False
 
     def __init__(
-        self, head_dim: int, max_position: int, params: dict[str, Any], mrope_section: Sequence[int]
+        self,
+        head_dim: int,
+        max_position: int,
+        params: dict[str, Any],
+        mrope_section: Sequence[int],
+        interleaved: bool = False,
     ) -> None:
         super().__init__(head_dim, head_dim, max_position, params)
         if sum(mrope_section) != head_dim // 2:
@@ -39,18 +50,25 @@ class MRotaryEmbedding(RotaryEmbedding):
                 f"mrope_section {list(mrope_section)} must sum to head_dim / 2 = {head_dim // 2}"
             )
         self.mrope_section = tuple(int(n) for n in mrope_section)
-        # (axis, first column, end column) of the table read from each axis's row: the section's
-        # cos columns, then the same frequencies' sin columns half a row further
-        half, pieces, lo = head_dim // 2, [], 0
-        for i, n in enumerate(self.mrope_section):
-            pieces.append((i % 3, lo, lo + n))
-            lo += n
-        self._pieces = pieces + [(axis, first + half, end + half) for axis, first, end in pieces]
+        self.interleaved = interleaved
+        half = head_dim // 2
+        if interleaved:
+            j = torch.arange(half, device="cpu")
+            axis = torch.zeros(half, dtype=torch.int64, device="cpu")
+            for a in (1, 2):
+                axis[(j % 3 == a) & (j < 3 * self.mrope_section[a])] = a
+        else:
+            axis = torch.repeat_interleave(torch.arange(3, device="cpu"), torch.tensor(self.mrope_section))
+        # the table's row is [cos f_0..f_D/2-1 | sin f_0..]: each column's axis, both halves alike
+        self.register_buffer(
+            "column_axis", torch.cat([axis, axis]).to(torch.get_default_device()), persistent=False
+        )
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """`positions` [3, T] (temporal, height, width) -> cos, signed sin [T, 1, head_dim]."""
         rows = self.cos_sin_cache[positions]  # [3, T, head_dim]: each axis's table rows
-        cs = torch.cat([rows[axis, :, lo:hi] for axis, lo, hi in self._pieces], dim=-1)  # [T, head_dim]
+        T, D = rows.shape[1], rows.shape[2]
+        cs = rows.gather(0, self.column_axis.expand(1, T, D))[0]  # [T, head_dim]: each column's axis
         return self._signed(cs, dtype)
 
 

@@ -39,17 +39,22 @@ from llmserve.models.llama import ArchFlags, LlamaForCausalLM
 STACKED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
 
 
-def _per_expert(prefix: str, proj: str, kind: str, t: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+def per_expert(
+    prefix: str, proj: str, kind: str, t: torch.Tensor, interleaved: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
     """One stacked tensor (`kind`: "" weight, "_bias") -> (HF per-expert name, tensor) items; a
-    weight [E, in, out] becomes each expert's [out, in]."""
+    weight [E, in, out] becomes each expert's [out, in]. `interleaved`: gate_up's gate and up
+    units alternate (gpt-oss), else its gate units come first, then its up units (Qwen3-VL-MoE)."""
     suffix = "bias" if kind == "_bias" else "weight"
     for e in range(t.shape[0]):
         x = t[e] if kind == "_bias" else t[e].t()  # [2I] / [H] or [out, in]
-        if proj == "gate_up_proj":  # rows 0, 2, 4 ... are gate units; 1, 3, 5 ... up units
-            yield f"{prefix}.{e}.gate_proj.{suffix}", x[0::2].contiguous()
-            yield f"{prefix}.{e}.up_proj.{suffix}", x[1::2].contiguous()
-        else:
+        if proj != "gate_up_proj":
             yield f"{prefix}.{e}.down_proj.{suffix}", x.contiguous()
+            continue
+        # interleaved: rows 0, 2, 4 ... are gate units, 1, 3, 5 ... up units; else two halves
+        gate, up = (x[0::2], x[1::2]) if interleaved else x.chunk(2)
+        yield f"{prefix}.{e}.gate_proj.{suffix}", gate.contiguous()
+        yield f"{prefix}.{e}.up_proj.{suffix}", up.contiguous()
 
 
 def split_experts(weights: Iterable[tuple[str, Any, str]]) -> Iterator[tuple[str, Any, str]]:
@@ -69,7 +74,7 @@ def split_experts(weights: Iterable[tuple[str, Any, str]]) -> Iterator[tuple[str
                 continue  # its other half comes later
             w = dequantize_mxfp4(blocks.pop(key + "_blocks"), blocks.pop(key + "_scales"))  # [E, out, in]
             tensor, kind = w.transpose(1, 2), ""  # as transformers stacks float weights: [E, in, out]
-        for item in _per_expert(prefix, proj, kind, tensor):
+        for item in per_expert(prefix, proj, kind, tensor):
             yield (*item, file)
     if blocks:
         raise ValueError(f"MXFP4 tensors without their other half: {', '.join(sorted(blocks))}")

@@ -160,16 +160,22 @@ class LlamaModel(nn.Module):
             D, rotary_dim, config.max_position_embeddings, rope_parameters(config)
         )
 
-    def forward(self, input_ids, positions, kv_caches, md, inputs_embeds=None) -> torch.Tensor:
+    def forward(
+        self, input_ids, positions, kv_caches, md, inputs_embeds=None, deepstack=None
+    ) -> torch.Tensor:
         """`inputs_embeds` [T, H]: the stack's input instead of `input_ids`' embeddings (images'
-        rows in place, qwen2_5_vl.py); `positions` [T], or [3, T] under M-RoPE."""
+        rows in place, qwen2_5_vl.py); `positions` [T], or [3, T] under M-RoPE. `deepstack`
+        [k, T, H]: added to the hidden states after each of the first k layers (Qwen3-VL)."""
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         in_backend = self.layers[0].self_attn.attn.rope_in_backend
         rotary = RotaryInputs.make(self.rotary_emb, positions, x.dtype, in_backend)  # shared by every layer
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x, residual = layer(x, residual, rotary, kv_cache, md)
-        return self.norm(x, residual)[0]
+            if deepstack is not None and i < deepstack.shape[0]:
+                # the stream whole (as transformers sums it), then the layer's deep vectors
+                x, residual = x + residual + deepstack[i], None
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
     def decoder_spec(self) -> DecoderSpec:
         """The stack for the fused CPU decoder (each layer's MLP dense or a mixture of experts)."""

@@ -32,11 +32,15 @@ if TYPE_CHECKING:
     from llmserve.multimodal.qwen_vl_video import VideoPatches
 
 
-def mrope_settings(text_config: Any) -> tuple[dict[str, Any], list[int]]:
+def mrope_settings(
+    text_config: Any, default_section: Sequence[int] | None = None
+) -> tuple[dict[str, Any], list[int]]:
     """The language model's RoPE parameters and `mrope_section` (transformers 5 keeps it in
-    `rope_parameters`; older configs in `rope_scaling`, with type "mrope")."""
+    `rope_parameters`; older configs in `rope_scaling`, with type "mrope"); `default_section` where
+    the config names none (else a ValueError)."""
     params = rope_parameters(text_config)
-    section = params.pop("mrope_section", None)
+    section = params.pop("mrope_section", None) or default_section
+    params.pop("mrope_interleaved", None)  # Qwen3-VL's flag: its model class decides the layout
     if section is None:
         raise ValueError("Qwen2-VL / Qwen2.5-VL: the text config has no mrope_section")
     if params.get("rope_type") in ("mrope", None):
@@ -56,19 +60,26 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
         text = config.get_text_config()
         super().__init__(text, backend)
         self.mm_config = config
-        if getattr(config, "tie_word_embeddings", False) and not self.lm_head.tied_to:
-            # the top-level config says it (3B: tied); the text config has no such field
-            self.lm_head = LMHead(text.vocab_size, text.hidden_size, self.model.embed_tokens)
-        params, section = mrope_settings(text)
-        self.model.rotary_emb = MRotaryEmbedding(
-            head_dim_of(text), text.max_position_embeddings, params, section
-        )
+        tied = getattr(config, "tie_word_embeddings", None)
+        if tied is not None and bool(tied) != bool(self.lm_head.tied_to):
+            # the top-level config decides, as in transformers (Qwen2.5-VL 3B: tied, its text
+            # config silent; Qwen3-VL-MoE's text config defaults to tied where the model is not)
+            embed = self.model.embed_tokens if tied else None
+            self.lm_head = LMHead(text.vocab_size, text.hidden_size, embed)
+        self.model.rotary_emb = self.make_rotary(text)
         self.visual = self.vision_tower(config.vision_config)
         self.image_token_id = int(config.image_token_id)
         self.video_token_id = int(config.video_token_id)
         self.merge = int(config.vision_config.spatial_merge_size)
         # a video's temporal M-RoPE ids advance tokens_per_second x its seconds a grid frame
         self.tokens_per_second = getattr(config.vision_config, "tokens_per_second", None)
+
+    @classmethod
+    def make_rotary(cls, text_config: Any) -> MRotaryEmbedding:
+        params, section = mrope_settings(text_config)
+        return MRotaryEmbedding(
+            head_dim_of(text_config), text_config.max_position_embeddings, params, section
+        )
 
     @torch.inference_mode()
     def encode_image(self, image: ImagePatches | VideoPatches) -> torch.Tensor:  # -> [tokens, H]

@@ -20,6 +20,7 @@ encoded once, when a prefill chunk first reaches its tokens. `VisionTower` is wh
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -74,23 +75,33 @@ class VisionBlock(nn.Module):
 
 class PatchMerger(nn.Module):
     """Checkpoint names `ln_q`, `mlp.0`, `mlp.2` (the model maps the last two to fc1, fc2); `ln_q`
-    an RMSNorm (Qwen2.5-VL) or a LayerNorm (Qwen2-VL)."""
+    an RMSNorm (Qwen2.5-VL) or a LayerNorm (Qwen2-VL, Qwen3-VL). `postshuffle`: the norm runs over
+    each m * m run concatenated (Qwen3-VL's DeepStack mergers), else over each patch."""
 
-    def __init__(self, out_hidden: int, hidden: int, merge: int, norm: type[nn.Module] = RMSNorm) -> None:
+    def __init__(
+        self,
+        out_hidden: int,
+        hidden: int,
+        merge: int,
+        norm: type[nn.Module] = RMSNorm,
+        postshuffle: bool = False,
+    ) -> None:
         super().__init__()
         self.width = hidden * merge * merge
-        self.ln_q = norm(hidden, NORM_EPS)
+        self.ln_q = norm(self.width if postshuffle else hidden, NORM_EPS)
         self.fc1 = Linear(self.width, self.width, bias=True)
         self.fc2 = Linear(self.width, out_hidden, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [L, C] -> [L / m^2, out_hidden]
-        return self.fc2(F.gelu(self.fc1(self.ln_q(x).view(-1, self.width))))
+        x = self.ln_q(x.view(-1, self.ln_q.weight.shape[0])).view(-1, self.width)
+        return self.fc2(F.gelu(self.fc1(x)))
 
 
 class _PatchProjection(nn.Module):
-    def __init__(self, hidden: int, in_features: tuple[int, ...]) -> None:
+    def __init__(self, hidden: int, in_features: tuple[int, ...], bias: bool) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(hidden, *in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(hidden), requires_grad=False) if bias else None
 
 
 class PatchLayout:
@@ -111,18 +122,32 @@ class PatchLayout:
 
 class VisionTower(nn.Module):
     """The patch projection, 2-D RoPE, the blocks and the merger; `block_masks` says whom each
-    block's patches attend to (by default their own frame)."""
+    block's patches attend to (by default their own frame). `deepstack`: the blocks whose outputs
+    `deepstack_mergers` merge too, one merger each (Qwen3-VL's DeepStack); their vectors follow the
+    main merger's in each output row, [L / m^2, out_hidden * (1 + len(deepstack))]."""
 
-    def __init__(self, config: Any, hidden: int, blocks: nn.ModuleList, merger: PatchMerger) -> None:
+    def __init__(
+        self,
+        config: Any,
+        hidden: int,
+        blocks: nn.ModuleList,
+        merger: PatchMerger,
+        patch_bias: bool = False,
+        deepstack: Sequence[int] = (),
+        deepstack_mergers: nn.ModuleList | None = None,
+    ) -> None:
         super().__init__()
         P, T = config.patch_size, config.temporal_patch_size
         self.merge = int(config.spatial_merge_size)
         self.patch_size = int(P)
         self.head_dim = hidden // config.num_heads
         self.patch_embed = nn.Module()
-        self.patch_embed.proj = _PatchProjection(hidden, (config.in_channels, T, P, P))
+        self.patch_embed.proj = _PatchProjection(hidden, (config.in_channels, T, P, P), patch_bias)
         self.blocks = blocks
         self.merger = merger
+        self.deepstack = tuple(int(i) for i in deepstack)
+        if deepstack_mergers is not None:
+            self.deepstack_merger_list = deepstack_mergers
         theta = float((getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
         quarter = torch.arange(0, self.head_dim // 2, 2, dtype=torch.float32, device="cpu")
         inv_freq = 1.0 / theta ** (quarter / (self.head_dim // 2))  # head_dim / 4 frequencies
@@ -131,17 +156,24 @@ class VisionTower(nn.Module):
     def forward(self, patches: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
         """`patches` [t * h * w, 3 * T * P * P] of one image or video, `grid` (t, h, w) in patches ->
         [t * h * w / m^2, out_hidden]."""
-        w_patch = self.patch_embed.proj.weight
-        x = patches.to(w_patch.dtype) @ w_patch.flatten(1).t()  # [L, C]
-        layout = PatchLayout(grid, self.merge, x.device)
+        layout = PatchLayout(grid, self.merge, patches.device)
+        x = self.embed_patches(patches, layout)  # [L, C]
         freqs = torch.cat(
             [layout.rows[:, None] * self.inv_freq, layout.cols[:, None] * self.inv_freq], dim=-1
         )
         angles = torch.cat([freqs, freqs], dim=-1)[:, None, :]  # [L, 1, head_dim]
         cos, sin = angles.cos(), angles.sin()
-        for block, mask in zip(self.blocks, self.block_masks(layout), strict=True):
+        deep = []
+        for i, (block, mask) in enumerate(zip(self.blocks, self.block_masks(layout), strict=True)):
             x = block(x, cos, sin, mask)
-        return self.merger(x)
+            if i in self.deepstack:
+                deep.append(self.deepstack_merger_list[self.deepstack.index(i)](x))
+        return torch.cat([self.merger(x), *deep], dim=-1) if deep else self.merger(x)
+
+    def embed_patches(self, patches: torch.Tensor, layout: PatchLayout) -> torch.Tensor:  # -> [L, C]
+        proj = self.patch_embed.proj
+        x = patches.to(proj.weight.dtype) @ proj.weight.flatten(1).t()
+        return x if proj.bias is None else x + proj.bias
 
     def block_masks(self, layout: PatchLayout) -> list[torch.Tensor | None]:
         return [layout.frame_mask()] * len(self.blocks)

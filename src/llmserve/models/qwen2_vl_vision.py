@@ -36,13 +36,14 @@ class VisionMLP(nn.Module):
 
 
 class Qwen2VisionBlock(nn.Module):
-    def __init__(self, config: Any) -> None:
+    """LayerNorms and a plain MLP of `intermediate` units (Qwen2-VL's and Qwen3-VL's blocks)."""
+
+    def __init__(self, hidden: int, intermediate: int, num_heads: int, act: str) -> None:
         super().__init__()
-        C = config.embed_dim
-        self.norm1 = LayerNorm(C, NORM_EPS)
-        self.attn = VisionAttention(C, config.num_heads)
-        self.norm2 = LayerNorm(C, NORM_EPS)
-        self.mlp = VisionMLP(C, int(C * config.mlp_ratio), config.hidden_act)
+        self.norm1 = LayerNorm(hidden, NORM_EPS)
+        self.attn = VisionAttention(hidden, num_heads)
+        self.norm2 = LayerNorm(hidden, NORM_EPS)
+        self.mlp = VisionMLP(hidden, intermediate, act)
 
     def forward(self, x, cos, sin, mask) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, mask)
@@ -55,5 +56,8 @@ class Qwen2VisionTransformer(VisionTower):
 
     def __init__(self, config: Any) -> None:
         C, merge = config.embed_dim, int(config.spatial_merge_size)
-        blocks = nn.ModuleList(Qwen2VisionBlock(config) for _ in range(config.depth))
+        blocks = nn.ModuleList(
+            Qwen2VisionBlock(C, int(C * config.mlp_ratio), config.num_heads, config.hidden_act)
+            for _ in range(config.depth)
+        )
         super().__init__(config, C, blocks, PatchMerger(config.hidden_size, C, merge, LayerNorm))

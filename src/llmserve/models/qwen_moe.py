@@ -29,7 +29,8 @@ def is_sparse_layer(config: Any, layer_idx: int) -> bool:
     )
 
 
-def qwen_moe_mlp(config: Any, layer_idx: int) -> nn.Module:
+def qwen_moe_mlp(config: Any, layer_idx: int, renormalize: bool | None = None) -> nn.Module:
+    """`renormalize`: whether the top-k weights sum to one (None: the config's `norm_topk_prob`)."""
     if not is_sparse_layer(config, layer_idx):
         return dense_mlp(config, layer_idx)
     return SparseMoE(
@@ -38,7 +39,7 @@ def qwen_moe_mlp(config: Any, layer_idx: int) -> nn.Module:
         config.num_experts_per_tok,
         config.moe_intermediate_size,
         getattr(config, "hidden_act", "silu"),
-        renormalize=bool(getattr(config, "norm_topk_prob", False)),
+        renormalize=bool(getattr(config, "norm_topk_prob", False)) if renormalize is None else renormalize,
         shared_intermediate_size=getattr(config, "shared_expert_intermediate_size", 0) or 0,
     )
 

@@ -207,6 +207,7 @@ def _runs(ids: Sequence[int], token: int) -> list[tuple[int, int]]:
 _PROCESSORS: dict[str, tuple[str, str]] = {
     "gemma3": ("processor", "ImagePromptProcessor"),
     "qwen2_vl": ("qwen_vl_video", "QwenVLMediaPromptProcessor"),
+    "qwen3_vl": ("qwen_vl", "QwenVLPromptProcessor"),  # images only: its videos are timestamped frames
 }
 """A model's `image_prompt_format` -> (module under multimodal/, class)."""
 

@@ -122,7 +122,7 @@ class QwenVLPromptProcessor(PlaceholderCheck):
 
     def __init__(self, model: Any, mm_config: Any, token_text: Any, source: ImageSource) -> None:
         if source.do_pan_and_scan:
-            raise ValueError("do_pan_and_scan is Gemma 3's; Qwen2.5-VL takes images at their own size")
+            raise ValueError("do_pan_and_scan is Gemma 3's; the Qwen VL models take images at their own size")
         self.image_token_id = int(mm_config.image_token_id)
         self.image_pad = token_name(token_text, self.image_token_id, "image")
         self.preprocess = QwenVLImagePreprocessor.for_model(
