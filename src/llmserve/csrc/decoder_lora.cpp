@@ -76,20 +76,23 @@ inline __m256 load8(const void* base, int64_t i, int64_t n = 8) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
 }
 
-// h[i, c0 .. c0 + nc) for the n tokens at xr (nc <= 8 NV): NV vectors of ranks per token, a
-// compile-time count, so that the kGroupRows x NV accumulators stay in registers; each loaded
-// vector of A serves every token, each broadcast x value every vector.
-template <int DT, int NV>
+// h[i, c0 .. c0 + nc) for the n tokens at xr (nc <= 8 NV; Full: nc == 8 NV): NV vectors of ranks
+// per token, a compile-time count, so that the kGroupRows x NV accumulators stay in registers; each
+// loaded vector of A serves every token, each broadcast x value every vector. Full is a template
+// argument so that the loop over k has no part-vector branch (with it, gcc passed A through the
+// stack).
+template <int DT, int NV, bool Full>
 inline void shrink_block(const LoraPair& p, const float* const* xr, int64_t K, int64_t c0, int64_t nc, int64_t n,
                          float* h, int64_t ldh) {
   __m256 acc[kGroupRows][NV];
   for (int64_t j = 0; j < kGroupRows; ++j)
     for (int v = 0; v < NV; ++v) acc[j][v] = _mm256_setzero_ps();
-  const bool full = nc == 8 * NV;
   for (int64_t k = 0; k < K; ++k) {
     __m256 a[NV];
-    for (int v = 0; v < NV; ++v)
-      a[v] = full ? load8<DT>(p.a, k * p.R + c0 + 8 * v) : load8<DT>(p.a, k * p.R + c0 + 8 * v, nc - 8 * v);
+    for (int v = 0; v < NV; ++v) {
+      if constexpr (Full) a[v] = load8<DT>(p.a, k * p.R + c0 + 8 * v);
+      else a[v] = load8<DT>(p.a, k * p.R + c0 + 8 * v, nc - 8 * v);
+    }
     for (int64_t j = 0; j < kGroupRows; ++j) {
       const __m256 xk = _mm256_set1_ps(xr[j][k]);
       for (int v = 0; v < NV; ++v) acc[j][v] = _mm256_fmadd_ps(xk, a[v], acc[j][v]);
@@ -108,10 +111,15 @@ template <int DT>
 void shrink(const LoraPair& p, const float* x, int64_t K, const int64_t* rows, int64_t n, float* h, int64_t ldh) {
   const float* xr[kGroupRows];
   for (int64_t j = 0; j < kGroupRows; ++j) xr[j] = x + rows[std::min(j, n - 1)] * K;  // past n: a repeat, not stored
+  constexpr int NV = kShrinkRanks / 8;
   int64_t c0 = 0;
-  for (; c0 + 8 < p.R; c0 += kShrinkRanks)
-    shrink_block<DT, kShrinkRanks / 8>(p, xr, K, c0, std::min<int64_t>(kShrinkRanks, p.R - c0), n, h, ldh);
-  if (c0 < p.R) shrink_block<DT, 1>(p, xr, K, c0, p.R - c0, n, h, ldh);
+  for (; c0 + 8 < p.R; c0 += kShrinkRanks) {
+    const int64_t nc = std::min<int64_t>(kShrinkRanks, p.R - c0);
+    if (nc == kShrinkRanks) shrink_block<DT, NV, true>(p, xr, K, c0, nc, n, h, ldh);
+    else shrink_block<DT, NV, false>(p, xr, K, c0, nc, n, h, ldh);
+  }
+  if (c0 + 8 == p.R) shrink_block<DT, 1, true>(p, xr, K, c0, 8, n, h, ldh);
+  else if (c0 < p.R) shrink_block<DT, 1, false>(p, xr, K, c0, p.R - c0, n, h, ldh);
 }
 
 // y[n0 .. n0 + 8 NV) += h B over those columns for one token (yr = its row at n0): NV vectors of
