@@ -29,11 +29,11 @@ PROMPTS = [[5, 17, 99, 3, 8, 9], [200, 1, 1, 45, 67, 300, 12], [42, 43]]
 TOL = 2e-3
 
 
-def make_adapter(base: Path, out: Path, targets: list[str], seed: int, **lora: object) -> Path:
-    """A PEFT adapter with random non-zero A and B (init_lora_weights=False), saved to `out`."""
+def make_adapter(base: Path, out: Path, targets: list[str], seed: int, r: int = 8, **lora: object) -> Path:
+    """A PEFT adapter of rank `r` with random non-zero A and B (init_lora_weights=False), saved to `out`."""
     torch.manual_seed(seed)
     hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False, **lora)
+    config = peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, init_lora_weights=False, **lora)
     peft.get_peft_model(hf, config).save_pretrained(out)
     return out
 

@@ -24,7 +24,7 @@ from llmserve.engine.llm import LLM
 from llmserve.layers.quantization import cpu_kernels
 from llmserve.lora import LoRARequest
 from llmserve.sampling_params import SamplingParams
-from tests.models.test_lora import PROMPTS, base, make_adapter, make_runner, peft_reference, run_mixed  # noqa: F401
+from tests.models.test_lora import ALL, PROMPTS, base, make_adapter, make_runner, peft_reference, run_mixed  # noqa: F401
 from tests.models.tiny import make_tiny_model
 
 pytest.importorskip("peft")
@@ -118,6 +118,28 @@ def test_a_mixed_batch_runs_fused_and_equals_each_alone_to_the_bit(three):
     base_only = run_mixed(runner, [0] * 4, prompts=FOUR)
     for i in range(3):
         assert (mixed[i] - base_only[i]).abs().max() > 0.1, f"adapter {i + 1} barely changes the logits"
+
+
+def test_ranks_off_the_shrinks_blocks_keep_mixed_equal_to_alone_and_to_the_layer_path(base):  # noqa: F811
+    """Rank 13 on every projection: the shrink's 16-rank blocks end part-filled (qkv's 39 ranks:
+    16 + 16 + 7 in one vector; gate_up's 26: 16 + 10; o's and down's 13), as do the expand's."""
+    _, folder, _ = base
+    odd = [folder / "lora-r13-a", folder / "lora-r13-b"]
+    for seed, path in enumerate(odd, start=5):
+        if not path.exists():
+            make_adapter(folder, path, ALL, seed=seed, r=13)
+    runner, manager = make_runner(folder, "int8")
+    for i, path in enumerate(odd, start=1):
+        manager.add(LoRARequest(f"r13-{i}", i, str(path)))
+    assert runner.fused is not None
+    mixed = run_mixed(runner, [1, 2, 1, 0], prompts=FOUR)
+    for i, lora_id in enumerate([1, 2, 1, 0]):
+        alone = run_mixed(runner, [lora_id] * 4, prompts=FOUR)[i]
+        assert torch.equal(mixed[i], alone), f"sequence {i} (adapter {lora_id})"
+    runner.use_fused(False)
+    layered = run_mixed(runner, [1, 2, 1, 0], prompts=FOUR)
+    for got, expected in zip(mixed, layered, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)
 
 
 def test_the_fused_deltas_equal_the_layer_paths(three):

@@ -458,28 +458,34 @@ void Decoder::forward(const float* x, int64_t M, const int64_t* positions, const
     }
     // 2. q, k, v; per-head norms (Qwen3); rotary embedding of q and k
     linear(L.qkv, h_, M, qkv_);
-    add_lora(l, kLoraQKV, h_, L.qkv.K, L.qkv.N, qkv_);
     char* kv = static_cast<char*>(L.kv_cache);  // K's half; V's at v_offset
     char* kv_v = kv + v_offset;
     const int64_t rk = row_bytes(cache_type, D), rv = row_bytes(v_cache_type, D);
     const int64_t k_head_bytes = num_blocks * block_size * rk, v_head_bytes = num_blocks * block_size * rv;  // one head's blocks
-#pragma omp parallel for schedule(static) if (M >= kParallelTokens)
-    for (int64_t m = 0; m < M; ++m) {
-      const float* cs = cos_sin + positions[m] * rot;
-      for (int64_t hd = 0; hd < Hq + Hkv; ++hd) {
-        float* v = qkv_ + m * qkv_n + hd * D;
-        const float* nw = hd < Hq ? L.q_norm : L.k_norm;
-        if (nw) rms_norm(v, nw, eps, D, v);
-        rope(v, cs, rot);
-      }
-      // 3. this token's K and V into their cache slot (all of the batch's before any token
-      //    attends: the tokens of a prompt chunk see each other there)
-      const int64_t row = slots[m];  // slot = block * block_size + offset: the row within one head
-      for (int64_t kh = 0; kh < Hkv; ++kh) {
-        const float* k = qkv_ + m * qkv_n + (Hq + kh) * D;
-        const float* v = qkv_ + m * qkv_n + (Hq + Hkv + kh) * D;
-        store_row(cache_type, k, D, kv + kh * k_head_bytes + row * rk);
-        store_row(v_cache_type, v, D, kv_v + kh * v_head_bytes + row * rv);
+    // the LoRA deltas in the same parallel region as the loop after them (one fork and join a
+    // linear layer instead of two; so for o and gate_up)
+    const int64_t qkv_items = plan_lora(l, kLoraQKV);
+#pragma omp parallel if (M >= kParallelTokens || qkv_items > 1)
+    {
+      if (qkv_items) run_lora(l, kLoraQKV, h_, L.qkv.K, L.qkv.N, qkv_);
+#pragma omp for schedule(static)
+      for (int64_t m = 0; m < M; ++m) {
+        const float* cs = cos_sin + positions[m] * rot;
+        for (int64_t hd = 0; hd < Hq + Hkv; ++hd) {
+          float* v = qkv_ + m * qkv_n + hd * D;
+          const float* nw = hd < Hq ? L.q_norm : L.k_norm;
+          if (nw) rms_norm(v, nw, eps, D, v);
+          rope(v, cs, rot);
+        }
+        // 3. this token's K and V into their cache slot (all of the batch's before any token
+        //    attends: the tokens of a prompt chunk see each other there)
+        const int64_t row = slots[m];  // slot = block * block_size + offset: the row within one head
+        for (int64_t kh = 0; kh < Hkv; ++kh) {
+          const float* k = qkv_ + m * qkv_n + (Hq + kh) * D;
+          const float* v = qkv_ + m * qkv_n + (Hq + Hkv + kh) * D;
+          store_row(cache_type, k, D, kv + kh * k_head_bytes + row * rk);
+          store_row(v_cache_type, v, D, kv_v + kh * v_head_bytes + row * rv);
+        }
       }
     }
     // 4. attention, split into work items of (run of a sequence's tokens, KV head, grid chunk),
@@ -531,15 +537,22 @@ void Decoder::forward(const float* x, int64_t M, const int64_t* positions, const
     }
     // 5. output projection into the residual stream, post-attention norm
     linear(L.o, attn_, M, h_);
-    add_lora(l, kLoraO, attn_, L.o.K, L.o.N, h_);
-    if (comm) comm->all_reduce(h_, M * H);  // a tensor-parallel rank: the heads' shares summed
-#pragma omp parallel for schedule(static) if (M >= kParallelTokens)
-    for (int64_t m = 0; m < M; ++m) {
-      float* r = res_ + m * H;
-      const float* o = h_ + m * H;
+    if (comm) {  // a tensor-parallel rank: the heads' shares summed, deltas included
+      add_lora(l, kLoraO, attn_, L.o.K, L.o.N, h_);
+      comm->all_reduce(h_, M * H);
+    }
+    const int64_t o_items = comm ? 0 : plan_lora(l, kLoraO);
+#pragma omp parallel if (M >= kParallelTokens || o_items > 1)
+    {
+      if (o_items) run_lora(l, kLoraO, attn_, L.o.K, L.o.N, h_);
+#pragma omp for schedule(static)
+      for (int64_t m = 0; m < M; ++m) {
+        float* r = res_ + m * H;
+        const float* o = h_ + m * H;
 #pragma omp simd
-      for (int64_t i = 0; i < H; ++i) r[i] += o[i];
-      rms_norm(r, L.post_norm, eps, H, h_ + m * H);
+        for (int64_t i = 0; i < H; ++i) r[i] += o[i];
+        rms_norm(r, L.post_norm, eps, H, h_ + m * H);
+      }
     }
     // 6. gated MLP: silu(gate) * up, then down (its output stays in h for the next layer); or
     //    the mixture of experts the router picks per token
@@ -550,11 +563,15 @@ void Decoder::forward(const float* x, int64_t M, const int64_t* positions, const
       continue;
     }
     linear(L.gate_up, h_, M, gu_);
-    add_lora(l, kLoraGateUp, h_, L.gate_up.K, L.gate_up.N, gu_);
-#pragma omp parallel for schedule(static) if (M >= kParallelTokens)
-    for (int64_t m = 0; m < M; ++m) {
-      const float* g = gu_ + m * 2 * I;
-      silu_mul(g, g + I, I, act_ + m * I);
+    const int64_t gu_items = plan_lora(l, kLoraGateUp);
+#pragma omp parallel if (M >= kParallelTokens || gu_items > 1)
+    {
+      if (gu_items) run_lora(l, kLoraGateUp, h_, L.gate_up.K, L.gate_up.N, gu_);
+#pragma omp for schedule(static)
+      for (int64_t m = 0; m < M; ++m) {
+        const float* g = gu_ + m * 2 * I;
+        silu_mul(g, g + I, I, act_ + m * I);
+      }
     }
     linear(L.down, act_, M, h_);
     add_lora(l, kLoraDown, act_, L.down.K, L.down.N, h_);

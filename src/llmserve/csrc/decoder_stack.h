@@ -111,8 +111,13 @@ struct Decoder {
   // h [M, H] (the post-attention norm's output) -> the MoE block's output, in place (decoder_moe.cpp)
   void moe_mlp(const Moe& moe, int64_t M, float* h);
   // The step's tokens grouped by adapter (decoder_lora.cpp): slot s's are lora_rows[lora_first[s] ..
-  // lora_first[s + 1]); then y [M, N] += each token's adapter delta of layer l's `module`, x [M, K] its input.
+  // lora_first[s + 1]); then y [M, N] += each token's adapter delta of layer l's `module`, x [M, K] its input:
+  // plan_lora (one thread) lists the work items and returns their count, run_lora shares them out with
+  // an `omp for` (every thread of the enclosing parallel region calls it, or one thread outside any),
+  // so that the deltas join the parallel region of the per-token loop that reads y; add_lora: both.
   void group_lora(const LoraAdapter* const* loras, int64_t num_loras, const int64_t* row_slots, int64_t M);
+  int64_t plan_lora(size_t l, int module);
+  void run_lora(size_t l, int module, const float* x, int64_t K, int64_t N, float* y);
   void add_lora(size_t l, int module, const float* x, int64_t K, int64_t N, float* y);
   void plan_attention(int64_t T, const int64_t* positions, const int64_t* token_seqs, int64_t window);
   int64_t capacity = 0;
@@ -127,6 +132,7 @@ struct Decoder {
   std::vector<int64_t> lora_rows, lora_first;       // their tokens, grouped by adapter
   std::vector<int64_t> lora_items;                  // one layer's work: (adapter, first token) pairs
   std::vector<float> lora_h;                        // the shrink's output, [tokens of any adapter, R]
+  int64_t lora_ldh = 0;                             // its row length: one layer's largest rank
 };
 
 // Shared with decoder_moe.cpp (defined in decoder_stack.cpp).
