@@ -183,3 +183,20 @@ def test_an_earlier_call_and_its_reasoning_reach_the_template(server: ServerProc
     r = server.client().chat.completions.create(model=MODEL_NAME, messages=history, tools=TOOLS, max_tokens=300,
                                                 extra_body=_forced(FINAL_REPLY))  # fmt: skip
     assert r.choices[0].message.content == "Sunny."
+
+
+def test_a_required_call_writes_the_markers_as_special_tokens(server: ServerProcess) -> None:
+    """The forced call's markers are the vocabulary's special tokens, as gpt-oss was trained to
+    write them: each is one token of the reply (a special id; the logprobs spell it whole), never
+    the text pieces `<`, `|`, `channel`, ...; the API returns the call."""
+    r = server.client().chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+        max_tokens=200, temperature=1.0, seed=3, logprobs=True,
+    )  # fmt: skip
+    tokens = [t.token for t in r.choices[0].logprobs.content]
+    assert tokens[0] == "<|channel|>", tokens
+    markers = [t for t in tokens if t.startswith("<|")]  # then the tiny model's EOS, <|endoftext|>
+    assert markers == ["<|channel|>", "<|constrain|>", "<|message|>", "<|call|>", "<|endoftext|>"]
+    [call] = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    assert set(json.loads(call.function.arguments)) == {"city", "unit"}

@@ -2,7 +2,8 @@
 chat template with transformers (the outside reference for the format) are split back into the
 reasoning, content and calls they were made from, whole and streamed in any two pieces; cut
 replies keep whole parts only; the parser is chosen by name or off the template; earlier turns'
-calls and reasoning reach the template as it reads them; the `required` grammar accepts a call.
+calls and reasoning reach the template as it reads them; the `required` grammar accepts a call, writing the markers as the special tokens the vocabulary
+has (llguidance's matcher over transformers' tokenizer the reference).
 
 tests/data/gpt_oss_chat_template.jinja is the chat_template.jinja of openai/gpt-oss-20b
 (Apache-2.0), byte for byte as TRL keeps it (trl/chat_templates/gptoss.jinja).
@@ -14,7 +15,9 @@ import json
 from pathlib import Path
 
 import llguidance
+import llguidance.hf
 import pytest
+import transformers
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from llmserve.config import ServerConfig
@@ -26,6 +29,7 @@ from llmserve.server.serving.anthropic import chat_messages as anthropic_message
 from llmserve.server.serving.chat import messages_to_dicts
 from llmserve.server.serving.harmony import (
     HARMONY,
+    HarmonyFormat,
     HarmonySplitter,
     harmony_on,
     parse_harmony,
@@ -34,6 +38,8 @@ from llmserve.server.serving.harmony import (
 from llmserve.server.serving.responses import chat_messages as responses_messages
 from llmserve.server.serving.tools import FORMATS, plan_tools, with_tools
 from llmserve.tokenizer.chat_template import ChatTemplate
+from llmserve.tokenizer.hf_folder import load_hf_tokenizer
+from tests.models.tiny import save_tiny_tokenizer
 from tests.unit.test_tool_formats import _ByteTokenizer
 
 TEMPLATE = (Path(__file__).parents[1] / "data" / "gpt_oss_chat_template.jinja").read_text()
@@ -281,3 +287,79 @@ def test_past_reasoning_from_the_other_apis_reaches_the_turn_it_preceded() -> No
         ("assistant", THINK),
         ("tool", None),
     ]
+
+
+MARKERS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
+CALL_ID = 511  # the last of MARKERS, the last id of the tiny vocabulary
+COMPACT = (
+    f"<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{json.dumps(ARGS)}<|call|>"
+)
+
+
+def tiny_vocabulary(
+    folder: Path, special: tuple[str, ...], eos: list[int]
+) -> tuple[HarmonyFormat, transformers.PreTrainedTokenizerBase]:
+    """Our format for a tiny vocabulary with `special` tokens and EOS ids `eos`, and transformers'
+    reading of that vocabulary (the reference)."""
+    save_tiny_tokenizer(folder, special=special)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    fmt = HarmonyFormat.for_tokenizer(load_hf_tokenizer(folder, "tiny"))
+    return fmt, transformers.AutoTokenizer.from_pretrained(folder)
+
+
+def reference_matcher(
+    hf: transformers.PreTrainedTokenizerBase, eos: list[int], grammar: str
+) -> llguidance.LLMatcher:
+    tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=512, eos_token=eos)
+    matcher = llguidance.LLMatcher(tokenizer, llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0)
+    assert not matcher.is_error(), matcher.get_error()
+    return matcher
+
+
+def test_the_grammar_names_the_markers_that_are_special_tokens(tmp_path: Path) -> None:
+    """gpt-oss's markers are special tokens: the grammar names them, and llguidance's matcher takes
+    the call written with the special ids (as transformers encodes it) and refuses it spelled in
+    text pieces."""
+    fmt, hf = tiny_vocabulary(tmp_path, MARKERS, [0])
+    assert fmt.special_tokens == {"<|start|>", "<|channel|>", "<|constrain|>", "<|message|>", "<|call|>"}
+    assert not fmt.end_tokens
+    grammar = fmt.grammar(TOOLS, parallel=False)
+    assert (
+        '<|channel|> "commentary to=functions.get_weather " <|constrain|> "json" <|message|> %json' in grammar
+    )
+    assert grammar.endswith(" <|call|>") and '"<|' not in grammar
+    as_tokens = hf.encode(COMPACT, add_special_tokens=False)
+    assert {508, 509, 507, CALL_ID} <= set(as_tokens)  # <|channel|>, <|constrain|>, <|message|>, <|call|>
+    matcher = reference_matcher(hf, [0], grammar)
+    assert matcher.try_consume_tokens(as_tokens) == len(as_tokens) and matcher.is_accepting()
+    as_text = hf.encode(COMPACT, add_special_tokens=False, split_special_tokens=True)
+    assert reference_matcher(hf, [0], grammar).try_consume_tokens(as_text) == 0
+    assert [c.name for c in parse_harmony(hf.decode(as_tokens))[2]] == ["get_weather"]
+
+
+def test_a_vocabulary_without_the_markers_gets_them_as_text(tmp_path: Path) -> None:
+    fmt, hf = tiny_vocabulary(tmp_path, (), [0])
+    assert not fmt.special_tokens and fmt.grammar(TOOLS, True) == HARMONY.grammar(TOOLS, True)
+    grammar = fmt.grammar(TOOLS, parallel=False)
+    assert '"<|channel|>" "commentary to=functions.get_weather " "<|constrain|>"' in grammar
+    as_text = hf.encode(COMPACT, add_special_tokens=False)
+    matcher = reference_matcher(hf, [0], grammar)
+    assert matcher.try_consume_tokens(as_text) == len(as_text) and matcher.is_accepting()
+
+
+def test_an_end_of_sequence_call_marker_is_left_to_the_stop(tmp_path: Path) -> None:
+    """gpt-oss's `<|call|>` is one of its EOS ids: llguidance refuses an EOS id the grammar names,
+    so the grammar ends with the arguments, where EOS ids (`<|call|>` among them) are allowed."""
+    fmt, hf = tiny_vocabulary(tmp_path, MARKERS, [0, CALL_ID])
+    assert fmt.end_tokens == {"<|call|>"}
+    grammar = fmt.grammar(TOOLS, parallel=True)
+    assert "<|call|>" not in grammar and '(<|start|> "assistant" call)*' in grammar
+    named = HarmonyFormat(fmt.special_tokens).grammar(TOOLS, parallel=False)  # <|call|> named: refused
+    as_tokens = hf.encode(COMPACT, add_special_tokens=False)
+    refused = reference_matcher(hf, [0, CALL_ID], named)
+    assert refused.try_consume_tokens(as_tokens) == len(as_tokens) - 1 and not refused.is_accepting()
+    matcher = reference_matcher(hf, [0, CALL_ID], grammar)
+    assert matcher.try_consume_tokens(as_tokens[:-1]) == len(as_tokens) - 1 and matcher.is_accepting()
+    assert matcher.try_consume_tokens([CALL_ID]) == 1 and matcher.is_stopped()
+    reply = hf.decode(as_tokens[:-1])  # the engine stops on the EOS id, which the text leaves out
+    assert [(c.name, json.loads(c.arguments)) for c in parse_harmony(reply)[2]] == [("get_weather", ARGS)]

@@ -11,7 +11,7 @@ from llmserve.engine.async_engine import AsyncEngine
 from llmserve.lora import LoRARequest
 from llmserve.outputs import PositionLogprobs
 from llmserve.server.errors import APIError
-from llmserve.server.serving.harmony import HARMONY, harmony_on
+from llmserve.server.serving.harmony import HarmonyFormat, harmony_on
 from llmserve.server.serving.tools import ToolFormat, tool_format
 
 
@@ -56,9 +56,9 @@ class ServingContext:
     @cached_property
     def tool_format(self) -> ToolFormat:
         """How tool calls are written for this model: `--tool-call-parser`, or read off the chat
-        template once (`auto`)."""
+        template once (`auto`); harmony's markers as this vocabulary has them."""
         if self.harmony:
-            return HARMONY
+            return HarmonyFormat.for_tokenizer(self.tokenizer)
         return tool_format(self.config.tool_call_parser, self.tokenizer.chat_template)
 
     def token_str(self, token_id: int) -> str:

@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Protocol
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Any, Protocol
 
 from llmserve.server.serving.reasoning import ReasoningStreamSplitter
 from llmserve.server.serving.tools import (
@@ -45,8 +46,12 @@ from llmserve.server.serving.tools import (
     partial_suffix,
 )
 
+if TYPE_CHECKING:
+    from llmserve.tokenizer import Tokenizer
+
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"
+CONSTRAIN = "<|constrain|>"
 TERMINATORS = (END, CALL, RETURN)
 FUNCTIONS = "functions."
 
@@ -174,17 +179,46 @@ def parse_harmony(
 
 class HarmonyFormat(ToolFormat):
     """gpt-oss's calls (`--tool-call-parser openai`): commentary messages to `functions.NAME`.
-    The reply's whole text is harmony, so it is always parsed (`HarmonySplitter`), tools or not."""
+    The reply's whole text is harmony, so it is always parsed (`HarmonySplitter`), tools or not.
+
+    The forcing grammar writes each marker as the serving vocabulary has it. gpt-oss's markers
+    are special tokens, never text under a grammar (`structured_output/ll_tokenizer.py`): a
+    quoted `"<|channel|>"` would make the model spell it in pieces `<`, `|`, `channel`, ... that
+    it was never trained on, so a special marker is named as the token (Lark `<|channel|>`); a
+    vocabulary without it (a tiny test one) gets the quoted text. Either way the reply, decoded
+    with special tokens kept, reads the same to the parser. A marker that ends generation
+    (gpt-oss's `<|call|>`, one of its EOS ids) stays out of the grammar: llguidance refuses an
+    EOS id the grammar names, and allows every EOS id once the grammar is complete, which is
+    where the call ends (the parser reads a body without terminator as ending with the reply)."""
 
     name = "openai"
     keeps_special_tokens = True
     whole_reply = True
     how_to_call = ""
 
+    def __init__(self, special_tokens: Collection[str] = (), end_tokens: Collection[str] = ()) -> None:
+        self.special_tokens = frozenset(special_tokens)
+        """Markers that are special tokens of the serving vocabulary: named, not quoted."""
+        self.end_tokens = frozenset(end_tokens)
+        """Markers that are end-of-sequence ids: left to the engine's stop, out of the grammar."""
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Tokenizer) -> HarmonyFormat:
+        """The format for a serving vocabulary: which of harmony's markers it has as special
+        tokens (added and marked special, as `ll_tokenizer` reads them) and which end a reply."""
+        added = tokenizer.backend.get_added_tokens_decoder()
+        special = {token.content for token in added.values() if token.special}
+        ends = {added[i].content for i in tokenizer.eos_token_ids if i in added}
+        markers = {START, CHANNEL, MESSAGE, CONSTRAIN, CALL}
+        return cls(special & markers, ends & markers)
+
+    def _lark(self, *pieces: str) -> str:
+        """A Lark sequence of text and markers: special markers named, the rest quoted."""
+        kept = [p for p in pieces if p not in self.end_tokens]
+        return " ".join(p if p in self.special_tokens else _lark_literal(p) for p in kept)
+
     def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
-        # the markers as text: a special-token vocabulary writes them as plain pieces under the
-        # grammar, which detokenize to the same text the parser reads
-        repeat = f" ({_lark_literal(START + 'assistant')} call)*" if parallel else ""
+        repeat = f" ({self._lark(START, 'assistant')} call)*" if parallel else ""
         rules = [f"start: call{repeat}", "call: " + " | ".join(f"call_{i}" for i in range(len(tools)))]
         for i, tool in enumerate(tools):
             fn = tool["function"]
@@ -192,8 +226,9 @@ class HarmonyFormat(ToolFormat):
                 **(fn.get("parameters") or {"type": "object", "properties": {}}),
                 "x-guidance": _COMPACT,
             }
-            head = f"{CHANNEL}commentary to={FUNCTIONS}{fn['name']} <|constrain|>json{MESSAGE}"
-            rules.append(f"call_{i}: {_lark_literal(head)} %json {json.dumps(params)} {_lark_literal(CALL)}")
+            head = self._lark(CHANNEL, f"commentary to={FUNCTIONS}{fn['name']} ", CONSTRAIN, "json", MESSAGE)
+            end = self._lark(CALL)
+            rules.append(f"call_{i}: {head} %json {json.dumps(params)}" + (f" {end}" if end else ""))
         return "\n".join(rules)
 
     def parse(self, text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
