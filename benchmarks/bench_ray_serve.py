@@ -3,7 +3,7 @@ per request (target: <= 3 ms) and the prefix-cache hit rate of a shared-prefix w
 replicas (target: >= 90% of one replica's).
 
     python benchmarks/bench_ray_serve.py [--model M] [--replicas 2] [--requests 200] [--groups 8]
-        [--per-group 8] [-- SERVER ARGS ...]
+        [--per-group 8] [--ray-http-proxy haproxy|serve] [-- SERVER ARGS ...]
 
 Both setups run at once, each in a subprocess: `llmserve serve` (the replica's app served directly
 by uvicorn) and `llmserve serve --replicas N` (a local Ray cluster: Ray Serve's proxy, the ingress,
@@ -125,12 +125,15 @@ def main() -> None:
     p.add_argument("--per-group", type=int, default=8)
     p.add_argument("--prefix-words", type=int, default=120)
     p.add_argument("--concurrency", type=int, default=4, help="shared-prefix requests in flight at once")
+    p.add_argument("--ray-http-proxy", choices=("haproxy", "serve"), default="haproxy",
+                   help="what fronts the Ray ingress (llmserve serve's --ray-http-proxy)")  # fmt: skip
     p.add_argument("server_args", nargs=argparse.REMAINDER, help="after --: flags for both servers")
     args = p.parse_args()
     args.server_args = [a for a in args.server_args if a != "--"]
     logs = Path(tempfile.mkdtemp(prefix="bench-ray-serve-"))
     clients: list[httpx.Client] = []
-    ray_flags = ["--replicas", str(args.replicas), "--replica-cpus", str(args.replica_cpus)]
+    ray_flags = ["--replicas", str(args.replicas), "--replica-cpus", str(args.replica_cpus),
+                 "--ray-http-proxy", args.ray_http_proxy]  # fmt: skip
     procs: list[subprocess.Popen] = []
     try:
         for name, extra in (("plain", []), ("ray", ray_flags)):
@@ -149,6 +152,7 @@ def main() -> None:
     report = {
         "plain": plain,
         "ray": ray,
+        "ray_http_proxy": args.ray_http_proxy,
         "ingress_added_ms": ray["latency_median_ms"] - plain["latency_median_ms"],  # type: ignore[operator]
         "hit_rate_ratio": ray["hit_rate"] / plain["hit_rate"] if plain["hit_rate"] else None,  # type: ignore[operator]
         "logs": str(logs),
