@@ -207,6 +207,26 @@ def test_worker_dead_before_joining_fails_start_up(tmp_path):
     assert time.monotonic() - started < 60
 
 
+def test_failed_worker_start_leaves_no_segment(tmp_path, monkeypatch):
+    """Workers that cannot be started (here the process launch raises) fail start-up with that
+    error and leave no shared-memory segment behind in /dev/shm."""
+    from llmserve.distributed import shm
+    from llmserve.model_executor import tp_executor
+
+    if shm.transport() != "shm":
+        pytest.skip("the C++ extension is not built")
+    make_tiny_model("llama", tmp_path)
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise OSError("cannot start worker processes")
+
+    monkeypatch.setattr(tp_executor, "ProcessWorkers", refuse)
+    before = set(os.listdir("/dev/shm"))
+    with pytest.raises(OSError, match="cannot start worker processes"):
+        build_engine(str(tmp_path), show_progress=False, tensor_parallel_size=2, threads_per_rank=1)
+    assert not [f for f in set(os.listdir("/dev/shm")) - before if f.startswith("llmserve-tp-")]
+
+
 @pytest.mark.slow
 def test_embedded_smollm2_tp3_matches_tp1():
     """The embedded SmolLM2-135M (Q4_1 blocks; 9 heads, 3 KV heads: TP=3 splits it, TP=2 is

@@ -121,3 +121,17 @@ def test_transport_env(monkeypatch):
     monkeypatch.setenv(shm.ENV, "tcp")
     with pytest.raises(ValueError, match="LLMSERVE_TP_TRANSPORT must be 'auto', 'shm' or 'gloo'; got 'tcp'"):
         shm.transport()
+
+
+def test_segment_removed_when_the_workers_never_start():
+    """A failed worker start (here: an error raised inside the block) leaves nothing in /dev/shm;
+    a start that succeeds keeps the segment for the ranks to map."""
+    path = shm.create_segment(2)
+    with shm.unlinked_on_error(path):
+        pass
+    assert os.path.exists(path)
+    with pytest.raises(OSError, match="no workers"), shm.unlinked_on_error(path):
+        raise OSError("no workers")
+    assert not os.path.exists(path)
+    with shm.unlinked_on_error(None):  # gloo groups have no segment
+        pass

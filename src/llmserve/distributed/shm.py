@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+from collections.abc import Iterator
 from typing import Literal
 
 import torch
@@ -61,6 +62,19 @@ def create_segment(world: int) -> str:
     finally:
         os.close(fd)
     return path
+
+
+@contextlib.contextmanager
+def unlinked_on_error(path: str | None) -> Iterator[None]:
+    """Remove the segment `path` (when there is one) if the block raises: the workers it was made
+    for never started, so nothing else would unlink it."""
+    try:
+        yield
+    except BaseException:
+        if path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        raise
 
 
 class ShmComm:

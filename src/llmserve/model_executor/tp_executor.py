@@ -119,12 +119,14 @@ class TPExecutor:
             ray_workers = RayWorkers(size, model_config, threads, parallel.ray_placement_strategy)
             self.transport = shm.transport() if ray_workers.on_driver_node else "gloo"
             shm_path = shm.create_segment(size) if self.transport == "shm" else None
-            ray_workers.start(store.port, shm_path)
+            with shm.unlinked_on_error(shm_path):
+                ray_workers.start(store.port, shm_path)
             self.workers: Workers = ray_workers
         else:
             self.transport = shm.transport()
             shm_path = shm.create_segment(size) if self.transport == "shm" else None
-            self.workers = ProcessWorkers(store.port, placement, model_config, threads, shm_path)
+            with shm.unlinked_on_error(shm_path):
+                self.workers = ProcessWorkers(store.port, placement, model_config, threads, shm_path)
         try:
             try:
                 TPGroup.wait_for_workers(store, size, self.workers.exited)
