@@ -140,6 +140,10 @@ class ForwardRunner:
             )
         else:
             reason = "no decoder spec" if spec is None else unsupported_reason(spec, self.kv_caches)
+        if self.group is not None and not self.group.all_ok(reason is None):
+            # shards differ (an uneven split): one rank's refusal turns the fused stack off on all,
+            # or the ranks' collectives would no longer pair
+            reason = reason or "another tensor-parallel rank's shard cannot run the fused decoder"
         if reason is None:
             self.fused = FusedDecoder(spec, self.kv_caches, self.block_size, comm)
         self.fused_unsupported = reason
