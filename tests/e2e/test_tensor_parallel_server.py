@@ -58,15 +58,9 @@ def test_tp_server_shutdown_stops_the_worker(tp_server):
 def test_tp_server_with_ngram_speculation(tiny_model_dir):
     """--speculative-config beside --tensor-parallel-size 2: a prompt that repeats itself (the
     tiny Llama's greedy answer loops, so proposals are accepted) answers TP=1's plain tokens."""
-    config = '{"method": "ngram", "num_speculative_tokens": 3, "adaptive": false}'
+    spec = ("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "adaptive": false}')
     proc = ServerProcess(
-        tiny_model_dir,
-        "--tensor-parallel-size",
-        "2",
-        "--threads-per-rank",
-        "1",
-        "--speculative-config",
-        config,
+        tiny_model_dir, "--tensor-parallel-size", "2", "--threads-per-rank", "1", *spec
     ).start()
     try:
         prompt = [300, 301] * 3
