@@ -1,6 +1,6 @@
-"""The server with --tensor-parallel-size 2: answers like the single-process engine, refuses bad
-input with a 400, takes its worker process down with it at shutdown, and stops with an error
-naming a worker that died."""
+"""The server with --tensor-parallel-size 2: answers like the single-process engine (with n-gram
+speculation too, its counters in /metrics), refuses bad input with a 400, takes its worker
+process down with it at shutdown, and stops with an error naming a worker that died."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 from llmserve import LLM
 from llmserve.sampling_params import SamplingParams
 from tests.e2e.conftest import MODEL_NAME, ServerProcess
+from tests.e2e.test_models import metric
 
 PROMPT = "The quick brown fox"
 
@@ -52,6 +53,26 @@ def test_tp_server_shutdown_stops_the_worker(tp_server):
     psutil.wait_procs(workers, timeout=15)
     assert not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
     assert "terminate called" not in proc.log()
+
+
+def test_tp_server_with_ngram_speculation(tiny_model_dir):
+    """--speculative-config beside --tensor-parallel-size 2: a prompt that repeats itself (the
+    tiny Llama's greedy answer loops, so proposals are accepted) answers TP=1's plain tokens."""
+    spec = ("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "adaptive": false}')
+    proc = ServerProcess(
+        tiny_model_dir, "--tensor-parallel-size", "2", "--threads-per-rank", "1", *spec
+    ).start()
+    try:
+        prompt = [300, 301] * 3
+        got = proc.client().completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0)
+        llm = LLM(str(tiny_model_dir), show_progress=False)
+        params = SamplingParams(max_tokens=24, temperature=0.0)
+        ref = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+        assert got.choices[0].text == ref.text
+        assert got.usage.completion_tokens == len(ref.token_ids)
+        assert metric(proc, "llmserve:spec_decode_num_accepted_tokens_total") > 0
+    finally:
+        proc.stop()
 
 
 def test_tp_worker_death_fails_requests_and_exits(tiny_model_dir):

@@ -97,7 +97,10 @@ class LLMEngine:
         self.parallel_config = parallel_config or ParallelConfig()
         self.executor: TPExecutor | None = None
         if self.parallel_config.is_parallel:
-            _check_parallel_options(speculative_config, loaded)
+            # Speculative decoding needs nothing of its own: a verification forward is a flat batch
+            # like any other (tp_executor.py), and a draft model runs whole on the driver.
+            if loaded is not None:
+                raise ValueError("a tensor-parallel engine loads its shards itself; it takes no loaded model")
             self.executor = TPExecutor(model_config, self.parallel_config)
             loaded = self.executor.loaded
         self.loaded = loaded or load_model(model_config)
@@ -550,11 +553,3 @@ class LLMEngine:
         """Fraction of allocated KV slots that hold no token right now (0 when nothing is allocated)."""
         allocated, stored = self.scheduler.kv_cache_manager.waste()
         return 0.0 if allocated == 0 else 1.0 - stored / allocated
-
-
-def _check_parallel_options(speculative: SpeculativeConfig | None, loaded: LoadedModel | None) -> None:
-    """What tensor parallelism does not combine with yet: ValueError naming it."""
-    if speculative is not None:
-        raise ValueError("tensor_parallel_size > 1 does not support speculative decoding yet")
-    if loaded is not None:
-        raise ValueError("a tensor-parallel engine loads its shards itself; it takes no loaded model")

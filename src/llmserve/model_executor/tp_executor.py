@@ -12,6 +12,11 @@ The scheduler and the sampler run once, on the driver; a step's inputs reach the
 pickled broadcast of the flat batch (`SequenceBatchEntry` list: new tokens, context length,
 block ids per sequence), which is all a forward pass needs, so workers keep no request state.
 Each rank loads only its shard (distributed/sharding.py) and holds the KV cache of its KV heads.
+Speculative decoding adds nothing here: a verifying request's entry carries its last token and
+the proposals (their positions and KV slots follow from its context length and block ids), the
+rows to score travel with it, and rejected tokens are rolled back by the driver's scheduler alone
+(their slots are simply written again by a later step, on every rank). Proposers run on the
+driver only: n-gram lookup, or a draft model loaded whole (unsharded) in the engine's process.
 
 The workers start one of two ways (`distributed_executor_backend`), and run the same code once
 started (tp_worker.serve_rank): mp, processes spawned on this machine (`ProcessWorkers`, below);
