@@ -20,6 +20,8 @@ setup(
                     "module",
                     "qgemm_avx512",
                     "qgemm_avx2",
+                    "qgemm_q6_avx512",
+                    "qgemm_q6_avx2",
                     "decoder_stack",
                     "decoder_moe",
                     "decoder_cache_rows",

@@ -413,6 +413,7 @@ _RANDOM_SCALES: dict[GGMLQuantizationType, dict[int, float]] = {
     Q.Q3_K: {108: 0.0008},  # d (sc - 32) q, |q| <= 4
     Q.IQ4_NL: {0: 0.0008},  # d T[q], |T| <= 127
     Q.IQ4_XS: {0: 2e-5},  # d (ls - 32) T[q]
+    Q.Q6_K: {208: 5e-5},  # d sc (q - 32), |sc| <= 128, |q - 32| <= 32
 }
 
 

@@ -245,13 +245,17 @@ def _raw_blocks(qtype: Q, rows: int, cols: int) -> np.ndarray:
 @pytest.mark.parametrize("qtype", [q for q in EXACT_TYPES if q in REFERENCE_DEQUANT], ids=lambda q: q.name)
 def test_gguf_blocks_read_as_rows(qtype):
     """Against ggml's reference dequantization (written from its C code): exact for the 32-value
-    types; the K types' sub-block scales and minimums are rounded to half floats."""
+    types and Q6_K (its own super-blocks, q6); Q4_K's and Q5_K's sub-block scales and minimums
+    are rounded to half floats."""
     ref, _ = REFERENCE_DEQUANT[qtype]
     raw = _raw_blocks(qtype, 3, 512)
     expected = torch.tensor([v for block in raw for v in ref(block.tobytes())]).reshape(3, 512)
     rows = read_rows(raw.reshape(3, -1), qtype, 512)
-    assert rows is not None and rows.fmt == ("q4" if qtype in (Q.Q4_0, Q.Q4_1, Q.Q4_K) else "q8")
-    assert (rows.m is None) == (qtype in (Q.Q8_0, Q.Q4_0, Q.Q5_0))  # Q4_0: symmetric, 18 bytes a block
+    fmt = "q4" if qtype in (Q.Q4_0, Q.Q4_1, Q.Q4_K) else "q6" if qtype == Q.Q6_K else "q8"
+    assert rows is not None and rows.fmt == fmt
+    assert (rows.m is None) == (
+        qtype in (Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q6_K)
+    )  # Q4_0: symmetric, 18 bytes a block
     got = rows.dequantize()
     if qtype in (Q.Q4_K, Q.Q5_K):
         # |d sc q| <= 31 |d sc| and |dmin m| each off by a half-float rounding (2^-11 relative)
@@ -287,7 +291,7 @@ def test_mxfp4_beyond_half_float_scales_is_left_to_float():
 
 
 def test_gguf_types_without_a_block_format_are_left_to_float():
-    for qtype in (Q.Q6_K, Q.Q2_K, Q.Q3_K):
+    for qtype in (Q.Q2_K, Q.Q3_K):
         assert read_rows(random_blocks(qtype, 2, 256), qtype, 256) is None
 
 
