@@ -288,7 +288,7 @@ def requantized(path: Path, qtype_of: Callable[[str, np.ndarray], GGMLQuantizati
     for i, t in enumerate(gguf.GGUFReader(path).tensors):
         arr = np.array(t.data).reshape(list(reversed(t.shape.tolist())))
         qtype = qtype_of(t.name, arr) if t.name.endswith("weight") else Q.F32
-        if qtype in (Q.Q2_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS):  # gguf has no quantizer for these
+        if qtype in (Q.Q2_K, Q.Q3_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS):  # gguf has no quantizer for these
             arr = random_blocks(qtype, *arr.shape, seed=i)
         tensors[t.name] = arr if qtype == Q.F32 else (arr, qtype)
     return tensors
