@@ -32,7 +32,14 @@ setup(
             ],
             depends=[
                 f"{CSRC}/{name}"
-                for name in ("qgemm.h", "decoder_stack.h", "shm_comm.h", "py_util.h", "act_quant.inc")
+                for name in (
+                    "qgemm.h",
+                    "decoder_stack.h",
+                    "shm_comm.h",
+                    "py_util.h",
+                    "act_quant.inc",
+                    "avx2_tile.inc",
+                )
             ],
             include_dirs=[CSRC],
             language="c++",

@@ -18,16 +18,12 @@ from llmserve.model_executor.greedy import generate_greedy
 from llmserve.model_executor.model_loader import load_model
 from llmserve.model_executor.model_loader.gguf_loader import GGUFCheckpoint
 from tests.gguf_writer import tiny_llama_gguf
+from tests.models.test_quantized import KERNEL_SETS, PROMPTS, TOL, _decode_logits
 
-_ORDER = ["avx512_vnni", "avx2", "torch"]
-KERNEL_SETS = _ORDER[_ORDER.index(cpu_kernels.best_kernels()) :]
-PROMPTS = [[5, 17, 99, 3], [200, 1, 1, 45, 67, 300, 12, 9, 8, 7, 6, 5, 4, 3, 2, 11, 400, 401, 402, 25], [42]]
 # Every matrix read exactly: q, k, v all Q6_K (a fused q6 layer of three shards), gate and up too,
 # ffn_down, the embedding and the output (LM head) alone; o_proj Q4_0 beside them.
 TYPES = {"attn_q": Q.Q6_K, "attn_k": Q.Q6_K, "attn_v": Q.Q6_K, "attn_output": Q.Q4_0, "ffn_gate": Q.Q6_K,
          "ffn_up": Q.Q6_K, "ffn_down": Q.Q6_K, "token_embd": Q.Q6_K, "output": Q.Q6_K}  # fmt: skip
-# int16 activations per token inside each matmul move the tiny model's logits by ~1e-4.
-TOL = 2e-3
 
 
 @pytest.fixture(scope="module")
@@ -60,25 +56,6 @@ def test_q6_k_tensors_are_held_as_the_files_blocks(q6_gguf, models):
     # 6.5625 bits a weight, as in the file: 210 bytes a super-block of 256
     assert down.qweight is not None and down.qweight.nbytes() == 256 * (512 // 256) * 210
     assert any(g.fmt == "q6" and g.role == "embedding" for g in quant.weight_groups)
-
-
-def _decode_logits(model: torch.nn.Module, fused: bool) -> torch.Tensor:
-    """PROMPTS prefilled together, then 4 decode steps of all three: [5, 3, vocab]."""
-    runner = ForwardRunner(model, num_blocks=24, block_size=4)
-    runner.use_fused(fused)
-    assert (runner.fused is not None) == fused
-    tables = [list(range(i * 8, i * 8 + 8)) for i in range(len(PROMPTS))]
-    seqs = [list(p) for p in PROMPTS]
-    steps = []
-    for step in range(5):
-        entries = [
-            SequenceBatchEntry(s if step == 0 else s[-1:], len(s), t)
-            for s, t in zip(seqs, tables, strict=True)
-        ]
-        steps.append(runner.execute(entries))
-        for s, row in zip(seqs, steps[-1], strict=True):
-            s.append(int(row.argmax()))
-    return torch.stack(steps)
 
 
 @pytest.mark.parametrize("kernels", KERNEL_SETS)

@@ -21,16 +21,7 @@ from llmserve.layers.quantization.formats import QuantizedRows, pack, quantize, 
 from llmserve.layers.quantization.layers import QuantizedLinear, as_rows
 from llmserve.model_executor.model_loader.gguf_quant import read_rows
 from tests.gguf_writer import REFERENCE_DEQUANT, random_blocks
-
-_ORDER = ["avx512_vnni", "avx2", "torch"]
-KERNEL_SETS = _ORDER[_ORDER.index(cpu_kernels.best_kernels()) :]
-
-
-@pytest.fixture(params=KERNEL_SETS)
-def kernels(request):
-    cpu_kernels.set_kernels(request.param)
-    yield request.param
-    cpu_kernels.set_kernels("auto")
+from tests.unit.conftest import KERNEL_SETS  # and its `kernels` fixture: every kernel set this CPU runs
 
 
 def _q6_k(n: int, k: int, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:

@@ -19,16 +19,7 @@ from llmserve.load_errors import WeightShapeError
 from llmserve.model_executor.model_loader.gguf_quant import EXACT_TYPES, read_rows
 from tests.gguf_writer import REFERENCE_DEQUANT, random_blocks
 
-# Every kernel set this machine runs, best first; "torch" is the fallback that runs anywhere.
-_ORDER = ["avx512_vnni", "avx2", "torch"]
-KERNEL_SETS = _ORDER[_ORDER.index(cpu_kernels.best_kernels()) :]
-
-
-@pytest.fixture(params=KERNEL_SETS)
-def kernels(request):
-    cpu_kernels.set_kernels(request.param)
-    yield request.param
-    cpu_kernels.set_kernels("auto")
+# The `kernels` fixture (conftest.py) runs a test on every kernel set this machine runs.
 
 
 def _random_rows(fmt: str, n: int, k: int, with_min: bool, seed: int = 0) -> QuantizedRows:
@@ -253,9 +244,8 @@ def test_gguf_blocks_read_as_rows(qtype):
     rows = read_rows(raw.reshape(3, -1), qtype, 512)
     fmt = "q4" if qtype in (Q.Q4_0, Q.Q4_1, Q.Q4_K) else "q6" if qtype == Q.Q6_K else "q8"
     assert rows is not None and rows.fmt == fmt
-    assert (rows.m is None) == (
-        qtype in (Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q6_K)
-    )  # Q4_0: symmetric, 18 bytes a block
+    # Q4_0: symmetric, 18 bytes a block; Q6_K: sub-block scales, no minimums
+    assert (rows.m is None) == (qtype in (Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q6_K))
     got = rows.dequantize()
     if qtype in (Q.Q4_K, Q.Q5_K):
         # |d sc q| <= 31 |d sc| and |dmin m| each off by a half-float rounding (2^-11 relative)

@@ -26,11 +26,7 @@ constexpr int SUBS = Q6_SUPER / Q6_SUB;
 
 thread_local std::vector<int32_t> offsets;  // [token][K / 16]: 32 * each sub-block's sum of xq
 
-inline __m256i pair_at(const int16_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
+#include "avx2_tile.inc"
 
 template <int MT>
 void tile_q6(const uint8_t* w, const uint16_t* d, int64_t ns, const int16_t* xq, int64_t K, const int32_t* xs,
@@ -59,8 +55,8 @@ void tile_q6(const uint8_t* w, const uint16_t* d, int64_t ns, const int16_t* xq,
           }
         }
         const __m128i sc8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + i * NT + 8 * h));
-        const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + s * NT + 8 * h)));
-        const __m256 scale = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8)), dv);  // exact
+        const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8));
+        const __m256 scale = _mm256_mul_ps(sc, half8(d + s * NT + 8 * h));  // d sc: exact in float32
         for (int t = 0; t < MT; ++t) {
           const __m256i sum = _mm256_sub_epi32(ia[t], _mm256_set1_epi32(xs[t * (K / Q6_SUB) + s * SUBS + i]));
           acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, acc[t][h]);
@@ -68,14 +64,7 @@ void tile_q6(const uint8_t* w, const uint16_t* d, int64_t ns, const int16_t* xq,
       }
     }
   }
-  for (int t = 0; t < MT; ++t) {
-    alignas(32) float row[NT];
-    const __m256 sx = _mm256_set1_ps(dx[t]);
-    _mm256_store_ps(row, _mm256_mul_ps(acc[t][0], sx));
-    _mm256_store_ps(row + 8, _mm256_mul_ps(acc[t][1], sx));
-    float* o = out + t * ldo;
-    for (int n = 0; n < nvalid; ++n) o[n] = bias ? row[n] + bias[n] : row[n];
-  }
+  store_tile<MT>(acc, dx, bias, nvalid, out, ldo);
 }
 
 }  // namespace
