@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from gguf import GGMLQuantizationType as Q
 
 from llmserve.config import ModelConfig
 from llmserve.layers.quantization import QuantizedLinear, cpu_kernels
 from llmserve.layers.quantization.formats import quantize
+from llmserve.lora import LoRARequest
 from llmserve.model_executor.forward_runner import ForwardRunner, SequenceBatchEntry
 from llmserve.model_executor.greedy import generate_greedy
 from llmserve.model_executor.model_loader import load_model
 from llmserve.model_executor.model_loader.gguf_loader import GGUFCheckpoint
 from tests.gguf_writer import tiny_llama_gguf
+from tests.models.test_lora import ALL, make_adapter, make_runner, run_mixed
 from tests.models.test_quantized import KERNEL_SETS, PROMPTS, TOL, _decode_logits
 
 # Every matrix read exactly: q, k, v all Q6_K (a fused q6 layer of three shards), gate and up too,
@@ -100,3 +103,33 @@ def test_mixed_shards_keep_q8(tmp_path):
     v = floats["model.layers.0.self_attn.v_proj.weight"]
     qkv = layer.self_attn.qkv_proj.logical_weight()
     assert torch.equal(qkv[-v.shape[0] :], quantize(v, "q8").dequantize())
+
+
+def test_lora_on_a_q6_base(q6_gguf, tmp_path):
+    """A PEFT adapter on every projection of a q6 base: the fused decoder and the layer path, with
+    the adapter's sequences and a base one in one batch, against the float model of the same file
+    with the same adapter."""
+    # tiny_llama_gguf's shapes: all the adapter needs of its base
+    config = transformers.LlamaConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "shapes")
+    adapter = make_adapter(tmp_path / "shapes", tmp_path / "lora", ALL, seed=3)
+    logits = {}
+    for quantization, fused in (("auto", True), ("auto", False), ("none", False)):
+        runner, manager = make_runner(q6_gguf, quantization)
+        manager.add(LoRARequest("a", 1, str(adapter)))
+        runner.use_fused(fused)
+        logits[quantization, fused] = run_mixed(runner, [1, 0, 1])
+    base = run_mixed(make_runner(q6_gguf, "none")[0], [0, 0, 0])
+    assert (logits["none", False][0] - base[0]).abs().amax() > 50 * TOL  # the adapter moves them
+    for key in (("auto", True), ("auto", False)):
+        for got, want in zip(logits[key], logits["none", False], strict=True):
+            torch.testing.assert_close(got, want, rtol=TOL, atol=TOL, msg=str(key))
