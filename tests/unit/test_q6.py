@@ -73,10 +73,14 @@ def test_q6_refuses_widths_that_are_not_whole_super_blocks():
         pack(cut)
     with pytest.raises(ValueError, match="q6"):
         quantize(torch.randn(4, 256), "q6")
+    ext = cpu_kernels.native_extension()
+    if ext is not None:  # the kernels refuse such a width too, before reading a byte
+        with pytest.raises(ValueError, match="K is 128"):
+            ext.gemm(6, 0, 128, 1, 128, 16, 0, 0, 0, 0, 0, 16, 16)
 
 
 @pytest.mark.parametrize("m", [1, 3, 17])
-@pytest.mark.parametrize("n,k", [(16, 256), (37, 512), (50, 1024)])
+@pytest.mark.parametrize("n,k", [(16, 256), (37, 512), (50, 1024), (20, 8192)])  # 8192: 16 tokens a chunk
 def test_linear_matches_the_dequantized_file(kernels, n, k, m):
     """Equal to float rounding: the integer sums are exact, each sub-block's (d sc) scaling and
     the float sum over sub-blocks round once per step (K / 16 steps of 2^-24)."""

@@ -109,6 +109,11 @@ bool parse_linear(PyObject* t, QuantLinear* q) {
     PyErr_Format(PyExc_ValueError, "act_bits must be 16 or 8, got %lld", static_cast<long long>(act_bits));
     return false;
   }
+  if (bits == 6 && q->K % Q6_SUPER) {
+    PyErr_Format(PyExc_ValueError, "q6 rows are whole super-blocks of %d columns; K is %lld", Q6_SUPER,
+                 static_cast<long long>(q->K));
+    return false;
+  }
   q->bits = static_cast<int>(bits);
   q->act_bits = static_cast<int>(act_bits);
   return true;
@@ -342,6 +347,11 @@ PyObject* py_gemm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   if (a.act_bits != 16 && a.act_bits != 8) {
     PyErr_Format(PyExc_ValueError, "gemm: act_bits must be 16 or 8, got %d", a.act_bits);
+    return nullptr;
+  }
+  if (bits == 6 && a.K % Q6_SUPER) {
+    PyErr_Format(PyExc_ValueError, "gemm: q6 rows are whole super-blocks of %d columns; K is %lld", Q6_SUPER,
+                 static_cast<long long>(a.K));
     return nullptr;
   }
   if (g_isa == Isa::none) {
