@@ -6,17 +6,20 @@ Two shapes of a 1B Llama (hidden 2048, intermediate 8192, vocabulary 49152), the
 llama-quantize stores as Q6_K: the tied LM head (49,152 x 2,048) and ffn_down (2,048 x 8,192).
 Each is made of random valid Q6_K blocks, read into q6 as the loader does (gguf_quant.py) and,
 for the baseline, dequantized and quantized to q8 (what the loader did before q6). The two are
-called in turn (interleaved medians, bench_linear.py) so that noise hits them alike; the figure
-to read is GB/s of each format's own bytes (data + scales), a memory-streaming rate at batch 1,
-and the time, which q6 cuts by reading 6.56 bits a weight instead of 8.5.
+called in turn so that noise hits them alike, `--inner` calls a turn; the figures are the minimum
+and the median of --repeats turns (on a shared machine other processes only slow a turn down, so
+the minimum is the kernel's own), as GB/s of each format's own bytes (data + scales): a
+memory-streaming rate at batch 1, and the time, which q6 cuts by reading 6.56 bits a weight
+instead of 8.5.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import sys
-from pathlib import Path
+import statistics
+import time
+from collections.abc import Callable
 
 import gguf
 import numpy as np
@@ -26,9 +29,6 @@ from gguf import GGMLQuantizationType as Q
 from llmserve.layers.quantization import cpu_kernels
 from llmserve.layers.quantization.formats import pack, quantize
 from llmserve.model_executor.model_loader.gguf_quant import read_rows
-
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_linear import interleaved_medians
 
 SHAPES = {"lm_head": (49152, 2048), "ffn_down": (2048, 8192)}  # (out, in)
 
@@ -41,9 +41,26 @@ def random_q6_k(rows: int, cols: int, seed: int = 0) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
+def interleaved_times(
+    fns: dict[str, Callable[[], object]], repeats: int, inner: int
+) -> dict[str, list[float]]:
+    """ms per call of each function over `repeats` turns, the functions taking turns (after a warm-up)."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            times[name].append((time.perf_counter() - t) / inner * 1e3)
+    return times
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=21)
+    ap.add_argument("--inner", type=int, default=5, help="calls a turn")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--threads", type=int, default=0, help="OpenMP threads (0: torch's default)")
     args = ap.parse_args()
@@ -56,11 +73,13 @@ def main() -> None:
         q8 = pack(quantize(torch.from_numpy(gguf.quants.dequantize(raw, Q.Q6_K)), "q8"))
         x = torch.randn(args.batch, k)
         calls = {f: functools.partial(cpu_kernels.linear, x, w) for f, w in (("q6", q6), ("q8", q8))}
-        ms = interleaved_medians(calls, args.repeats)
+        times = interleaved_times(calls, args.repeats, args.inner)
+        best = {f: min(ts) for f, ts in times.items()}
         for fmt, w in (("q6", q6), ("q8", q8)):
-            mb = w.nbytes() / 1e6
-            print(f"{name:9s} {n}x{k} {fmt}: {mb:7.1f} MB  {ms[fmt]:7.3f} ms  {mb / ms[fmt]:6.1f} GB/s")
-        print(f"{name:9s} q6 / q8 time: {ms['q6'] / ms['q8']:.3f}")
+            mb, med = w.nbytes() / 1e6, statistics.median(times[fmt])
+            print(f"{name:9s} {n}x{k} {fmt}: {mb:7.1f} MB  min {best[fmt]:7.3f} ms {mb / best[fmt]:6.1f} GB/s"
+                  f"  median {med:7.3f} ms {mb / med:6.1f} GB/s")  # fmt: skip
+        print(f"{name:9s} q6 / q8 time (min): {best['q6'] / best['q8']:.3f}")
 
 
 if __name__ == "__main__":
