@@ -18,8 +18,8 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
-import time
-from collections.abc import Callable
+import sys
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -30,6 +30,9 @@ from llmserve.layers.quantization import cpu_kernels
 from llmserve.layers.quantization.formats import pack, quantize
 from llmserve.model_executor.model_loader.gguf_quant import read_rows
 
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_linear import interleaved_times
+
 SHAPES = {"lm_head": (49152, 2048), "ffn_down": (2048, 8192)}  # (out, in)
 
 
@@ -39,22 +42,6 @@ def random_q6_k(rows: int, cols: int, seed: int = 0) -> np.ndarray:
     raw = rng.integers(0, 256, size=(rows * cols // 256, 210), dtype=np.uint8)
     raw[:, 208:210] = (rng.uniform(0.5, 1.0, size=(len(raw), 1)) * 3e-5).astype(np.float16).view(np.uint8)
     return raw.reshape(rows, -1)
-
-
-def interleaved_times(
-    fns: dict[str, Callable[[], object]], repeats: int, inner: int
-) -> dict[str, list[float]]:
-    """ms per call of each function over `repeats` turns, the functions taking turns (after a warm-up)."""
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t = time.perf_counter()
-            for _ in range(inner):
-                fn()
-            times[name].append((time.perf_counter() - t) / inner * 1e3)
-    return times
 
 
 def main() -> None:

@@ -294,16 +294,23 @@ def requantized(path: Path, qtype_of: Callable[[str, np.ndarray], GGMLQuantizati
     return tensors
 
 
+def tiny_llama_config() -> Any:
+    """`tiny_llama_gguf`'s transformers config (hidden 256: K-quant super-blocks are 256 wide)."""
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1, tie_word_embeddings=True,
+    )  # fmt: skip
+
+
 def tiny_llama_gguf(tmp: Path, types: dict[str, GGMLQuantizationType], tokenizer: bool = False) -> Path:
     """A tiny Llama (hidden 256: K-quant super-blocks are 256 wide) as a GGUF file whose weights
     take `types` by tensor kind ("attn_q", "ffn_down", "token_embd", ...; F32 where not named).
     `tokenizer`: also a SentencePiece-style vocabulary of placeholder tokens, for an engine."""
     import transformers
 
-    config = transformers.LlamaConfig(
-        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1, tie_word_embeddings=True,
-    )  # fmt: skip
+    config = tiny_llama_config()
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(config).eval()
     config.architectures = ["LlamaForCausalLM"]

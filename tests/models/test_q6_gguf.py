@@ -19,7 +19,7 @@ from llmserve.model_executor.forward_runner import ForwardRunner, SequenceBatchE
 from llmserve.model_executor.greedy import generate_greedy
 from llmserve.model_executor.model_loader import load_model
 from llmserve.model_executor.model_loader.gguf_loader import GGUFCheckpoint
-from tests.gguf_writer import tiny_llama_gguf
+from tests.gguf_writer import tiny_llama_config, tiny_llama_gguf
 from tests.models.test_lora import ALL, make_adapter, make_runner, run_mixed
 from tests.models.test_quantized import KERNEL_SETS, PROMPTS, TOL, _decode_logits
 
@@ -109,18 +109,7 @@ def test_lora_on_a_q6_base(q6_gguf, tmp_path):
     """A PEFT adapter on every projection of a q6 base: the fused decoder and the layer path, with
     the adapter's sequences and a base one in one batch, against the float model of the same file
     with the same adapter."""
-    # tiny_llama_gguf's shapes: all the adapter needs of its base
-    config = transformers.LlamaConfig(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-    )
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "shapes")
+    transformers.LlamaForCausalLM(tiny_llama_config()).save_pretrained(tmp_path / "shapes")  # its shapes
     adapter = make_adapter(tmp_path / "shapes", tmp_path / "lora", ALL, seed=3)
     logits = {}
     for quantization, fused in (("auto", True), ("auto", False), ("none", False)):
