@@ -20,6 +20,8 @@ setup(
                     "module",
                     "qgemm_avx512",
                     "qgemm_avx2",
+                    "qgemm_q6_avx512",
+                    "qgemm_q6_avx2",
                     "decoder_stack",
                     "decoder_moe",
                     "decoder_cache_rows",
@@ -30,7 +32,14 @@ setup(
             ],
             depends=[
                 f"{CSRC}/{name}"
-                for name in ("qgemm.h", "decoder_stack.h", "shm_comm.h", "py_util.h", "act_quant.inc")
+                for name in (
+                    "qgemm.h",
+                    "decoder_stack.h",
+                    "shm_comm.h",
+                    "py_util.h",
+                    "act_quant.inc",
+                    "avx2_tile.inc",
+                )
             ],
             include_dirs=[CSRC],
             language="c++",

@@ -70,6 +70,14 @@ def interleaved_medians(
 ) -> dict[str, float]:
     """Median ms per call of each function, the functions taking turns (`inner` calls a turn) so
     that machine noise hits them alike."""
+    times = interleaved_times(fns, repeats, inner)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def interleaved_times(
+    fns: dict[str, Callable[[], object]], repeats: int, inner: int = 1
+) -> dict[str, list[float]]:
+    """Each turn's ms per call of each function (`interleaved_medians`, every turn kept)."""
     for fn in fns.values():
         for _ in range(2):
             fn()
@@ -79,8 +87,8 @@ def interleaved_medians(
             t = time.perf_counter()
             for _ in range(inner):
                 fn()
-            times[name].append((time.perf_counter() - t) / inner)
-    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+            times[name].append((time.perf_counter() - t) / inner * 1e3)
+    return times
 
 
 def median_ms(fn: Callable[[], object], repeats: int) -> float:

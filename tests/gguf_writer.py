@@ -288,10 +288,20 @@ def requantized(path: Path, qtype_of: Callable[[str, np.ndarray], GGMLQuantizati
     for i, t in enumerate(gguf.GGUFReader(path).tensors):
         arr = np.array(t.data).reshape(list(reversed(t.shape.tolist())))
         qtype = qtype_of(t.name, arr) if t.name.endswith("weight") else Q.F32
-        if qtype in (Q.Q2_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS):  # gguf has no quantizer for these
+        if qtype in (Q.Q2_K, Q.Q3_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS):  # gguf has no quantizer for these
             arr = random_blocks(qtype, *arr.shape, seed=i)
         tensors[t.name] = arr if qtype == Q.F32 else (arr, qtype)
     return tensors
+
+
+def tiny_llama_config() -> Any:
+    """`tiny_llama_gguf`'s transformers config (hidden 256: K-quant super-blocks are 256 wide)."""
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1, tie_word_embeddings=True,
+    )  # fmt: skip
 
 
 def tiny_llama_gguf(tmp: Path, types: dict[str, GGMLQuantizationType], tokenizer: bool = False) -> Path:
@@ -300,10 +310,7 @@ def tiny_llama_gguf(tmp: Path, types: dict[str, GGMLQuantizationType], tokenizer
     `tokenizer`: also a SentencePiece-style vocabulary of placeholder tokens, for an engine."""
     import transformers
 
-    config = transformers.LlamaConfig(
-        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1, tie_word_embeddings=True,
-    )  # fmt: skip
+    config = tiny_llama_config()
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(config).eval()
     config.architectures = ["LlamaForCausalLM"]
@@ -413,6 +420,7 @@ _RANDOM_SCALES: dict[GGMLQuantizationType, dict[int, float]] = {
     Q.Q3_K: {108: 0.0008},  # d (sc - 32) q, |q| <= 4
     Q.IQ4_NL: {0: 0.0008},  # d T[q], |T| <= 127
     Q.IQ4_XS: {0: 2e-5},  # d (ls - 32) T[q]
+    Q.Q6_K: {208: 5e-5},  # d sc (q - 32), |sc| <= 128, |q - 32| <= 32
 }
 
 

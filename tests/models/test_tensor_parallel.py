@@ -96,6 +96,26 @@ def test_tp2_matches_tp1_q4_1_gguf(tmp_path):
     compare_tp(str(tiny_llama_gguf(tmp_path, dict.fromkeys(kinds, Q.Q4_1), tokenizer=True)), atol=2e-3)
 
 
+def test_tp2_matches_tp1_q6_k_gguf(tmp_path):
+    """Q6_K matrices held as q6 (their own super-blocks of 256 columns) on each rank: down_proj's
+    256 input columns per rank are one whole super-block, the vocabulary-parallel table's rows and
+    the column-parallel layers' rows split anywhere. (o_proj, Q4_1 here: a Q6_K o_proj's 128
+    columns a rank would cut a super-block and be held as q8, other weights than TP=1's q6, so
+    not the same tokens; tests/unit/test_q6.py checks that cut.) Fused on both."""
+    kinds = ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up", "ffn_down", "token_embd")
+
+    def formats(llm: LLM) -> None:
+        layer = llm.engine.runner.runner.model.model.layers[0]
+        assert layer.mlp.down_proj.fmt == layer.mlp.gate_up_proj.fmt == "q6"
+
+    types = {**dict.fromkeys(kinds, Q.Q6_K), "attn_output": Q.Q4_1}
+    path = str(tiny_llama_gguf(tmp_path, types, tokenizer=True))
+    ref_tokens, ref_lp, _ = _run(path, fused=True, inspect=formats)
+    tp_tokens, tp_lp, _ = _run(path, fused=True, tensor_parallel_size=2, threads_per_rank=1)
+    assert tp_tokens == ref_tokens
+    np.testing.assert_allclose(np.array(tp_lp), np.array(ref_lp), rtol=0, atol=2e-3)
+
+
 @pytest.mark.parametrize("source", ["int8", "q4_1-gguf"])
 def test_tp2_fused_decoder_matches_tp1(source, tmp_path, monkeypatch):
     """Each rank runs its shard of the stack in the fused C++ decoder, summing the o and down

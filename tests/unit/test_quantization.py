@@ -19,16 +19,7 @@ from llmserve.load_errors import WeightShapeError
 from llmserve.model_executor.model_loader.gguf_quant import EXACT_TYPES, read_rows
 from tests.gguf_writer import REFERENCE_DEQUANT, random_blocks
 
-# Every kernel set this machine runs, best first; "torch" is the fallback that runs anywhere.
-_ORDER = ["avx512_vnni", "avx2", "torch"]
-KERNEL_SETS = _ORDER[_ORDER.index(cpu_kernels.best_kernels()) :]
-
-
-@pytest.fixture(params=KERNEL_SETS)
-def kernels(request):
-    cpu_kernels.set_kernels(request.param)
-    yield request.param
-    cpu_kernels.set_kernels("auto")
+# The `kernels` fixture (conftest.py) runs a test on every kernel set this machine runs.
 
 
 def _random_rows(fmt: str, n: int, k: int, with_min: bool, seed: int = 0) -> QuantizedRows:
@@ -245,13 +236,16 @@ def _raw_blocks(qtype: Q, rows: int, cols: int) -> np.ndarray:
 @pytest.mark.parametrize("qtype", [q for q in EXACT_TYPES if q in REFERENCE_DEQUANT], ids=lambda q: q.name)
 def test_gguf_blocks_read_as_rows(qtype):
     """Against ggml's reference dequantization (written from its C code): exact for the 32-value
-    types; the K types' sub-block scales and minimums are rounded to half floats."""
+    types and Q6_K (its own super-blocks, q6); Q4_K's and Q5_K's sub-block scales and minimums
+    are rounded to half floats."""
     ref, _ = REFERENCE_DEQUANT[qtype]
     raw = _raw_blocks(qtype, 3, 512)
     expected = torch.tensor([v for block in raw for v in ref(block.tobytes())]).reshape(3, 512)
     rows = read_rows(raw.reshape(3, -1), qtype, 512)
-    assert rows is not None and rows.fmt == ("q4" if qtype in (Q.Q4_0, Q.Q4_1, Q.Q4_K) else "q8")
-    assert (rows.m is None) == (qtype in (Q.Q8_0, Q.Q4_0, Q.Q5_0))  # Q4_0: symmetric, 18 bytes a block
+    fmt = "q4" if qtype in (Q.Q4_0, Q.Q4_1, Q.Q4_K) else "q6" if qtype == Q.Q6_K else "q8"
+    assert rows is not None and rows.fmt == fmt
+    # Q4_0: symmetric, 18 bytes a block; Q6_K: sub-block scales, no minimums
+    assert (rows.m is None) == (qtype in (Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q6_K))
     got = rows.dequantize()
     if qtype in (Q.Q4_K, Q.Q5_K):
         # |d sc q| <= 31 |d sc| and |dmin m| each off by a half-float rounding (2^-11 relative)
@@ -287,7 +281,7 @@ def test_mxfp4_beyond_half_float_scales_is_left_to_float():
 
 
 def test_gguf_types_without_a_block_format_are_left_to_float():
-    for qtype in (Q.Q6_K, Q.Q2_K, Q.Q3_K):
+    for qtype in (Q.Q2_K, Q.Q3_K):
         assert read_rows(random_blocks(qtype, 2, 256), qtype, 256) is None
 
 

@@ -55,7 +55,8 @@ class ModelConfig:
     int8 values with a half-float scale (GGUF Q8_0's math). `int4`: linear layers in blocks of 32
     4-bit values with a scale and a minimum (Q4_1's math), embeddings and LM head in int8. `none`:
     float weights in `dtype`. `auto`: a quantized GGUF file keeps its quantization family per layer
-    (Q4_0/Q4_1/Q4_K as int4, read without a float round trip; Q8_0, Q5, Q6_K as int8); float
+    (Q4_0/Q4_1/Q4_K as int4 and Q6_K in its own 6-bit blocks, read without a float round trip;
+    Q8_0, Q5 as int8); float
     checkpoints stay float; a pre-quantized HF folder (GPTQ, AWQ, FP8 `quantization_config`) keeps
     its own format: GPTQ/AWQ as int4 (dequantized on CUDA), FP8 as `fp8` (docs/prequantized.md).
     Activations stay float32 between layers; each quantized matmul

@@ -101,12 +101,17 @@ bool parse_linear(PyObject* t, QuantLinear* q) {
       !item_ptr(t, 4, const_cast<float**>(&q->bias)) || !item_ll(t, 5, &q->N) || !item_ll(t, 6, &q->K) ||
       !item_ll(t, 7, &act_bits))
     return false;
-  if (bits != 8 && bits != 4) {
-    PyErr_Format(PyExc_ValueError, "bits must be 8 or 4, got %lld", static_cast<long long>(bits));
+  if (bits != 8 && bits != 4 && bits != 6) {
+    PyErr_Format(PyExc_ValueError, "bits must be 8, 4 or 6, got %lld", static_cast<long long>(bits));
     return false;
   }
   if (act_bits != 16 && act_bits != 8) {
     PyErr_Format(PyExc_ValueError, "act_bits must be 16 or 8, got %lld", static_cast<long long>(act_bits));
+    return false;
+  }
+  if (bits == 6 && q->K % Q6_SUPER) {
+    PyErr_Format(PyExc_ValueError, "q6 rows are whole super-blocks of %d columns; K is %lld", Q6_SUPER,
+                 static_cast<long long>(q->K));
     return false;
   }
   q->bits = static_cast<int>(bits);
@@ -336,12 +341,17 @@ PyObject* py_gemm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   a.ldo = PyLong_AsLongLong(args[11]);
   a.act_bits = static_cast<int>(PyLong_AsLong(args[12]));
   if (PyErr_Occurred()) return nullptr;
-  if (bits != 8 && bits != 4) {
-    PyErr_Format(PyExc_ValueError, "gemm: bits must be 8 or 4, got %ld", bits);
+  if (bits != 8 && bits != 4 && bits != 6) {
+    PyErr_Format(PyExc_ValueError, "gemm: bits must be 8, 4 or 6, got %ld", bits);
     return nullptr;
   }
   if (a.act_bits != 16 && a.act_bits != 8) {
     PyErr_Format(PyExc_ValueError, "gemm: act_bits must be 16 or 8, got %d", a.act_bits);
+    return nullptr;
+  }
+  if (bits == 6 && a.K % Q6_SUPER) {
+    PyErr_Format(PyExc_ValueError, "gemm: q6 rows are whole super-blocks of %d columns; K is %lld", Q6_SUPER,
+                 static_cast<long long>(a.K));
     return nullptr;
   }
   if (g_isa == Isa::none) {
@@ -370,6 +380,7 @@ PyObject* py_dequant_rows(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (PyErr_Occurred()) return nullptr;
   Py_BEGIN_ALLOW_THREADS;
   if (bits == 8) dequant_rows_q8(static_cast<const int8_t*>(w), d, m, K, ids, n, out);
+  else if (bits == 6) dequant_rows_q6(static_cast<const uint8_t*>(w), d, K, ids, n, out);
   else dequant_rows_q4(static_cast<const uint8_t*>(w), d, m, K, ids, n, out);
   Py_END_ALLOW_THREADS;
   Py_RETURN_NONE;
@@ -432,6 +443,10 @@ PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_cpu_kernels", "Block-quantized C
 }  // namespace
 
 void gemm(int bits, const GemmArgs& a) {
+  if (bits == 6) {
+    g_isa == Isa::avx512_vnni ? avx512::gemm_q6(a) : avx2::gemm_q6(a);
+    return;
+  }
   if (g_isa == Isa::avx512_vnni) {
     bits == 8 ? avx512::gemm_q8(a) : avx512::gemm_q4(a);
   } else {
@@ -483,6 +498,32 @@ void dequant_rows_q4(const uint8_t* w, const uint16_t* d, const uint16_t* m, int
             if (k < K) o[k] = s_ * ((u >> (4 * s)) & 0x0F) + mn;
           }
         }
+    }
+  }
+}
+
+// q6 (qgemm.h): w = d sc (q - 32), computed as (d sc) (q - 32) in float32 as gguf does (exact).
+void dequant_rows_q6(const uint8_t* w, const uint16_t* d, int64_t K, const int64_t* ids, int64_t n, float* out) {
+  const int64_t ns = K / Q6_SUPER;
+#pragma omp parallel for schedule(static) if (n * K >= (1 << 16))
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t tile = ids[i] / NT, r = ids[i] % NT;
+    float* o = out + i * K;
+    for (int64_t s = 0; s < ns; ++s) {
+      const uint8_t* rec = w + (tile * ns + s) * Q6_RECORD;
+      const float dv = half_to_float(d[(tile * ns + s) * NT + r]);
+      for (int j = 0; j < Q6_SUPER / Q6_SUB; ++j) {
+        const float scale = dv * static_cast<float>(static_cast<int8_t>(rec[j * NT + r]));
+        const uint8_t* sub = rec + Q6_SUB * NT + j * 192;
+        for (int c = 0; c < Q6_SUB; ++c) {  // column 2p + i: nibble p % 4 of lane (p / 4, r, i), bits 2p of (r, i)
+          const int p = c / 2, lane = c % 2;
+          const uint8_t* lo = sub + ((p / 4) * NT + r) * 4 + lane * 2;
+          const uint8_t* hi = sub + 128 + (r * 2 + lane) * 2;
+          const unsigned lo16 = lo[0] | (unsigned(lo[1]) << 8), hi16 = hi[0] | (unsigned(hi[1]) << 8);
+          const int q = int(((lo16 >> (4 * (p % 4))) & 0x0F) | (((hi16 >> (2 * p)) & 3) << 4));
+          o[s * Q6_SUPER + j * Q6_SUB + c] = scale * static_cast<float>(q - 32);
+        }
+      }
     }
   }
 }

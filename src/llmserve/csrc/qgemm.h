@@ -60,14 +60,22 @@ struct GemmArgs {
 inline int64_t num_blocks(int64_t K) { return (K + KB - 1) / KB; }
 inline int64_t num_tiles(int64_t N) { return (N + NT - 1) / NT; }
 
+// q6: GGUF Q6_K's super-blocks as they are (qgemm_q6_avx512.cpp, formats_q6.py): w = d sc (q - 32),
+// q 6-bit, sc int8 per 16 columns, d half per 256. GemmArgs::w holds a record of Q6_RECORD bytes per
+// tile and super-block (the 256 scales, then 16 sub-blocks of nibbles and bit pairs), d the halves
+// [tiles, super-blocks, 16], m is unused; K is a multiple of 256, and activations are int16 always.
+constexpr int Q6_SUPER = 256, Q6_SUB = 16, Q6_RECORD = 3328;
+
 namespace avx512 {
 void gemm_q8(const GemmArgs& a);
 void gemm_q4(const GemmArgs& a);
+void gemm_q6(const GemmArgs& a);
 }  // namespace avx512
 
 namespace avx2 {
 void gemm_q8(const GemmArgs& a);
 void gemm_q4(const GemmArgs& a);
+void gemm_q6(const GemmArgs& a);
 }  // namespace avx2
 
 // Portable code: embedding rows dequantized from the packed layout (any CPU); m as in GemmArgs.
@@ -75,5 +83,6 @@ void dequant_rows_q8(const int8_t* w, const uint16_t* d, const uint16_t* m, int6
                      float* out);
 void dequant_rows_q4(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t K, const int64_t* ids,
                      int64_t n, float* out);
+void dequant_rows_q6(const uint8_t* w, const uint16_t* d, int64_t K, const int64_t* ids, int64_t n, float* out);
 
 }  // namespace llmserve

@@ -19,32 +19,11 @@ namespace avx2 {
 
 namespace {
 
-inline __m256i pair_at(const int16_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
-
-inline __m256 half8(const uint16_t* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
+#include "avx2_tile.inc"
 
 template <int MT>
 constexpr int chains() {
   return MT >= 2 ? 1 : 2;
-}
-
-template <int MT>
-inline void store_tile(const __m256 (&acc)[MT][2], const float* dx, const float* bias, int nvalid, float* out,
-                       int64_t ldo) {
-  for (int t = 0; t < MT; ++t) {
-    alignas(32) float row[NT];
-    const __m256 s = _mm256_set1_ps(dx[t]);
-    _mm256_store_ps(row, _mm256_mul_ps(acc[t][0], s));
-    _mm256_store_ps(row + 8, _mm256_mul_ps(acc[t][1], s));
-    float* o = out + t * ldo;
-    for (int n = 0; n < nvalid; ++n) o[n] = bias ? row[n] + bias[n] : row[n];
-  }
 }
 
 template <int MT>

@@ -28,7 +28,9 @@ hooks, so the model's code stays the single-device architecture.
 
 Quantized rows (q8 / q4, blocks of 32 input columns) are split by rows for column-parallel layers
 (any row count) and along whole blocks for row-parallel ones: o_proj's and down_proj's input
-slices must be multiples of 32 columns.
+slices must be multiples of 32 columns. q6 rows (GGUF Q6_K's super-blocks of 256 columns) split
+the same way along whole super-blocks; a row-parallel slice that cuts one arrives as floats (the
+file's values) and its layer holds it as q8, what Q6_K tensors were before q6.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from torch import nn
 
 from llmserve.distributed.group import TPGroup
 from llmserve.layers.quantization.formats import BLOCK, QuantizedRows, num_blocks
+from llmserve.layers.quantization.formats_q6 import SUB as Q6_SUB
+from llmserve.layers.quantization.formats_q6 import SUPER as Q6_SUPER
 from llmserve.layers.vocab_embedding import LMHead, VocabEmbedding
 from llmserve.models.base import CausalLM
 from llmserve.models.gpt_oss import STACKED_EXPERTS
@@ -136,7 +140,8 @@ def _rows(t: Any, start: int, n: int) -> torch.Tensor | QuantizedRows:
                 return out
             return torch.cat([out, x.new_zeros((n - take, *x.shape[1:]))])
 
-        return QuantizedRows(t.fmt, pad(t.q), pad(t.d), None if t.m is None else pad(t.m), t.in_features)
+        m, sc = (None if s is None else pad(s) for s in (t.m, t.scales))
+        return QuantizedRows(t.fmt, pad(t.q), pad(t.d), m, t.in_features, sc)
     total = _shape(t)[0]
     take = max(0, min(n, total - start))
     out = t[start : start + take] if take else t[0:0]
@@ -149,6 +154,8 @@ def _columns(name: str, t: Any, start: int, n: int) -> torch.Tensor | QuantizedR
     if not isinstance(t, QuantizedRows):
         return t[:, start : start + n]
     end = start + n
+    if t.fmt == "q6":
+        return _q6_columns(t, start, n)
     if start % BLOCK or (end % BLOCK and end != t.in_features):
         raise ValueError(
             f"{name}: a row-parallel shard of {n} input columns does not fall on whole blocks of {BLOCK} "
@@ -157,6 +164,23 @@ def _columns(name: str, t: Any, start: int, n: int) -> torch.Tensor | QuantizedR
     b0, nb = start // BLOCK, num_blocks(n)
     m = None if t.m is None else t.m[:, b0 : b0 + nb]
     return QuantizedRows(t.fmt, t.q[:, start : start + nb * BLOCK], t.d[:, b0 : b0 + nb], m, n)
+
+
+def _q6_columns(t: QuantizedRows, start: int, n: int) -> torch.Tensor | QuantizedRows:
+    """Columns [start, start + n) of q6 rows: rows of whole super-blocks, else the file's values
+    as floats (the layer then holds them as q8; `as_rows`)."""
+    if start % Q6_SUPER or n % Q6_SUPER:
+        return t.dequantize()[:, start : start + n]
+    s0, j0 = start // Q6_SUPER, start // Q6_SUB
+    assert t.scales is not None
+    return QuantizedRows(
+        "q6",
+        t.q[:, start : start + n],
+        t.d[:, s0 : s0 + n // Q6_SUPER],
+        None,
+        n,
+        t.scales[:, j0 : j0 + n // Q6_SUB],
+    )
 
 
 def shard_tensor(model: CausalLM, name: str, tensor: Any, shard: TPShard) -> torch.Tensor | QuantizedRows:

@@ -2,6 +2,7 @@
 float layers for quantized ones before any weight is loaded.
 
     formats.py     q8 / q4 block formats: quantize, pack into tiles, unpack (torch reference)
+    formats_q6.py  q6: GGUF Q6_K's own 6-bit super-blocks, packed and unpacked
     cpu_kernels.py the matmul and row lookup on llmserve's C++ kernels (or torch ops)
     layers.py      QuantizedLinear, QuantizedVocabEmbedding, QuantizedLMHead (CPU)
     fp8.py         Fp8Linear: e4m3 weights per channel, activations per token (torch._scaled_mm
@@ -43,6 +44,7 @@ PlanFormat = QuantFormat | Literal["fp8"]
 _LINEAR_CLASSES: dict[str, type[QuantizedLinear] | type[Fp8Linear]] = {
     "q8": QuantizedLinear,
     "q4": QuantizedLinear,
+    "q6": QuantizedLinear,
     "fp8": Fp8Linear,
 }
 

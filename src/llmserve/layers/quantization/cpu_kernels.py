@@ -14,7 +14,8 @@ Kernel sets, best first (`set_kernels`, or the environment variable LLMSERVE_QUA
 The C++ kernels quantize activations per token to int16 (csrc/qgemm.h); the torch path multiplies
 float activations, so the two agree to about 1e-4 relative to the output's scale. On avx512_vnni,
 q4 weights can take int8 activations per block of 32 instead (`act_bits=8`, llama.cpp's rounding:
-~5e-3 relative, faster for several tokens at once). A token's row never depends on the other
+~5e-3 relative, faster for several tokens at once); q6 weights (GGUF Q6_K's own blocks,
+csrc/qgemm_q6_*.cpp) always take int16 activations. A token's row never depends on the other
 tokens of the call in the C++ kernels; the torch path makes no such promise.
 """
 

@@ -1,13 +1,16 @@
 """Block-quantized weights: quantizing float rows, packing them for the CPU kernels, and the torch
 reference that dequantizes them again.
 
-Two formats, both in blocks of 32 input columns with IEEE half scales (GGUF's own math, so
-Q8_0, Q4_0, Q4_1 and Q4_K tensors move over without rounding their values again):
+Three formats, in blocks of 32 input columns with IEEE half scales (GGUF's own math, so
+Q8_0, Q4_0, Q4_1 and Q4_K tensors move over without rounding their values again), and GGUF
+Q6_K's own super-blocks (formats_q6.py):
 
     q8   w[n, k] = d[n, b] * q[n, k] (+ m[n, b])  q int8 in [-127, 127]; a minimum only where
                                                   the rows came from 4-bit data (kept exactly)
     q4   w[n, k] = d[n, b] * q[n, k] + m[n, b]    q in [0, 15]            (b = k // 32)
          m = None: symmetric blocks, m = -8 d     (GGUF Q4_0: 18 bytes a block, not 20)
+    q6   w[n, k] = d[n, s] * sc[n, j] * (q[n, k] - 32)   q in [0, 63], sc int8 per 16 columns
+         (j = k // 16), d half per 256 (s = k // 256): GGUF Q6_K's math, 6.5625 bits a weight
 
 A symmetric q4 weight stores no minimum: every consumer (the C++ kernels, `dequantize`) computes
 -8 d from the half scale, which is exact in float32 and equal to the half -8 d converted, so the
@@ -39,8 +42,8 @@ BLOCK = 32
 TILE = 16
 """Output rows per packed tile."""
 
-QuantFormat = Literal["q8", "q4"]
-BITS: dict[str, int] = {"q8": 8, "q4": 4}
+QuantFormat = Literal["q8", "q4", "q6"]
+BITS: dict[str, int] = {"q8": 8, "q4": 4, "q6": 6}
 
 
 def num_blocks(k: int) -> int:
@@ -61,6 +64,8 @@ class QuantizedRows:
     or symmetric q4 blocks whose minimum is -8 d (`minimums`)."""
     in_features: int
     """K, the logical number of columns."""
+    scales: torch.Tensor | None = None
+    """q6 only: [N, K / 16] int8 sub-block scales; `d` is then [N, K / 256] (formats_q6.py)."""
 
     @property
     def num_rows(self) -> int:
@@ -76,7 +81,8 @@ class QuantizedRows:
     def select_rows(self, index: torch.Tensor) -> QuantizedRows:
         """The rows `index` (a row permutation, e.g. undoing llama.cpp's q/k reordering)."""
         m = None if self.m is None else self.m[index]
-        return QuantizedRows(self.fmt, self.q[index], self.d[index], m, self.in_features)
+        sc = None if self.scales is None else self.scales[index]
+        return QuantizedRows(self.fmt, self.q[index], self.d[index], m, self.in_features, sc)
 
     @staticmethod
     def concat(parts: list[QuantizedRows]) -> QuantizedRows | None:
@@ -89,11 +95,16 @@ class QuantizedRows:
         ):
             return None
         m = None if first.m is None else torch.cat([r.m for r in parts])  # type: ignore[misc]
+        sc = None if first.scales is None else torch.cat([r.scales for r in parts])  # type: ignore[misc]
         q, d = torch.cat([r.q for r in parts]), torch.cat([r.d for r in parts])
-        return QuantizedRows(first.fmt, q, d, m, first.in_features)
+        return QuantizedRows(first.fmt, q, d, m, first.in_features, sc)
 
     def dequantize(self) -> torch.Tensor:
         """[N, K] float32."""
+        if self.fmt == "q6":
+            from llmserve.layers.quantization.formats_q6 import dequantize_q6
+
+            return dequantize_q6(self)
         N, nb = self.d.shape
         q = self.q.view(N, nb, BLOCK).float()
         w = q * self.d.float().unsqueeze(-1)
@@ -122,6 +133,10 @@ temporaries at load, above everything the loaded model then holds."""
 
 def quantize(w: torch.Tensor, fmt: QuantFormat) -> QuantizedRows:
     """Block-quantize float rows w [N, K] (round to nearest; q4 spans each block's min..max)."""
+    if fmt == "q6":
+        raise ValueError(
+            "block format 'q6' holds GGUF Q6_K blocks as they are; float rows quantize to q8 or q4"
+        )
     if fmt not in ("q8", "q4"):
         raise ValueError(f"unknown block format {fmt!r}; known: q8, q4")
     N, K = w.shape
@@ -197,6 +212,10 @@ class PackedWeight:
 
 def pack(rows: QuantizedRows) -> PackedWeight:
     """Tile logical rows for the kernels (csrc/qgemm.h)."""
+    if rows.fmt == "q6":
+        from llmserve.layers.quantization.formats_q6 import pack_q6
+
+        return pack_q6(rows)
     N, nb = rows.d.shape
     T = -(-N // TILE)
     pad = T * TILE - N
@@ -223,6 +242,10 @@ def pack(rows: QuantizedRows) -> PackedWeight:
 
 def unpack(w: PackedWeight) -> QuantizedRows:
     """The inverse of `pack` (tests, and the torch fallback's dequantization)."""
+    if w.fmt == "q6":
+        from llmserve.layers.quantization.formats_q6 import unpack_q6
+
+        return unpack_q6(w)
     T, nb = w.d.shape[:2]
     if w.fmt == "q8":
         q = w.data.permute(0, 3, 1, 2, 4).reshape(T * TILE, nb * BLOCK)

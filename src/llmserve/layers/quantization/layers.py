@@ -32,14 +32,18 @@ def as_rows(
 ) -> QuantizedRows:
     """A checkpoint tensor [out, in] as rows in `fmt`: float tensors are quantized; 4-bit rows
     become 8-bit ones exactly (same scales and minimums, a symmetric block's -8 d stored), 8-bit
-    rows are requantized to 4 bits."""
+    and 6-bit rows are requantized from their float values. q6 holds only GGUF Q6_K's own
+    blocks: anything else meant for a q6 layer (a tensor-parallel shard cut inside a super-block,
+    which arrives as floats) becomes q8, what Q6_K tensors became before q6 existed."""
+    if fmt == "q6" and not (isinstance(loaded, QuantizedRows) and loaded.fmt == "q6"):
+        fmt = "q8"
     if isinstance(loaded, QuantizedRows):
         got = (loaded.num_rows, loaded.in_features)
         if got != shape:
             raise WeightShapeError(name, shape, got)
         if loaded.fmt == fmt:
             return loaded
-        if fmt == "q8":  # values 0..15 fit int8: w = d q + m is kept as it is
+        if fmt == "q8" and loaded.fmt == "q4":  # values 0..15 fit int8: w = d q + m is kept as it is
             return QuantizedRows(
                 "q8", loaded.q.to(torch.int8), loaded.d, loaded.minimums(), loaded.in_features
             )
@@ -50,11 +54,18 @@ def as_rows(
 
 
 def _concat(parts: list[QuantizedRows]) -> QuantizedRows:
-    """A fused layer's shards (all in the layer's format) as one matrix. The kernels take one kind
-    of minimum per matrix, so where the shards disagree every one has its minimums stored: q4's
-    symmetric -8 d, q8's zeros. Only shards that all lack them (e.g. every one Q4_0) store none."""
+    """A fused layer's shards (all in the layer's format, or q6 and q8 where a q6 layer's shard
+    fell back to q8: all q8 then) as one matrix. The kernels take one kind of minimum per matrix,
+    so where the shards disagree every one has its minimums stored: q4's symmetric -8 d, q8's
+    zeros. Only shards that all lack them (e.g. every one Q4_0) store none."""
     if len(parts) == 1:
         return parts[0]
+    if len({p.fmt for p in parts}) > 1:
+        parts = [as_rows("", p, "q8", (p.num_rows, p.in_features)) for p in parts]
+    if parts[0].fmt == "q6":
+        joined = QuantizedRows.concat(parts)
+        assert joined is not None
+        return joined
     m = None
     if any(p.m is not None for p in parts):
         stored = [p.minimums() for p in parts]
@@ -85,7 +96,7 @@ def _common_perm(name: str, perms: list[torch.Tensor | None]) -> torch.Tensor | 
 
 
 class QuantizedLinear(Linear):
-    """y = x @ W.T + b with W block-quantized (q8 or q4); computes in float32, returns x's dtype."""
+    """y = x @ W.T + b with W block-quantized (q8, q4 or q6); computes in float32, returns x's dtype."""
 
     packed = True  # forward takes and gives the plain [..., in] -> [..., out] layout
 
@@ -140,6 +151,7 @@ class QuantizedLinear(Linear):
         if all(s is not None for s in self._staged):
             self.input_perm = _common_perm(name, self._staged_perms)
             self.qweight = pack(_concat(self._staged))  # type: ignore[arg-type]
+            self.fmt = self.qweight.fmt  # q6 -> q8 where a shard fell back (as_rows)
             self._staged = [None] * len(self.output_sizes)
             self._staged_perms = [None] * len(self.output_sizes)
 
@@ -183,6 +195,7 @@ class QuantizedVocabEmbedding(VocabEmbedding):
 
     def load(self, name: str, loaded: torch.Tensor | QuantizedRows) -> None:
         self.qweight = pack(as_rows(name, loaded, self.fmt, (self.vocab_size, self.hidden_size)))
+        self.fmt = self.qweight.fmt
 
     def extra_repr(self) -> str:
         return f"vocab={self.vocab_size}, hidden={self.hidden_size}, {self.fmt}"
@@ -218,6 +231,7 @@ class QuantizedLMHead(LMHead):
 
     def load(self, name: str, loaded: torch.Tensor | QuantizedRows) -> None:
         self.qweight = pack(as_rows(name, loaded, self.fmt, (self.vocab_size, self.hidden_size)))
+        self.fmt = self.qweight.fmt
 
     def extra_repr(self) -> str:
         return f"vocab={self.vocab_size}, hidden={self.hidden_size}, {self.fmt}, tied={self.tied_to}"

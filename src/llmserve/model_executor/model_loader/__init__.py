@@ -106,9 +106,9 @@ class LoadedModel:
 
     def kv_cache_dtype(self, name: str = "auto") -> KVDtypes:
         """`CacheConfig.kv_cache_dtype` for this model (see `DeviceProfile.kv_cache_dtype`)."""
-        # q4/q8 weights (the CPU kernels) take a 16-bit cache by default; fp8's CPU path is a
+        # q4/q8/q6 weights (the CPU kernels) take a 16-bit cache by default; fp8's CPU path is a
         # reference for its GPU numbers: its K/V stay in the model's dtype, as float models' do
-        quantized = any(g.fmt in ("q4", "q8") for g in self.weight_groups)
+        quantized = any(g.fmt in ("q4", "q8", "q6") for g in self.weight_groups)
         return self.profile.kv_cache_dtype(name, self.dtype, quantized)
 
     def summary(self) -> str:

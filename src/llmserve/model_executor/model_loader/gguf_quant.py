@@ -14,6 +14,8 @@
                                                             w = d (ls_j - 32) T[q]              -> q8
     MXFP4   17-byte blocks: e (an E8M0 exponent), 16 bytes of FP4 (E2M1) codes
                                                             w = 2^(e - 128) F[q], F = 2 x E2M1  -> q8
+    Q6_K  210-byte super-blocks of 256: 128 bytes of low nibbles, 64 of top bit pairs, 16 int8
+          sub-scales (one per 16 values), d (f16)           w = d sc_j (q - 32)  -> q6 (exact)
 
 In the 32-element blocks, byte i holds element i in its low nibble and element i + 16 in its high
 one (the fifth bit of element i is bit i of qh); in the K types each 32-byte run of nibbles holds
@@ -24,7 +26,7 @@ are rounded to half floats (a relative error of at most 2^-11 on each, far below
 step); IQ4_XS's d (ls_j - 32) likewise. IQ4_NL's and MXFP4's values are exact: their tables are
 int8 (MXFP4's E2M1 values doubled, its scale halved: a power of two, exact in a half float for
 exponents 2^-24 .. 2^15; a block outside that range sends the tensor to the float path). Other
-types (Q6_K, Q2_K, Q3_K, floats) return None: the caller dequantizes them with `gguf`.
+types (Q2_K, Q3_K, floats) return None: the caller dequantizes them with `gguf`.
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ from llmserve.layers.quantization.mxfp4 import MXFP4_VALUES
 
 _Q = GGMLQuantizationType
 
-EXACT_TYPES = (_Q.Q8_0, _Q.Q4_0, _Q.Q4_1, _Q.Q4_K, _Q.Q5_0, _Q.Q5_1, _Q.Q5_K, _Q.IQ4_NL, _Q.IQ4_XS, _Q.MXFP4)
+EXACT_TYPES = (
+    _Q.Q8_0, _Q.Q4_0, _Q.Q4_1, _Q.Q4_K, _Q.Q5_0, _Q.Q5_1, _Q.Q5_K, _Q.IQ4_NL, _Q.IQ4_XS, _Q.MXFP4, _Q.Q6_K,
+)  # fmt: skip
 """GGUF types read directly into a block format."""
 
 
@@ -143,4 +147,22 @@ def read_rows(data: np.ndarray, qtype: GGMLQuantizationType, in_features: int) -
         return QuantizedRows(
             "q8", q8, torch.from_numpy(np.ldexp(np.float32(1), e).astype(np.float16)), None, in_features
         )
+    if qtype == _Q.Q6_K:
+        return _q6_k_rows(data.reshape(rows, -1, 210), in_features)
     return None
+
+
+def _q6_k_rows(b: np.ndarray, in_features: int) -> QuantizedRows:
+    """Q6_K super-blocks [rows, n, 210] as q6 rows. Each half of 128 values takes 64 bytes of
+    nibbles (ql) and 32 of bit pairs (qh): value 32 k + l (k = 0..3, l = 0..31) is the low (k < 2)
+    or high (k >= 2) nibble of ql[l + 32 (k % 2)], with bits 2k, 2k + 1 of qh[l] on top."""
+    rows, n = b.shape[:2]
+    ql = b[..., :128].reshape(rows, n, 2, 2, 32)  # [half, k % 2, l]
+    qh = b[..., 128:192].reshape(rows, n, 2, 1, 32)  # [half, -, l]
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=3)  # [half, k, l]: k = 0, 1 low nibbles; 2, 3 high
+    high = (qh >> (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)) & 3  # [half, k, l]
+    q = torch.from_numpy((low | (high << 4)).reshape(rows, n * 256))
+    scales = torch.from_numpy(
+        np.ascontiguousarray(b[..., 192:208]).view(np.int8).reshape(rows, n * 16).copy()
+    )
+    return QuantizedRows("q6", q, _halves(b[..., 208:210]), None, in_features, scales)

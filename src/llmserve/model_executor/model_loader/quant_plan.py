@@ -9,11 +9,12 @@ files, the type each tensor has on disk.
            rounded per token (layers/quantization/fp8.py); embeddings and LM heads stay float.
            Quantizes float checkpoints only: an already quantized GGUF file is refused
     auto   a quantized GGUF file keeps its quantization family per layer: Q4_0 / Q4_1 / Q4_K
-           tensors become q4, anything else (Q8_0, Q5_x, Q6_K, Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4,
-           F16, ...) q8; a fused layer takes the wider format of its shards. Q8_0, Q4_x, Q5_x,
-           IQ4_NL, IQ4_XS and MXFP4 are read from their blocks (gguf_quant.py), others are
-           requantized from float; the load report says which (`gguf_type_report`). Float
-           checkpoints (HF folders, F32/F16/BF16 GGUF files) stay float.
+           tensors become q4, Q6_K q6 (its own super-blocks, the file's weights exactly),
+           anything else (Q8_0, Q5_x, Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4, F16, ...) q8; a fused
+           layer whose shards differ takes q8 (q4 shards only: q4; Q6_K shards only: q6). Q8_0,
+           Q4_x, Q5_x, Q6_K, IQ4_NL, IQ4_XS and MXFP4 are read from their blocks (gguf_quant.py),
+           others are requantized from float; the load report says which (`gguf_type_report`).
+           Float checkpoints (HF folders, F32/F16/BF16 GGUF files) stay float.
 
 A pre-quantized HF checkpoint (GPTQ, AWQ, FP8: `quantization_config`) brings its own plan instead
 (prequantized.py): its quantized layers keep their format, `auto` being the checkpoint's method.
@@ -44,12 +45,14 @@ _FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 
 
 def _gguf_format(type_name: str) -> QuantFormat:
+    if type_name == "Q6_K":
+        return "q6"
     return "q4" if type_name in _FOUR_BIT_TYPES else "q8"
 
 
 def gguf_type_report(tensor_types: dict[str, str]) -> str:
     """What each quantized GGUF type of a file becomes under `auto`, for the load report:
-    "Q4_K -> q4 (blocks kept), Q6_K -> q8 (requantized)"."""
+    "Q4_K -> q4 (blocks kept), Q3_K -> q8 (requantized)"."""
     from llmserve.model_executor.model_loader.gguf_quant import EXACT_TYPES
 
     kept = {q.name for q in EXACT_TYPES}
@@ -162,7 +165,7 @@ def _is_quantized(tensor_types: dict[str, str]) -> bool:
 
 
 def _formats_from_gguf(model: CausalLM, tensor_types: dict[str, str]) -> dict[str, PlanFormat]:
-    """Per module, the wider of its shards' formats."""
+    """Per module, its shards' format where they agree, else q8 (which holds them all)."""
     shard_formats: dict[str, set[QuantFormat]] = defaultdict(set)
     for name, type_name in tensor_types.items():
         route = model.route_weight(name)
@@ -171,5 +174,6 @@ def _formats_from_gguf(model: CausalLM, tensor_types: dict[str, str]) -> dict[st
     formats: dict[str, PlanFormat] = {}
     for path, module in model.named_modules():
         if isinstance(module, (Linear, VocabEmbedding, LMHead)) and path in shard_formats:
-            formats[path] = "q8" if "q8" in shard_formats[path] else "q4"
+            kinds = shard_formats[path]
+            formats[path] = next(iter(kinds)) if len(kinds) == 1 else "q8"
     return formats
