@@ -288,7 +288,7 @@ def requantized(path: Path, qtype_of: Callable[[str, np.ndarray], GGMLQuantizati
     for i, t in enumerate(gguf.GGUFReader(path).tensors):
         arr = np.array(t.data).reshape(list(reversed(t.shape.tolist())))
         qtype = qtype_of(t.name, arr) if t.name.endswith("weight") else Q.F32
-        if qtype in (Q.Q2_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS):  # gguf has no quantizer for these
+        if qtype in (Q.Q2_K, Q.Q3_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS):  # gguf has no quantizer for these
             arr = random_blocks(qtype, *arr.shape, seed=i)
         tensors[t.name] = arr if qtype == Q.F32 else (arr, qtype)
     return tensors
@@ -411,6 +411,7 @@ REFERENCE_DEQUANT: dict[GGMLQuantizationType, tuple[Callable[[bytes], list[float
 _RANDOM_SCALES: dict[GGMLQuantizationType, dict[int, float]] = {
     Q.Q2_K: {80: 0.003, 82: 0.003},  # d sc q - dmin m, sc, m < 16, q < 4
     Q.Q3_K: {108: 0.0008},  # d (sc - 32) q, |q| <= 4
+    Q.Q6_K: {208: 2.5e-5},  # d sc (q - 32), |sc| <= 128, |q - 32| <= 32
     Q.IQ4_NL: {0: 0.0008},  # d T[q], |T| <= 127
     Q.IQ4_XS: {0: 2e-5},  # d (ls - 32) T[q]
 }

@@ -25,6 +25,11 @@ struct QuantLinear {
   const float* bias = nullptr;
   int64_t N = 0, K = 0;
   int act_bits = 16;  // GemmArgs::act_bits
+  // Non-empty: a fused layer (qkv, gate_up) kept as several matrices whose rows follow one another
+  // (shards in different formats, e.g. Q4_K q and k beside a Q6_K v); N is their sum, and the
+  // fields above, but K, are unused. Rows are independent, so the output is the same bits as one
+  // matrix in the widest format would give.
+  std::vector<QuantLinear> parts;
 };
 
 // A sparse mixture-of-experts MLP (layers/moe.py): a float router picks k of E gated experts per token.

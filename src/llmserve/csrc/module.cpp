@@ -89,8 +89,27 @@ bool item_float(PyObject* seq, Py_ssize_t i, float* out) {
   return !PyErr_Occurred();
 }
 
-// (bits, w, d, m, bias, N, K, act_bits)
+// (bits, w, d, m, bias, N, K, act_bits), or a list of them: one fused layer's matrices, rows one
+// after another (QuantLinear::parts)
 bool parse_linear(PyObject* t, QuantLinear* q) {
+  if (PyList_Check(t)) {
+    q->parts.resize(PyList_GET_SIZE(t));
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(t); ++i)
+      if (!parse_linear(PyList_GET_ITEM(t, i), &q->parts[i])) return false;
+    if (q->parts.empty()) {
+      PyErr_SetString(PyExc_ValueError, "a linear layer's list of matrices is empty");
+      return false;
+    }
+    q->K = q->parts[0].K, q->N = 0;
+    for (const QuantLinear& p : q->parts) {
+      if (p.K != q->K) {
+        PyErr_SetString(PyExc_ValueError, "a linear layer's matrices differ in input width");
+        return false;
+      }
+      q->N += p.N;
+    }
+    return true;
+  }
   if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 8) {
     PyErr_SetString(PyExc_TypeError, "a linear layer is (bits, w, d, m, bias, N, K, act_bits)");
     return false;

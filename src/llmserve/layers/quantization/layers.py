@@ -101,6 +101,15 @@ class QuantizedLinear(Linear):
             else None
         )
         self.qweight: PackedWeight | None = None
+        self.parts: list[PackedWeight] = []
+        """A fused layer whose shards came in different formats (`keep_shard_formats`): its
+        matrices, rows one after another (then `qweight` is None)."""
+        self.keep_shard_formats = False
+        """Keep 4-bit shards of this 8-bit layer as 4-bit matrices of their own (GGUF files under
+        `auto`: Q4_K_M's Q4_K q and k beside a Q6_K v) instead of widening them into one q8
+        matrix with minimums. Rows are independent and q4 -> q8 is exact, so the outputs are the
+        same bits; the split matrices run with int16 activations (`act_bits` 16), as the q8
+        matrix did whatever `act_bits` said."""
         self.act_bits = 16  # 8: int8 activations for q4 weights (ModelConfig.cpu_activations)
         self.input_perm: torch.Tensor | None = None
         """[in] int64: the input's columns in the weight's column order (GPTQ act-order), gathered
@@ -113,10 +122,16 @@ class QuantizedLinear(Linear):
         """A quantized layer with `layer`'s shape (its float weight is never filled)."""
         return cls(layer.in_features, layer.output_sizes, layer.bias is not None, fmt)
 
+    def packed_weights(self) -> list[PackedWeight]:
+        """The matrices the layer multiplies by: `qweight`, or the split layer's `parts`."""
+        return self.parts if self.qweight is None else [self.qweight]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        assert self.qweight is not None, "weights not loaded"
         if self.input_perm is not None:  # one gather of the activations (act-order checkpoints)
             x = x.index_select(-1, self.input_perm)
+        if self.qweight is None:
+            assert self.parts, "weights not loaded"
+            return cpu_kernels.linear(x, self.parts, self.bias, 16)  # int16: see keep_shard_formats
         return cpu_kernels.linear(x, self.qweight, self.bias, self.act_bits)
 
     def load_shard(
@@ -136,12 +151,32 @@ class QuantizedLinear(Linear):
         if isinstance(loaded, PermutedRows):
             self._staged_perms[shard] = loaded.perm
             loaded = loaded.rows
-        self._staged[shard] = as_rows(name, loaded, self.fmt, (end - start, self.in_features))
+        shape = (end - start, self.in_features)
+        keep = self.keep_shard_formats and isinstance(loaded, QuantizedRows) and loaded.fmt == "q4"
+        self._staged[shard] = as_rows(name, loaded, "q4" if keep else self.fmt, shape)
         if all(s is not None for s in self._staged):
             self.input_perm = _common_perm(name, self._staged_perms)
-            self.qweight = pack(_concat(self._staged))  # type: ignore[arg-type]
+            self._pack_staged(name)
             self._staged = [None] * len(self.output_sizes)
             self._staged_perms = [None] * len(self.output_sizes)
+
+    def _pack_staged(self, name: str) -> None:
+        """The staged shards as one matrix in the layer's format, or, where 4-bit shards were kept
+        beside 8-bit ones, as one matrix per run of consecutive shards of one format."""
+        staged: list[QuantizedRows] = self._staged  # type: ignore[assignment]
+        if len({s.fmt for s in staged}) == 1:  # one format: the layer's (4-bit shards widened if kept)
+            shape = lambda s: (s.num_rows, s.in_features)  # noqa: E731
+            self.qweight = pack(_concat([as_rows(name, s, self.fmt, shape(s)) for s in staged]))
+            self.parts = []
+            return
+        runs: list[list[QuantizedRows]] = []
+        for s in staged:
+            if runs and runs[-1][0].fmt == s.fmt:
+                runs[-1].append(s)
+            else:
+                runs.append([s])
+        self.qweight = None
+        self.parts = [pack(_concat(run)) for run in runs]
 
     def use_onednn(self) -> None:
         """Nothing to repack: the quantized kernels have their own layout."""
@@ -150,8 +185,9 @@ class QuantizedLinear(Linear):
         """The dequantized [out, in] weight (for inspection and tests; allocates a float copy)."""
         from llmserve.layers.quantization.formats import unpack
 
-        assert self.qweight is not None
-        w = unpack(self.qweight).dequantize()
+        parts = self.packed_weights()
+        assert parts, "weights not loaded"
+        w = torch.cat([unpack(p).dequantize() for p in parts])
         if self.input_perm is None:
             return w
         out = torch.empty_like(w)
@@ -159,7 +195,8 @@ class QuantizedLinear(Linear):
         return out
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.output_sizes}, bias={self.bias is not None}, {self.fmt}"
+        fmt = "+".join(p.fmt for p in self.parts) if self.qweight is None and self.parts else self.fmt
+        return f"in={self.in_features}, out={self.output_sizes}, bias={self.bias is not None}, {fmt}"
 
 
 class QuantizedVocabEmbedding(VocabEmbedding):

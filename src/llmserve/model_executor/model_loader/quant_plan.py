@@ -10,7 +10,9 @@ files, the type each tensor has on disk.
            Quantizes float checkpoints only: an already quantized GGUF file is refused
     auto   a quantized GGUF file keeps its quantization family per layer: Q4_0 / Q4_1 / Q4_K
            tensors become q4, anything else (Q8_0, Q5_x, Q6_K, Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4,
-           F16, ...) q8; a fused layer takes the wider format of its shards. Q8_0, Q4_x, Q5_x,
+           F16, ...) q8; a fused layer takes the wider format of its shards, but keeps 4-bit
+           shards beside 8-bit ones as matrices of their own (QuantizedLinear.keep_shard_formats:
+           Q4_K_M's Q4_K q and k beside a Q6_K v; the same bits). Q8_0, Q4_x, Q5_x,
            IQ4_NL, IQ4_XS and MXFP4 are read from their blocks (gguf_quant.py), others are
            requantized from float; the load report says which (`gguf_type_report`). Float
            checkpoints (HF folders, F32/F16/BF16 GGUF files) stay float.
