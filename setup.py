@@ -20,6 +20,7 @@ setup(
                     "module",
                     "qgemm_avx512",
                     "qgemm_avx2",
+                    "qgemm_q4k",
                     "decoder_stack",
                     "decoder_moe",
                     "decoder_cache_rows",

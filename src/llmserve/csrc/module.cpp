@@ -120,8 +120,8 @@ bool parse_linear(PyObject* t, QuantLinear* q) {
       !item_ptr(t, 4, const_cast<float**>(&q->bias)) || !item_ll(t, 5, &q->N) || !item_ll(t, 6, &q->K) ||
       !item_ll(t, 7, &act_bits))
     return false;
-  if (bits != 8 && bits != 4) {
-    PyErr_Format(PyExc_ValueError, "bits must be 8 or 4, got %lld", static_cast<long long>(bits));
+  if (bits != kQ8 && bits != kQ4 && bits != kQ4K) {
+    PyErr_Format(PyExc_ValueError, "bits must be 8, 4 or 46 (q4k), got %lld", static_cast<long long>(bits));
     return false;
   }
   if (act_bits != 16 && act_bits != 8) {
@@ -355,8 +355,8 @@ PyObject* py_gemm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   a.ldo = PyLong_AsLongLong(args[11]);
   a.act_bits = static_cast<int>(PyLong_AsLong(args[12]));
   if (PyErr_Occurred()) return nullptr;
-  if (bits != 8 && bits != 4) {
-    PyErr_Format(PyExc_ValueError, "gemm: bits must be 8 or 4, got %ld", bits);
+  if (bits != kQ8 && bits != kQ4 && bits != kQ4K) {
+    PyErr_Format(PyExc_ValueError, "gemm: bits must be 8, 4 or 46 (q4k), got %ld", bits);
     return nullptr;
   }
   if (a.act_bits != 16 && a.act_bits != 8) {
@@ -387,8 +387,13 @@ PyObject* py_dequant_rows(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   const int64_t n = PyLong_AsLongLong(args[6]);
   float* out = ptr<float>(args[7]);
   if (PyErr_Occurred()) return nullptr;
+  if (bits == kQ4K && g_isa == Isa::none) {  // its rounding is F16C's
+    PyErr_SetString(PyExc_RuntimeError, "dequant_rows: q4k needs a CPU with F16C");
+    return nullptr;
+  }
   Py_BEGIN_ALLOW_THREADS;
-  if (bits == 8) dequant_rows_q8(static_cast<const int8_t*>(w), d, m, K, ids, n, out);
+  if (bits == kQ8) dequant_rows_q8(static_cast<const int8_t*>(w), d, m, K, ids, n, out);
+  else if (bits == kQ4K) dequant_rows_q4k(static_cast<const uint8_t*>(w), d, reinterpret_cast<const uint8_t*>(m), K, ids, n, out);
   else dequant_rows_q4(static_cast<const uint8_t*>(w), d, m, K, ids, n, out);
   Py_END_ALLOW_THREADS;
   Py_RETURN_NONE;
@@ -452,9 +457,9 @@ PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_cpu_kernels", "Block-quantized C
 
 void gemm(int bits, const GemmArgs& a) {
   if (g_isa == Isa::avx512_vnni) {
-    bits == 8 ? avx512::gemm_q8(a) : avx512::gemm_q4(a);
+    bits == kQ8 ? avx512::gemm_q8(a) : bits == kQ4K ? avx512::gemm_q4k(a) : avx512::gemm_q4(a);
   } else {
-    bits == 8 ? avx2::gemm_q8(a) : avx2::gemm_q4(a);
+    bits == kQ8 ? avx2::gemm_q8(a) : bits == kQ4K ? avx2::gemm_q4k(a) : avx2::gemm_q4(a);
   }
 }
 

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from llmserve.distributed.group import TPGroup
-from llmserve.layers.quantization.formats import BLOCK, QuantizedRows, num_blocks
+from llmserve.layers.quantization.formats import BLOCK, SUPER_BLOCK, QuantizedRows, num_blocks
 from llmserve.layers.vocab_embedding import LMHead, VocabEmbedding
 from llmserve.models.base import CausalLM
 from llmserve.models.gpt_oss import STACKED_EXPERTS
@@ -136,7 +136,8 @@ def _rows(t: Any, start: int, n: int) -> torch.Tensor | QuantizedRows:
                 return out
             return torch.cat([out, x.new_zeros((n - take, *x.shape[1:]))])
 
-        return QuantizedRows(t.fmt, pad(t.q), pad(t.d), None if t.m is None else pad(t.m), t.in_features)
+        m, sub = (None if a is None else pad(a) for a in (t.m, t.sub))
+        return QuantizedRows(t.fmt, pad(t.q), pad(t.d), m, t.in_features, sub)
     total = _shape(t)[0]
     take = max(0, min(n, total - start))
     out = t[start : start + take] if take else t[0:0]
@@ -155,6 +156,12 @@ def _columns(name: str, t: Any, start: int, n: int) -> torch.Tensor | QuantizedR
             f"(quantized weights split only along whole blocks); use a tensor_parallel_size that does"
         )
     b0, nb = start // BLOCK, num_blocks(n)
+    if t.fmt == "q4k":  # d, dmin per super-block: cut on whole ones, else as q4 (the same values)
+        if start % SUPER_BLOCK == 0 and n % SUPER_BLOCK == 0:
+            s0, ns = start // SUPER_BLOCK, n // SUPER_BLOCK
+            d, dmin = t.d[:, s0 : s0 + ns], t.m[:, s0 : s0 + ns]  # type: ignore[index]
+            return QuantizedRows("q4k", t.q[:, start:end], d, dmin, n, t.sub[:, b0 : b0 + nb])  # type: ignore[index]
+        t = t.as_q4()
     m = None if t.m is None else t.m[:, b0 : b0 + nb]
     return QuantizedRows(t.fmt, t.q[:, start : start + nb * BLOCK], t.d[:, b0 : b0 + nb], m, n)
 

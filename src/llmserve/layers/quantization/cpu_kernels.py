@@ -101,7 +101,7 @@ def linear(
     col = 0  # the part's first output column: its rows of the bias and its columns of out [M, N]
     for p in parts:
         b = 0 if bias is None else bias.data_ptr() + 4 * col
-        _ext.gemm(p.bits, x2.data_ptr(), K, M, K, p.out_features, p.data.data_ptr(), p.d.data_ptr(), _addr(p.m),
+        _ext.gemm(p.code, x2.data_ptr(), K, M, K, p.out_features, p.data.data_ptr(), p.d.data_ptr(), _addr(p.m),
                   b, out.data_ptr() + 4 * col, N, act_bits)  # fmt: skip
         col += p.out_features
     out = out.view(*x.shape[:-1], N)
@@ -114,7 +114,7 @@ def embedding(ids: torch.Tensor, w: PackedWeight) -> torch.Tensor:
         return unpack(w).select_rows(ids).dequantize()
     ids = ids.contiguous()
     out = torch.empty(ids.shape[0], w.in_features, dtype=torch.float32)
-    _ext.dequant_rows(w.bits, w.data.data_ptr(), w.d.data_ptr(), _addr(w.m), w.in_features, ids.data_ptr(),
+    _ext.dequant_rows(w.code, w.data.data_ptr(), w.d.data_ptr(), _addr(w.m), w.in_features, ids.data_ptr(),
                       ids.shape[0], out.data_ptr())  # fmt: skip
     return out
 

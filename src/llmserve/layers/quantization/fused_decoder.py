@@ -160,13 +160,13 @@ def _linear(m: QuantizedLinear) -> tuple[int, ...] | list[tuple[int, ...]]:
     addr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
     if m.qweight is not None:
         w = m.qweight
-        return (w.bits, w.data.data_ptr(), w.d.data_ptr(), addr(w.m), addr(m.bias), w.out_features,
+        return (w.code, w.data.data_ptr(), w.d.data_ptr(), addr(w.m), addr(m.bias), w.out_features,
                 w.in_features, m.act_bits)  # fmt: skip
     parts, col = [], 0
     for w in m.parts:  # each matrix's rows of the bias
         bias = 0 if m.bias is None else m.bias.data_ptr() + 4 * col
         parts.append(
-            (w.bits, w.data.data_ptr(), w.d.data_ptr(), addr(w.m), bias, w.out_features, w.in_features, 16)
+            (w.code, w.data.data_ptr(), w.d.data_ptr(), addr(w.m), bias, w.out_features, w.in_features, 16)
         )
         col += w.out_features
     return parts

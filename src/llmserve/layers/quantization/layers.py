@@ -32,11 +32,14 @@ def as_rows(
 ) -> QuantizedRows:
     """A checkpoint tensor [out, in] as rows in `fmt`: float tensors are quantized; 4-bit rows
     become 8-bit ones exactly (same scales and minimums, a symmetric block's -8 d stored), 8-bit
-    rows are requantized to 4 bits."""
+    rows are requantized to 4 bits. q4k rows are a q4 layer's as they are (the same values)."""
     if isinstance(loaded, QuantizedRows):
         got = (loaded.num_rows, loaded.in_features)
         if got != shape:
             raise WeightShapeError(name, shape, got)
+        if loaded.fmt == fmt or (loaded.fmt == "q4k" and fmt == "q4"):
+            return loaded
+        loaded = loaded.as_q4()  # q4k to any other format: as q4 first (the same values)
         if loaded.fmt == fmt:
             return loaded
         if fmt == "q8":  # values 0..15 fit int8: w = d q + m is kept as it is
@@ -55,6 +58,10 @@ def _concat(parts: list[QuantizedRows]) -> QuantizedRows:
     symmetric -8 d, q8's zeros. Only shards that all lack them (e.g. every one Q4_0) store none."""
     if len(parts) == 1:
         return parts[0]
+    if parts[0].fmt == "q4k":  # all q4k (`_pack_staged`): their own fields side by side
+        joined = QuantizedRows.concat(parts)
+        assert joined is not None
+        return joined
     m = None
     if any(p.m is not None for p in parts):
         stored = [p.minimums() for p in parts]
@@ -152,7 +159,7 @@ class QuantizedLinear(Linear):
             self._staged_perms[shard] = loaded.perm
             loaded = loaded.rows
         shape = (end - start, self.in_features)
-        keep = self.keep_shard_formats and isinstance(loaded, QuantizedRows) and loaded.fmt == "q4"
+        keep = self.keep_shard_formats and isinstance(loaded, QuantizedRows) and loaded.fmt in ("q4", "q4k")
         self._staged[shard] = as_rows(name, loaded, "q4" if keep else self.fmt, shape)
         if all(s is not None for s in self._staged):
             self.input_perm = _common_perm(name, self._staged_perms)
@@ -164,6 +171,9 @@ class QuantizedLinear(Linear):
         """The staged shards as one matrix in the layer's format, or, where 4-bit shards were kept
         beside 8-bit ones, as one matrix per run of consecutive shards of one format."""
         staged: list[QuantizedRows] = self._staged  # type: ignore[assignment]
+        formats = {s.fmt for s in staged}
+        if "q4k" in formats and len(formats - {"q8"}) > 1:  # q4k beside q4 shards: one q4 matrix
+            staged = [s.as_q4() for s in staged]
         if len({s.fmt for s in staged}) == 1:  # one format: the layer's (4-bit shards widened if kept)
             shape = lambda s: (s.num_rows, s.in_features)  # noqa: E731
             self.qweight = pack(_concat([as_rows(name, s, self.fmt, shape(s)) for s in staged]))
