@@ -28,7 +28,8 @@ hooks, so the model's code stays the single-device architecture.
 
 Quantized rows (q8 / q4, blocks of 32 input columns) are split by rows for column-parallel layers
 (any row count) and along whole blocks for row-parallel ones: o_proj's and down_proj's input
-slices must be multiples of 32 columns.
+slices must be multiples of 32 columns. q4k rows (GGUF Q4_K's super-blocks kept) stay q4k where a
+slice is whole super-blocks of 256 columns, else become q4 rows (the same values) before the cut.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ files, the type each tensor has on disk.
            rounded per token (layers/quantization/fp8.py); embeddings and LM heads stay float.
            Quantizes float checkpoints only: an already quantized GGUF file is refused
     auto   a quantized GGUF file keeps its quantization family per layer: Q4_0 / Q4_1 / Q4_K
-           tensors become q4, anything else (Q8_0, Q5_x, Q6_K, Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4,
+           tensors become q4 (Q4_K as q4k: its super-blocks' d, dmin and 6-bit sub-scales kept,
+           the same values as q4 from 18.5 bytes a block), anything else (Q8_0, Q5_x, Q6_K, Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4,
            F16, ...) q8; a fused layer takes the wider format of its shards, but keeps 4-bit
            shards beside 8-bit ones as matrices of their own (QuantizedLinear.keep_shard_formats:
            Q4_K_M's Q4_K q and k beside a Q6_K v; the same bits). Q8_0, Q4_x, Q5_x,
@@ -51,14 +52,13 @@ def _gguf_format(type_name: str) -> QuantFormat:
 
 def gguf_type_report(tensor_types: dict[str, str]) -> str:
     """What each quantized GGUF type of a file becomes under `auto`, for the load report:
-    "Q4_K -> q4 (blocks kept), Q6_K -> q8 (requantized)"."""
+    "Q4_K -> q4k (blocks kept), Q6_K -> q8 (requantized)"."""
     from llmserve.model_executor.model_loader.gguf_quant import EXACT_TYPES
 
     kept = {q.name for q in EXACT_TYPES}
     names = sorted({t for t in tensor_types.values() if t not in _FLOAT_TYPES})
-    return ", ".join(
-        f"{t} -> {_gguf_format(t)} ({'blocks kept' if t in kept else 'requantized'})" for t in names
-    )
+    held = lambda t: "q4k" if t == "Q4_K" else _gguf_format(t)  # noqa: E731  (gguf_quant.read_rows)
+    return ", ".join(f"{t} -> {held(t)} ({'blocks kept' if t in kept else 'requantized'})" for t in names)
 
 
 def check_supported(method: str, device: torch.device, dtype: torch.dtype) -> None:
