@@ -22,6 +22,7 @@ setup(
                     "qgemm_avx2",
                     "qgemm_q6_avx512",
                     "qgemm_q6_avx2",
+                    "qgemm_q4k",
                     "decoder_stack",
                     "decoder_moe",
                     "decoder_cache_rows",

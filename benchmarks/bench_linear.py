@@ -235,7 +235,7 @@ def _best_times(
     for _ in range(repeats):
         for b, ext in builds.items():
             t = clock()
-            ext.gemm(p.bits, x.data_ptr(), K, M, K, N, p.data.data_ptr(), p.d.data_ptr(),
+            ext.gemm(p.code, x.data_ptr(), K, M, K, N, p.data.data_ptr(), p.d.data_ptr(),
                      cpu_kernels._addr(p.m), 0, outs[b].data_ptr(), N, act_bits)  # fmt: skip
             best[b] = min(best[b], clock() - t)
     return best, outs

@@ -46,9 +46,11 @@ def step_bytes(model: torch.nn.Module, file: str) -> dict[str, object]:
     by_fmt: dict[str, int] = {}
     for module in model.modules():
         if isinstance(module, QuantizedLinear | QuantizedLMHead):
-            w = module.qweight if isinstance(module, QuantizedLinear) else module.packed_weight
-            assert w is not None
-            by_fmt[w.fmt] = by_fmt.get(w.fmt, 0) + w.nbytes()
+            weights = (
+                module.packed_weights() if isinstance(module, QuantizedLinear) else [module.packed_weight]
+            )
+            for w in weights:
+                by_fmt[w.fmt] = by_fmt.get(w.fmt, 0) + w.nbytes()
     by_fmt["float"] = sum(p.numel() * p.element_size() for p in model.parameters() if p.is_floating_point())
     file_bytes = sum(int(t.n_bytes) for t in GGUFReader(file).tensors)
     total = sum(by_fmt.values())

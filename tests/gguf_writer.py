@@ -280,15 +280,23 @@ def write_hf_model(
     return write_gguf(path, arch, dict(tensors), hf_metadata(arch, config), num_parts)
 
 
-def requantized(path: Path, qtype_of: Callable[[str, np.ndarray], GGMLQuantizationType]) -> dict[str, Any]:
+RANDOM_TYPES = (Q.Q2_K, Q.Q3_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)
+"""The types gguf has no quantizer for: written as random valid blocks."""
+
+
+def requantized(
+    path: Path,
+    qtype_of: Callable[[str, np.ndarray], GGMLQuantizationType],
+    random_types: tuple[GGMLQuantizationType, ...] = RANDOM_TYPES,
+) -> dict[str, Any]:
     """The tensors of an F32 GGUF file (`write_hf_model`'s), each weight as the type
     `qtype_of(name, array)` picks (F32: left float) for `write_gguf`; random valid blocks for the
-    types gguf cannot quantize."""
+    types gguf cannot quantize (and any other of `random_types`)."""
     tensors: dict[str, Any] = {}
     for i, t in enumerate(gguf.GGUFReader(path).tensors):
         arr = np.array(t.data).reshape(list(reversed(t.shape.tolist())))
         qtype = qtype_of(t.name, arr) if t.name.endswith("weight") else Q.F32
-        if qtype in (Q.Q2_K, Q.Q3_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS):  # gguf has no quantizer for these
+        if qtype in random_types:
             arr = random_blocks(qtype, *arr.shape, seed=i)
         tensors[t.name] = arr if qtype == Q.F32 else (arr, qtype)
     return tensors
@@ -304,10 +312,16 @@ def tiny_llama_config() -> Any:
     )  # fmt: skip
 
 
-def tiny_llama_gguf(tmp: Path, types: dict[str, GGMLQuantizationType], tokenizer: bool = False) -> Path:
+def tiny_llama_gguf(
+    tmp: Path,
+    types: dict[str, GGMLQuantizationType],
+    tokenizer: bool = False,
+    random_types: tuple[GGMLQuantizationType, ...] = RANDOM_TYPES,
+) -> Path:
     """A tiny Llama (hidden 256: K-quant super-blocks are 256 wide) as a GGUF file whose weights
     take `types` by tensor kind ("attn_q", "ffn_down", "token_embd", ...; F32 where not named).
-    `tokenizer`: also a SentencePiece-style vocabulary of placeholder tokens, for an engine."""
+    `tokenizer`: also a SentencePiece-style vocabulary of placeholder tokens, for an engine.
+    `random_types`: written as random valid blocks (`requantized`)."""
     import transformers
 
     config = tiny_llama_config()
@@ -316,7 +330,7 @@ def tiny_llama_gguf(tmp: Path, types: dict[str, GGMLQuantizationType], tokenizer
     config.architectures = ["LlamaForCausalLM"]
     path = write_hf_model(tmp / "f32.gguf", "llama", config, hf.state_dict())[0]
     # Re-write with quantized types: read the float tensors back and quantize with gguf.
-    tensors = requantized(path, lambda name, _arr: types.get(name.split(".")[-2], Q.F32))
+    tensors = requantized(path, lambda name, _arr: types.get(name.split(".")[-2], Q.F32), random_types)
     metadata = hf_metadata("llama", config)
     if tokenizer:
         metadata = with_placeholder_tokenizer(metadata, config.vocab_size)
@@ -418,6 +432,7 @@ REFERENCE_DEQUANT: dict[GGMLQuantizationType, tuple[Callable[[bytes], list[float
 _RANDOM_SCALES: dict[GGMLQuantizationType, dict[int, float]] = {
     Q.Q2_K: {80: 0.003, 82: 0.003},  # d sc q - dmin m, sc, m < 16, q < 4
     Q.Q3_K: {108: 0.0008},  # d (sc - 32) q, |q| <= 4
+    Q.Q4_K: {0: 1e-4, 2: 1e-4},  # d sc q - dmin m, sc, m < 64, q < 16: d, dmin not powers of two
     Q.IQ4_NL: {0: 0.0008},  # d T[q], |T| <= 127
     Q.IQ4_XS: {0: 2e-5},  # d (ls - 32) T[q]
     Q.Q6_K: {208: 5e-5},  # d sc (q - 32), |sc| <= 128, |q - 32| <= 32

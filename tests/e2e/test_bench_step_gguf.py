@@ -1,9 +1,9 @@
 """benchmarks/bench_step_gguf.py --bytes-only: the weight bytes a decode step streams, against the file's.
 
 A tiny Llama with three kinds of block: Q4_0 blocks (ffn_down) keep their 18 bytes as symmetric q4;
-Q4_K super-blocks (the other matrices) become q4 with a half scale and minimum per 32 (20 bytes
-against the file's 144 per 256, i.e. 18 per 32); the tied Q5_0 table becomes q8 (34 bytes against
-22): the two ways a step reads more than the file holds. (The gguf package cannot write Q6_K, the
+Q4_K super-blocks (the other matrices) become q4k, their d, dmin and 6-bit sub-scales kept (a byte
+each: 148 bytes against the file's 144 per 256); the tied Q5_0 table becomes q8 (34 bytes against
+22): the ways a step reads more than the file holds. (The gguf package cannot write Q6_K, the
 real files' widened type.) The expected bytes are computed here from the block sizes, the file's
 from the gguf package's table of type sizes, not from the script's code.
 """
@@ -39,12 +39,13 @@ def test_step_bytes_against_the_file(tmp_path: Path) -> None:
     H, L, inter, V, kv = 256, 2, 512, 512, 128
     k_shapes = [(H + 2 * kv, H), (H, H), (2 * inter, H)]  # qkv, o, gate_up (Q4_K): [out, in]
     down = (H, inter)  # Q4_0
-    # 16 bytes of nibbles and the half d (+ the half minimum: Q4_K's)
-    q4 = L * (sum(n * (k // 32) * 20 for n, k in k_shapes) + down[0] * (down[1] // 32) * 18)
+    # q4k: 128 bytes of nibbles, the half d and dmin, 8 x (sc, mn) per 256; q4: 16 bytes and the half d per 32
+    q4k = L * sum(n * (k // 256) * (128 + 4 + 16) for n, k in k_shapes)
+    q4 = L * down[0] * (down[1] // 32) * 18
     q8 = V * (H // 32) * 34  # the tied LM head: 32 int8 + the half d
     norms = (2 * L + 1) * H * 4
-    assert got["by_format"] == {"q4": q4, "q8": q8, "float": norms}
-    assert got["step_bytes"] == q4 + q8 + norms
+    assert got["by_format"] == {"q4k": q4k, "q4": q4, "q8": q8, "float": norms}
+    assert got["step_bytes"] == q4k + q4 + q8 + norms
 
     def file_bytes(qtype: Q, n: int, k: int) -> int:
         block, size = GGML_QUANT_SIZES[qtype]

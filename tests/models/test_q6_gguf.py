@@ -13,7 +13,6 @@ from gguf import GGMLQuantizationType as Q
 
 from llmserve.config import ModelConfig
 from llmserve.layers.quantization import QuantizedLinear, cpu_kernels
-from llmserve.layers.quantization.formats import quantize
 from llmserve.lora import LoRARequest
 from llmserve.model_executor.forward_runner import ForwardRunner, SequenceBatchEntry
 from llmserve.model_executor.greedy import generate_greedy
@@ -92,17 +91,18 @@ def test_greedy_tokens_are_the_dequantized_files(models):
         assert gap <= TOL, f"token {i}: ours {a[i]}, the float model's {b[i]}, {gap:.4f} apart"
 
 
-def test_mixed_shards_keep_q8(tmp_path):
-    """Q4_K_M's attn_v in Q6_K beside Q4_K q and k: the fused qkv layer holds q8, the Q6_K rows
-    quantized to q8 from the file's floats as before q6 existed; ffn_down alone is q6."""
+def test_mixed_shards_keep_their_formats(tmp_path):
+    """Q4_K_M's attn_v in Q6_K beside Q4_K q and k: the fused qkv layer keeps one matrix per
+    format, q and k as q4k, v as q6 holding the file's values exactly; ffn_down alone is q6."""
     path = tiny_llama_gguf(tmp_path, {**TYPES, "attn_q": Q.Q4_K, "attn_k": Q.Q4_K})
     quant = load_model(ModelConfig(model=str(path), show_progress=False))
     layer = quant.model.model.layers[0]
-    assert layer.self_attn.qkv_proj.fmt == "q8" and layer.mlp.down_proj.fmt == "q6"
+    assert [p.fmt for p in layer.self_attn.qkv_proj.parts] == ["q4k", "q6"]
+    assert layer.mlp.down_proj.fmt == "q6"
     floats = dict((n, t) for n, t, _ in GGUFCheckpoint([path]).iter_weights(torch.float32))
     v = floats["model.layers.0.self_attn.v_proj.weight"]
     qkv = layer.self_attn.qkv_proj.logical_weight()
-    assert torch.equal(qkv[-v.shape[0] :], quantize(v, "q8").dequantize())
+    assert torch.equal(qkv[-v.shape[0] :], v)
 
 
 def test_lora_on_a_q6_base(q6_gguf, tmp_path):

@@ -242,7 +242,7 @@ def test_gguf_blocks_read_as_rows(qtype):
     raw = _raw_blocks(qtype, 3, 512)
     expected = torch.tensor([v for block in raw for v in ref(block.tobytes())]).reshape(3, 512)
     rows = read_rows(raw.reshape(3, -1), qtype, 512)
-    fmt = "q4" if qtype in (Q.Q4_0, Q.Q4_1, Q.Q4_K) else "q6" if qtype == Q.Q6_K else "q8"
+    fmt = {Q.Q4_0: "q4", Q.Q4_1: "q4", Q.Q4_K: "q4k", Q.Q6_K: "q6"}.get(qtype, "q8")  # K types: own scales
     assert rows is not None and rows.fmt == fmt
     # Q4_0: symmetric, 18 bytes a block; Q6_K: sub-block scales, no minimums
     assert (rows.m is None) == (qtype in (Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q6_K))

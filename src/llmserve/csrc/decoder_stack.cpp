@@ -360,6 +360,17 @@ constexpr int64_t kParallelTokens = 4;
 }  // namespace
 
 void linear(const QuantLinear& w, const float* x, int64_t M, float* out) {
+  if (!w.parts.empty()) {  // each matrix writes its columns of out's rows
+    int64_t col = 0;
+    for (const QuantLinear& p : w.parts) {
+      GemmArgs a;
+      a.x = x, a.ldx = w.K, a.M = M, a.K = w.K, a.N = p.N, a.w = p.w, a.d = p.d, a.m = p.m;
+      a.bias = p.bias, a.out = out + col, a.ldo = w.N, a.act_bits = p.act_bits;
+      gemm(p.bits, a);
+      col += p.N;
+    }
+    return;
+  }
   GemmArgs a;
   a.x = x;
   a.ldx = w.K;

@@ -18,13 +18,18 @@ constexpr int kCacheF32 = 0, kCacheBF16 = 1, kCacheF16 = 2, kCacheI8 = 3;  // in
 constexpr int64_t kInt8Group = 32;                                         // values per int8-cache scale
 
 struct QuantLinear {
-  int bits = 8;  // 8 (q8) or 4 (q4)
+  int bits = 8;  // format code (qgemm.h): kQ8, kQ4, kQ6 or kQ4K
   const void* w = nullptr;
   const uint16_t* d = nullptr;
   const uint16_t* m = nullptr;  // GemmArgs::m: nullptr for q8 without minimums and symmetric q4
   const float* bias = nullptr;
   int64_t N = 0, K = 0;
   int act_bits = 16;  // GemmArgs::act_bits
+  // Non-empty: a fused layer (qkv, gate_up) kept as several matrices whose rows follow one another
+  // (shards in different formats, e.g. Q4_K q and k beside a Q6_K v); N is their sum, and the
+  // fields above, but K, are unused. Rows are independent, so the output is the same bits as one
+  // matrix in the widest format would give.
+  std::vector<QuantLinear> parts;
 };
 
 // A sparse mixture-of-experts MLP (layers/moe.py): a float router picks k of E gated experts per token.

@@ -89,8 +89,27 @@ bool item_float(PyObject* seq, Py_ssize_t i, float* out) {
   return !PyErr_Occurred();
 }
 
-// (bits, w, d, m, bias, N, K, act_bits)
+// (bits, w, d, m, bias, N, K, act_bits), or a list of them: one fused layer's matrices, rows one
+// after another (QuantLinear::parts)
 bool parse_linear(PyObject* t, QuantLinear* q) {
+  if (PyList_Check(t)) {
+    q->parts.resize(PyList_GET_SIZE(t));
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(t); ++i)
+      if (!parse_linear(PyList_GET_ITEM(t, i), &q->parts[i])) return false;
+    if (q->parts.empty()) {
+      PyErr_SetString(PyExc_ValueError, "a linear layer's list of matrices is empty");
+      return false;
+    }
+    q->K = q->parts[0].K, q->N = 0;
+    for (const QuantLinear& p : q->parts) {
+      if (p.K != q->K) {
+        PyErr_SetString(PyExc_ValueError, "a linear layer's matrices differ in input width");
+        return false;
+      }
+      q->N += p.N;
+    }
+    return true;
+  }
   if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 8) {
     PyErr_SetString(PyExc_TypeError, "a linear layer is (bits, w, d, m, bias, N, K, act_bits)");
     return false;
@@ -101,15 +120,15 @@ bool parse_linear(PyObject* t, QuantLinear* q) {
       !item_ptr(t, 4, const_cast<float**>(&q->bias)) || !item_ll(t, 5, &q->N) || !item_ll(t, 6, &q->K) ||
       !item_ll(t, 7, &act_bits))
     return false;
-  if (bits != 8 && bits != 4 && bits != 6) {
-    PyErr_Format(PyExc_ValueError, "bits must be 8, 4 or 6, got %lld", static_cast<long long>(bits));
+  if (bits != kQ8 && bits != kQ4 && bits != kQ6 && bits != kQ4K) {
+    PyErr_Format(PyExc_ValueError, "bits must be 8, 4, 6 (q6) or 46 (q4k), got %lld", static_cast<long long>(bits));
     return false;
   }
   if (act_bits != 16 && act_bits != 8) {
     PyErr_Format(PyExc_ValueError, "act_bits must be 16 or 8, got %lld", static_cast<long long>(act_bits));
     return false;
   }
-  if (bits == 6 && q->K % Q6_SUPER) {
+  if (bits == kQ6 && q->K % Q6_SUPER) {
     PyErr_Format(PyExc_ValueError, "q6 rows are whole super-blocks of %d columns; K is %lld", Q6_SUPER,
                  static_cast<long long>(q->K));
     return false;
@@ -341,15 +360,15 @@ PyObject* py_gemm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   a.ldo = PyLong_AsLongLong(args[11]);
   a.act_bits = static_cast<int>(PyLong_AsLong(args[12]));
   if (PyErr_Occurred()) return nullptr;
-  if (bits != 8 && bits != 4 && bits != 6) {
-    PyErr_Format(PyExc_ValueError, "gemm: bits must be 8, 4 or 6, got %ld", bits);
+  if (bits != kQ8 && bits != kQ4 && bits != kQ6 && bits != kQ4K) {
+    PyErr_Format(PyExc_ValueError, "gemm: bits must be 8, 4, 6 (q6) or 46 (q4k), got %ld", bits);
     return nullptr;
   }
   if (a.act_bits != 16 && a.act_bits != 8) {
     PyErr_Format(PyExc_ValueError, "gemm: act_bits must be 16 or 8, got %d", a.act_bits);
     return nullptr;
   }
-  if (bits == 6 && a.K % Q6_SUPER) {
+  if (bits == kQ6 && a.K % Q6_SUPER) {
     PyErr_Format(PyExc_ValueError, "gemm: q6 rows are whole super-blocks of %d columns; K is %lld", Q6_SUPER,
                  static_cast<long long>(a.K));
     return nullptr;
@@ -378,9 +397,14 @@ PyObject* py_dequant_rows(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   const int64_t n = PyLong_AsLongLong(args[6]);
   float* out = ptr<float>(args[7]);
   if (PyErr_Occurred()) return nullptr;
+  if (bits == kQ4K && g_isa == Isa::none) {  // its rounding is F16C's
+    PyErr_SetString(PyExc_RuntimeError, "dequant_rows: q4k needs a CPU with F16C");
+    return nullptr;
+  }
   Py_BEGIN_ALLOW_THREADS;
-  if (bits == 8) dequant_rows_q8(static_cast<const int8_t*>(w), d, m, K, ids, n, out);
-  else if (bits == 6) dequant_rows_q6(static_cast<const uint8_t*>(w), d, K, ids, n, out);
+  if (bits == kQ8) dequant_rows_q8(static_cast<const int8_t*>(w), d, m, K, ids, n, out);
+  else if (bits == kQ6) dequant_rows_q6(static_cast<const uint8_t*>(w), d, K, ids, n, out);
+  else if (bits == kQ4K) dequant_rows_q4k(static_cast<const uint8_t*>(w), d, reinterpret_cast<const uint8_t*>(m), K, ids, n, out);
   else dequant_rows_q4(static_cast<const uint8_t*>(w), d, m, K, ids, n, out);
   Py_END_ALLOW_THREADS;
   Py_RETURN_NONE;
@@ -443,14 +467,14 @@ PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_cpu_kernels", "Block-quantized C
 }  // namespace
 
 void gemm(int bits, const GemmArgs& a) {
-  if (bits == 6) {
+  if (bits == kQ6) {
     g_isa == Isa::avx512_vnni ? avx512::gemm_q6(a) : avx2::gemm_q6(a);
     return;
   }
   if (g_isa == Isa::avx512_vnni) {
-    bits == 8 ? avx512::gemm_q8(a) : avx512::gemm_q4(a);
+    bits == kQ8 ? avx512::gemm_q8(a) : bits == kQ4K ? avx512::gemm_q4k(a) : avx512::gemm_q4(a);
   } else {
-    bits == 8 ? avx2::gemm_q8(a) : avx2::gemm_q4(a);
+    bits == kQ8 ? avx2::gemm_q8(a) : bits == kQ4K ? avx2::gemm_q4k(a) : avx2::gemm_q4(a);
   }
 }
 

@@ -44,6 +44,16 @@ namespace llmserve {
 constexpr int NT = 16;  // output rows per tile
 constexpr int KB = 32;  // input columns per block
 
+// q4k: q4's values and nibble tiles, with GGUF Q4_K's own scales instead of q4's half d, m per block:
+// per tile and super-block of 256 columns (s = k / 256), in GemmArgs::d the rows' half d then half
+// dmin ([2][16 rows]), and in GemmArgs::m (bytes) each block's 6-bit multipliers sc then mn
+// ([2][8 blocks][16 rows]); 18.5 bytes a block instead of 20. The kernels take
+//   d[n, b] = half(d[n, s] * sc[n, b]),  m[n, b] = half(-dmin[n, s] * mn[n, b])
+// (the float32 product of a half and a 6-bit integer is exact; one rounding to nearest even), the
+// values the loader gives q4 (formats.k_scales), so q4k's results are q4's bits. K % 256 == 0.
+constexpr int KSB = 256;  // input columns per q4k super-block
+constexpr int kQ8 = 8, kQ4 = 4, kQ6 = 6, kQ4K = 46;  // format codes ("bits" in module.cpp's API)
+
 struct GemmArgs {
   const float* x;      // [M, ldx] activations, float32
   int64_t ldx;
@@ -70,12 +80,14 @@ namespace avx512 {
 void gemm_q8(const GemmArgs& a);
 void gemm_q4(const GemmArgs& a);
 void gemm_q6(const GemmArgs& a);
+void gemm_q4k(const GemmArgs& a);
 }  // namespace avx512
 
 namespace avx2 {
 void gemm_q8(const GemmArgs& a);
 void gemm_q4(const GemmArgs& a);
 void gemm_q6(const GemmArgs& a);
+void gemm_q4k(const GemmArgs& a);  // act_bits ignored: int16
 }  // namespace avx2
 
 // Portable code: embedding rows dequantized from the packed layout (any CPU); m as in GemmArgs.
@@ -84,5 +96,7 @@ void dequant_rows_q8(const int8_t* w, const uint16_t* d, const uint16_t* m, int6
 void dequant_rows_q4(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t K, const int64_t* ids,
                      int64_t n, float* out);
 void dequant_rows_q6(const uint8_t* w, const uint16_t* d, int64_t K, const int64_t* ids, int64_t n, float* out);
+void dequant_rows_q4k(const uint8_t* w, const uint16_t* d, const uint8_t* sub, int64_t K, const int64_t* ids,
+                      int64_t n, float* out);  // qgemm_q4k.cpp
 
 }  // namespace llmserve

@@ -67,10 +67,46 @@ void tile_q8(const int8_t* w, const uint16_t* d, const uint16_t* m, int64_t nb, 
   store_tile<MT>(acc, dx, bias, nvalid, out, ldo);
 }
 
-// SYM: symmetric blocks (m == nullptr), whose minimums are -8 d (qgemm.h).
-template <int MT, bool SYM>
-void tile_q4(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t nb, const int16_t* xq, int64_t Kp,
-             const float* dx, const float* xsum, const float* bias, int nvalid, float* out, int64_t ldo) {
+// A 4-bit tile's scales and minimums of block b, rows 0-7 and 8-15 (`load`), as qgemm_avx512.cpp's:
+//   BlockScales: q4's half d, m per block; SYM: symmetric blocks (m == nullptr), m = -8 d (qgemm.h)
+//   KScales: q4k's half(d sc) and -half(dmin mn), rounded to nearest even as the loader rounds q4's
+template <bool SYM>
+struct BlockScales {
+  const uint16_t* d;
+  const uint16_t* m;
+  [[gnu::always_inline]] void load(int64_t b, __m256 (&sc)[2], __m256 (&mn)[2]) const {
+    for (int h = 0; h < 2; ++h) {
+      sc[h] = half8(d + b * NT + 8 * h);
+      mn[h] = SYM ? _mm256_mul_ps(sc[h], _mm256_set1_ps(-8.f)) : half8(m + b * NT + 8 * h);
+    }
+  }
+};
+
+inline __m256 round_to_half(__m256 v) {
+  return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+inline __m256 bytes8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+struct KScales {
+  const uint16_t* d;   // this tile's [super-blocks][d, dmin][16 rows]
+  const uint8_t* sub;  // this tile's [super-blocks][sc, mn][8 blocks][16 rows]
+  [[gnu::always_inline]] void load(int64_t b, __m256 (&sc)[2], __m256 (&mn)[2]) const {
+    const uint16_t* dd = d + (b / 8) * 2 * NT;
+    const uint8_t* u = sub + (b / 8) * 16 * NT + (b % 8) * NT;
+    for (int h = 0; h < 2; ++h) {
+      sc[h] = round_to_half(_mm256_mul_ps(half8(dd + 8 * h), bytes8(u + 8 * h)));
+      const __m256 m = round_to_half(_mm256_mul_ps(half8(dd + NT + 8 * h), bytes8(u + 8 * NT + 8 * h)));
+      mn[h] = _mm256_xor_ps(m, _mm256_set1_ps(-0.f));
+    }
+  }
+};
+
+template <int MT, class S>
+void tile_q4(const uint8_t* w, const S& scales, int64_t nb, const int16_t* xq, int64_t Kp, const float* dx,
+             const float* xsum, const float* bias, int nvalid, float* out, int64_t ldo) {
   const __m256i low4 = _mm256_set1_epi16(0x000F);
   __m256 acc[MT][2];
   for (int t = 0; t < MT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
@@ -94,13 +130,12 @@ void tile_q4(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t nb,
         }
       }
     }
-    const __m256 s0 = half8(d + b * NT), s1 = half8(d + b * NT + 8);
-    const __m256 m0 = SYM ? _mm256_mul_ps(s0, _mm256_set1_ps(-8.f)) : half8(m + b * NT);
-    const __m256 m1 = SYM ? _mm256_mul_ps(s1, _mm256_set1_ps(-8.f)) : half8(m + b * NT + 8);
+    __m256 sc[2], mn[2];
+    scales.load(b, sc, mn);
     for (int t = 0; t < MT; ++t) {
       const __m256 xs = _mm256_set1_ps(xsum[t * nb + b]);
-      acc[t][0] = _mm256_fmadd_ps(m0, xs, _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[t][0]), s0, acc[t][0]));
-      acc[t][1] = _mm256_fmadd_ps(m1, xs, _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[t][1]), s1, acc[t][1]));
+      acc[t][0] = _mm256_fmadd_ps(mn[0], xs, _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[t][0]), sc[0], acc[t][0]));
+      acc[t][1] = _mm256_fmadd_ps(mn[1], xs, _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[t][1]), sc[1], acc[t][1]));
     }
   }
   store_tile<MT>(acc, dx, bias, nvalid, out, ldo);
@@ -108,7 +143,24 @@ void tile_q4(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t nb,
 
 constexpr int MAX_MT = 2;
 
-template <bool Q4>
+// The 4-bit tile for MT tokens with this tile's scales (F: kQ4 or kQ4K).
+template <int F, int MT>
+void run_q4(const GemmArgs& a, int64_t tile, const uint8_t* w, const int16_t* x, const float* dx, const float* xs,
+            const float* bias, int nvalid, float* out) {
+  const int64_t nb = num_blocks(a.K), Kp = nb * KB;
+  if constexpr (F == kQ4K) {
+    const int64_t nsb = a.K / KSB;
+    const KScales sc{a.d + tile * nsb * 2 * NT, reinterpret_cast<const uint8_t*>(a.m) + tile * nsb * 16 * NT};
+    tile_q4<MT>(w, sc, nb, x, Kp, dx, xs, bias, nvalid, out, a.ldo);
+  } else if (a.m) {
+    tile_q4<MT>(w, BlockScales<false>{a.d + tile * nb * NT, a.m + tile * nb * NT}, nb, x, Kp, dx, xs, bias, nvalid,
+                out, a.ldo);
+  } else {
+    tile_q4<MT>(w, BlockScales<true>{a.d + tile * nb * NT, nullptr}, nb, x, Kp, dx, xs, bias, nvalid, out, a.ldo);
+  }
+}
+
+template <int F>
 void tile_tokens(const GemmArgs& a, int64_t tile, int64_t t0, int64_t t1, const int16_t* xq, const float* dx,
                  const float* xsum) {
   const int64_t nb = num_blocks(a.K), Kp = nb * KB;
@@ -121,15 +173,10 @@ void tile_tokens(const GemmArgs& a, int64_t tile, int64_t t0, int64_t t1, const 
     float* out = a.out + t * a.ldo + tile * NT;
     const uint16_t* m = a.m ? a.m + tile * nb * NT : nullptr;
     const float* xs = xsum ? xsum + t * nb : nullptr;
-    if constexpr (Q4) {
+    if constexpr (F != kQ8) {
       const uint8_t* w = static_cast<const uint8_t*>(a.w) + tile * nb * (KB * NT / 2);
-      if (mt == 2) {
-        m ? tile_q4<2, false>(w, d, m, nb, x, Kp, dx + t, xs, bias, nvalid, out, a.ldo)
-          : tile_q4<2, true>(w, d, m, nb, x, Kp, dx + t, xs, bias, nvalid, out, a.ldo);
-      } else {
-        m ? tile_q4<1, false>(w, d, m, nb, x, Kp, dx + t, xs, bias, nvalid, out, a.ldo)
-          : tile_q4<1, true>(w, d, m, nb, x, Kp, dx + t, xs, bias, nvalid, out, a.ldo);
-      }
+      if (mt == 2) run_q4<F, 2>(a, tile, w, x, dx + t, xs, bias, nvalid, out);
+      else run_q4<F, 1>(a, tile, w, x, dx + t, xs, bias, nvalid, out);
     } else {
       const int8_t* w = static_cast<const int8_t*>(a.w) + tile * nb * (KB * NT);
       if (mt == 2) tile_q8<2>(w, d, m, nb, x, Kp, dx + t, xs, bias, nvalid, out, a.ldo);
@@ -138,27 +185,28 @@ void tile_tokens(const GemmArgs& a, int64_t tile, int64_t t0, int64_t t1, const 
   }
 }
 
-template <bool Q4>
+template <int F>
 void gemm(const GemmArgs& a) {
   const int64_t nb = num_blocks(a.K), tiles = num_tiles(a.N);
   scratch.fit(a.M, a.K);
   int16_t* xq = scratch.xq.data();
   float* dx = scratch.dx.data();
-  float* xsum = (Q4 || a.m) ? scratch.xsum.data() : nullptr;  // block sums carry the minimums' term
+  float* xsum = (F != kQ8 || a.m) ? scratch.xsum.data() : nullptr;  // block sums carry the minimums' term
   quantize_activations(a.x, a.ldx, a.M, a.K, xq, dx, xsum);
   const int64_t chunk = std::max<int64_t>(8, ((256 * 1024) / (nb * KB * 2)) / 8 * 8);
 #pragma omp parallel
   for (int64_t t0 = 0; t0 < a.M; t0 += chunk) {
     const int64_t t1 = std::min(a.M, t0 + chunk);
 #pragma omp for schedule(static)
-    for (int64_t tile = 0; tile < tiles; ++tile) tile_tokens<Q4>(a, tile, t0, t1, xq, dx, xsum);
+    for (int64_t tile = 0; tile < tiles; ++tile) tile_tokens<F>(a, tile, t0, t1, xq, dx, xsum);
   }
 }
 
 }  // namespace
 
-void gemm_q8(const GemmArgs& a) { gemm<false>(a); }
-void gemm_q4(const GemmArgs& a) { gemm<true>(a); }
+void gemm_q8(const GemmArgs& a) { gemm<kQ8>(a); }
+void gemm_q4(const GemmArgs& a) { gemm<kQ4>(a); }
+void gemm_q4k(const GemmArgs& a) { gemm<kQ4K>(a); }
 
 }  // namespace avx2
 }  // namespace llmserve

@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "qgemm.h"
@@ -140,24 +141,57 @@ inline void store_tiles(const FloatAcc<MT * NTL>& acc, const float* dx, const fl
   }
 }
 
-// A block's 16 minimums: the stored halves, or for symmetric 4-bit blocks (SYM, m == nullptr)
-// -8 d from the scales already converted: exact in float32, the value the half -8 d converts to.
+// Where a tile's per-block scales d and minimums m come from (`load(b, j, sc, mn)`: block b of
+// tile j of a register tile):
+//   BlockScales: half d and m per block (q8, q4), tile j's `stride` halves after tile 0's; m ==
+//       nullptr: none (q8), or for symmetric 4-bit blocks (SYM) -8 d from the scales already
+//       converted: exact in float32, the value the half -8 d converts to.
+//   KScales: q4k's d, dmin per super-block and 6-bit sc, mn per block (qgemm.h): half(d sc) and
+//       -half(dmin mn), rounded to nearest even as the loader rounds q4's (and negated: exact).
 template <bool SYM>
-inline __m512 minimums16(const uint16_t* m, __m512 sc) {
-  if constexpr (SYM) return _mm512_mul_ps(sc, _mm512_set1_ps(-8.f));
-  else return half16(m);
+struct BlockScales {
+  const uint16_t* d;
+  const uint16_t* m;
+  int64_t stride;
+  bool with_m() const { return SYM || m; }
+  [[gnu::always_inline]] void load(int64_t b, int j, __m512& sc, __m512& mn) const {
+    sc = half16(d + b * NT + j * stride);
+    if constexpr (SYM) mn = _mm512_mul_ps(sc, _mm512_set1_ps(-8.f));
+    else mn = m ? half16(m + b * NT + j * stride) : _mm512_setzero_ps();
+  }
+};
+
+inline __m512 round_to_half(__m512 v) {
+  return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
+inline __m512 bytes16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+struct KScales {
+  const uint16_t* d;  // tile 0's [super-blocks][d, dmin][16 rows]; tile j's d_stride halves further
+  const uint8_t* sub;  // tile 0's [super-blocks][sc, mn][8 blocks][16 rows]; tile j's sub_stride further
+  int64_t d_stride, sub_stride;
+  bool with_m() const { return true; }
+  [[gnu::always_inline]] void load(int64_t b, int j, __m512& sc, __m512& mn) const {
+    const uint16_t* dd = d + j * d_stride + (b / 8) * 2 * NT;
+    const uint8_t* u = sub + j * sub_stride + (b / 8) * 16 * NT + (b % 8) * NT;
+    sc = round_to_half(_mm512_mul_ps(half16(dd), bytes16(u)));
+    mn = _mm512_xor_ps(round_to_half(_mm512_mul_ps(half16(dd + NT), bytes16(u + 8 * NT))), _mm512_set1_ps(-0.f));
+  }
+};
+
 // Per block and tile j: the int32 dot products (in chains) become float and are scaled by the
-// rows' d (and the minimums' term m * xsum added, for weights that have minimums: m stored, or
-// SYM's -8 d). d, m: this block's scales of tile 0; tile j's are `stride` halves further.
-template <int MT, int NTL, int A, bool SYM = false>
-inline void finish_block(__m512i (&ia)[NTL][MT][A], const uint16_t* d, const uint16_t* m, int64_t stride,
-                         const float* xs, FloatAcc<MT * NTL>& acc) {
+// rows' d (and the minimums' term m * xsum added, for weights that have minimums), d and m of
+// block b from `scales`.
+template <int MT, int NTL, int A, class S>
+inline void finish_block(__m512i (&ia)[NTL][MT][A], const S& scales, int64_t b, const float* xs,
+                         FloatAcc<MT * NTL>& acc) {
   for (int j = 0; j < NTL; ++j) {
-    const __m512 sc = half16(d + j * stride);
-    const bool with_m = SYM || m;
-    const __m512 mn = with_m ? minimums16<SYM>(m + j * stride, sc) : _mm512_setzero_ps();
+    __m512 sc, mn;
+    scales.load(b, j, sc, mn);
+    const bool with_m = scales.with_m();
     for (int t = 0; t < MT; ++t) {
       __m512i s = ia[j][t][0];
       for (int c = 1; c < A; ++c) s = _mm512_add_epi32(s, ia[j][t][c]);
@@ -208,15 +242,16 @@ void tile_q8(const int8_t* w, const uint16_t* d, const uint16_t* m, int64_t nb, 
         for (int j = 0; j < NTL; ++j) ia[j][t][p % A] = _mm512_dpwssd_epi32(ia[j][t][p % A], x, wv[j]);
       }
     }
-    finish_block<MT, NTL, A>(ia, d + b * NT, m ? m + b * NT : nullptr, nb * NT, xs ? xs + b * MT : nullptr, acc);
+    finish_block<MT, NTL, A>(ia, BlockScales<false>{d, m, nb * NT}, b, xs ? xs + b * MT : nullptr, acc);
   }
   store_tiles<MT, NTL>(acc, dx, bias, nvalid, out, ldo);
 }
 
-// The same for 4-bit weights, whose minimums' term is always there (SYM: m == nullptr, -8 d).
-template <int MT, bool SYM, int NTL = 1>
-void tile_q4(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t nb, const int32_t* xi,
-             const float* xs, const float* dx, const float* bias, int nvalid, float* out, int64_t ldo) {
+// The same for 4-bit weights, whose minimums' term is always there (scales S: BlockScales, q4;
+// BlockScales<true>, symmetric q4; KScales, q4k).
+template <int MT, class S, int NTL = 1>
+void tile_q4(const uint8_t* w, const S& sc, int64_t nb, const int32_t* xi, const float* xs, const float* dx,
+             const float* bias, int nvalid, float* out, int64_t ldo) {
   constexpr int A = chains<MT, NTL>();
   const __m512i low4 = _mm512_set1_epi16(0x000F);
   FloatAcc<MT * NTL> acc;
@@ -246,7 +281,7 @@ void tile_q4(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t nb,
         }
       }
     }
-    finish_block<MT, NTL, A, SYM>(ia, d + b * NT, SYM ? nullptr : m + b * NT, nb * NT, xs + b * MT, acc);
+    finish_block<MT, NTL, A>(ia, sc, b, xs + b * MT, acc);
   }
   store_tiles<MT, NTL>(acc, dx, bias, nvalid, out, ldo);
 }
@@ -256,10 +291,10 @@ void tile_q4(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t nb,
 // nibbles as unsigned bytes, the columns 8g + {0, 4, 1, 5} and 8g + {2, 6, 3, 7}, which the
 // activations' quads are interleaved to match.
 //   out[t, n] = sum_b (d[n, b] dx[t, b] <q[n, b], xq[t, b]> + m[n, b] xsum[t, b]) + bias[n]
-// (SYM: m == nullptr, m = -8 d.)
-template <int MT, bool SYM>
-void tile_q4_i8(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t nb, const int32_t* xi,
-                const float* xd, const float* xs, const float* bias, int nvalid, float* out, int64_t ldo) {
+// (d, m of block b from the scales S, as tile_q4's.)
+template <int MT, class S>
+void tile_q4_i8(const uint8_t* w, const S& scales, int64_t nb, const int32_t* xi, const float* xd,
+                const float* xs, const float* bias, int nvalid, float* out, int64_t ldo) {
   constexpr int A = chains<MT>();
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 acc[MT];
@@ -280,7 +315,8 @@ void tile_q4_i8(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t 
         ia[t][(2 * g + 1) % A] =
             _mm512_dpbusd_epi32(ia[t][(2 * g + 1) % A], hi, _mm512_set1_epi32(xb[(2 * g + 1) * MT + t]));
     }
-    const __m512 sc = half16(d + b * NT), mn = minimums16<SYM>(SYM ? nullptr : m + b * NT, sc);
+    __m512 sc, mn;
+    scales.load(b, 0, sc, mn);
     for (int t = 0; t < MT; ++t) {
       __m512i s = ia[t][0];
       for (int c = 1; c < A; ++c) s = _mm512_add_epi32(s, ia[t][c]);
@@ -294,34 +330,48 @@ void tile_q4_i8(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t 
   for (int t = 0; t < MT; ++t) _mm512_mask_storeu_ps(out + t * ldo, mask, _mm512_add_ps(acc[t], bv));
 }
 
-// q4 against int8 activations: tokens [t0, t1) of one tile, a group of up to MAX_MT8 at a time.
+// A 4-bit matrix's scales from `tile` on (tile j's at their stride): F is kQ4 or kQ4K; `fn` is
+// called with the scales' object (BlockScales<SYM> or KScales).
+template <int F, class Fn>
+inline void with_scales(const GemmArgs& a, int64_t tile, Fn&& fn) {
+  const int64_t nb = num_blocks(a.K);
+  if constexpr (F == kQ4K) {
+    const int64_t nsb = a.K / KSB;
+    fn(KScales{a.d + tile * nsb * 2 * NT, static_cast<const uint8_t*>(static_cast<const void*>(a.m)) + tile * nsb * 16 * NT,
+               nsb * 2 * NT, nsb * 16 * NT});
+  } else if (a.m) {
+    fn(BlockScales<false>{a.d + tile * nb * NT, a.m + tile * nb * NT, nb * NT});
+  } else {  // symmetric blocks
+    fn(BlockScales<true>{a.d + tile * nb * NT, nullptr, nb * NT});
+  }
+}
+
+// q4 / q4k against int8 activations: tokens [t0, t1) of one tile, a group of up to MAX_MT8 at a time.
+template <int F>
 void tile_tokens_q4_i8(const GemmArgs& a, int64_t tile, int64_t t0, int64_t t1, const int32_t* xi,
                        const float* xd, const float* xs) {
   const int64_t nb = num_blocks(a.K), quads = nb * KB / 4;
   const int nvalid = static_cast<int>(std::min<int64_t>(NT, a.N - tile * NT));
   const uint8_t* w = static_cast<const uint8_t*>(a.w) + tile * nb * (KB * NT / 2);
-  const uint16_t* d = a.d + tile * nb * NT;
-  const uint16_t* m = a.m ? a.m + tile * nb * NT : nullptr;  // nullptr: symmetric blocks
   const float* bias = a.bias ? a.bias + tile * NT : nullptr;
   for (int64_t t = t0; t < t1; t += MAX_MT8) {
     const int mt = static_cast<int>(std::min<int64_t>(MAX_MT8, t1 - t));
     const int32_t* x = xi + t * quads;
     float* out = a.out + t * a.ldo + tile * NT;
-    switch (mt) {
-#define LLMSERVE_Q4(MT)                                                                                 \
-  case MT:                                                                                              \
-    m ? tile_q4_i8<MT, false>(w, d, m, nb, x, xd + t * nb, xs + t * nb, bias, nvalid, out, a.ldo)        \
-      : tile_q4_i8<MT, true>(w, d, m, nb, x, xd + t * nb, xs + t * nb, bias, nvalid, out, a.ldo);        \
-    break;
-      LLMSERVE_Q4(1) LLMSERVE_Q4(2) LLMSERVE_Q4(3) LLMSERVE_Q4(4)
-      LLMSERVE_Q4(5) LLMSERVE_Q4(6) LLMSERVE_Q4(7) LLMSERVE_Q4(8)
+    with_scales<F>(a, tile, [&](const auto& sc) {
+      switch (mt) {
+#define LLMSERVE_Q4(MT) \
+  case MT: tile_q4_i8<MT>(w, sc, nb, x, xd + t * nb, xs + t * nb, bias, nvalid, out, a.ldo); break;
+        LLMSERVE_Q4(1) LLMSERVE_Q4(2) LLMSERVE_Q4(3) LLMSERVE_Q4(4)
+        LLMSERVE_Q4(5) LLMSERVE_Q4(6) LLMSERVE_Q4(7) LLMSERVE_Q4(8)
 #undef LLMSERVE_Q4
-    }
+      }
+    });
   }
 }
 
-// One group of MT tokens (at t) on the NTL tiles from `tile` on.
-template <bool Q4, int MT, int NTL>
+// One group of MT tokens (at t) on the NTL tiles from `tile` on; F: kQ8, kQ4 or kQ4K.
+template <int F, int MT, int NTL>
 void run_group(const GemmArgs& a, int64_t tile, int64_t t, const int32_t* xi, const float* xs, const float* dx) {
   const int64_t nb = num_blocks(a.K);
   const int nvalid = static_cast<int>(std::min<int64_t>(NT, a.N - (tile + NTL - 1) * NT));  // the last tile's
@@ -331,21 +381,22 @@ void run_group(const GemmArgs& a, int64_t tile, int64_t t, const int32_t* xi, co
   const int32_t* x = xi + t * nb * KB / 2;
   const float* s = xs ? xs + t * nb : nullptr;
   float* out = a.out + t * a.ldo + tile * NT;
-  if constexpr (Q4) {
+  if constexpr (F != kQ8) {
     const uint8_t* w = static_cast<const uint8_t*>(a.w) + tile * nb * (KB * NT / 2);
-    m ? tile_q4<MT, false, NTL>(w, d, m, nb, x, s, dx + t, bias, nvalid, out, a.ldo)
-      : tile_q4<MT, true, NTL>(w, d, m, nb, x, s, dx + t, bias, nvalid, out, a.ldo);
+    with_scales<F>(a, tile, [&](const auto& sc) {
+      tile_q4<MT, std::decay_t<decltype(sc)>, NTL>(w, sc, nb, x, s, dx + t, bias, nvalid, out, a.ldo);
+    });
   } else {
     const int8_t* w = static_cast<const int8_t*>(a.w) + tile * nb * (KB * NT);
     tile_q8<MT, NTL>(w, d, m, nb, x, s, dx + t, bias, nvalid, out, a.ldo);
   }
 }
 
-template <bool Q4, int NTL>
+template <int F, int NTL>
 void run_group(int mt, const GemmArgs& a, int64_t tile, int64_t t, const int32_t* xi, const float* xs,
                const float* dx) {
   switch (mt) {
-#define LLMSERVE_GROUP(MT) case MT: run_group<Q4, MT, NTL>(a, tile, t, xi, xs, dx); break;
+#define LLMSERVE_GROUP(MT) case MT: run_group<F, MT, NTL>(a, tile, t, xi, xs, dx); break;
     LLMSERVE_GROUP(1) LLMSERVE_GROUP(2) LLMSERVE_GROUP(3) LLMSERVE_GROUP(4)
     LLMSERVE_GROUP(5) LLMSERVE_GROUP(6) LLMSERVE_GROUP(7) LLMSERVE_GROUP(8)
 #undef LLMSERVE_GROUP
@@ -354,25 +405,25 @@ void run_group(int mt, const GemmArgs& a, int64_t tile, int64_t t, const int32_t
 
 // Tokens [t0, t1) (on group boundaries) of the TILES tiles from `tile` on (fewer at N's end), a
 // group of up to MAX_MT tokens at a time.
-template <bool Q4>
+template <int F>
 void tile_tokens(const GemmArgs& a, int64_t tile, int64_t t0, int64_t t1, const int32_t* xi, const float* xs,
                  const float* dx) {
   const int64_t ntl = std::min<int64_t>(TILES, num_tiles(a.N) - tile);
   for (int64_t t = t0; t < t1; t += MAX_MT) {
     const int mt = static_cast<int>(std::min<int64_t>(MAX_MT, t1 - t));
-    if (ntl == TILES) run_group<Q4, TILES>(mt, a, tile, t, xi, xs, dx);
+    if (ntl == TILES) run_group<F, TILES>(mt, a, tile, t, xi, xs, dx);
     else
-      for (int64_t j = 0; j < ntl; ++j) run_group<Q4, 1>(mt, a, tile + j, t, xi, xs, dx);
+      for (int64_t j = 0; j < ntl; ++j) run_group<F, 1>(mt, a, tile + j, t, xi, xs, dx);
   }
 }
 
 // Tokens are taken in chunks so that one chunk's quantized activations stay in the core's L2
 // while every tile streams past them; each thread owns a contiguous run of tiles (its weights).
-template <bool Q4>
+template <int F>
 void gemm(const GemmArgs& a) {
   const int64_t nb = num_blocks(a.K), jobs = (num_tiles(a.N) + TILES - 1) / TILES;
   scratch.fit(a.M, a.K);
-  float* xsum = (Q4 || a.m) ? scratch.xsum.data() : nullptr;  // block sums carry the minimums' term
+  float* xsum = (F != kQ8 || a.m) ? scratch.xsum.data() : nullptr;  // block sums carry the minimums' term
   quantize_activations(a.x, a.ldx, a.M, a.K, scratch.xq.data(), scratch.dx.data(), xsum);
   interleave_groups(scratch.xq.data(), xsum, a.M, a.K, MAX_MT, scratch.xi.data(), xsum ? scratch.xs.data() : nullptr);
   const int32_t* xi = scratch.xi.data();
@@ -383,11 +434,12 @@ void gemm(const GemmArgs& a) {
   for (int64_t t0 = 0; t0 < a.M; t0 += chunk) {
     const int64_t t1 = std::min(a.M, t0 + chunk);
 #pragma omp for schedule(static)
-    for (int64_t job = 0; job < jobs; ++job) tile_tokens<Q4>(a, job * TILES, t0, t1, xi, xs, dx);
+    for (int64_t job = 0; job < jobs; ++job) tile_tokens<F>(a, job * TILES, t0, t1, xi, xs, dx);
   }
 }
 
-// q4 against int8 activations, chunked over tokens and split over tiles as `gemm` is.
+// q4 / q4k against int8 activations, chunked over tokens and split over tiles as `gemm` is.
+template <int F>
 void gemm_q4_i8(const GemmArgs& a) {
   const int64_t nb = num_blocks(a.K), tiles = num_tiles(a.N);
   scratch8.fit(a.M, a.K);
@@ -400,15 +452,16 @@ void gemm_q4_i8(const GemmArgs& a) {
     for (int64_t t0 = 0; t0 < a.M; t0 += chunk) {
       const int64_t t1 = std::min(a.M, t0 + chunk);
 #pragma omp for schedule(static)
-      for (int64_t tile = 0; tile < tiles; ++tile) tile_tokens_q4_i8(a, tile, t0, t1, xi, xd, xs);
+      for (int64_t tile = 0; tile < tiles; ++tile) tile_tokens_q4_i8<F>(a, tile, t0, t1, xi, xd, xs);
     }
   }
 }
 
 }  // namespace
 
-void gemm_q8(const GemmArgs& a) { gemm<false>(a); }
-void gemm_q4(const GemmArgs& a) { a.act_bits == 8 ? gemm_q4_i8(a) : gemm<true>(a); }
+void gemm_q8(const GemmArgs& a) { gemm<kQ8>(a); }
+void gemm_q4(const GemmArgs& a) { a.act_bits == 8 ? gemm_q4_i8<kQ4>(a) : gemm<kQ4>(a); }
+void gemm_q4k(const GemmArgs& a) { a.act_bits == 8 ? gemm_q4_i8<kQ4K>(a) : gemm<kQ4K>(a); }
 
 }  // namespace avx512
 }  // namespace llmserve

@@ -30,7 +30,9 @@ Quantized rows (q8 / q4, blocks of 32 input columns) are split by rows for colum
 (any row count) and along whole blocks for row-parallel ones: o_proj's and down_proj's input
 slices must be multiples of 32 columns. q6 rows (GGUF Q6_K's super-blocks of 256 columns) split
 the same way along whole super-blocks; a row-parallel slice that cuts one arrives as floats (the
-file's values) and its layer holds it as q8, what Q6_K tensors were before q6.
+file's values) and its layer holds it as q8, what Q6_K tensors were before q6. q4k rows (GGUF
+Q4_K's super-blocks kept) stay q4k where a slice is whole super-blocks of 256 columns, else become
+q4 rows (the same values) before the cut.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import torch
 from torch import nn
 
 from llmserve.distributed.group import TPGroup
-from llmserve.layers.quantization.formats import BLOCK, QuantizedRows, num_blocks
+from llmserve.layers.quantization.formats import BLOCK, SUPER_BLOCK, QuantizedRows, num_blocks
 from llmserve.layers.quantization.formats_q6 import SUB as Q6_SUB
 from llmserve.layers.quantization.formats_q6 import SUPER as Q6_SUPER
 from llmserve.layers.vocab_embedding import LMHead, VocabEmbedding
@@ -162,6 +164,12 @@ def _columns(name: str, t: Any, start: int, n: int) -> torch.Tensor | QuantizedR
             f"(quantized weights split only along whole blocks); use a tensor_parallel_size that does"
         )
     b0, nb = start // BLOCK, num_blocks(n)
+    if t.fmt == "q4k":  # d, dmin per super-block: cut on whole ones, else as q4 (the same values)
+        if start % SUPER_BLOCK == 0 and n % SUPER_BLOCK == 0:
+            s0, ns = start // SUPER_BLOCK, n // SUPER_BLOCK
+            d, dmin = t.d[:, s0 : s0 + ns], t.m[:, s0 : s0 + ns]  # type: ignore[index]
+            return QuantizedRows("q4k", t.q[:, start:end], d, dmin, n, t.scales[:, b0 : b0 + nb])  # type: ignore[index]
+        t = t.as_q4()
     m = None if t.m is None else t.m[:, b0 : b0 + nb]
     return QuantizedRows(t.fmt, t.q[:, start : start + nb * BLOCK], t.d[:, b0 : b0 + nb], m, n)
 

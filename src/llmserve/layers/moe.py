@@ -212,9 +212,8 @@ def describe_moe(model: nn.Module) -> str:
     def size(module: nn.Module) -> int:
         total = sum(p.numel() for p in module.parameters())
         for m in module.modules():  # quantized layers keep their weight outside parameters
-            w = getattr(m, "qweight", None)
-            if w is not None:
-                total += w.out_features * w.in_features
+            weights = m.packed_weights() if hasattr(m, "packed_weights") else [getattr(m, "qweight", None)]
+            total += sum(w.out_features * w.in_features for w in weights if w is not None)
         return total
 
     idle = sum((b.num_experts - b.top_k) * size(b.experts[0]) for b in blocks)

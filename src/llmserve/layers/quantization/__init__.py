@@ -82,7 +82,10 @@ def quantize_modules(model: nn.Module, plan: QuantizationPlan) -> None:
         if fmt is None:
             continue
         if isinstance(module, Linear):
-            _set_submodule(model, path, _LINEAR_CLASSES[fmt].like(module, fmt))  # type: ignore[arg-type]
+            new_linear = _LINEAR_CLASSES[fmt].like(module, fmt)  # type: ignore[arg-type]
+            if isinstance(new_linear, QuantizedLinear):  # a GGUF file's own formats, shard by shard
+                new_linear.keep_shard_formats = plan.method == "auto"
+            _set_submodule(model, path, new_linear)
         elif isinstance(module, VocabEmbedding):
             new = QuantizedVocabEmbedding(module.vocab_size, module.hidden_size, fmt, dtype)
             embeddings[id(module)] = new
@@ -146,10 +149,12 @@ def weight_groups(model: nn.Module) -> list[WeightGroup]:
 
     for path, module in model.named_modules():
         role = _role(path, module)
-        qweight = getattr(module, "qweight", None)
+        qweights = [w] if (w := getattr(module, "qweight", None)) is not None else []
         if isinstance(module, QuantizedLMHead):
-            qweight = module.packed_weight
-        if qweight is not None:
+            qweights = [module.packed_weight]
+        elif isinstance(module, QuantizedLinear):
+            qweights = module.packed_weights()
+        for qweight in qweights:
             add(role, qweight.fmt, qweight.tensors())
         group_fmt = getattr(module, "weight_format", None)  # fp8: weight and scales, one group
         for name, p in module.named_parameters(recurse=False):

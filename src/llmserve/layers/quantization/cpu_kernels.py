@@ -22,6 +22,7 @@ tokens of the call in the C++ kernels; the torch path makes no such promise.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from types import ModuleType
 
 import torch  # before the extension: it then shares torch's OpenMP runtime (one thread pool)
@@ -79,21 +80,31 @@ def _addr(t: torch.Tensor | None) -> int:
 
 
 def linear(
-    x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, act_bits: int = 16
+    x: torch.Tensor,
+    w: PackedWeight | Sequence[PackedWeight],
+    bias: torch.Tensor | None = None,
+    act_bits: int = 16,
 ) -> torch.Tensor:
     """x [..., K] @ W.T (+ bias) in float32 (returned in x's dtype). `act_bits` 8: q4 weights take
-    int8 activations per block of 32 where the kernel set has them (avx512_vnni; else int16)."""
-    K, N = w.in_features, w.out_features
+    int8 activations per block of 32 where the kernel set has them (avx512_vnni; else int16).
+    `w` may be several matrices whose rows follow one another (a fused layer whose shards have
+    different formats): each writes its columns of the output."""
+    parts = [w] if isinstance(w, PackedWeight) else list(w)
+    K, N = parts[0].in_features, sum(p.out_features for p in parts)
     if _kernels == "torch":
-        out = F.linear(x.float(), unpack(w).dequantize(), bias)
+        out = F.linear(x.float(), torch.cat([unpack(p).dequantize() for p in parts]), bias)
         return out if x.dtype == torch.float32 else out.to(x.dtype)
     x2 = x.reshape(-1, K)
     if x2.dtype != torch.float32 or not x2.is_contiguous():
         x2 = x2.float().contiguous()
     M = x2.shape[0]
     out = torch.empty(M, N, dtype=torch.float32)
-    _ext.gemm(w.bits, x2.data_ptr(), K, M, K, N, w.data.data_ptr(), w.d.data_ptr(), _addr(w.m), _addr(bias),
-              out.data_ptr(), N, act_bits)  # fmt: skip
+    col = 0  # the part's first output column: its rows of the bias and its columns of out [M, N]
+    for p in parts:
+        b = 0 if bias is None else bias.data_ptr() + 4 * col
+        _ext.gemm(p.code, x2.data_ptr(), K, M, K, p.out_features, p.data.data_ptr(), p.d.data_ptr(), _addr(p.m),
+                  b, out.data_ptr() + 4 * col, N, act_bits)  # fmt: skip
+        col += p.out_features
     out = out.view(*x.shape[:-1], N)
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
@@ -104,7 +115,7 @@ def embedding(ids: torch.Tensor, w: PackedWeight) -> torch.Tensor:
         return unpack(w).select_rows(ids).dequantize()
     ids = ids.contiguous()
     out = torch.empty(ids.shape[0], w.in_features, dtype=torch.float32)
-    _ext.dequant_rows(w.bits, w.data.data_ptr(), w.d.data_ptr(), _addr(w.m), w.in_features, ids.data_ptr(),
+    _ext.dequant_rows(w.code, w.data.data_ptr(), w.d.data_ptr(), _addr(w.m), w.in_features, ids.data_ptr(),
                       ids.shape[0], out.data_ptr())  # fmt: skip
     return out
 

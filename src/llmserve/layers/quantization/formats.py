@@ -12,6 +12,13 @@ Q6_K's own super-blocks (formats_q6.py):
     q6   w[n, k] = d[n, s] * sc[n, j] * (q[n, k] - 32)   q in [0, 63], sc int8 per 16 columns
          (j = k // 16), d half per 256 (s = k // 256): GGUF Q6_K's math, 6.5625 bits a weight
 
+    q4k  GGUF Q4_K's own scales, per row and super-block of 256 columns (s = k // 256): d, dmin
+         (half floats) and per block of 32 its 6-bit multipliers sc, mn (a byte each):
+             w[n, k] = half(d[n, s] * sc[n, b]) * q[n, k] + half(-dmin[n, s] * mn[n, b])
+         q4's values computed in the kernels, rounded as the loader rounds them for q4 (one
+         float32 product, exact for a half times a 6-bit integer, rounded to nearest even):
+         the same bits as q4 from 18.5 bytes a block instead of 20. K a multiple of 256.
+
 A symmetric q4 weight stores no minimum: every consumer (the C++ kernels, `dequantize`) computes
 -8 d from the half scale, which is exact in float32 and equal to the half -8 d converted, so the
 results are the same bits as with the minimum stored.
@@ -25,6 +32,8 @@ csrc/qgemm.h for the byte layout):
                            little-endian 16-bit lane holds four 4-bit values, columns 8g + 2s + j
     PackedWeight.d, m  float16   [tiles, blocks, 16 rows]  (m absent: q8 without minimums,
                                                            symmetric q4)
+                       q4k: d float16 [tiles, super-blocks, (d, dmin), 16 rows],
+                            m uint8   [tiles, super-blocks, (sc, mn), 8 blocks, 16 rows]
 
 Rows are padded to a multiple of 16 (tiles) and columns to a multiple of 32 (blocks) with zero
 weights; the padding is never read back into results.
@@ -41,9 +50,13 @@ BLOCK = 32
 """Input columns per scale block."""
 TILE = 16
 """Output rows per packed tile."""
+SUPER_BLOCK = 256
+"""Input columns per q4k super-block (GGUF's K types)."""
 
-QuantFormat = Literal["q8", "q4", "q6"]
-BITS: dict[str, int] = {"q8": 8, "q4": 4, "q6": 6}
+QuantFormat = Literal["q8", "q4", "q6", "q4k"]
+BITS: dict[str, int] = {"q8": 8, "q4": 4, "q6": 6, "q4k": 4}
+KERNEL_CODES: dict[str, int] = {"q8": 8, "q4": 4, "q6": 6, "q4k": 46}
+"""What the C++ kernels are told a matrix is (csrc/qgemm.h's kQ8, kQ4, kQ6, kQ4K)."""
 
 
 def num_blocks(k: int) -> int:
@@ -65,7 +78,9 @@ class QuantizedRows:
     in_features: int
     """K, the logical number of columns."""
     scales: torch.Tensor | None = None
-    """q6 only: [N, K / 16] int8 sub-block scales; `d` is then [N, K / 256] (formats_q6.py)."""
+    """The K formats' sub-block multipliers. q6: [N, K / 16] int8 sub-block scales, `d` then
+    [N, K / 256] (formats_q6.py). q4k: [N, blocks, 2] uint8, each block's 6-bit sc and mn (d and
+    m then [N, super-blocks]: d and dmin)."""
 
     @property
     def num_rows(self) -> int:
@@ -74,9 +89,18 @@ class QuantizedRows:
     def minimums(self) -> torch.Tensor | None:
         """[N, blocks] float16: m, or -8 d for symmetric q4 (exact: a half times a power of two,
         unless |d| > 8188, weights past the half-float range); None for q8 without."""
+        assert self.fmt != "q4k", "q4k rows: as_q4() first"
         if self.m is None and self.fmt == "q4":
             return -8 * self.d
         return self.m
+
+    def as_q4(self) -> QuantizedRows:
+        """q4k rows as q4 (half scale and minimum per block, `k_scales`); other rows as they are."""
+        if self.fmt != "q4k":
+            return self
+        assert self.m is not None and self.scales is not None
+        scale, minimum = k_scales(self.d, self.m, self.scales)
+        return QuantizedRows("q4", self.q, scale, minimum, self.in_features)
 
     def select_rows(self, index: torch.Tensor) -> QuantizedRows:
         """The rows `index` (a row permutation, e.g. undoing llama.cpp's q/k reordering)."""
@@ -105,6 +129,8 @@ class QuantizedRows:
             from llmserve.layers.quantization.formats_q6 import dequantize_q6
 
             return dequantize_q6(self)
+        if self.fmt == "q4k":
+            return self.as_q4().dequantize()
         N, nb = self.d.shape
         q = self.q.view(N, nb, BLOCK).float()
         w = q * self.d.float().unsqueeze(-1)
@@ -112,6 +138,17 @@ class QuantizedRows:
         if m is not None:
             w = w + m.float().unsqueeze(-1)
         return w.view(N, nb * BLOCK)[:, : self.in_features]
+
+
+def k_scales(d: torch.Tensor, dmin: torch.Tensor, sub: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF K-type super-blocks' per-block scale half(d sc) and minimum half(-dmin mn), [N, blocks]
+    float16, from d, dmin [N, super-blocks] float16 and sub [N, blocks, 2] (sc, mn) uint8. The
+    float32 product of a half and a 6-bit integer is exact, so each is one rounding to nearest
+    even of the exact value: what the q4k kernels compute (csrc/qgemm.h)."""
+    per = sub.shape[1] // d.shape[1]  # blocks per super-block (8)
+    df = d.float().repeat_interleave(per, dim=1)
+    dminf = dmin.float().repeat_interleave(per, dim=1)
+    return (df * sub[..., 0].float()).half(), (-dminf * sub[..., 1].float()).half()
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +240,11 @@ class PackedWeight:
     def bits(self) -> int:
         return BITS[self.fmt]
 
+    @property
+    def code(self) -> int:
+        """The format as the C++ kernels take it (KERNEL_CODES)."""
+        return KERNEL_CODES[self.fmt]
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.data, self.d, self.m) if t is not None)
 
@@ -224,6 +266,8 @@ def pack(rows: QuantizedRows) -> PackedWeight:
         q = torch.cat([q, q.new_zeros(pad, q.shape[1])])
         d = torch.cat([d, d.new_zeros(pad, nb)])
         m = None if m is None else torch.cat([m, m.new_zeros(pad, nb)])
+    if rows.fmt == "q4k":
+        return _pack_q4k(rows, q, d, m, T)
     if rows.fmt == "q8":
         # [T, 16 rows, nb, 16 pairs, 2] -> [T, nb, 16 pairs, 16 rows, 2]
         data = q.view(T, TILE, nb, BLOCK // 2, 2).permute(0, 2, 3, 1, 4).contiguous()
@@ -240,12 +284,40 @@ def pack(rows: QuantizedRows) -> PackedWeight:
     )
 
 
+def _pack_q4k(
+    rows: QuantizedRows, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, T: int
+) -> PackedWeight:
+    """q4k: q4's nibble tiles, d and dmin [T, S, 2, 16 rows], sc and mn [T, S, 2, 8, 16 rows]."""
+    assert m is not None and rows.scales is not None and rows.in_features % SUPER_BLOCK == 0
+    S = d.shape[1]
+    sub = rows.scales
+    if sub.shape[0] < T * TILE:
+        sub = torch.cat([sub, sub.new_zeros(T * TILE - sub.shape[0], *sub.shape[1:])])
+    nibbles = pack(
+        QuantizedRows("q4", q, torch.zeros(T * TILE, S * 8, dtype=torch.float16), None, S * SUPER_BLOCK)
+    )
+    scales = torch.stack([d, m], dim=1).view(T, TILE, 2, S).permute(0, 3, 2, 1).contiguous()
+    subs = sub.view(T, TILE, S, 8, 2).permute(0, 2, 4, 3, 1).contiguous()  # [T, S, 2, 8, 16]
+    return PackedWeight("q4k", nibbles.data, scales, subs, rows.num_rows, rows.in_features)
+
+
 def unpack(w: PackedWeight) -> QuantizedRows:
     """The inverse of `pack` (tests, and the torch fallback's dequantization)."""
     if w.fmt == "q6":
         from llmserve.layers.quantization.formats_q6 import unpack_q6
 
         return unpack_q6(w)
+    if w.fmt == "q4k":
+        assert w.m is not None
+        T, S = w.d.shape[:2]
+        q = unpack(
+            PackedWeight("q4", w.data, w.d.new_zeros(T, S * 8, TILE), None, w.out_features, w.in_features)
+        ).q
+        d = w.d.permute(0, 3, 2, 1).reshape(T * TILE, 2, S)[: w.out_features]
+        sub = w.m.permute(0, 4, 1, 3, 2).reshape(T * TILE, S * 8, 2)[: w.out_features]
+        return QuantizedRows(
+            "q4k", q, d[:, 0].contiguous(), d[:, 1].contiguous(), w.in_features, sub.contiguous()
+        )
     T, nb = w.d.shape[:2]
     if w.fmt == "q8":
         q = w.data.permute(0, 3, 1, 2, 4).reshape(T * TILE, nb * BLOCK)

@@ -85,7 +85,7 @@ def unsupported_reason(spec: DecoderSpec, kv_caches: list[LayerKVCache]) -> str 
         return "rotary dims"
     for layer in spec.layers:
         linears = [layer.qkv, layer.o, *_mlp_linears(layer)]
-        if not all(isinstance(m, QuantizedLinear) and m.qweight is not None for m in linears):
+        if not all(isinstance(m, QuantizedLinear) and m.packed_weights() for m in linears):
             return "float linear layers"
         if any(m.input_perm is not None for m in linears):  # type: ignore[union-attr]
             return "act-order input permutations (GPTQ desc_act)"
@@ -154,12 +154,22 @@ def _moe(moe: SparseMoE | None) -> tuple | None:
     )
 
 
-def _linear(m: QuantizedLinear) -> tuple[int, ...]:
-    w = m.qweight
-    assert w is not None
+def _linear(m: QuantizedLinear) -> tuple[int, ...] | list[tuple[int, ...]]:
+    """A layer as decoder_new takes it: (bits, w, d, m, bias, N, K, act_bits), or a list of
+    them for a layer split by its shards' formats (int16 activations: `keep_shard_formats`)."""
     addr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-    return (w.bits, w.data.data_ptr(), w.d.data_ptr(), addr(w.m), addr(m.bias), w.out_features, w.in_features,
-            m.act_bits)  # fmt: skip
+    if m.qweight is not None:
+        w = m.qweight
+        return (w.code, w.data.data_ptr(), w.d.data_ptr(), addr(w.m), addr(m.bias), w.out_features,
+                w.in_features, m.act_bits)  # fmt: skip
+    parts, col = [], 0
+    for w in m.parts:  # each matrix's rows of the bias
+        bias = 0 if m.bias is None else m.bias.data_ptr() + 4 * col
+        parts.append(
+            (w.code, w.data.data_ptr(), w.d.data_ptr(), addr(w.m), bias, w.out_features, w.in_features, 16)
+        )
+        col += w.out_features
+    return parts
 
 
 class FusedDecoder:

@@ -32,15 +32,19 @@ def as_rows(
 ) -> QuantizedRows:
     """A checkpoint tensor [out, in] as rows in `fmt`: float tensors are quantized; 4-bit rows
     become 8-bit ones exactly (same scales and minimums, a symmetric block's -8 d stored), 8-bit
-    and 6-bit rows are requantized from their float values. q6 holds only GGUF Q6_K's own
-    blocks: anything else meant for a q6 layer (a tensor-parallel shard cut inside a super-block,
-    which arrives as floats) becomes q8, what Q6_K tensors became before q6 existed."""
+    and 6-bit rows are requantized from their float values; q4k rows are a q4 layer's as they are
+    (the same values). q6 holds only GGUF Q6_K's own blocks: anything else meant for a q6 layer (a
+    tensor-parallel shard cut inside a super-block, which arrives as floats) becomes q8, what Q6_K
+    tensors became before q6 existed."""
     if fmt == "q6" and not (isinstance(loaded, QuantizedRows) and loaded.fmt == "q6"):
         fmt = "q8"
     if isinstance(loaded, QuantizedRows):
         got = (loaded.num_rows, loaded.in_features)
         if got != shape:
             raise WeightShapeError(name, shape, got)
+        if loaded.fmt == fmt or (loaded.fmt == "q4k" and fmt == "q4"):
+            return loaded
+        loaded = loaded.as_q4()  # q4k to any other format: as q4 first (the same values)
         if loaded.fmt == fmt:
             return loaded
         if fmt == "q8" and loaded.fmt == "q4":  # values 0..15 fit int8: w = d q + m is kept as it is
@@ -62,7 +66,7 @@ def _concat(parts: list[QuantizedRows]) -> QuantizedRows:
         return parts[0]
     if len({p.fmt for p in parts}) > 1:
         parts = [as_rows("", p, "q8", (p.num_rows, p.in_features)) for p in parts]
-    if parts[0].fmt == "q6":
+    if parts[0].fmt in ("q6", "q4k"):  # all q6 or all q4k: their own fields side by side
         joined = QuantizedRows.concat(parts)
         assert joined is not None
         return joined
@@ -112,6 +116,15 @@ class QuantizedLinear(Linear):
             else None
         )
         self.qweight: PackedWeight | None = None
+        self.parts: list[PackedWeight] = []
+        """A fused layer whose shards came in different formats (`keep_shard_formats`): its
+        matrices, rows one after another (then `qweight` is None)."""
+        self.keep_shard_formats = False
+        """Keep the 4-bit and q6 shards of this 8-bit layer as matrices of their own (GGUF files
+        under `auto`: Q4_K_M's Q4_K q and k as q4k beside a Q6_K v as q6) instead of widening them
+        into one q8 matrix with minimums. Rows are independent and q4 -> q8 is exact, so the 4-bit
+        shards' outputs are the same bits, and q6 holds the file's values; the split matrices run
+        with int16 activations (`act_bits` 16), as the q8 matrix did whatever `act_bits` said."""
         self.act_bits = 16  # 8: int8 activations for q4 weights (ModelConfig.cpu_activations)
         self.input_perm: torch.Tensor | None = None
         """[in] int64: the input's columns in the weight's column order (GPTQ act-order), gathered
@@ -124,10 +137,16 @@ class QuantizedLinear(Linear):
         """A quantized layer with `layer`'s shape (its float weight is never filled)."""
         return cls(layer.in_features, layer.output_sizes, layer.bias is not None, fmt)
 
+    def packed_weights(self) -> list[PackedWeight]:
+        """The matrices the layer multiplies by: `qweight`, or the split layer's `parts`."""
+        return self.parts if self.qweight is None else [self.qweight]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        assert self.qweight is not None, "weights not loaded"
         if self.input_perm is not None:  # one gather of the activations (act-order checkpoints)
             x = x.index_select(-1, self.input_perm)
+        if self.qweight is None:
+            assert self.parts, "weights not loaded"
+            return cpu_kernels.linear(x, self.parts, self.bias, 16)  # int16: see keep_shard_formats
         return cpu_kernels.linear(x, self.qweight, self.bias, self.act_bits)
 
     def load_shard(
@@ -147,13 +166,39 @@ class QuantizedLinear(Linear):
         if isinstance(loaded, PermutedRows):
             self._staged_perms[shard] = loaded.perm
             loaded = loaded.rows
-        self._staged[shard] = as_rows(name, loaded, self.fmt, (end - start, self.in_features))
+        shape = (end - start, self.in_features)
+        kept = isinstance(loaded, QuantizedRows) and loaded.fmt in ("q4", "q4k", "q6")
+        if self.keep_shard_formats and kept:  # q4k stays q4k, Q6_K's q6 stays q6 (as_rows)
+            self._staged[shard] = as_rows(name, loaded, "q6" if loaded.fmt == "q6" else "q4", shape)
+        else:
+            self._staged[shard] = as_rows(name, loaded, self.fmt, shape)
         if all(s is not None for s in self._staged):
             self.input_perm = _common_perm(name, self._staged_perms)
-            self.qweight = pack(_concat(self._staged))  # type: ignore[arg-type]
-            self.fmt = self.qweight.fmt  # q6 -> q8 where a shard fell back (as_rows)
+            self._pack_staged(name)
             self._staged = [None] * len(self.output_sizes)
             self._staged_perms = [None] * len(self.output_sizes)
+
+    def _pack_staged(self, name: str) -> None:
+        """The staged shards as one matrix in the layer's format, or, where 4-bit shards were kept
+        beside 8-bit ones, as one matrix per run of consecutive shards of one format."""
+        staged: list[QuantizedRows] = self._staged  # type: ignore[assignment]
+        formats = {s.fmt for s in staged}
+        if {"q4", "q4k"} <= formats:  # q4k beside q4 shards: one q4 matrix
+            staged = [s.as_q4() for s in staged]
+        if len({s.fmt for s in staged}) == 1:  # one format: the layer's (4-bit shards widened if kept)
+            shape = lambda s: (s.num_rows, s.in_features)  # noqa: E731
+            self.qweight = pack(_concat([as_rows(name, s, self.fmt, shape(s)) for s in staged]))
+            self.fmt = self.qweight.fmt  # q6 -> q8 where a shard fell back (as_rows)
+            self.parts = []
+            return
+        runs: list[list[QuantizedRows]] = []
+        for s in staged:
+            if runs and runs[-1][0].fmt == s.fmt:
+                runs[-1].append(s)
+            else:
+                runs.append([s])
+        self.qweight = None
+        self.parts = [pack(_concat(run)) for run in runs]
 
     def use_onednn(self) -> None:
         """Nothing to repack: the quantized kernels have their own layout."""
@@ -162,8 +207,9 @@ class QuantizedLinear(Linear):
         """The dequantized [out, in] weight (for inspection and tests; allocates a float copy)."""
         from llmserve.layers.quantization.formats import unpack
 
-        assert self.qweight is not None
-        w = unpack(self.qweight).dequantize()
+        parts = self.packed_weights()
+        assert parts, "weights not loaded"
+        w = torch.cat([unpack(p).dequantize() for p in parts])
         if self.input_perm is None:
             return w
         out = torch.empty_like(w)
@@ -171,7 +217,8 @@ class QuantizedLinear(Linear):
         return out
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.output_sizes}, bias={self.bias is not None}, {self.fmt}"
+        fmt = "+".join(p.fmt for p in self.parts) if self.qweight is None and self.parts else self.fmt
+        return f"in={self.in_features}, out={self.output_sizes}, bias={self.bias is not None}, {fmt}"
 
 
 class QuantizedVocabEmbedding(VocabEmbedding):

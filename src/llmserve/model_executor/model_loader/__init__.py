@@ -391,6 +391,8 @@ def _num_params(model: torch.nn.Module) -> int:
         if w is not None and id(w) not in seen:
             seen.add(id(w))
             total += w.out_features * w.in_features
+        if isinstance(m, QuantizedLinear) and w is None:  # split by its shards' formats
+            total += sum(p.out_features * p.in_features for p in m.parts)
         if isinstance(m, Fp8Linear):  # its scales are not checkpoint parameters
             total -= m.weight_scale.numel()
     return total

@@ -6,7 +6,7 @@
     Q5_0   22-byte blocks:  d (f16), 4 bytes of fifth bits, nibbles   w = d (q - 16)    -> q8
     Q5_1   24-byte blocks:  d, m (f16), fifth bits, nibbles           w = d q + m       -> q8 (+ m)
     Q4_K  144-byte super-blocks of 256: d, dmin (f16), twelve bytes of 6-bit sub-scales and
-          sub-minimums for 8 sub-blocks of 32, 128 bytes of nibbles   w = d sc_j q - dmin m_j  -> q4
+          sub-minimums for 8 sub-blocks of 32, 128 bytes of nibbles   w = d sc_j q - dmin m_j  -> q4k
     Q5_K  176-byte super-blocks: Q4_K's fields plus 32 bytes of fifth bits                 -> q8 (+ m)
     IQ4_NL  18-byte blocks: d (f16), 16 bytes of nibbles    w = d T[q], T a 16-entry int8 table -> q8
     IQ4_XS  136-byte super-blocks of 256: d (f16), 6-bit sub-scales ls_j of 8 sub-blocks (low
@@ -21,7 +21,8 @@ In the 32-element blocks, byte i holds element i in its low nibble and element i
 one (the fifth bit of element i is bit i of qh); in the K types each 32-byte run of nibbles holds
 two sub-blocks the same way, low nibbles first, and the fifth bits of the 64 values of run j are
 bits 2j and 2j + 1 of the 32 qh bytes. The 5-bit types fit int8 with their own scale (and minimum),
-so they are kept exactly too. The K types' per-sub-block scale d * sc_j and minimum dmin * m_j
+so they are kept exactly too. Q4_K keeps d, dmin and the 6-bit multipliers (q4k: the kernels
+round d * sc_j and -dmin * m_j to half floats as q4 would). Q5_K's per-sub-block scale d * sc_j and minimum -dmin * m_j
 are rounded to half floats (a relative error of at most 2^-11 on each, far below a quantization
 step); IQ4_XS's d (ls_j - 32) likewise. IQ4_NL's and MXFP4's values are exact: their tables are
 int8 (MXFP4's E2M1 values doubled, its scale halved: a power of two, exact in a half float for
@@ -35,7 +36,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from llmserve.layers.quantization.formats import QuantizedRows
+from llmserve.layers.quantization.formats import SUPER_BLOCK, QuantizedRows, k_scales
 from llmserve.layers.quantization.mxfp4 import MXFP4_VALUES
 
 _Q = GGMLQuantizationType
@@ -65,23 +66,24 @@ def _bits(raw: np.ndarray, n: int) -> np.ndarray:
     return np.unpackbits(np.ascontiguousarray(raw), axis=-1, bitorder="little")[..., :n]
 
 
-def _k_scales(b: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """The 8 sub-blocks' scales d * sc_j and minimums -dmin * m_j of K-type super-blocks
-    [rows, n, bytes], as half floats [rows, n * 8]."""
+def _k_fields(b: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """K-type super-blocks [rows, n, bytes] -> d, dmin [rows, n] float16 and the 8 sub-blocks'
+    6-bit scale and minimum multipliers [rows, n * 8, 2] uint8 (QuantizedRows.scales)."""
     rows, n = b.shape[:2]
-    d = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
-    dmin = np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
     s = b[..., 4:16].astype(np.uint8)  # [rows, n, 12]
     # 6-bit scale and minimum of sub-block j: the low 6 bits of bytes j and j + 4 for j < 4;
     # for j >= 4 a low nibble of byte j + 4 plus the top two bits of byte j - 4 (scale) or j (min).
-    sc = np.empty((rows, n, 8), np.float32)
-    mn = np.empty((rows, n, 8), np.float32)
-    sc[..., :4], mn[..., :4] = s[..., 0:4] & 63, s[..., 4:8] & 63
-    sc[..., 4:] = (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)
-    mn[..., 4:] = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
-    scale = torch.from_numpy((d[..., None] * sc).reshape(rows, n * 8)).half()
-    minimum = torch.from_numpy((-dmin[..., None] * mn).reshape(rows, n * 8)).half()
-    return scale, minimum
+    sub = np.empty((rows, n, 8, 2), np.uint8)
+    sub[..., :4, 0], sub[..., :4, 1] = s[..., 0:4] & 63, s[..., 4:8] & 63
+    sub[..., 4:, 0] = (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)
+    sub[..., 4:, 1] = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+    return _halves(b[..., 0:2]), _halves(b[..., 2:4]), torch.from_numpy(sub.reshape(rows, n * 8, 2))
+
+
+def _k_scales(b: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 8 sub-blocks' scales d * sc_j and minimums -dmin * m_j of K-type super-blocks
+    [rows, n, bytes], as half floats [rows, n * 8] (formats.k_scales)."""
+    return k_scales(*_k_fields(b))
 
 
 def read_rows(data: np.ndarray, qtype: GGMLQuantizationType, in_features: int) -> QuantizedRows | None:
@@ -114,7 +116,10 @@ def read_rows(data: np.ndarray, qtype: GGMLQuantizationType, in_features: int) -
         b = data.reshape(rows, -1, 144)
         qs = b[..., 16:].reshape(rows, -1, 4, 32)  # 4 runs of 32 bytes: sub-blocks 2c (low), 2c + 1 (high)
         q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(rows, -1)
-        return QuantizedRows("q4", torch.from_numpy(q), *_k_scales(b), in_features)
+        if in_features % SUPER_BLOCK:  # (ggml's K types are whole super-blocks; kept general)
+            return QuantizedRows("q4", torch.from_numpy(q), *_k_scales(b), in_features)
+        d, dmin, sub = _k_fields(b)
+        return QuantizedRows("q4k", torch.from_numpy(q), d, dmin, in_features, sub)
     if qtype == _Q.Q5_K:
         b = data.reshape(rows, -1, 176)
         qs = b[..., 48:].reshape(rows, -1, 4, 32)

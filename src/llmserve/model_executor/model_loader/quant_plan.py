@@ -9,12 +9,15 @@ files, the type each tensor has on disk.
            rounded per token (layers/quantization/fp8.py); embeddings and LM heads stay float.
            Quantizes float checkpoints only: an already quantized GGUF file is refused
     auto   a quantized GGUF file keeps its quantization family per layer: Q4_0 / Q4_1 / Q4_K
-           tensors become q4, Q6_K q6 (its own super-blocks, the file's weights exactly),
-           anything else (Q8_0, Q5_x, Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4, F16, ...) q8; a fused
-           layer whose shards differ takes q8 (q4 shards only: q4; Q6_K shards only: q6). Q8_0,
-           Q4_x, Q5_x, Q6_K, IQ4_NL, IQ4_XS and MXFP4 are read from their blocks (gguf_quant.py),
-           others are requantized from float; the load report says which (`gguf_type_report`).
-           Float checkpoints (HF folders, F32/F16/BF16 GGUF files) stay float.
+           tensors become q4 (Q4_K as q4k: its super-blocks' d, dmin and 6-bit sub-scales kept,
+           the same values as q4 from 18.5 bytes a block), Q6_K q6 (its own super-blocks, the
+           file's weights exactly), anything else (Q8_0, Q5_x, Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4,
+           F16, ...) q8; a fused layer whose shards differ takes q8, but keeps its 4-bit and q6
+           shards as matrices of their own (QuantizedLinear.keep_shard_formats: Q4_K_M's Q4_K q
+           and k as q4k beside a Q6_K v as q6). Q8_0, Q4_x, Q5_x, Q6_K, IQ4_NL, IQ4_XS and MXFP4
+           are read from their blocks (gguf_quant.py), others are requantized from float; the load
+           report says which (`gguf_type_report`). Float checkpoints (HF folders, F32/F16/BF16
+           GGUF files) stay float.
 
 A pre-quantized HF checkpoint (GPTQ, AWQ, FP8: `quantization_config`) brings its own plan instead
 (prequantized.py): its quantized layers keep their format, `auto` being the checkpoint's method.
@@ -52,14 +55,13 @@ def _gguf_format(type_name: str) -> QuantFormat:
 
 def gguf_type_report(tensor_types: dict[str, str]) -> str:
     """What each quantized GGUF type of a file becomes under `auto`, for the load report:
-    "Q4_K -> q4 (blocks kept), Q3_K -> q8 (requantized)"."""
+    "Q4_K -> q4k (blocks kept), Q3_K -> q8 (requantized)"."""
     from llmserve.model_executor.model_loader.gguf_quant import EXACT_TYPES
 
     kept = {q.name for q in EXACT_TYPES}
     names = sorted({t for t in tensor_types.values() if t not in _FLOAT_TYPES})
-    return ", ".join(
-        f"{t} -> {_gguf_format(t)} ({'blocks kept' if t in kept else 'requantized'})" for t in names
-    )
+    held = lambda t: "q4k" if t == "Q4_K" else _gguf_format(t)  # noqa: E731  (gguf_quant.read_rows)
+    return ", ".join(f"{t} -> {held(t)} ({'blocks kept' if t in kept else 'requantized'})" for t in names)
 
 
 def check_supported(method: str, device: torch.device, dtype: torch.dtype) -> None:
