@@ -188,7 +188,8 @@ class QuantizedLinear(Linear):
         if len({s.fmt for s in staged}) == 1:  # one format: the layer's (4-bit shards widened if kept)
             shape = lambda s: (s.num_rows, s.in_features)  # noqa: E731
             self.qweight = pack(_concat([as_rows(name, s, self.fmt, shape(s)) for s in staged]))
-            self.fmt = self.qweight.fmt  # q6 -> q8 where a shard fell back (as_rows)
+            if self.fmt == "q6":  # q8 where a shard fell back (as_rows); a q4 layer's q4k stays "q4"
+                self.fmt = self.qweight.fmt
             self.parts = []
             return
         runs: list[list[QuantizedRows]] = []
