@@ -11,7 +11,9 @@ unmeasured request, then adds the prompts together and steps the engine until al
 each step; a request's TTFT is the time of the steps up to the one that gave its first token. On
 one thread the time is the main thread's CPU time, which a shared, time-sliced core does not
 inflate (the kernels run on the calling thread); with more, wall time.
-Prints one JSON line per budget: TTFT median / p90 / max, total, steps, and a hash of the greedy
+Prints one JSON line per budget: TTFT median / p90 / max, the gaps between a request's tokens
+(ITL: a running request waits for each step's prefill chunks), total, steps, the time per token of
+the steps of 64 tokens or more (what a smaller budget must not raise), and a hash of the greedy
 outputs, which must be the same for every budget (a token's result does not depend on the batch).
 """
 
@@ -50,17 +52,28 @@ def run_burst(
         )
     elapsed, steps = 0.0, 0
     first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    itl: list[float] = []  # gaps between a request's consecutive tokens
     tokens: dict[str, list[int]] = {}
+    big_steps = [0.0, 0]  # time and tokens of the steps of 64 tokens or more (the prefill's)
     while engine.has_unfinished_requests():
         t = clock()
         outputs = engine.step()
-        elapsed += clock() - t
+        dt = clock() - t
+        elapsed += dt
         steps += 1
+        if (num_tokens := engine.last_stats.step_tokens) >= 64:
+            big_steps[0] += dt
+            big_steps[1] += num_tokens
         for out in outputs:
-            if out.outputs[0].token_ids and out.request_id not in first:
-                first[out.request_id] = elapsed
+            rid = out.request_id
+            if out.outputs[0].token_ids:
+                if rid in last:
+                    itl.append(elapsed - last[rid])
+                first.setdefault(rid, elapsed)
+                last[rid] = elapsed
             if out.finished:
-                tokens[out.request_id] = list(out.outputs[0].token_ids)
+                tokens[rid] = list(out.outputs[0].token_ids)
     ttft = sorted(first.values())
     ids = [tokens[f"burst-{j}"] for j in range(args.prompts)]
     del llm, engine
@@ -73,7 +86,9 @@ def run_burst(
             "max": round(ttft[-1], 3),
             "all": [round(x, 3) for x in ttft],
         },
+        "itl_s": {"median": round(statistics.median(itl), 3), "max": round(max(itl), 3)},
         "total_s": round(elapsed, 3),
+        "ms_per_token": round(1000 * big_steps[0] / max(big_steps[1], 1), 3),
         "steps": steps,
         "ids_sha": hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16],
     }

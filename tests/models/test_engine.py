@@ -231,6 +231,24 @@ def test_auto_kv_cache_is_float16_under_quantized_weights(tiny):
     assert pinned.engine.runner.runner.kv_caches[0].dtype == torch.float32
 
 
+def test_auto_step_budget_follows_the_path_the_stack_runs_on(tiny):
+    """256 tokens a step where the fused CPU decoder runs the stack (quantized weights), 1024 on
+    the float path; a given budget always wins. The fused path's tokens do not depend on how the
+    steps cut the prompts: six 100-token prompts at once (three steps at 256, one at 1024) give
+    the same greedy tokens under either budget."""
+    fused = make_llm(tiny[0], quantization="int8")
+    assert fused.engine.runner.runner.fused is not None
+    assert fused.engine.scheduler_config.max_num_batched_tokens == 256
+    assert make_llm(tiny[0], quantization="none").engine.scheduler_config.max_num_batched_tokens == 1024
+    whole = make_llm(tiny[0], quantization="int8", max_num_batched_tokens=1024)
+    assert whole.engine.scheduler_config.max_num_batched_tokens == 1024
+    prompts = [[(7 * i + 13 * j) % 400 + 5 for i in range(100)] for j in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    assert token_ids(fused.generate(prompts, params, use_tqdm=False)) == token_ids(
+        whole.generate(prompts, params, use_tqdm=False)
+    )
+
+
 def test_int8_kv_cache_holds_3_7x_the_tokens(tiny, reference):
     """int8 rows: head_dim values and a float16 scale per 32 of them (16 + 2 bytes for this
     model's 16-dim heads, against 64 in float32)."""

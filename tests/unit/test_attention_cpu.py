@@ -5,7 +5,10 @@ tiny model's greedy tokens through the engine with either backend."""
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 
 import numba
 import numpy as np
@@ -220,3 +223,22 @@ def test_int8_cache_spec_sizes():
     spec = KVCacheSpec(num_blocks=4, block_size=16, num_kv_heads=3, head_dim=64, dtype=torch.int8)
     assert spec.shape() == (2, 3, 4, 16, 68)
     assert spec.bytes_per_token() == 2 * 3 * 68  # 3.76x fewer than float32's 2 * 3 * 256
+
+
+def test_preparing_the_backend_keeps_the_thread_count():
+    """numba's OpenMP pool, started by the kernel's warm-up, must not change the OpenMP thread
+    count that torch and the fused C++ decoder share: a process set to one thread stays at one
+    (it became numba's default, one per core). Its own process: the pool starts once per process."""
+    code = """
+import ctypes, torch
+torch.set_num_threads(1)
+from llmserve.layers.attention import get_attention_backend
+get_attention_backend("cpu").prepare(torch.float32)
+from numba.np.ufunc import parallel
+assert parallel._is_initialized, "the warm-up starts numba's pool"
+gomp = [line.split()[-1] for line in open("/proc/self/maps") if "libgomp" in line]
+print(ctypes.CDLL(gomp[0]).omp_get_max_threads() if gomp else 1, parallel.NUM_THREADS)
+"""
+    env = {**os.environ, "NUMBA_NUM_THREADS": "2", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["1", "1"], out.stdout + out.stderr

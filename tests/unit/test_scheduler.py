@@ -366,3 +366,15 @@ def test_without_chunked_prefill_a_prompt_waits_for_a_budget_that_holds_it_whole
     assert so.num_scheduled_tokens == {"b": 7, "c": 2}
     outs = sched.update_from_output(so, _pooled_run(so, sched))
     assert {o.req_id for o in outs} == {"b", "c"} and not sched.has_unfinished_requests()
+
+
+def test_token_budget_auto_is_resolved_per_path():
+    """Unset, the budget is the fused CPU decoder's 256 or everyone else's 1024 once the engine
+    knows the path (`for_model`), 1024 before; a given budget is kept."""
+    auto = SchedulerConfig()
+    assert auto.max_num_batched_tokens is None and auto.token_budget == 1024
+    assert auto.for_model(fused_cpu_decoder=True).token_budget == 256
+    assert auto.for_model(fused_cpu_decoder=False).token_budget == 1024
+    assert SchedulerConfig(max_num_batched_tokens=512).for_model(fused_cpu_decoder=True).token_budget == 512
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be >= 1"):
+        SchedulerConfig(max_num_batched_tokens=0)

@@ -130,7 +130,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     g.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
     g.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
-    g.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget of one step")
+    g.add_argument(
+        "--max-num-batched-tokens", type=int, default=None,
+        help="token budget of one step (default: 256 where the fused CPU decoder runs the model, else 1024)",
+    )  # fmt: skip
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     g.add_argument(
         "--admission-policy",

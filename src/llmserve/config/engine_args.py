@@ -59,7 +59,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
-    max_num_batched_tokens: int = 1024
+    max_num_batched_tokens: int | None = None
     max_num_seqs: int = 64
     scheduling_policy: str = "fcfs"
     admission_policy: str = "optimistic"

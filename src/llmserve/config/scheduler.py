@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -9,11 +10,22 @@ SchedulingPolicy = Literal["fcfs", "priority"]
 AdmissionPolicy = Literal["optimistic", "reserve"]
 BatchingMode = Literal["continuous", "static", "static-ragged"]
 
+DEFAULT_TOKEN_BUDGET = 1024
+"""The step's token budget where nothing smaller is known to be as fast (GPUs: a bigger step costs
+little more than a smaller one; the float CPU path, not measured smaller)."""
+
+FUSED_CPU_TOKEN_BUDGET = 256
+"""The budget where the fused CPU decoder runs the model. Its prefill is compute-bound: a step
+costs the same per token from 256 tokens up to 1,024 (the weights already stream once per 64 or
+16 tokens inside a matmul), so smaller steps give a burst's first tokens sooner and stall running
+requests less at no cost in throughput (docs/benchmarks.md, the burst TTFT section)."""
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    max_num_batched_tokens: int = 1024
-    """Token budget of one step: decodes first, then prefill chunks of waiting requests."""
+    max_num_batched_tokens: int | None = None
+    """Token budget of one step: decodes first, then prefill chunks of waiting requests (default:
+    256 where the fused CPU decoder runs the model, else 1024)."""
 
     max_num_seqs: int = 64
     """Most requests running at once."""
@@ -34,7 +46,7 @@ class SchedulerConfig:
     same without the prompt padding (prompts of different lengths batched as they are)."""
 
     def __post_init__(self) -> None:
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1; got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1; got {self.max_num_seqs}")
@@ -44,6 +56,20 @@ class SchedulerConfig:
             raise ValueError(f"admission must be 'optimistic' or 'reserve'; got {self.admission!r}")
         if self.mode not in ("continuous", "static", "static-ragged"):
             raise ValueError(f"mode must be 'continuous', 'static' or 'static-ragged'; got {self.mode!r}")
+
+    @property
+    def token_budget(self) -> int:
+        """`max_num_batched_tokens`, or the default where the engine has not resolved it for the
+        model (`for_model`)."""
+        return self.max_num_batched_tokens or DEFAULT_TOKEN_BUDGET
+
+    def for_model(self, fused_cpu_decoder: bool) -> SchedulerConfig:
+        """This config with the token budget decided: the one given, else the default of the path
+        the model runs on."""
+        if self.max_num_batched_tokens is not None:
+            return self
+        budget = FUSED_CPU_TOKEN_BUDGET if fused_cpu_decoder else DEFAULT_TOKEN_BUDGET
+        return dataclasses.replace(self, max_num_batched_tokens=budget)
 
     @property
     def is_static(self) -> bool:

@@ -194,7 +194,7 @@ class Scheduler:
     # -- one step -----------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        plan = _StepPlan(budget=self.config.max_num_batched_tokens)
+        plan = _StepPlan(budget=self.config.token_budget)
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)

@@ -31,7 +31,7 @@ from llmserve.errors import ParameterError
 from llmserve.lora import LoRARequest, module_requests
 from llmserve.lora.manager import LoRAManager
 from llmserve.metrics.stats import IterationStats, SchedulerStats
-from llmserve.model_executor.forward_runner import ForwardRunner
+from llmserve.model_executor.forward_runner import ForwardRunner, runs_fused_decoder
 from llmserve.model_executor.model_loader import LoadedModel, load_model
 from llmserve.model_executor.model_runner import ModelRunner
 from llmserve.model_executor.pooler import default_pooling_params
@@ -112,6 +112,11 @@ class LLMEngine:
         if self.loaded.gguf_vision is not None:  # the image placeholder a GGUF vocabulary lacks
             self.tokenizer.add_special_tokens(self.loaded.gguf_vision.added_tokens)
         self.max_model_len = self.loaded.max_model_len
+        # the step budget of the path the stack runs on (unless given)
+        fused = self.loaded.model_impl == "native" and runs_fused_decoder(
+            self.loaded.model, self.loaded.profile
+        )
+        self.scheduler_config = self.scheduler_config.for_model(fused)
         text_config = self.loaded.text_config  # a multimodal checkpoint: its language model's
         self.vocab_size = int(text_config.vocab_size)
         self.hidden_size = int(getattr(text_config, "hidden_size", 0))
@@ -119,7 +124,7 @@ class LLMEngine:
         """Prompts with images (None: the model takes none)."""
         self.media = MediaInputs(
             self.images, self.loaded.source.name, bool(getattr(self.loaded.model, "bidirectional_images", False)),
-            self.loaded.profile.attention_backend, self.scheduler_config.max_num_batched_tokens,
+            self.loaded.profile.attention_backend, self.scheduler_config.token_budget,
         )  # fmt: skip
         source = self.loaded.source
         self.default_pooling = default_pooling_params(
@@ -135,7 +140,7 @@ class LLMEngine:
             self._check_encoder(speculative_config, lora_config)
         k = speculative_config.num_speculative_tokens if speculative_config is not None else 0
         sched = self.scheduler_config
-        max_num_tokens = sched.max_num_batched_tokens + k * sched.max_num_seqs
+        max_num_tokens = sched.token_budget + k * sched.max_num_seqs
         kv_dtype = self.loaded.kv_cache_dtype(self.cache_config.kv_cache_dtype)
         if self.is_encoder:
             self.kv_info = encoder_blocks(self.cache_config, sched.max_num_seqs, self.max_model_len)
@@ -230,7 +235,7 @@ class LLMEngine:
             raise ValueError(
                 f"{name} serves embeddings only: speculative decoding and LoRA adapters do not apply"
             )
-        budget = self.scheduler_config.max_num_batched_tokens
+        budget = self.scheduler_config.token_budget
         if budget < self.max_model_len:
             raise ValueError(
                 f"{name} runs each input whole in one step: max_num_batched_tokens ({budget}) must be >= "

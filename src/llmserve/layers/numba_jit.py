@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numba
+import torch
 
 # IEEE-safe fast math: reassociation lets LLVM vectorise the dot products and sums; no
 # "no-NaN/no-Inf" assumptions, so a bad input still shows up as NaN instead of garbage.
@@ -39,3 +41,20 @@ def limit_threads(n: int) -> bool:
         numba.config.NUMBA_NUM_THREADS = n
         parallel.NUM_THREADS = n
     return n >= parallel.NUM_THREADS
+
+
+@contextmanager
+def keep_torch_threads() -> Iterator[None]:
+    """Run a block that may start numba's thread pool (its first parallel kernel) without it
+    changing the process's thread count: the pool is made no larger than torch's intra-op threads,
+    and those are set back afterwards. numba's OpenMP layer, starting, sets the calling thread's
+    OpenMP thread count to the pool's size, and torch and the fused C++ decoder run on the same
+    libgomp: `OMP_NUM_THREADS=1` or `torch.set_num_threads(1)` before an engine loaded became 2
+    threads on a 2-core machine (one-thread benchmarks timed the main thread of two, its barrier
+    waits included; docs/benchmarks.md, the burst TTFT section)."""
+    n = torch.get_num_threads()
+    limit_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)

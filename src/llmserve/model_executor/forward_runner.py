@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from llmserve.lora.fused import FusedLoRA
     from llmserve.lora.manager import LoRAManager
 
-__all__ = ["ForwardOutput", "ForwardRunner", "SequenceBatchEntry"]
+__all__ = ["ForwardOutput", "ForwardRunner", "SequenceBatchEntry", "runs_fused_decoder"]
 
 
 class ForwardRunner:
@@ -254,6 +254,14 @@ class ForwardRunner:
         last_rows = list(itertools.accumulate(len(e.new_token_ids) for e in batch))
         out = self.forward(batch, None if all_logits else [r - 1 for r in last_rows])
         return self.compute_logits(out.hidden if all_logits else out.rows())
+
+
+def runs_fused_decoder(model: CausalLM, profile: DeviceProfile) -> bool:
+    """Whether a runner of `model` on `profile`'s device will take the fused CPU decoder, given
+    a KV cache it takes (the CPU's default caches are): `use_fused`'s choice made before the
+    runner exists, for the step's token budget (config/scheduler.py)."""
+    spec = model.decoder_spec() if profile.fused_cpu_decoder else None
+    return spec is not None and unsupported_reason(spec, []) is None
 
 
 def _allocate_kv_caches(spec: KVCacheSpec, num_layers: int, device: torch.device) -> list[LayerKVCache]:

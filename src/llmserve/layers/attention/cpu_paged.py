@@ -40,7 +40,7 @@ from numba.extending import intrinsic, overload
 from llmserve.layers.attention.backend import AttentionParams, register_attention_backend
 from llmserve.layers.attention.metadata import AttentionMetadata, KVCacheSpec, KVDtypes, LayerKVCache
 from llmserve.layers.attention.torch_ref import TorchAttentionBackend, _write_rows
-from llmserve.layers.numba_jit import FASTMATH, jit
+from llmserve.layers.numba_jit import FASTMATH, jit, keep_torch_threads
 
 
 @intrinsic
@@ -369,7 +369,8 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
     def prepare(self, kv_cache_dtype: torch.dtype | KVDtypes) -> None:
         dtypes = KVDtypes.of(kv_cache_dtype)
         if dtypes.k in _KERNEL_CACHE_DTYPES and dtypes.v in _KERNEL_CACHE_DTYPES:
-            _warm_up(dtypes)
+            with keep_torch_threads():  # the kernel's first call starts numba's pool
+                _warm_up(dtypes)
 
     def build_metadata(
         self, metadata: AttentionMetadata, layers: Sequence[AttentionParams], spec: KVCacheSpec
