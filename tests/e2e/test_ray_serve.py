@@ -59,7 +59,7 @@ def app_args(model_dir: Path, collector) -> dict[str, str]:
     """`serve run`'s arguments of the application under test (2 cores: the replicas reserve half
     a Ray CPU each and run torch on one thread)."""
     return {
-        "model": str(model_dir), "served_model_name": MODEL, "num_replicas": "2", "replica_cpus": "0.5",
+        "front": "ingress", "model": str(model_dir), "served_model_name": MODEL, "num_replicas": "2", "replica_cpus": "0.5",
         "ingress_cpus": "0.5", "torch_threads": "1", "api_key": KEY, "prefix_blocks": str(PREFIX_BLOCKS),
         "block_size": str(BLOCK), "num_kv_blocks": "512", "max_num_seqs": "8",
         "otlp_traces_endpoint": f"127.0.0.1:{collector[1]}",
@@ -69,7 +69,7 @@ def app_args(model_dir: Path, collector) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def url(app_args: dict[str, str]) -> Iterator[str]:
     from llmserve.ray_serve import app
-    from llmserve.ray_serve.application import HAPROXY_ENV
+    from llmserve.ray_serve.env import HAPROXY_ENV
 
     # Every Ray process inherits these: HAProxy before the ingress (as `llmserve serve --replicas`
     # runs it), spans exported within 50 ms (the SDK's default: 5 s), and the load the autoscaler
