@@ -16,10 +16,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -27,7 +25,6 @@ import pytest
 
 pytest.importorskip("ray.serve")
 
-import openai
 import psutil
 import ray
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
@@ -35,19 +32,26 @@ from ray import serve
 
 from llmserve.ray_serve.env import DIRECT_ENV
 from tests.e2e.conftest import free_port, new_traceparent, span_attrs
-from tests.e2e.test_ray_serve import (  # the ingress front's module: the same model and helpers
-    APP,
+from tests.e2e.test_ray_serve import (  # the ingress front's module: the model, helpers, and
+    APP,  # the tests whose every assertion holds on this front too (run here on its `url`)
     AUTH,
     BLOCK,
     KEY,
     MODEL,
     PREFIX_BLOCKS,
     complete,
+    kill_replica,
     long_stream_body,
-    metric,
     metric_replicas,
     model_dir,  # noqa: F401 (a fixture)
-    running_replicas,
+    one_replica_then_two_for_a_queue,
+    scaled_args,
+    survivor_then_replacement,
+    test_auth_and_bad_requests_answer_as_the_plain_server,  # noqa: F401
+    test_client_disconnect_aborts_the_request_on_its_replica,  # noqa: F401
+    test_requests_spread_over_both_replicas,  # noqa: F401
+    test_shared_prefix_goes_to_the_replica_that_cached_it,  # noqa: F401
+    test_stream_through_the_ingress_with_openai_client,  # noqa: F401
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -110,41 +114,6 @@ def test_haproxy_sends_requests_to_the_replicas_by_the_router(url: str) -> None:
     complete(url, "through HAProxy " * 4)
 
 
-def test_requests_spread_over_both_replicas(url: str) -> None:
-    # distinct first blocks: distinct keys, homes spread by rendezvous hashing
-    served = [
-        complete(url, f"{i}: {'abcdefgh'[i % 8] * 3} request {i} " * 4).headers["x-llmserve-replica"]
-        for i in range(16)
-    ]
-    assert len(set(served)) == 2, served
-    assert min(served.count(r) for r in set(served)) >= 2, served
-
-
-def test_shared_prefix_goes_to_the_replica_that_cached_it(url: str) -> None:
-    system = "You are a terse assistant. Answer in one word. " * 4  # > PREFIX_BLOCKS blocks of tokens
-    before = httpx.get(f"{url}/metrics", headers=AUTH).text
-    answers = []
-    for question in ("What is red?", "Why?", "Name a fruit.", "How far is the moon?", "Say hi", "Count"):
-        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
-        r = httpx.post(
-            f"{url}/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 2},
-            headers=AUTH, timeout=60,
-        )  # fmt: skip
-        assert r.status_code == 200, r.text
-        answers.append((r.headers["x-llmserve-replica"], r.json()["usage"]))
-    homes = {replica for replica, _ in answers}
-    assert len(homes) == 1, answers  # every request went where the prefix is
-    home = homes.pop()
-    cached = [usage["prompt_tokens_details"]["cached_tokens"] for _, usage in answers]
-    assert all(c >= PREFIX_BLOCKS * BLOCK for c in cached[1:]), cached
-    time.sleep(0.2)
-    after = httpx.get(f"{url}/metrics", headers=AUTH).text
-    hits = "llmserve:prefix_cache_hits_total"
-    assert metric(after, hits, home) - metric(before, hits, home) >= sum(cached[1:])
-    (other,) = metric_replicas(after) - {home}
-    assert metric(after, hits, other) == metric(before, hits, other)
-
-
 def test_metrics_from_any_replica_are_every_replicas(url: str) -> None:
     """HAProxy sends each GET to either replica; each answers with both replicas' metrics."""
     for _ in range(4):
@@ -153,17 +122,6 @@ def test_metrics_from_any_replica_are_every_replicas(url: str) -> None:
         assert len(metric_replicas(r.text)) == 2
         assert r.text.count("# TYPE llmserve:prompt_tokens_total counter") == 1
     assert httpx.get(f"{url}/metrics").status_code == 401  # the key, as on every other path
-
-
-def test_stream_with_openai_client(url: str) -> None:
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY)
-    stream = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=8, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-    )  # fmt: skip
-    chunks = list(stream)
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
 
 
 def test_the_replicas_span_is_the_callers_child(url: str, collector) -> None:
@@ -183,26 +141,11 @@ def test_the_replicas_span_is_the_callers_child(url: str, collector) -> None:
         assert span_attrs(request)["gen_ai.usage.completion_tokens"] == 3
 
 
-def test_auth_and_bad_requests_answer_as_the_plain_server(url: str) -> None:
-    r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=30)
-    assert r.status_code == 401
-    assert r.json()["error"]["type"] == "authentication_error"
-    assert r.headers["www-authenticate"] == "Bearer"
-    r = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": "hi"}, headers=AUTH)
-    assert r.status_code == 400
-    error = r.json()["error"]
-    assert error["param"] == "messages" and error["type"] == "invalid_request_error"
-    r = httpx.post(
-        f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": -1}, headers=AUTH
-    )
-    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
-    r = httpx.post(f"{url}/v1/completions", json={"model": "nope", "prompt": "x"}, headers=AUTH)
-    assert r.status_code == 404
-    r = httpx.post(f"{url}/v1/completions", content=b"{not json", headers=AUTH)
-    assert r.status_code == 400  # the router could not key it: routed by load, refused by the replica
-    r = httpx.get(f"{url}/v1/batches", headers=AUTH)
-    assert r.status_code == 501 and "Ray Serve" in r.json()["error"]["message"]
-    complete(url, "the server keeps serving " * 3)
+def test_a_body_the_router_cannot_key_goes_by_load(url: str) -> None:
+    """Not JSON: the router has no key and picks by load; the replica answers the plain 400."""
+    r = httpx.post(f"{url}/v1/completions", content=b"{not json", headers=AUTH, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert r.headers["x-llmserve-replica"]
 
 
 def test_replica_killed_mid_stream(url: str) -> None:
@@ -220,57 +163,18 @@ def test_replica_killed_mid_stream(url: str) -> None:
                 events.append(line[5:].strip())
             if len(events) == 3:
                 break
-        ray.kill(
-            ray.get_actor(f"SERVE_REPLICA::{APP}#EngineReplica#{victim}", namespace="serve"), no_restart=True
-        )
+        kill_replica(victim)
         started = time.monotonic()
         with pytest.raises(httpx.RemoteProtocolError):  # the chunked answer ends unfinished
             events += [line[5:].strip() for line in lines if line.startswith("data:")]
         assert time.monotonic() - started < 30
     assert "[DONE]" not in events and len(events) < 1800
-    served = {complete(url, f"after the kill {i} " * 4).headers["x-llmserve-replica"] for i in range(6)}
-    assert victim not in served
-    deadline = time.monotonic() + 90
-    while running_replicas() < 2 and time.monotonic() < deadline:
-        time.sleep(1)
-    assert running_replicas() == 2
-    replicas: set[str] = set()
-    while len(replicas) < 2 and time.monotonic() < deadline + 30:
-        replicas = metric_replicas(httpx.get(f"{url}/metrics", headers=AUTH).text)
-        time.sleep(0.5)
-    assert len(replicas) == 2 and victim not in replicas
+    survivor_then_replacement(url, victim)
 
 
 def test_autoscaling_adds_a_replica_for_a_queue(url: str, app_args: dict[str, str]) -> None:
     """Last (it redeploys): autoscaled between 1 and 2 replicas with a target of 1 ongoing
     request, the idle application goes down to 1 replica and four streams raise it to 2: Ray
     counts the requests HAProxy sends a replica directly."""
-    scaled = {**app_args, "num_replicas": "1", "max_replicas": "2", "target_ongoing_requests": "1",
-              "upscale_delay_s": "0", "downscale_delay_s": "0"}  # fmt: skip
-    deploy(scaled)
-    deadline = time.monotonic() + 60
-    while running_replicas() != 1 and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert running_replicas() == 1
-    stop = threading.Event()
-
-    def keep_streaming() -> None:
-        while not stop.is_set():
-            with httpx.stream(
-                "POST", f"{url}/v1/chat/completions", json=long_stream_body(), headers=AUTH, timeout=60
-            ) as r:
-                for _ in r.iter_lines():
-                    if stop.is_set():
-                        break
-
-    with ThreadPoolExecutor(4) as pool:
-        streams = [pool.submit(keep_streaming) for _ in range(4)]
-        try:
-            started = time.monotonic()
-            while running_replicas() < 2 and time.monotonic() - started < 60:
-                time.sleep(0.5)
-            assert running_replicas() == 2
-        finally:
-            stop.set()
-        for f in streams:
-            f.result()
+    deploy(scaled_args(app_args))
+    one_replica_then_two_for_a_queue(url)

@@ -20,47 +20,33 @@ from ray.serve._private.common import DeploymentID, ReplicaID
 from ray.serve._private.request_router.common import ReplicaQueueLengthCache
 
 from llmserve.config.engine_args import EngineArgs
-from llmserve.model_executor.model_loader.source import resolve_model
 from llmserve.ray_serve import RayServeOptions, build_application
 from llmserve.ray_serve.application import resolve_front
 from llmserve.ray_serve.direct import ROUTING_STATS_PERIOD_S, PrefixRouter
 from llmserve.ray_serve.prefix import PrefixKeyer
 from llmserve.ray_serve.router import ONGOING_STAT, PREFIX_KEY, PrefixAwareRouter
 from llmserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from llmserve.tokenizer import load_tokenizer
-from tests.e2e.conftest import make_tiny_chat_model
-
-BLOCK = 16
+from tests.unit.test_ray_serve_routing import keyer, model_dir  # noqa: F401 (fixtures: 3 blocks of 16)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_chat_model(tmp_path_factory.mktemp("tiny-llama-direct"))
+def body_key(prefix_keyer: PrefixKeyer, body: bytes) -> int | None:
+    return PrefixRouter.key(SimpleNamespace(keyer=prefix_keyer), body)
 
 
-@pytest.fixture(scope="module")
-def keyer(model_dir: Path) -> PrefixKeyer:
-    return PrefixKeyer(load_tokenizer(resolve_model(str(model_dir))), BLOCK, num_blocks=2)
-
-
-def body_key(keyer: PrefixKeyer, body: bytes) -> int | None:
-    return PrefixRouter.key(SimpleNamespace(keyer=keyer), body)
-
-
-def test_the_routers_key_of_a_body_is_the_ingress_key(keyer: PrefixKeyer) -> None:
+def test_the_routers_key_of_a_body_is_the_ingress_key(keyer: PrefixKeyer) -> None:  # noqa: F811
     chat = {
         "model": "m",
         "messages": [{"role": "system", "content": "Be brief. " * 20}, {"role": "user", "content": "Hi"}],
     }
     completion = {"model": "m", "prompt": "Once upon a time " * 20, "max_tokens": 1}
-    ids = {"model": "m", "prompt": list(range(3, 40))}
+    ids = {"model": "m", "prompt": list(range(3, 60))}
     assert body_key(keyer, json.dumps(chat).encode()) == keyer.chat_key(
         ChatCompletionRequest.model_validate(chat)
     )
     assert body_key(keyer, json.dumps(completion).encode()) == keyer.completion_key(
         CompletionRequest.model_validate(completion)
     )
-    assert body_key(keyer, json.dumps(ids).encode()) == keyer.ids_key(list(range(3, 35)))
+    assert body_key(keyer, json.dumps(ids).encode()) == keyer.ids_key(list(range(3, 51)))
     assert body_key(keyer, json.dumps(chat).encode()) is not None
     # what it cannot key goes by load (the replica refuses what is invalid)
     for body in (b"", b"{not json", b"[1, 2]", json.dumps(completion).encode()[:40],
@@ -114,7 +100,7 @@ def test_the_front_option(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_front("auto") == "direct" == resolve_front("direct")
 
 
-def test_the_direct_application_reaches_ray(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_direct_application_reaches_ray(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     monkeypatch.setattr(serve_constants, "RAY_SERVE_ENABLE_HA_PROXY", True)
     monkeypatch.setattr(serve_constants, "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY", True)
     options = RayServeOptions(model=str(model_dir), num_replicas=2, api_key="k", prefix_blocks=3)

@@ -74,7 +74,8 @@ class RayServeOptions:
     downscale_delay_s: float = 600.0
     """With `max_replicas`: how long it must stay below before one is removed (Ray's default)."""
     max_ongoing_requests: int = 64
-    """Requests one replica holds at most; more wait in the ingress's router."""
+    """Requests one replica holds at most; more wait in the ingress's router (front=direct: the
+    router does not reserve slots, so Ray's direct ingress applies it in the replica)."""
     api_key: str | None = None
     """Clients must send this key (as the plain server's --api-key)."""
     max_replicas_per_node: int | None = None
@@ -85,7 +86,7 @@ class RayServeOptions:
     replica_gpus: float = 0.0
     """Ray GPUs reserved for each replica."""
     ingress_cpus: float = 0.25
-    """Ray CPUs reserved for each ingress replica."""
+    """Ray CPUs reserved for each ingress replica (front=direct: the prefix router's)."""
     torch_threads: int | None = None
     """torch's intra-op threads in each replica (None: torch's default)."""
     prefix_blocks: int = 4

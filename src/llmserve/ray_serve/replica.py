@@ -2,7 +2,8 @@
 
 The replica builds the same FastAPI app as `llmserve serve` (server/app.py: routes, validation,
 the model manager, metrics) and runs its lifespan, but no HTTP listener: the ingress hands it
-requests through a `DeploymentHandle`, and `forward` drives the app as an ASGI call:
+requests through a `DeploymentHandle`, and `forward` drives the app as an ASGI call (under the
+direct front, direct.py's `DirectEngineReplica` serves the same app over HTTP instead):
 
     ingress --handle.forward(request)--> forward(): app(scope, receive, send)
             <--- {"status", "headers"}, then body chunks (a Ray streaming generator) ---
