@@ -23,8 +23,9 @@ What moves from the ingress (ingress.py) into each replica, and what changes:
     Files / Batches   refused (501) by the replica, as by the ingress
     tracing           the replica's `llm_request` span (a child of the client's traceparent);
                       there is no ingress span
-    a dead replica    its requests end as HAProxy ends a broken connection (a 502 before the
-                      answer began, a cut stream without an SSE error event) where the ingress
+    a dead replica    its requests end as HAProxy ends a broken connection (a cut stream
+                      without an SSE error event; before the answer began, HAProxy's own
+                      error status, not the API's error shape) where the ingress
                       retried once and sent an error event; HAProxy's health checks and Ray's
                       router stop choosing it, and new requests go to the survivors
     a dead engine     the replica answers 503 in the API's error shape until Ray replaces it
