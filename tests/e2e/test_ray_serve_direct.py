@@ -121,7 +121,9 @@ def test_metrics_from_any_replica_are_every_replicas(url: str) -> None:
         assert r.status_code == 200
         assert len(metric_replicas(r.text)) == 2
         assert r.text.count("# TYPE llmserve:prompt_tokens_total counter") == 1
-    assert httpx.get(f"{url}/metrics").status_code == 401  # the key, as on every other path
+    # the key first, as on every other path (these two are answered before the replica's app)
+    assert httpx.get(f"{url}/metrics").status_code == 401
+    assert httpx.get(f"{url}/v1/batches").status_code == 401
 
 
 def test_the_replicas_span_is_the_callers_child(url: str, collector) -> None:

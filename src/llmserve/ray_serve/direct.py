@@ -45,6 +45,7 @@ from ray.serve.exceptions import DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from llmserve.config.models import ModelSpec
 from llmserve.core.kv_cache.block_hash import BlockHash
 from llmserve.model_executor.model_loader.source import resolve_model
 from llmserve.ray_serve.ingress import UNSERVED_MESSAGE, UNSERVED_PREFIXES, KeyCheck
@@ -67,7 +68,7 @@ class DirectEngineReplica(EngineReplica):
     application.py); `__serve_build_asgi_app__` gives Serve its app."""
 
     async def __init__(
-        self, spec: Any, engine_options: dict[str, Any], server_options: dict[str, Any],
+        self, spec: ModelSpec, engine_options: dict[str, Any], server_options: dict[str, Any],
         torch_threads: int | None = None,
     ) -> None:  # fmt: skip
         await EngineReplica.__init__(self, spec, engine_options, server_options, torch_threads)
@@ -75,9 +76,10 @@ class DirectEngineReplica(EngineReplica):
         self._replicas: DeploymentHandle | None = None  # this deployment's handle, for /metrics
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
-        merged = self._merged_metrics
+        # the two answers given here, not by the app, check the key first as the app's gate does
         key = self.state.config.api_key
-        self._metrics_app: ASGIApp = KeyCheck(merged, key) if key else merged
+        self._metrics_app: ASGIApp = KeyCheck(self._merged_metrics, key) if key else self._merged_metrics
+        self._unserved_app: ASGIApp = KeyCheck(_refuse_unserved, key) if key else _refuse_unserved
         return _ASGI(self._serve_http)
 
     def record_routing_stats(self) -> dict[str, Any]:
@@ -97,7 +99,7 @@ class DirectEngineReplica(EngineReplica):
         if scope["type"] != "http":
             await self.server_app(scope, receive, send)
         elif path.startswith(UNSERVED_PREFIXES):
-            await send_error(send, path, 501, UNSERVED_MESSAGE)
+            await self._unserved_app(scope, receive, send)
         elif path == "/metrics":
             await self._metrics_app(scope, receive, send)
         elif self.engine_error is not None and path not in OPEN_PATHS:
@@ -130,6 +132,10 @@ class DirectEngineReplica(EngineReplica):
             self._replicas = serve.get_deployment_handle(context.deployment, context.app_name)
         response = Response(await gather_metrics(self._replicas), media_type=CONTENT_TYPE_LATEST)
         await response(scope, receive, send)
+
+
+async def _refuse_unserved(scope: Scope, receive: Receive, send: Send) -> None:
+    await send_error(send, scope["path"], 501, UNSERVED_MESSAGE)
 
 
 class _ASGI:
