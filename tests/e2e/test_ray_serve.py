@@ -11,6 +11,7 @@ redeployed with autoscaling, where a queue of streams adds a replica."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -71,11 +72,19 @@ def url(app_args: dict[str, str]) -> Iterator[str]:
     from llmserve.ray_serve import app
     from llmserve.ray_serve.env import HAPROXY_ENV
 
-    # Every Ray process inherits these: HAProxy before the ingress (as `llmserve serve --replicas`
-    # runs it), spans exported within 50 ms (the SDK's default: 5 s), and the load the autoscaler
-    # reads reported every half second (Ray's default: 10 s)
+    # HAProxy before the ingress (as `llmserve serve --replicas --ray-http-proxy haproxy` runs it)
+    with local_serve(HAPROXY_ENV) as url:
+        serve.run(app(app_args), name=APP, route_prefix="/")
+        yield url
+
+
+@contextlib.contextmanager
+def local_serve(front_env: dict[str, str]) -> Iterator[str]:
+    """A local Ray cluster whose every process inherits `front_env`, spans exported within 50 ms
+    (the SDK's default: 5 s) and the load the autoscaler reads reported every half second (Ray's
+    default: 10 s), with Serve started on a free port: its URL."""
     env = {
-        **HAPROXY_ENV,
+        **front_env,
         "OTEL_BSP_SCHEDULE_DELAY": "50",
         "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
         "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
@@ -87,7 +96,6 @@ def url(app_args: dict[str, str]) -> Iterator[str]:
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(app(app_args), name=APP, route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()

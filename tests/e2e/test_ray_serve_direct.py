@@ -26,12 +26,11 @@ import pytest
 pytest.importorskip("ray.serve")
 
 import psutil
-import ray
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from ray import serve
 
 from llmserve.ray_serve.env import DIRECT_ENV
-from tests.e2e.conftest import free_port, new_traceparent, span_attrs
+from tests.e2e.conftest import new_traceparent, span_attrs
 from tests.e2e.test_ray_serve import (  # the ingress front's module: the model, helpers, and
     APP,  # the tests whose every assertion holds on this front too (run here on its `url`)
     AUTH,
@@ -41,6 +40,7 @@ from tests.e2e.test_ray_serve import (  # the ingress front's module: the model,
     PREFIX_BLOCKS,
     complete,
     kill_replica,
+    local_serve,
     long_stream_body,
     metric_replicas,
     model_dir,  # noqa: F401 (a fixture)
@@ -81,26 +81,9 @@ def deploy(app_args: dict[str, str]) -> None:
 
 @pytest.fixture(scope="module")
 def url(app_args: dict[str, str]) -> Iterator[str]:
-    # Every Ray process inherits these: the direct front, spans exported within 50 ms, the load
-    # the autoscaler reads reported every half second (Ray's default: 10 s)
-    env = {
-        **DIRECT_ENV,
-        "OTEL_BSP_SCHEDULE_DELAY": "50",
-        "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
-        "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
-    }
-    with pytest.MonkeyPatch.context() as mp:
-        for name, value in env.items():
-            mp.setenv(name, value)
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    port = free_port()
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    with local_serve(DIRECT_ENV) as url:
         deploy(app_args)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+        yield url
 
 
 def test_haproxy_sends_requests_to_the_replicas_by_the_router(url: str) -> None:
