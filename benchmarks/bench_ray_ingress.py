@@ -3,12 +3,14 @@ local Ray cluster, `--requests` one-token completions one at a time, the median 
 CPU time each kind of process (Serve's proxy, HAProxy and its manager actor, the ingress, the
 engine replicas, Ray's own daemons) spent per request.
 
-    python benchmarks/bench_ray_ingress.py [--model M] [--replicas 2] [--requests 200] [--haproxy]
-        [--env NAME=VALUE ...]
+    python benchmarks/bench_ray_ingress.py [--model M] [--replicas 2] [--requests 200]
+        [--front direct|haproxy|serve] [--env NAME=VALUE ...]
 
 CPU time per request is the figure to compare between configurations on a shared machine (other
-jobs stretch wall times, not the CPU a request costs); the wall median is indicative. `--haproxy`
-fronts the ingress with HAProxy (ray_serve/application.py's HAPROXY_ENV) instead of Serve's Python proxy;
+jobs stretch wall times, not the CPU a request costs); the wall median is indicative. `--front`
+(llmserve serve's --ray-http-proxy): `serve` (the default here) Serve's Python proxy before the
+ingress, `haproxy` (or `--haproxy`) HAProxy before it (ray_serve/env.py's HAPROXY_ENV), `direct`
+HAProxy asking the prefix router, then the replica (DIRECT_ENV, ray_serve/direct.py);
 `--env` sets Ray Serve's environment flags for every Ray process (e.g.
 RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0). Prints one JSON object, its last line.
 """
@@ -32,6 +34,7 @@ KINDS = (
     "ProxyActor",
     "haproxy",
     "Ingress",
+    "PrefixRouter",
     "EngineReplica",
     "ServeController",
     "raylet",
@@ -75,24 +78,27 @@ def main() -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--requests", type=int, default=200)
-    p.add_argument("--haproxy", action="store_true")
+    p.add_argument("--front", choices=("direct", "haproxy", "serve"), default="serve")
+    p.add_argument("--haproxy", action="store_true", help="the same as --front haproxy")
     p.add_argument("--env", nargs="*", default=[], help="NAME=VALUE flags for every Ray process")
     args = p.parse_args()
     for item in args.env:
         name, _, value = item.partition("=")
         os.environ[name] = value
 
+    front = "haproxy" if args.haproxy else args.front
+    from llmserve.ray_serve.env import DIRECT_ENV, HAPROXY_ENV
+
+    os.environ.update({"direct": DIRECT_ENV, "haproxy": HAPROXY_ENV, "serve": {}}[front])  # before Ray
     import ray
     from ray import serve
 
     from llmserve.ray_serve import app
-    from llmserve.ray_serve.application import HAPROXY_ENV
 
-    if args.haproxy:
-        os.environ.update(HAPROXY_ENV)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     port = free_port()
-    options = {"num_replicas": str(args.replicas), "replica_cpus": "1", "torch_threads": "1"}
+    options = {"num_replicas": str(args.replicas), "replica_cpus": "1", "torch_threads": "1",
+               "front": "direct" if front == "direct" else "ingress"}  # fmt: skip
     if args.model:
         options["model"] = args.model
     try:
@@ -114,7 +120,7 @@ def main() -> None:
         ray.shutdown()
     cpu = _cpu_per_request(before, after, args.requests)
     report = {
-        "haproxy": args.haproxy, "env": args.env, "requests": args.requests,
+        "front": front, "env": args.env, "requests": args.requests,
         "latency_median_ms": round(1e3 * statistics.median(times), 3),
         "latency_p10_ms": round(1e3 * statistics.quantiles(times, n=10)[0], 3),
         "cpu_ms_per_request": cpu, "cpu_ms_per_request_total": round(sum(cpu.values()), 3),

@@ -3,11 +3,11 @@ per request (target: <= 3 ms) and the prefix-cache hit rate of a shared-prefix w
 replicas (target: >= 90% of one replica's).
 
     python benchmarks/bench_ray_serve.py [--model M] [--replicas 2] [--requests 200] [--groups 8]
-        [--per-group 8] [--ray-http-proxy haproxy|serve] [-- SERVER ARGS ...]
+        [--per-group 8] [--ray-http-proxy direct|haproxy|serve] [-- SERVER ARGS ...]
 
 Both setups run at once, each in a subprocess: `llmserve serve` (the replica's app served directly
-by uvicorn) and `llmserve serve --replicas N` (a local Ray cluster: Ray Serve's proxy, the ingress,
-the replicas). Latency: `--requests` completions of one token from a short prompt, one at a time,
+by uvicorn) and `llmserve serve --replicas N` (a local Ray cluster: the front `--ray-http-proxy`
+names, then the replicas). Latency: `--requests` completions of one token from a short prompt, one at a time,
 alternating between the two servers, so that a machine whose load drifts (a shared one) weighs on
 both alike (median and p90; the difference of the medians is the ingress's cost). Then, on each
 server in turn, the shared-prefix workload: `--groups` long prefixes, `--per-group` requests each with their own
@@ -125,8 +125,8 @@ def main() -> None:
     p.add_argument("--per-group", type=int, default=8)
     p.add_argument("--prefix-words", type=int, default=120)
     p.add_argument("--concurrency", type=int, default=4, help="shared-prefix requests in flight at once")
-    p.add_argument("--ray-http-proxy", choices=("haproxy", "serve"), default="haproxy",
-                   help="what fronts the Ray ingress (llmserve serve's --ray-http-proxy)")  # fmt: skip
+    p.add_argument("--ray-http-proxy", choices=("direct", "haproxy", "serve"), default="direct",
+                   help="the Ray server's front (llmserve serve's --ray-http-proxy)")  # fmt: skip
     p.add_argument("server_args", nargs=argparse.REMAINDER, help="after --: flags for both servers")
     args = p.parse_args()
     args.server_args = [a for a in args.server_args if a != "--"]

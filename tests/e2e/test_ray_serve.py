@@ -11,6 +11,7 @@ redeployed with autoscaling, where a queue of streams adds a replica."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -59,7 +60,7 @@ def app_args(model_dir: Path, collector) -> dict[str, str]:
     """`serve run`'s arguments of the application under test (2 cores: the replicas reserve half
     a Ray CPU each and run torch on one thread)."""
     return {
-        "model": str(model_dir), "served_model_name": MODEL, "num_replicas": "2", "replica_cpus": "0.5",
+        "front": "ingress", "model": str(model_dir), "served_model_name": MODEL, "num_replicas": "2", "replica_cpus": "0.5",
         "ingress_cpus": "0.5", "torch_threads": "1", "api_key": KEY, "prefix_blocks": str(PREFIX_BLOCKS),
         "block_size": str(BLOCK), "num_kv_blocks": "512", "max_num_seqs": "8",
         "otlp_traces_endpoint": f"127.0.0.1:{collector[1]}",
@@ -69,13 +70,21 @@ def app_args(model_dir: Path, collector) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def url(app_args: dict[str, str]) -> Iterator[str]:
     from llmserve.ray_serve import app
-    from llmserve.ray_serve.application import HAPROXY_ENV
+    from llmserve.ray_serve.env import HAPROXY_ENV
 
-    # Every Ray process inherits these: HAProxy before the ingress (as `llmserve serve --replicas`
-    # runs it), spans exported within 50 ms (the SDK's default: 5 s), and the load the autoscaler
-    # reads reported every half second (Ray's default: 10 s)
+    # HAProxy before the ingress (as `llmserve serve --replicas --ray-http-proxy haproxy` runs it)
+    with local_serve(HAPROXY_ENV) as url:
+        serve.run(app(app_args), name=APP, route_prefix="/")
+        yield url
+
+
+@contextlib.contextmanager
+def local_serve(front_env: dict[str, str]) -> Iterator[str]:
+    """A local Ray cluster whose every process inherits `front_env`, spans exported within 50 ms
+    (the SDK's default: 5 s) and the load the autoscaler reads reported every half second (Ray's
+    default: 10 s), with Serve started on a free port: its URL."""
     env = {
-        **HAPROXY_ENV,
+        **front_env,
         "OTEL_BSP_SCHEDULE_DELAY": "50",
         "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
         "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
@@ -87,7 +96,6 @@ def url(app_args: dict[str, str]) -> Iterator[str]:
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(app(app_args), name=APP, route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -273,9 +281,7 @@ def test_replica_killed_mid_stream(url: str) -> None:
                 events.append(line[5:].strip())
             if len(events) == 3:
                 break
-        ray.kill(
-            ray.get_actor(f"SERVE_REPLICA::{APP}#EngineReplica#{victim}", namespace="serve"), no_restart=True
-        )
+        kill_replica(victim)
         started = time.monotonic()
         events += [line[5:].strip() for line in lines if line.startswith("data:")]
         assert time.monotonic() - started < 30
@@ -283,15 +289,24 @@ def test_replica_killed_mid_stream(url: str) -> None:
     error = json.loads(events[-2])["error"]
     assert error["type"] == "service_unavailable_error" and "mid-stream" in error["message"]
     assert len(events) < 1800  # it did not run to the end
-    # new requests: all answered, by the survivor
+    survivor_then_replacement(url, victim)
+
+
+def kill_replica(replica: str) -> None:
+    ray.kill(
+        ray.get_actor(f"SERVE_REPLICA::{APP}#EngineReplica#{replica}", namespace="serve"), no_restart=True
+    )
+
+
+def survivor_then_replacement(url: str, victim: str) -> None:
+    """After `victim` was killed: new requests are all answered, by the survivor; Ray replaces
+    the victim, and the front reaches the new replica (it learns of it shortly after)."""
     served = {complete(url, f"after the kill {i} " * 4).headers["x-llmserve-replica"] for i in range(6)}
     assert victim not in served
-    # Ray replaces the killed replica
     deadline = time.monotonic() + 90
     while running_replicas() < 2 and time.monotonic() < deadline:
         time.sleep(1)
     assert running_replicas() == 2
-    # ... and the ingress reaches it (its handle learns of the new replica shortly after)
     replicas: set[str] = set()
     while len(replicas) < 2 and time.monotonic() < deadline + 30:
         replicas = metric_replicas(httpx.get(f"{url}/metrics", headers=AUTH).text)
@@ -305,9 +320,18 @@ def test_autoscaling_adds_a_replica_for_a_queue(url: str, app_args: dict[str, st
     kept going raise the count to 2 again, as serve.status() reports."""
     from llmserve.ray_serve import app
 
-    scaled = {**app_args, "num_replicas": "1", "max_replicas": "2", "target_ongoing_requests": "1",
-              "upscale_delay_s": "0", "downscale_delay_s": "0"}  # fmt: skip
-    serve.run(app(scaled), name=APP, route_prefix="/")
+    serve.run(app(scaled_args(app_args)), name=APP, route_prefix="/")
+    one_replica_then_two_for_a_queue(url)
+
+
+def scaled_args(app_args: dict[str, str]) -> dict[str, str]:
+    """`app_args` autoscaled between 1 and 2 replicas, a target of 1 ongoing request, no delays."""
+    return {**app_args, "num_replicas": "1", "max_replicas": "2", "target_ongoing_requests": "1",
+            "upscale_delay_s": "0", "downscale_delay_s": "0"}  # fmt: skip
+
+
+def one_replica_then_two_for_a_queue(url: str) -> None:
+    """The idle application goes down to 1 replica; four streams kept going raise it to 2."""
     deadline = time.monotonic() + 60
     while running_replicas() != 1 and time.monotonic() < deadline:  # idle: one replica goes
         time.sleep(0.5)

@@ -49,7 +49,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster,
     cluster.wait_for_nodes()
     port = free_port()
     args = {
-        "model": str(folder), "served_model_name": MODEL, "num_replicas": "2", "max_replicas_per_node": "1",
+        "front": "ingress", "model": str(folder), "served_model_name": MODEL, "num_replicas": "2",
+        "max_replicas_per_node": "1",
         "replica_cpus": "0.5", "ingress_cpus": "0.25", "torch_threads": "1", "num_kv_blocks": "512",
         "max_num_seqs": "8", "tensor_parallel_size": "2", "threads_per_rank": "1",
         "distributed_executor_backend": "ray", "ray_placement_strategy": "STRICT_PACK",

@@ -26,7 +26,7 @@ from llmserve.core.kv_cache.block_hash import request_block_hashes
 from llmserve.core.request import Request
 from llmserve.model_executor.model_loader.source import resolve_model
 from llmserve.ray_serve import RayServeOptions, build_application
-from llmserve.ray_serve.application import HAPROXY_ENV
+from llmserve.ray_serve.env import DIRECT_ENV, HAPROXY_ENV
 from llmserve.ray_serve.metrics import merge_metrics
 from llmserve.ray_serve.prefix import PrefixKeyer, rendezvous_order
 from llmserve.ray_serve.router import AVOID_REPLICA, PREFIX_KEY, PrefixAwareRouter
@@ -239,7 +239,15 @@ def test_llmserve_serve_replicas_flags(model_dir: Path) -> None:
     assert spread.max_replicas_per_node == 1
     # the trace endpoint: the ingress's own option, handed to the replicas by build_application
     traced = ray_serve_options(
-        serve_args(str(model_dir), "--replicas", "1", "--otlp-traces-endpoint", "h:4317")
+        serve_args(
+            str(model_dir),
+            "--replicas",
+            "1",
+            "--otlp-traces-endpoint",
+            "h:4317",
+            "--ray-http-proxy",
+            "haproxy",
+        )
     )
     assert traced.otlp_traces_endpoint == "h:4317" and "otlp_traces_endpoint" not in traced.server_options
     ingress = build_application(traced)._bound_deployment
@@ -262,11 +270,20 @@ def test_cpus_a_local_cluster_needs(model_dir: Path) -> None:
     assert cpus_needed(scaled) == 0.5 + scaled.ingress_cpus
 
 
-def test_a_local_cluster_runs_haproxy_unless_told(model_dir: Path) -> None:
-    """`--replicas` sets Ray Serve's HAProxy mode on the cluster it starts (tests/e2e/test_ray_serve.py
-    checks that HAProxy then listens); `--ray-http-proxy serve` keeps Serve's Python proxy."""
+def test_a_local_cluster_runs_the_direct_front_unless_told(model_dir: Path) -> None:
+    """`--replicas` sets Ray Serve's HAProxy mode with body forwarding on the cluster it starts and
+    the direct front (tests/e2e/test_ray_serve_direct.py); `--ray-http-proxy haproxy` HAProxy
+    before the ingress (tests/e2e/test_ray_serve.py checks that HAProxy then listens), `serve`
+    Serve's Python proxy; a joined cluster's front follows this process's environment."""
     assert HAPROXY_ENV == {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
-    assert local_cluster_env(serve_args(str(model_dir), "--replicas", "2")) == HAPROXY_ENV
-    assert local_cluster_env(serve_args(str(model_dir), "--replicas", "2", "--ray-http-proxy", "serve")) == {}
+    assert DIRECT_ENV == {**HAPROXY_ENV, "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1"}
+    fronts = {"direct": (DIRECT_ENV, "direct"), "haproxy": (HAPROXY_ENV, "ingress"), "serve": ({}, "ingress")}
+    for flag, (env, front) in fronts.items():
+        args = serve_args(str(model_dir), "--replicas", "2", "--ray-http-proxy", flag)
+        assert local_cluster_env(args) == env and ray_serve_options(args).front == front
+    default = serve_args(str(model_dir), "--replicas", "2")
+    assert local_cluster_env(default) == DIRECT_ENV and ray_serve_options(default).front == "direct"
+    joined = serve_args(str(model_dir), "--replicas", "2", "--ray-address", "auto")
+    assert ray_serve_options(joined).front == "auto"
     with pytest.raises(SystemExit):
         serve_args(str(model_dir), "--replicas", "2", "--ray-http-proxy", "nginx")

@@ -5,10 +5,17 @@ OpenAI-compatible ingress (llmserve.ray_serve), a thin wrapper over `serve.run`.
     llmserve serve ./model --replicas 1 --max-replicas 4 --ray-address auto   # autoscaled, on a cluster
 
 The server flags that shape requests (limits, parsers, metrics) apply in every replica; the
-ingress listens on --host/--port and checks --api-key. One model only. On a local cluster HTTP
-reaches the ingress through HAProxy (Ray Serve's HAProxy mode: the ingress replica serves HTTP
-itself, no Python proxy and no Ray call between them; `--ray-http-proxy serve` keeps Serve's own
-proxy); a cluster joined with --ray-address runs whichever its Serve was started with.
+application listens on --host/--port and checks --api-key. One model only. On a local cluster,
+`--ray-http-proxy` picks the front (ray_serve/application.py):
+
+    direct   (default) HAProxy asks the prefix router which replica takes each request and sends
+             it straight there; the replica serves HTTP itself (one Python hop)
+    haproxy  HAProxy before the ingress deployment, which forwards through a handle (two hops)
+    serve    Serve's Python proxy before the ingress (three)
+
+A cluster joined with --ray-address runs whichever its Serve was started with: the direct front
+where this process has ray_serve/env.py's DIRECT_ENV set (as the cluster's processes must), else
+the ingress.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ import math
 import os
 
 APP_NAME = "llmserve"
+FRONT_OF = {"direct": "direct", "haproxy": "ingress", "serve": "ingress"}
+"""--ray-http-proxy -> the application's `front` on a local cluster."""
 
 logger = logging.getLogger("llmserve")
 
@@ -54,9 +63,10 @@ def add_ray_args(p: argparse.ArgumentParser) -> None:
         help="at most this many replicas on one Ray node (1: spread them, one per node)",
     )  # fmt: skip
     r.add_argument(
-        "--ray-http-proxy", choices=("haproxy", "serve"), default="haproxy",
-        help="what fronts the ingress on a local cluster: HAProxy (Ray Serve's HAProxy mode; fewer "
-        "hops) or Serve's own Python proxy",
+        "--ray-http-proxy", choices=tuple(FRONT_OF), default="direct",
+        help="the front on a local cluster: direct (HAProxy sends each request to the replica the "
+        "prefix router picks), haproxy (HAProxy before an ingress deployment) or serve (Serve's "
+        "Python proxy before the ingress)",
     )  # fmt: skip
     r.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per replica")
     r.add_argument("--replica-gpus", type=float, default=0.0, help="Ray GPUs per replica")
@@ -79,6 +89,7 @@ def ray_serve_options(args: argparse.Namespace):  # -> RayServeOptions (the ray 
         )
     server_options = {k: v for k, v in dataclasses.asdict(config).items() if k not in _INGRESS_FIELDS}
     return RayServeOptions(
+        front=FRONT_OF[args.ray_http_proxy] if args.ray_address is None else "auto",
         model=specs[0].source, served_model_name=specs[0].name, num_replicas=args.replicas,
         min_replicas=args.replicas, max_replicas=args.max_replicas, max_replicas_per_node=args.max_replicas_per_node,
         target_ongoing_requests=args.target_ongoing_requests, api_key=config.api_key,
@@ -89,6 +100,8 @@ def ray_serve_options(args: argparse.Namespace):  # -> RayServeOptions (the ray 
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.ray_address is None:  # Ray Serve reads them when first imported, here and in every process
+        os.environ.update(local_cluster_env(args))
     try:
         import ray
         from ray import serve
@@ -101,7 +114,6 @@ def run(args: argparse.Namespace) -> int:
     needed = cpus_needed(options)
     if args.ray_address is None:  # a local cluster: room for every replica (Ray's CPUs are logical)
         cores = os.cpu_count() or 1
-        os.environ.update(local_cluster_env(args))  # every process of the cluster reads them at start
         ray.init(num_cpus=max(cores, math.ceil(needed)))
         if needed > cores:
             logger.warning("the replicas (%s Ray CPUs each) and the ingress need %.2f CPUs; this "
@@ -125,12 +137,13 @@ def run(args: argparse.Namespace) -> int:
 
 def local_cluster_env(args: argparse.Namespace) -> dict[str, str]:
     """Ray Serve's environment flags for the local cluster that `--replicas` starts."""
-    from llmserve.ray_serve.application import HAPROXY_ENV
+    from llmserve.ray_serve.env import DIRECT_ENV, HAPROXY_ENV
 
-    return dict(HAPROXY_ENV) if args.ray_http_proxy == "haproxy" else {}
+    return {"direct": DIRECT_ENV, "haproxy": HAPROXY_ENV, "serve": {}}[args.ray_http_proxy].copy()
 
 
 def cpus_needed(options) -> float:
-    """Ray CPUs the application's first replicas reserve: the engine replicas and the ingress."""
+    """Ray CPUs the application's first replicas reserve: the engine replicas and the ingress (or
+    the direct front's router)."""
     replicas = options.num_replicas if options.max_replicas is None else options.min_replicas
     return replicas * options.replica_cpus + options.ingress_cpus

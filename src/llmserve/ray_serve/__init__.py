@@ -1,7 +1,9 @@
 """llmserve on Ray Serve: N engine replicas behind one OpenAI-compatible ingress (an optional
 extra: `pip install 'llmserve[ray]'`).
 
-    application.py  `app` / `build_application`: the deployments and their options
+    application.py  `app` / `build_application`: the deployments, their options, the front
+    env.py          Ray Serve's environment flags for each front (imports nothing of Ray)
+    direct.py       the direct front: `PrefixRouter` (HAProxy asks it), `DirectEngineReplica`
     ingress.py      `Ingress`: auth and validation (the plain server's), prefix keys, relaying
     router.py       `PrefixAwareRouter`: a prefix's home replica, else power of two choices
     prefix.py       the routing key: the hash of the prompt's first KV blocks
@@ -9,6 +11,16 @@ extra: `pip install 'llmserve[ray]'`).
     metrics.py      every replica's metrics on the ingress's /metrics, labelled by replica
 """
 
-from llmserve.ray_serve.application import RayServeOptions, app, build_application
+from typing import Any
 
 __all__ = ["RayServeOptions", "app", "build_application"]
+
+
+def __getattr__(name: str) -> Any:
+    """The application's names, imported on first use: importing this package (env.py) must not
+    import Ray Serve, which reads its environment flags once, when first imported."""
+    if name in __all__:
+        from llmserve.ray_serve import application
+
+        return getattr(application, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -41,7 +41,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmserve.metrics.tracing import IngressTracer, make_tracer_provider
 from llmserve.model_executor.model_loader.source import resolve_model
-from llmserve.ray_serve.metrics import merge_metrics
+from llmserve.ray_serve.metrics import gather_metrics
 from llmserve.ray_serve.prefix import PrefixKeyer
 from llmserve.ray_serve.replica import REPLICA_HEADER, ForwardedRequest, ReplicaEngineStopped
 from llmserve.ray_serve.router import AVOID_REPLICA, PREFIX_KEY
@@ -57,8 +57,10 @@ if TYPE_CHECKING:
 FORWARD_ATTEMPTS = 2
 """Tries of a request whose replica died, or whose engine had died, before answering (Ray's router
 has then dropped the dead replica; the retry names the other to avoid)."""
-METRICS_TIMEOUT = 5.0
-"""Seconds /metrics waits for the replicas' texts (one that is later is left out)."""
+
+UNSERVED_PREFIXES = ("/v1/files", "/v1/batches")
+UNSERVED_MESSAGE = "the Files and Batches APIs are not served on Ray Serve: run them on one llmserve serve"
+"""Refused (501) on Ray Serve: each replica would keep its own files and batches."""
 
 # headers of the replica's answer that the ingress's own response sets again
 _HOP_HEADERS = frozenset({"content-length", "transfer-encoding", "connection"})
@@ -154,11 +156,7 @@ class Ingress:
         """Every replica's metrics, labelled by replica (ray_serve/metrics.py)."""
         from prometheus_client import CONTENT_TYPE_LATEST
 
-        answers = await self.engine.broadcast("metrics_text").results_async(
-            timeout_s=METRICS_TIMEOUT, return_exceptions=True
-        )
-        texts = dict(a for a in answers if isinstance(a, tuple))
-        return Response(merge_metrics(texts), media_type=CONTENT_TYPE_LATEST)
+        return Response(await gather_metrics(self.engine), media_type=CONTENT_TYPE_LATEST)
 
 
 async def _relay(
@@ -243,9 +241,7 @@ def build_ingress_app(ingress: Ingress) -> FastAPI:
     @api.api_route("/v1/batches{rest:path}", methods=["GET", "POST", "DELETE"])
     async def batches(rest: str) -> Any:
         # each replica would keep its own files and batches, and a handle reaches a random one
-        raise APIError(
-            501, "the Files and Batches APIs are not served on Ray Serve: run them on one llmserve serve"
-        )
+        raise APIError(501, UNSERVED_MESSAGE)
 
     @api.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
     async def other(raw: Request, path: str) -> Any:

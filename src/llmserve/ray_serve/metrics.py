@@ -1,6 +1,6 @@
-"""Metrics from every replica, labelled by replica, on the ingress's /metrics.
+"""Metrics from every replica, labelled by replica, on /metrics.
 
-The ingress's /metrics asks every live replica for its Prometheus text at once (Ray Serve's
+A scrape of /metrics (the ingress's, or under the direct front any replica's) asks every live replica for its Prometheus text at once (Ray Serve's
 `DeploymentHandle.broadcast`: the replica's `metrics_text`, the /metrics answer of the llmserve
 app it runs) and merges the texts into one exposition, each sample with a `replica` label added:
 
@@ -16,11 +16,18 @@ samples together, whatever order the replicas listed them in).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+if TYPE_CHECKING:
+    from ray.serve.handle import DeploymentHandle
+
 REPLICA_LABEL = "replica"
+METRICS_TIMEOUT = 5.0
+"""Seconds a scrape waits for the replicas' texts (one that is later is left out)."""
 
 
 class _Merged:
@@ -50,3 +57,11 @@ def merge_metrics(texts: dict[str, str]) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Merged(texts))
     return generate_latest(registry)
+
+
+async def gather_metrics(replicas: DeploymentHandle) -> bytes:
+    """Every live replica's metrics (its `metrics_text`), merged."""
+    answers = await replicas.broadcast("metrics_text").results_async(
+        timeout_s=METRICS_TIMEOUT, return_exceptions=True
+    )
+    return merge_metrics(dict(a for a in answers if isinstance(a, tuple)))

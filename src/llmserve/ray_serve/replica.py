@@ -2,7 +2,8 @@
 
 The replica builds the same FastAPI app as `llmserve serve` (server/app.py: routes, validation,
 the model manager, metrics) and runs its lifespan, but no HTTP listener: the ingress hands it
-requests through a `DeploymentHandle`, and `forward` drives the app as an ASGI call:
+requests through a `DeploymentHandle`, and `forward` drives the app as an ASGI call (under the
+direct front, direct.py's `DirectEngineReplica` serves the same app over HTTP instead):
 
     ingress --handle.forward(request)--> forward(): app(scope, receive, send)
             <--- {"status", "headers"}, then body chunks (a Ray streaming generator) ---
@@ -79,13 +80,14 @@ class EngineReplica:
             torch.set_num_threads(torch_threads)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.node_id = ray.get_runtime_context().get_node_id()
-        # The ingress checked the key; the replica is reachable through Ray only.
-        config = ServerConfig(**{**server_options, "api_key": None})
-        self.app = build_app([spec], config, engine_options)
-        self.state = self.app.state.server
+        # Behind the ingress (which checked the key) server_options has no key; serving HTTP
+        # itself (ray_serve/direct.py) it has the key, which the app's own gate checks.
+        config = ServerConfig(**{"api_key": None, **server_options})
+        self.server_app = build_app([spec], config, engine_options)
+        self.state = self.server_app.state.server
         self.engine_error: BaseException | None = None
         self.state.on_engine_dead = self._engine_died  # the app calls it once every request has failed
-        self._lifespan = self.app.router.lifespan_context(self.app)
+        self._lifespan = self.server_app.router.lifespan_context(self.server_app)
         await self._lifespan.__aenter__()
         while not self.state.models.started_up:  # the preload runs in the background
             await asyncio.sleep(0.05)
@@ -121,7 +123,7 @@ class EngineReplica:
             "query_string": request.query_string, "headers": request.headers,
             "client": ("ray-serve-ingress", 0), "server": ("llmserve-replica", 0),
         }  # fmt: skip
-        call = asyncio.ensure_future(self.app(scope, receive, send))
+        call = asyncio.ensure_future(self.server_app(scope, receive, send))
         call.add_done_callback(lambda _: messages.put_nowait({"type": "llmserve.done"}))
         try:
             while True:
@@ -163,7 +165,9 @@ class EngineReplica:
         """(this replica's id, its Prometheus text: the app's own /metrics answer)."""
         if self.state.metrics is None:
             return self.replica_id, ""
-        _, _, body = await self.forward_whole(ForwardedRequest("GET", "/metrics"))
+        key = self.state.config.api_key
+        auth = [(b"authorization", b"Bearer " + key.encode())] if key else []
+        _, _, body = await self.forward_whole(ForwardedRequest("GET", "/metrics", headers=auth))
         return self.replica_id, body.decode()
 
     def _engine_died(self, e: BaseException) -> None:

@@ -10,6 +10,14 @@ accepts (queue below `max_ongoing_requests`), else it moves to the next rank:
        `imbalance` or more requests ahead of the least loaded replica (Ray's cached queue lengths);
     2. power of two choices: the less loaded of two random replicas (Ray's default policy).
 
+Where it runs: in the ingress's handle (`forward.remote`: Ray probes the rank and reserves a slot)
+or, under the direct front (ray_serve/direct.py), in the prefix router's handle, which only picks
+(`choose_replica(_reserve=False)`: the first replica of the first rank, no probe). A replica's
+load is Ray's cached queue length where Ray has one (the ingress's probes and its own requests),
+else the replica's own count of the HTTP requests it holds (`ONGOING_STAT`, its
+`record_routing_stats`, which the controller fetches every `request_routing_stats_period_s`);
+each rank is ordered by load, so a pick-only caller gets the less loaded of the two.
+
 A request without a key (a prompt shorter than one KV block, or a route that has no prompt) goes
 straight to 2. A retry names the replica that could not answer it (`avoid_replica`: its engine had
 died, ray_serve/replica.py), which is left out of the candidates while there are others. The home is a pure function of the key and the live replicas, so every ingress
@@ -30,6 +38,8 @@ PREFIX_KEY = "prefix_key"
 """The keyword argument of `EngineReplica.forward` that carries the routing key."""
 AVOID_REPLICA = "avoid_replica"
 """The keyword argument that names a replica a retry must not go to (its id)."""
+ONGOING_STAT = "ongoing_requests"
+"""A replica's routing stats entry: the HTTP requests it holds (direct.py's `DirectEngineReplica`)."""
 
 
 class PrefixAwareRouter(RequestRouter):
@@ -55,7 +65,8 @@ class PrefixAwareRouter(RequestRouter):
             home = self._home(key, candidate_replicas)
             if not self._busy(home, candidate_replicas):
                 ranks.append([home])
-        ranks.append(random.sample(candidate_replicas, min(2, len(candidate_replicas))))
+        two = random.sample(candidate_replicas, min(2, len(candidate_replicas)))
+        ranks.append(sorted(two, key=self._load))
         return ranks
 
     @staticmethod
@@ -64,8 +75,12 @@ class PrefixAwareRouter(RequestRouter):
         return by_id[rendezvous_order(key, list(by_id))[0]]
 
     def _busy(self, home: RunningReplica, replicas: list[RunningReplica]) -> bool:
-        """`imbalance` or more ongoing requests ahead of the least loaded replica (unknown queue
-        lengths count as idle: Ray's probe of the rank then gives the real ones)."""
-        cache = self.replica_queue_len_cache
-        lengths = {r.replica_id: cache.get(r.replica_id) or 0 for r in replicas}
+        """`imbalance` or more ongoing requests ahead of the least loaded replica (unknown loads
+        count as idle: Ray's probe of the rank, where it probes, then gives the real ones)."""
+        lengths = {r.replica_id: self._load(r) for r in replicas}
         return lengths[home.replica_id] - min(lengths.values()) >= self.imbalance
+
+    def _load(self, replica: RunningReplica) -> int:
+        """Ray's cached queue length, else the replica's own count (0 when neither is known)."""
+        cached = self.replica_queue_len_cache.get(replica.replica_id)
+        return cached if cached is not None else int(replica.routing_stats.get(ONGOING_STAT, 0))
