@@ -75,9 +75,10 @@ def pack_q6(rows: QuantizedRows) -> PackedWeight:
     low = torch.stack([lg[..., 0, :] | (lg[..., 1, :] << 4), lg[..., 2, :] | (lg[..., 3, :] << 4)], -1)
     low = low.permute(0, 2, 3, 4, 1, 5, 6).reshape(T, ns, SUPER // SUB, 128)  # [.., j, g, row, i, byte]
     # top bits: column 16 j + 2 p + i -> lane (row, i), bits 2p: p = 0..3 low byte, 4..7 high byte
-    hg = hi.view(T, TILE, ns, SUPER // SUB, 2, 4, 2).to(torch.int32)  # [T, row, s-block, j, byte, p % 4, i]
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.int32).view(4, 1)
-    high = (hg << shifts).sum(-2).to(torch.uint8)  # [T, row, s-block, j, byte, i]
+    hg = hi.view(T, TILE, ns, SUPER // SUB, 2, 4, 2)  # [T, row, s-block, j, byte, p % 4, i]
+    # uint8 throughout (2-bit values shifted at most 6): no wider copy of the whole matrix (a
+    # tied 49,152-row embedding would need 400 MB per int32 temporary while loading)
+    high = hg[..., 0, :] | (hg[..., 1, :] << 2) | (hg[..., 2, :] << 4) | (hg[..., 3, :] << 6)
     high = high.permute(0, 2, 3, 1, 5, 4).reshape(T, ns, SUPER // SUB, 64)  # [.., j, row, i, byte]
     scales = sc.view(T, TILE, ns, SUPER // SUB).permute(0, 2, 3, 1).reshape(T, ns, SUB * TILE)
     data = torch.cat([scales.view(torch.uint8), torch.cat([low, high], -1).view(T, ns, -1)], -1)
