@@ -15,12 +15,10 @@
 //   mlp_out = (silu(h @ Wgate.T) * (h @ Wup.T)) @ Wdown.T
 //
 // and after the last layer the final norm: out = rms_norm(res + mlp_out) * w_final. The math and
-// its order are those of llmserve/models/llama.py; matmuls are the q8/q4 kernels of qgemm.h. In a
-// step with LoRA adapters, each token's adapter adds its delta to the output of qkv, o, gate_up and
-// down (decoder_lora.cpp), as the model's LoRALinear wrappers do.
-//
-// Compiled for AVX2 + FMA + F16C (every CPU that runs the quantized kernels); the element-wise
-// loops are left to the compiler's vectorizer.
+// its order are those of llmserve/models/llama.py; matmuls are the q8/q4/q6/q4k kernels of qgemm.h.
+// With LoRA adapters, each token's adapter adds its delta to the output of qkv, o, gate_up and
+// down (decoder_lora.cpp), as the model's LoRALinear wrappers do. Compiled for AVX2 + FMA + F16C
+// (every CPU that runs the quantized kernels); the element-wise loops are left to the vectorizer.
 #pragma GCC target("avx2,fma,f16c")
 
 #include "decoder_stack.h"
