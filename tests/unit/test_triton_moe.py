@@ -162,6 +162,8 @@ def test_stacked_experts_are_views_of_one_copy() -> None:
     with torch.device(DEVICE):
         torch.manual_seed(0)
         moe = SparseMoE(32, 4, 2, 40, "silu", renormalize=True)
+    for p in moe.parameters():  # the router's weight too: torch.empty's memory may hold NaNs
+        p.data.normal_(0, 0.2)
     for m in moe.experts:  # one chunk, as on CUDA
         m.gate_up_proj.weight = torch.nn.Parameter(torch.randn(1, 32, 80, device=DEVICE), requires_grad=False)
         m.down_proj.weight = torch.nn.Parameter(torch.randn(1, 40, 32, device=DEVICE), requires_grad=False)
