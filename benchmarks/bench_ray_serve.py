@@ -9,7 +9,10 @@ Both setups run at once, each in a subprocess: `llmserve serve` (the replica's a
 by uvicorn) and `llmserve serve --replicas N` (a local Ray cluster: the front `--ray-http-proxy`
 names, then the replicas). Latency: `--requests` completions of one token from a short prompt, one at a time,
 alternating between the two servers, so that a machine whose load drifts (a shared one) weighs on
-both alike (median and p90; the difference of the medians is the ingress's cost). Then, on each
+both alike (median and p90; the difference of the medians is the ingress's cost). With the direct
+front, the replica that front sends the probe to is also asked at its own port in the same rotation
+(`replica_direct`, `ingress_added_vs_replica_ms`: the front's cost against that replica served
+directly, the issue's baseline; the plain server is another process on the same cores). Then, on each
 server in turn, the shared-prefix workload: `--groups` long prefixes, `--per-group` requests each with their own
 question, sent round-robin over the groups, `--concurrency` at a time; hit rate = cached prompt tokens / prompt tokens (from
 each answer's usage). Prints one JSON object.
@@ -79,6 +82,38 @@ def _latencies(clients: list[httpx.Client], n: int) -> list[list[float]]:
     return out
 
 
+def _replica_client(ray_client: httpx.Client) -> httpx.Client | None:
+    """The direct front only: a client of the engine replica the Ray front sends the latency
+    probe to, at the replica's own HTTP port (Ray Serve's direct-ingress target): "the replica
+    served directly", the issue's baseline. Found through the Serve controller of the local
+    cluster the Ray server started, matched by the replica header both answer with; None when no
+    target answers."""
+    import ray
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    from llmserve.ray_serve.replica import REPLICA_HEADER
+
+    body = {"model": "m", "prompt": "Hi", "max_tokens": 1, "temperature": 0}
+    routed = ray_client.post("/v1/completions", json=body).headers.get(REPLICA_HEADER)
+    ray.init(address="auto", namespace=SERVE_NAMESPACE, log_to_driver=False)
+    try:
+        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        # the replicas' own ports (without the flag: the proxy's)
+        groups = ray.get(controller.get_target_groups.remote(from_proxy_manager=True))
+    finally:
+        ray.shutdown()
+    for target in (t for g in groups if str(g.protocol).endswith("HTTP") for t in g.targets):
+        for host in (target.ip, "127.0.0.1"):  # a replica binds the server's --host
+            client = httpx.Client(base_url=f"http://{host}:{target.port}", timeout=120)
+            try:
+                if client.post("/v1/completions", json=body).headers.get(REPLICA_HEADER) == routed:
+                    return client
+            except httpx.HTTPError:
+                pass
+            client.close()
+    return None
+
+
 def _prefix(group: int, num_words: int) -> str:
     return " ".join(WORDS[(group * 7 + i * (group + 1)) % len(WORDS)] for i in range(num_words))
 
@@ -141,7 +176,11 @@ def main() -> None:
             procs.append(proc)  # stopped below even if it never gets ready (or ^C meanwhile)
             wait_healthy(proc, port, timeout=600)
             clients.append(httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120))
-        plain, ray = (_summary(lat) for lat in _latencies(clients, args.requests))
+        replica = _replica_client(clients[1]) if args.ray_http_proxy == "direct" else None
+        probes = clients if replica is None else [*clients, replica]
+        plain, ray, *direct = (_summary(lat) for lat in _latencies(probes, args.requests))
+        if replica is not None:
+            replica.close()
         plain.update(_hit_rate(clients[0], args))
         ray.update(_hit_rate(clients[1], args))
     finally:
@@ -154,6 +193,11 @@ def main() -> None:
         "ray": ray,
         "ray_http_proxy": args.ray_http_proxy,
         "ingress_added_ms": ray["latency_median_ms"] - plain["latency_median_ms"],  # type: ignore[operator]
+        # the replica the front chose, served directly at its own port in the same rotation
+        "replica_direct": direct[0] if direct else None,
+        "ingress_added_vs_replica_ms": (
+            ray["latency_median_ms"] - direct[0]["latency_median_ms"] if direct else None  # type: ignore[operator]
+        ),
         "hit_rate_ratio": ray["hit_rate"] / plain["hit_rate"] if plain["hit_rate"] else None,  # type: ignore[operator]
         "logs": str(logs),
     }
