@@ -135,7 +135,9 @@ def test_reasoning_and_an_answer(server: ServerProcess) -> None:
 
 def test_required_call_on_every_api(server: ServerProcess) -> None:
     """`required` is a grammar in harmony's call syntax: chat's tool_calls, a Responses
-    function_call item, a Messages tool_use block, each with arguments that fit the schema."""
+    function_call item, a Messages tool_use block, each with arguments that fit the schema. Every
+    call decodes deterministically (seeded, or greedy): an unseeded sample of this random model
+    could spend its 200 tokens inside a string and end before the call closes."""
     client = server.client()
     r = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice="required",
                                        parallel_tool_calls=False, max_tokens=200, temperature=1.0, seed=1)  # fmt: skip
@@ -144,14 +146,14 @@ def test_required_call_on_every_api(server: ServerProcess) -> None:
     assert set(json.loads(call.function.arguments)) == {"city", "unit"}
     resp = client.responses.create(model=MODEL_NAME, input="Weather in Paris?", max_output_tokens=200,
                                    tools=[{"type": "function", **TOOLS[0]["function"]}], tool_choice="required",
-                                   parallel_tool_calls=False)  # fmt: skip
+                                   parallel_tool_calls=False, temperature=0)  # fmt: skip
     calls = [item for item in resp.output if item.type == "function_call"]
     assert [c.name for c in calls] == ["get_weather"] and set(json.loads(calls[0].arguments)) == {
         "city",
         "unit",
     }
     messages = anthropic.Anthropic(base_url=server.url, api_key="unused").messages.create(
-        model=MODEL_NAME, max_tokens=200, messages=MESSAGES, tool_choice={"type": "any"},
+        model=MODEL_NAME, max_tokens=200, messages=MESSAGES, tool_choice={"type": "any"}, extra_body={"temperature": 0},
         tools=[{"name": "get_weather", "description": "Weather now", "input_schema": WEATHER}],
     )  # fmt: skip
     uses = [b for b in messages.content if b.type == "tool_use"]
