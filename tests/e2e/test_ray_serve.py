@@ -33,6 +33,7 @@ from ray import serve
 
 from tests.e2e.conftest import CHAT_TEMPLATE, free_port, new_traceparent, span_attrs
 from tests.models.tiny import make_tiny_model_eos0
+from tests.ray_start import start_ray
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -92,7 +93,7 @@ def local_serve(front_env: dict[str, str]) -> Iterator[str]:
     with pytest.MonkeyPatch.context() as mp:
         for name, value in env.items():
             mp.setenv(name, value)
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        start_ray(lambda: ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False))
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -30,6 +30,7 @@ from ray.cluster_utils import Cluster
 
 from tests.e2e.conftest import free_port
 from tests.models.tiny import make_tiny_model_eos0
+from tests.ray_start import start_ray
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -43,10 +44,15 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster,
     ingress (0.25); a third replica fits on neither (one per node)."""
     folder = tmp_path_factory.mktemp("tiny-ray-nodes")
     make_tiny_model_eos0(folder)  # a 2048-token context: room for a long stream
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
-    cluster.add_node(num_cpus=2)
-    ray.init(address=cluster.address, log_to_driver=False)
-    cluster.wait_for_nodes()
+
+    def start() -> Cluster:
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+        cluster.add_node(num_cpus=2)
+        ray.init(address=cluster.address, log_to_driver=False)
+        cluster.wait_for_nodes()
+        return cluster
+
+    cluster = start_ray(start)
     port = free_port()
     args = {
         "front": "ingress", "model": str(folder), "served_model_name": MODEL, "num_replicas": "2",

@@ -19,12 +19,13 @@ import ray
 from llmserve import LLM
 from tests.models.test_tensor_parallel import _run, check_killed_worker_stops_the_engine, compare_tp
 from tests.models.tiny import make_tiny_model
+from tests.ray_start import start_ray
 
 
 @pytest.fixture(scope="module")
 def local_ray() -> Iterator[None]:
     # one rank of one CPU besides the driver: the placement group fits a 2-core machine
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
+    start_ray(lambda: ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True))
     try:
         yield
     finally:
