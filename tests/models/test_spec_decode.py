@@ -150,6 +150,26 @@ def test_draft_model_proposals(tmp_path) -> None:
         assert run(spec, seeded) == want_seeded
 
 
+def test_draft_models_cache_shares_the_kv_budget(tmp_path) -> None:
+    """A budget in bytes pays for the draft's cache too: the target as its own draft (the same
+    bytes per token) halves the blocks a given budget holds; the CPU default (room for every
+    sequence at full context) keeps its blocks and reserves for both caches."""
+    from tests.models.tiny import make_tiny_model
+
+    make_tiny_model("llama", tmp_path)
+    draft = {"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2}
+    for budget, share in (({"kv_cache_memory": 4 * 2**20}, 2), ({}, 1)):
+        plain = LLM(str(tmp_path), block_size=4, max_num_seqs=4, show_progress=False, **budget).engine
+        spec = LLM(str(tmp_path), block_size=4, max_num_seqs=4, show_progress=False, speculative_config=draft,
+                   **budget).engine  # fmt: skip
+        assert spec.kv_info.draft_bytes_per_token == plain.kv_info.bytes_per_token > 0
+        assert spec.kv_info.num_blocks == plain.kv_info.num_blocks // share
+        assert spec.proposer.kv.num_blocks == spec.kv_info.num_blocks  # type: ignore[union-attr]
+        assert "for the draft model" in spec.kv_info.summary()
+    given = LLM(str(tmp_path), num_kv_blocks=64, show_progress=False, speculative_config=draft).engine
+    assert given.kv_info.num_blocks == 64  # blocks given are blocks kept, for both caches
+
+
 def test_draft_model_must_share_the_vocabulary(tmp_path) -> None:
     import transformers
 

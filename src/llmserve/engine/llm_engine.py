@@ -142,6 +142,12 @@ class LLMEngine:
         sched = self.scheduler_config
         max_num_tokens = sched.token_budget + k * sched.max_num_seqs
         kv_dtype = self.loaded.kv_cache_dtype(self.cache_config.kv_cache_dtype)
+        draft = None  # a draft model is loaded first: its KV cache shares the target's budget
+        if speculative_config is not None and speculative_config.method == "draft_model":
+            assert speculative_config.model is not None
+            draft = DraftModelProposer.load(
+                speculative_config.model, self.loaded, speculative_config.quantization
+            )
         if self.is_encoder:
             self.kv_info = encoder_blocks(self.cache_config, sched.max_num_seqs, self.max_model_len)
         else:
@@ -152,6 +158,7 @@ class LLMEngine:
                 self.max_model_len,
                 kv_dtype,
                 max_num_tokens,
+                draft,
             )
         num_blocks = self.kv_info.num_blocks
         logger.info(self.kv_info.summary())
@@ -161,12 +168,11 @@ class LLMEngine:
             None if lora_config is None else lora_config.max_loras, chunked_prefill=not self.is_encoder,
         )  # fmt: skip
         self.proposer: NgramProposer | DraftModelProposer | None = None
-        if speculative_config is not None and speculative_config.method == "draft_model":
-            assert speculative_config.model is not None
+        if draft is not None:
+            assert speculative_config is not None and speculative_config.model is not None
             self.proposer = DraftModelProposer(
                 speculative_config.model,
-                self.loaded,
-                speculative_config.quantization,
+                draft,
                 num_blocks,
                 self.cache_config.block_size,
                 kv_dtype,

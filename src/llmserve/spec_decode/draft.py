@@ -46,28 +46,35 @@ class _DraftState:
 
 
 class DraftModelProposer:
-    def __init__(
-        self,
-        model: str,
-        target: LoadedModel,
-        quantization: str,
-        num_blocks: int,
-        block_size: int,
-        kv_cache_dtype: torch.dtype | KVDtypes | None = None,
-    ) -> None:
-        """Load the draft `model` on the target's device; its KV cache holds `num_blocks` blocks."""
-        self.loaded = load_model(
+    @staticmethod
+    def load(model: str, target: LoadedModel, quantization: str) -> LoadedModel:
+        """The draft `model`, loaded on the target's device (before the KV cache is sized: its
+        cache takes a share of the same budget)."""
+        loaded = load_model(
             ModelConfig(
                 model=model, device=str(target.device), quantization=quantization, show_progress=False
             )  # type: ignore[arg-type]
         )
-        vocab, target_vocab = int(self.loaded.text_config.vocab_size), int(target.text_config.vocab_size)
+        vocab, target_vocab = int(loaded.text_config.vocab_size), int(target.text_config.vocab_size)
         if vocab > target_vocab:
             raise ValueError(
                 f"the draft model {model!r} has a vocabulary of {vocab} tokens, larger than the target's "
                 f"{target_vocab}: they must share one"
             )
-        self.vocab_size = vocab
+        return loaded
+
+    def __init__(
+        self,
+        model: str,
+        loaded: LoadedModel,
+        num_blocks: int,
+        block_size: int,
+        kv_cache_dtype: torch.dtype | KVDtypes | None = None,
+    ) -> None:
+        """The draft `model` (`loaded` by `load`); its KV cache holds `num_blocks` blocks, as the
+        target's does."""
+        self.loaded = loaded
+        self.vocab_size = int(loaded.text_config.vocab_size)
         self.runner = ForwardRunner(
             self.loaded.model, num_blocks, block_size, kv_cache_dtype, self.loaded.profile,
             max_model_len=self.loaded.max_model_len,
