@@ -123,7 +123,7 @@ def main() -> None:
     ap.add_argument("--hf-requests", type=int, default=32)
     ap.add_argument("--hf-batch", type=int, default=8)
     ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the engine's")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--skip-blas", action="store_true", help="skip the in-flight run on the blas kernel")
