@@ -32,6 +32,7 @@ import psutil
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from ray import serve
 
+from llmserve.ray_serve import haproxy_wrapper
 from llmserve.ray_serve.env import DIRECT_ENV
 from tests.e2e.conftest import new_traceparent, span_attrs
 from tests.e2e.test_ray_serve import (  # the ingress front's module: the model, helpers, and
@@ -164,15 +165,24 @@ def test_a_request_in_flight_on_a_killed_replica_is_retried_on_the_survivor(url:
 
 
 def test_haproxy_runs_through_llmserves_wrapper(url: str) -> None:
-    """Ray started HAProxy as llmserve's wrapper (env.py): it runs on the rewritten config."""
+    """Ray started HAProxy as llmserve's wrapper (env.py), which found every line it rewrites in
+    the config Ray wrote (tests/unit/test_ray_serve_haproxy.py checks what they do)."""
     port = int(url.rsplit(":", 1)[1])
     haproxy = {
         psutil.Process(c.pid) for c in psutil.net_connections("tcp")
         if c.status == psutil.CONN_LISTEN and c.laddr.port == port
     }  # fmt: skip
-    assert haproxy and all(
-        Path(p.cmdline()[p.cmdline().index("-f") + 1]).name.startswith("llmserve-") for p in haproxy
-    )
+    assert haproxy
+    for process in haproxy:
+        config = Path(process.cmdline()[process.cmdline().index("-f") + 1])
+        assert config.name.startswith("llmserve-")
+        text = config.read_text()
+        assert f"filter lua.{haproxy_wrapper.GUARD}" in text and "lua-load-per-thread" in text
+        errorfiles = [line.split() for line in text.splitlines() if line.strip().startswith("errorfile")]
+        assert {status for _, status, _ in errorfiles} == {"502", "503", "504"}
+        assert all(Path(path).name == f"llmserve-{status}.http" for _, status, path in errorfiles)
+        # the router's failure answered in JSON (Ray's health and routes pages stay Ray's)
+        assert "Ingress request router failed" not in text and "no engine replica could be chosen" in text
 
 
 def test_autoscaling_adds_a_replica_for_a_queue(url: str, app_args: dict[str, str]) -> None:

@@ -45,6 +45,8 @@ ERRORS = {
     504: ("Gateway Timeout", "the engine replica did not answer in time"),
 }
 """HAProxy's own error statuses: reason phrase and message."""
+ROUTER_FAILED = "no engine replica could be chosen: %[var(txn.ingress_request_router_failed)]"
+"""The message of Ray's 503 when its ingress request router failed (HAProxy fills in the reason)."""
 _TYPES = {502: "server_error", 503: "service_unavailable_error", 504: "server_error"}
 
 
@@ -138,15 +140,16 @@ _ROUTER_FAILED = re.compile(r'(http-request return status 503) content-type text
 
 def rewrite_config(text: str, files: dict[str, Path]) -> str:
     """Ray's HAProxy config with llmserve's error pages, router-failure body and SSE guard."""
-    router_failed = json.dumps(error_body(503, "no engine replica could be chosen: %[var(txn.ingress_request_router_failed)]"))  # fmt: skip
-    router_failed = router_failed.replace("\\", "\\\\").replace('"', '\\"')
+    # the body as an HAProxy log-format string in double quotes (`%[...]`: Ray's failure reason)
+    router_failed = json.dumps(error_body(503, ROUTER_FAILED)).replace("\\", "\\\\").replace('"', '\\"')
+    json_return = f'content-type application/json lf-string "{router_failed}"'
     out: list[str] = []
     for line in text.splitlines():
         stripped = line.strip()
         status = stripped.split()[1] if stripped.startswith("errorfile ") else None
         if status is not None and f"errorfile {status}" in files:
             line = f"    errorfile {status} {files[f'errorfile {status}']}"
-        line = _ROUTER_FAILED.sub(rf'\1 content-type application/json lf-string "{router_failed}"', line)
+        line = _ROUTER_FAILED.sub(lambda m: f"{m[1]} {json_return}", line)
         out.append(line)
         if stripped == "global":
             out.append(f"    lua-load-per-thread {files['lua']}")
