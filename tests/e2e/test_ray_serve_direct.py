@@ -8,8 +8,10 @@ this process imported Ray long before), onto a module-scoped local cluster whose
 DIRECT_ENV too. Requests spread over both replicas, a shared prefix goes to the replica that
 cached it, /metrics (any replica) merges both, streams, the replica's span under the caller's,
 the plain server's 401 / 400 / 404 and the 501 of Files/Batches, one replica killed mid-stream
-(its stream ends in an error, new requests go to the survivor, Ray replaces it) and, last, the
-application redeployed with autoscaling, where a queue of streams adds a replica."""
+(its stream ends with the API's SSE error event, which llmserve's HAProxy wrapper adds; new
+requests go to the survivor, Ray replaces it), one killed under a whole answer not yet sent
+(HAProxy retries it on the survivor) and, last, the application redeployed with autoscaling,
+where a queue of streams adds a replica."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -29,6 +32,7 @@ import psutil
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from ray import serve
 
+from llmserve.ray_serve import haproxy_wrapper
 from llmserve.ray_serve.env import DIRECT_ENV
 from tests.e2e.conftest import new_traceparent, span_attrs
 from tests.e2e.test_ray_serve import (  # the ingress front's module: the model, helpers, and
@@ -41,7 +45,7 @@ from tests.e2e.test_ray_serve import (  # the ingress front's module: the model,
     complete,
     kill_replica,
     local_serve,
-    long_stream_body,
+    metric,
     metric_replicas,
     model_dir,  # noqa: F401 (a fixture)
     one_replica_then_two_for_a_queue,
@@ -49,6 +53,7 @@ from tests.e2e.test_ray_serve import (  # the ingress front's module: the model,
     survivor_then_replacement,
     test_auth_and_bad_requests_answer_as_the_plain_server,  # noqa: F401
     test_client_disconnect_aborts_the_request_on_its_replica,  # noqa: F401
+    test_replica_killed_mid_stream,  # noqa: F401 (an SSE error event on this front too: the wrapper's)
     test_requests_spread_over_both_replicas,  # noqa: F401
     test_shared_prefix_goes_to_the_replica_that_cached_it,  # noqa: F401
     test_stream_through_the_ingress_with_openai_client,  # noqa: F401
@@ -133,28 +138,51 @@ def test_a_body_the_router_cannot_key_goes_by_load(url: str) -> None:
     assert r.headers["x-llmserve-replica"]
 
 
-def test_replica_killed_mid_stream(url: str) -> None:
-    """Its stream ends in an error (HAProxy cuts the connection: no SSE error event on this
-    front); new requests are all answered, by the survivor; Ray replaces the replica."""
-    events: list[str] = []
-    with httpx.stream(
-        "POST", f"{url}/v1/chat/completions", json=long_stream_body(), headers=AUTH, timeout=30
-    ) as r:
-        assert r.status_code == 200
-        victim = r.headers["x-llmserve-replica"]
-        lines = r.iter_lines()
-        for line in lines:
-            if line.startswith("data:"):
-                events.append(line[5:].strip())
-            if len(events) == 3:
+def test_a_request_in_flight_on_a_killed_replica_is_retried_on_the_survivor(url: str) -> None:
+    """A whole (not streamed) answer under way on a replica that is killed: no byte of it had left,
+    so HAProxy retries the request (retry-on empty-response, env.py), finds the replica gone and
+    sends it to the survivor, which answers it in full; requests the router still sends to the
+    dead replica (the prefix's home) go there too. Then Ray replaces the replica."""
+    prompt = "A story about a lighthouse keeper and the sea. " * 6  # > PREFIX_BLOCKS blocks
+    victim = complete(url, prompt).headers["x-llmserve-replica"]  # the prefix's home
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 300, "ignore_eos": True}
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(httpx.post, f"{url}/v1/completions", json=body, headers=AUTH, timeout=120)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not answer.done():  # until the home runs it
+            text = httpx.get(f"{url}/metrics", headers=AUTH).text
+            if metric(text, "llmserve:num_requests_running", victim):
                 break
+            time.sleep(0.05)
+        assert not answer.done(), answer.result().text
         kill_replica(victim)
-        started = time.monotonic()
-        with pytest.raises(httpx.RemoteProtocolError):  # the chunked answer ends unfinished
-            events += [line[5:].strip() for line in lines if line.startswith("data:")]
-        assert time.monotonic() - started < 30
-    assert "[DONE]" not in events and len(events) < 1800
+        r = answer.result()
+    assert r.status_code == 200, r.text
+    assert r.headers["x-llmserve-replica"] != victim and r.json()["usage"]["completion_tokens"] == 300
+    for _ in range(3):
+        assert complete(url, prompt).headers["x-llmserve-replica"] != victim
     survivor_then_replacement(url, victim)
+
+
+def test_haproxy_runs_through_llmserves_wrapper(url: str) -> None:
+    """Ray started HAProxy as llmserve's wrapper (env.py), which found every line it rewrites in
+    the config Ray wrote (tests/unit/test_ray_serve_haproxy.py checks what they do)."""
+    port = int(url.rsplit(":", 1)[1])
+    haproxy = {
+        psutil.Process(c.pid) for c in psutil.net_connections("tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+    }  # fmt: skip
+    assert haproxy
+    for process in haproxy:
+        config = Path(process.cmdline()[process.cmdline().index("-f") + 1])
+        assert config.name.startswith("llmserve-")
+        text = config.read_text()
+        assert f"filter lua.{haproxy_wrapper.GUARD}" in text and "lua-load-per-thread" in text
+        errorfiles = [line.split() for line in text.splitlines() if line.strip().startswith("errorfile")]
+        assert {status for _, status, _ in errorfiles} == {"502", "503", "504"}
+        assert all(Path(path).name == f"llmserve-{status}.http" for _, status, path in errorfiles)
+        # the router's failure answered in JSON (Ray's health and routes pages stay Ray's)
+        assert "Ingress request router failed" not in text and "no engine replica could be chosen" in text
 
 
 def test_autoscaling_adds_a_replica_for_a_queue(url: str, app_args: dict[str, str]) -> None:

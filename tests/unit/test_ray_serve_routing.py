@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,7 +27,7 @@ from llmserve.core.kv_cache.block_hash import request_block_hashes
 from llmserve.core.request import Request
 from llmserve.model_executor.model_loader.source import resolve_model
 from llmserve.ray_serve import RayServeOptions, build_application
-from llmserve.ray_serve.env import DIRECT_ENV, HAPROXY_ENV
+from llmserve.ray_serve.env import DIRECT_ENV, HAPROXY_ENV, WRAPPER
 from llmserve.ray_serve.metrics import merge_metrics
 from llmserve.ray_serve.prefix import PrefixKeyer, rendezvous_order
 from llmserve.ray_serve.router import AVOID_REPLICA, PREFIX_KEY, PrefixAwareRouter
@@ -275,7 +276,8 @@ def test_a_local_cluster_runs_the_direct_front_unless_told(model_dir: Path) -> N
     the direct front (tests/e2e/test_ray_serve_direct.py); `--ray-http-proxy haproxy` HAProxy
     before the ingress (tests/e2e/test_ray_serve.py checks that HAProxy then listens), `serve`
     Serve's Python proxy; a joined cluster's front follows this process's environment."""
-    assert HAPROXY_ENV == {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
+    assert HAPROXY_ENV["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    assert HAPROXY_ENV["RAY_SERVE_HAPROXY_BINARY_PATH"] == str(WRAPPER) and os.access(WRAPPER, os.X_OK)
     assert DIRECT_ENV == {**HAPROXY_ENV, "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1"}
     fronts = {"direct": (DIRECT_ENV, "direct"), "haproxy": (HAPROXY_ENV, "ingress"), "serve": ({}, "ingress")}
     for flag, (env, front) in fronts.items():

