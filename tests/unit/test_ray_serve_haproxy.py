@@ -183,3 +183,16 @@ def test_the_error_pages_are_the_servers_shape(tmp_path: Path) -> None:
     # a line Ray's template no longer has is left as it is
     files = haproxy_wrapper.write_support_files(tmp_path)
     assert haproxy_wrapper.rewrite_config("defaults\n    mode http\n", files) == "defaults\n    mode http\n"
+
+
+def test_the_wrapper_gets_its_exec_bits_back(tmp_path: Path) -> None:
+    """A wheel's install drops the wrapper's mode; env.py gives it back, as Ray runs it as a program."""
+    from llmserve.ray_serve.env import ensure_executable
+
+    copy = tmp_path / "haproxy_wrapper.py"
+    copy.write_bytes(WRAPPER.read_bytes())
+    copy.chmod(0o644)
+    assert not os.access(copy, os.X_OK)
+    ensure_executable(copy)
+    assert os.access(copy, os.X_OK)
+    assert os.access(WRAPPER, os.X_OK)

@@ -2,13 +2,28 @@
 when it is first imported in a process, so they are set before Ray is (cli/serve_ray.py sets them
 on the local cluster it starts). Imports nothing of Ray."""
 
+import contextlib
 import importlib.util
+import os
 import shutil
+import stat
 from pathlib import Path
 
 WRAPPER = Path(__file__).with_name("haproxy_wrapper.py")
 """llmserve's HAProxy wrapper (haproxy_wrapper.py): the API's error shape for HAProxy's own errors
 and an SSE error event for a stream whose replica died."""
+
+
+def ensure_executable(path: Path) -> None:
+    """Give `path` its exec bits where an install dropped them (a wheel built by setuptools copies
+    modules without their mode): Ray runs the wrapper as a program. Left as it is where the file
+    cannot be changed (Ray then reports that it cannot start HAProxy)."""
+    if not os.access(path, os.X_OK):
+        with contextlib.suppress(OSError):
+            path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+
+
+ensure_executable(WRAPPER)
 
 
 def _real_haproxy() -> str:
