@@ -60,8 +60,9 @@ def ms_median(seconds: list[float]) -> float:
 
 def bare_steps(llm: LLM, prompt_len: int, num_tokens: int) -> dict[str, Any]:
     """One decode token at each context prompt_len .. prompt_len + num_tokens - 1 through the
-    engine's own runner (fused decoder + LM head); the block table is the cache's last blocks,
-    which an idle engine's pool hands out last."""
+    engine's own runner (fused decoder + LM head), between requests: no request holds the cache's
+    last blocks then, and every round's prompt is fresh, so no later request reads what this
+    writes there as a cached prefix."""
     runner = llm.engine.runner.runner
     bs = runner.block_size
     blocks = -(-(prompt_len + num_tokens) // bs)
