@@ -12,20 +12,27 @@ Needs llama.cpp's binaries and sources (benchmarks/peers/build_llama_server.sh, 
                 3b, only when asked: hidden 3072, 28 layers, 24 heads, 8 KV heads), converted by
                 llama.cpp's own convert_hf_to_gguf.py to F16, quantized by llama-quantize to each of
                 --quants (all of it reused when already built in --model-dir);
-  2. bandwidth  torch.sum over a 2 GiB float32 buffer on every core, median of 7 passes (GB/s); each
-                file's streaming floor = bandwidth / its tensor bytes (tok/s at batch 1);
-  3. servers    per file, one server at a time: `llmserve serve FILE --max-num-seqs 16
+  2. servers    per file, one server at a time: `llmserve serve FILE --max-num-seqs 16
                 --max-model-len 272` (llama-server's context and parallelism; every other flag its
                 default), then llama-server as benchmarks/compare.py starts it (-np 16,
                 -c 4352, -t 2 -tb 2, --cont-batching); each driven by `llmserve bench serve --dataset
                 random --input-len 128 --output-len 128 --ignore-eos` at --max-concurrency 1 (4
                 prompts) and 16 (32 prompts), one warm-up request each; output tok/s, median TPOT
                 and TTFT, and the server's peak resident memory (/proc: VmHWM, and the process tree's
-                VmRSS sampled every 0.2 s);
-  4. report     one table per file, issue 30's targets met / not met (c=1 >= 0.8 of the floor;
+                VmRSS sampled every 0.2 s); just before and just after each server's c=1 level, the
+                memory bandwidth (cpu_scale/memory.py: torch.sum over 2 GiB of float32 and llmserve's
+                q8 kernel at batch 1 over 2 GiB, alternated, 7 passes each, the faster reader's
+                median): that c=1's streaming floor = the mean of the two / the file's tensor bytes
+                (tok/s at batch 1), its own for each server, as the bandwidth drifts by minutes;
+  3. report     one table per file, issue 30's targets met / not met (c=1 >= 0.8 of the floor;
                 c=16 >= 2x llama-server; median TTFT <= 0.5x; RSS <= 1.3x; a missed target never
                 fails the run), OUT/bench_cpu_scale.json with every figure and command, and
-                OUT/bench_cpu_scale.png.
+                OUT/bench_cpu_scale.png. "c=1 / floor" is c=1 output tok/s (each request's prefill
+                included, as bench serve counts it) / that level's floor, the issue's target;
+                "c=1 decode / floor" is 1000 / median TPOT / the floor (decode alone).
+
+--bandwidth-only: the bandwidth readers at 0.25, 1, 2 and 4 GiB (5 passes each) and stop: whether
+the readers, and the buffer size, agree on this machine's read bandwidth.
 
 --smoke: a tiny model (hidden 64, 2 layers; the real vocabulary), one Q8_0 file written straight
 by the converter (or, without llama.cpp's sources, by the gguf package's writer: CI), c = 1 and 16
@@ -62,6 +69,7 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="llama-server's -t/-tb")
     ap.add_argument("--smoke", action="store_true", help="a tiny model: checks the script, not the machine")
+    ap.add_argument("--bandwidth-only", action="store_true", help="the bandwidth readers at several sizes")
     return ap.parse_args()
 
 
@@ -132,7 +140,11 @@ def serve_files(plan: Plan, args: argparse.Namespace, model_dir: Path, result: d
     for name, entry in result["files"].items():
         print(f"\n== {name}: {Path(entry['path']).name}", flush=True)
         gguf = Path(entry["path"])
-        setup = servers.Setup(model_dir / entry["size"], args.out / name, plan.workload, plan.timeout_s)
+        setup = servers.Setup(
+            model_dir / entry["size"], args.out / name, plan.workload, plan.timeout_s,
+            bandwidth=lambda: memory.measure_bandwidth(plan.bandwidth_bytes, plan.bandwidth_passes, args.threads),
+            tensor_bytes=entry["file"]["tensor_bytes"],
+        )  # fmt: skip
         for server in args.servers:
             if server == "llama-server" and not llama_server.is_file():
                 entry["servers"][server] = {
@@ -153,8 +165,19 @@ def serve_files(plan: Plan, args: argparse.Namespace, model_dir: Path, result: d
             errors.update({f"{name} {server} c={c}": r["error"] for c, r in levels.items() if "error" in r})
 
 
+def bandwidth_sizes(threads: int) -> int:
+    """--bandwidth-only: every reader at several buffer sizes, printed."""
+    for gib in (0.25, 1, 2, 4):
+        bw = memory.measure_bandwidth(int(gib * 2**30), 5, threads)
+        figures = ", ".join(f"{name} {r['gb_s']:.1f}" for name, r in bw["readers"].items())
+        print(f"{gib:>5} GiB, {threads} threads: {figures} GB/s (median of 5 passes each)", flush=True)
+    return 0
+
+
 def main() -> int:
     args = parse_args()
+    if args.bandwidth_only:
+        return bandwidth_sizes(args.threads)
     plan = make_plan(args.sizes, args.quants, args.smoke)
     if plan.name == "full" and (missing := missing_tools(args)):
         print("bench_cpu_scale needs llama.cpp's tools: " + "; ".join(missing))
@@ -179,18 +202,9 @@ def main() -> int:
     }
     # 1. the files (built before anything is timed)
     make_files(plan, model_dir, logs, result, errors)
-    # 2. the bandwidth, then each file's floor: a step reads every tensor once
-    print("\n== bandwidth", flush=True)
-    bw = run_part("bandwidth", errors, memory.measure_bandwidth, plan.bandwidth_bytes, plan.bandwidth_passes,
-                  args.threads)  # fmt: skip
-    result["bandwidth"] = bw
-    if "gb_s" in bw:
-        print(f"  {bw['gb_s']:.1f} GB/s ({bw['method']})")
-        for entry in result["files"].values():
-            entry["floor_tok_s"] = memory.streaming_floor(entry["file"]["tensor_bytes"], bw["gb_s"])
-    # 3. the servers, one at a time
+    # 2. the servers, one at a time, each c=1 level between two bandwidth passes (its floor)
     serve_files(plan, args, model_dir, result, errors)
-    # 4. the report
+    # 3. the report
     cs = plan.workload.concurrency
     result["targets"] = {name: report.check_targets(e, cs) for name, e in result["files"].items()}
     result["source_at_end"] = servers.source_state()

@@ -3,7 +3,8 @@
     OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1 PYTHONPATH=<tree>/src \\
         python benchmarks/bench_step_gguf.py FILE [--repeats 4] [--threads 1]
 
-`ForwardRunner.execute` (the decoder's layers and final norm; no LM head, no sampling) on three
+`ForwardRunner.execute` (the decoder's layers, the final norm and the LM head on each sequence's
+last token; no sampling, no scheduler: bench_batch1_overhead.py times those beside it) on three
 batches: a decode step of 1 and of 16 sequences (contexts 128-256, shuffled block tables) and a
 128-token prefill. Reports the minimum and median ms of --repeats steps after one warm-up, and the
 weight bytes a decode step streams (`step_bytes`: every packed matrix once, the LM head's included,

@@ -1,9 +1,13 @@
 """Memory, both ways: how fast this machine streams it, and how much a server holds.
 
-    bandwidth   torch's sum over a float32 buffer many times the L3's size, on every core the
-                servers get, median of several passes: GB/s a decode step could read weights at.
-                The streaming floor of a file is that bandwidth / the file's tensor bytes (a decode
-                step at batch 1 reads every matrix once; the tied embedding, as the LM head, too)
+    bandwidth   two readers over buffers many times the L3's size, on every core the servers get,
+                in alternation: torch's sum over float32, and llmserve's own q8 kernel at batch 1
+                (a decode step's read pattern); each the median of several passes, the faster one
+                taken: GB/s a decode step could read weights at. The streaming floor of a file is
+                that bandwidth / the file's tensor bytes (a decode step at batch 1 reads every
+                matrix once; the tied embedding, as the LM head, too); bench_cpu_scale measures it
+                just before and just after each c=1 level (`floor_around`): this machine's
+                bandwidth drifts by up to 30% from minute to minute
     RssWatch    a server's resident memory from /proc while it runs: the process tree's summed VmRSS
                 sampled every 0.2 s (its anon / file / shmem parts at the peak), and each process's
                 VmHWM (the kernel's own peak, load included) at the end. Linux only; empty elsewhere
@@ -17,6 +21,7 @@ import os
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,30 +29,96 @@ SAMPLE_EVERY_S = 0.2
 RSS_FIELDS = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")
 
 
+def _torch_sum(num_bytes: int) -> tuple[Callable[[], object], int]:
+    """torch's sum over a float32 buffer (written once: every page is resident)."""
+    import torch
+
+    buf = torch.ones(num_bytes // 4, dtype=torch.float32)
+    return buf.sum, buf.nbytes
+
+
+def _q8_matvec(num_bytes: int) -> tuple[Callable[[], object], int] | None:
+    """The fused decoder's own q8 kernel at batch 1 (`cpu_kernels.linear`, M = 1) over one
+    [N, 8192] matrix of `num_bytes`: the read pattern of a decode step, and a lower bound on what
+    memory gives (it reads every byte in that time). None without llmserve's native kernels."""
+    import torch
+
+    from llmserve.layers.quantization import cpu_kernels
+    from llmserve.layers.quantization.formats import BLOCK, TILE, PackedWeight
+
+    if not cpu_kernels.has_native_kernels():
+        return None
+    K = 8192
+    nb = K // BLOCK
+    num_tiles = max(1, num_bytes // (TILE * nb * (BLOCK + 2)))  # a block: 32 int8 and a float16 scale
+    # [tiles, blocks, 16 pairs, 16 rows, 2] int8 and [tiles, blocks, 16 rows] scales: pack()'s q8 layout
+    w = PackedWeight("q8", torch.ones(num_tiles, nb, BLOCK // 2, TILE, 2, dtype=torch.int8),
+                     torch.zeros(num_tiles, nb, TILE, dtype=torch.float16), None, num_tiles * TILE, K)  # fmt: skip
+    x = torch.ones(1, K)
+    return (lambda: cpu_kernels.linear(x, w)), w.nbytes()
+
+
+READERS: dict[str, Callable[[int], tuple[Callable[[], object], int] | None]] = {
+    "torch.sum float32": _torch_sum,
+    "q8 matvec (llmserve's kernel, batch 1)": _q8_matvec,
+}
+
+
 def measure_bandwidth(num_bytes: int, num_passes: int, num_threads: int) -> dict[str, Any]:
-    """Read bandwidth in GB/s (1e9 bytes), median of `num_passes` timed sums after one untimed pass
-    (which also faults the pages in)."""
+    """Read bandwidth in GB/s (1e9 bytes): each of `READERS` over its own buffer of about
+    `num_bytes`, pass by pass in alternation (both see the same seconds of a drifting machine),
+    `num_passes` timed passes each after one untimed pass (which also faults the pages in). A
+    reader's figure is the median of its passes; `gb_s` is the fastest reader's (no reader reads
+    faster than memory gives, so the highest is the honest one)."""
     import torch
 
     before = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
-        buf = torch.ones(num_bytes // 4, dtype=torch.float32)  # written once: every page is resident
-        buf.sum()
-        seconds = []
+        readers = {name: r for name, make in READERS.items() if (r := make(num_bytes)) is not None}
+        seconds: dict[str, list[float]] = {name: [] for name in readers}
+        for read, _ in readers.values():
+            read()
         for _ in range(num_passes):
-            start = time.perf_counter()
-            buf.sum()
-            seconds.append(time.perf_counter() - start)
+            for name, (read, _) in readers.items():
+                start = time.perf_counter()
+                read()
+                seconds[name].append(time.perf_counter() - start)
     finally:
         torch.set_num_threads(before)
-    passes = [buf.nbytes / s / 1e9 for s in seconds]
+    by_reader = {}
+    for name, (_, nbytes) in readers.items():
+        passes = [nbytes / s / 1e9 for s in seconds[name]]
+        by_reader[name] = {"buffer_bytes": nbytes, "passes_gb_s": passes, "gb_s": statistics.median(passes)}
+    best = max(by_reader, key=lambda name: by_reader[name]["gb_s"])
     return {
-        "method": f"torch.sum over a {buf.nbytes / 2**30:.2f} GiB float32 buffer, {num_threads} threads",
-        "buffer_bytes": buf.nbytes,
+        "method": f"fastest of {', '.join(by_reader)} over ~{num_bytes / 2**30:.2f} GiB, {num_threads} threads",
+        "reader": best,
+        "readers": by_reader,
         "num_threads": num_threads,
-        "passes_gb_s": passes,
-        "gb_s": statistics.median(passes),
+        "passes_gb_s": by_reader[best]["passes_gb_s"],
+        "gb_s": by_reader[best]["gb_s"],
+    }
+
+
+def floor_around(before: dict[str, Any], after: dict[str, Any], tensor_bytes: int) -> dict[str, Any]:
+    """A c=1 measurement's floor from the bandwidth passes just before and just after it: their
+    mean (GB/s), and the floor at each end (the drift while it ran)."""
+    ends = [b["gb_s"] for b in (before, after) if "gb_s" in b]
+    if not ends:
+        return {"error": "no bandwidth measured around this level"}
+    gb_s = statistics.mean(ends)
+    return {
+        "gb_s": gb_s,
+        "gb_s_before": before.get("gb_s"),
+        "gb_s_after": after.get("gb_s"),
+        "floor_tok_s": streaming_floor(tensor_bytes, gb_s),
+        "floor_tok_s_range": [
+            streaming_floor(tensor_bytes, min(ends)),
+            streaming_floor(tensor_bytes, max(ends)),
+        ],
+        "before": before,
+        "after": after,
     }
 
 

@@ -2,8 +2,10 @@
 
     machine   gpu/report.py's environment (versions, commit, CPU name) plus the CPU family, memory
               and the source state each llmserve start imported
-    table     per file: llmserve and llama-server side by side (c=1 tok/s and its fraction of the
-              streaming floor, c=16 tok/s and median TTFT, median TPOTs, peak RSS) and their ratios
+    table     per file: llmserve and llama-server side by side (c=1 tok/s, its own streaming floor
+              from the bandwidth passes just before and after it, c=1 tok/s / floor (the target:
+              prefill included) and decode alone / floor (1000 / median TPOT), c=16 tok/s and
+              median TTFT, median TPOTs, peak RSS) and their ratios
     targets   issue 30's four per file, met / not met / not measured; a missed target never fails the run
     plot      bars per file and server: c=1 tok/s (the floor marked), c=16 tok/s, c=16 TTFT, RSS
 
@@ -24,7 +26,9 @@ GiB = 2**30
 # (what, server key path, digits): the table's columns; c1 and cN are the workload's two levels
 COLUMNS = (
     ("c=1 tok/s", ("c1", "output_throughput"), 1),
+    ("c=1 floor tok/s", ("floor", "floor_tok_s"), 1),
     ("c=1 / floor", ("c1", "floor_fraction"), 2),
+    ("c=1 decode / floor", ("c1", "decode_floor_fraction"), 2),
     ("c=1 median TPOT ms", ("c1", "median_tpot_ms"), 1),
     ("c=16 tok/s", ("cN", "output_throughput"), 1),
     ("c=16 median TPOT ms", ("cN", "median_tpot_ms"), 1),
@@ -61,17 +65,20 @@ def machine() -> dict[str, Any]:
     return env
 
 
-def figure(
-    server: dict[str, Any], floor_tok_s: float | None, cs: tuple[int, ...], key: tuple[str, str]
-) -> float | None:
-    """One cell: a level's figure (c1 = the first level, cN = the last), the c=1 floor fraction or RSS."""
+def figure(server: dict[str, Any], cs: tuple[int, ...], key: tuple[str, str]) -> float | None:
+    """One cell: a level's figure (c1 = the first level, cN = the last), RSS, the server's own c=1
+    floor, or a c=1 fraction of it: output tok/s (prefill included) or decode's 1000 / median TPOT."""
     part, name = key
-    if part == "memory":
-        return server.get("memory", {}).get(name)
+    if part in ("memory", "floor"):
+        return server.get(part, {}).get(name)
     level = server.get("levels", {}).get(str(cs[0] if part == "c1" else cs[-1]), {})
+    floor_tok_s = server.get("floor", {}).get("floor_tok_s")
     if name == "floor_fraction":
         tok_s = level.get("output_throughput")
         return tok_s / floor_tok_s if tok_s and floor_tok_s else None
+    if name == "decode_floor_fraction":
+        tpot = level.get("median_tpot_ms")
+        return 1e3 / tpot / floor_tok_s if tpot and floor_tok_s else None
     return level.get(name)
 
 
@@ -81,13 +88,12 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def check_targets(entry: dict[str, Any], cs: tuple[int, ...]) -> list[dict[str, Any]]:
     ours, theirs = (entry["servers"].get(s, {}) for s in ("llmserve", "llama-server"))
-    floor = entry.get("floor_tok_s")
 
     def both(key: tuple[str, str]) -> float | None:
-        return _ratio(figure(ours, floor, cs, key), figure(theirs, floor, cs, key))
+        return _ratio(figure(ours, cs, key), figure(theirs, cs, key))
 
     values = (
-        figure(ours, floor, cs, ("c1", "floor_fraction")),
+        figure(ours, cs, ("c1", "floor_fraction")),
         both(("cN", "output_throughput")),
         both(("cN", "median_ttft_ms")),
         both(("memory", "peak_rss")),
@@ -100,11 +106,11 @@ def _cell(value: float | None, digits: int, scale: float = 1.0) -> str:
 
 
 def format_file(name: str, entry: dict[str, Any], cs: tuple[int, ...]) -> str:
-    facts, floor = entry.get("file", {}), entry.get("floor_tok_s")
+    facts = entry.get("file", {})
     head = (
         f"{name}: {facts.get('file_bytes', 0) / 1e6:,.0f} MB file, {facts.get('tensor_bytes', 0) / 1e6:,.0f} MB "
-        f"of tensors ({', '.join(facts.get('tensor_bytes_by_type', {}))}); streaming floor "
-        f"{_cell(floor, 1)} tok/s"
+        f"of tensors ({', '.join(facts.get('tensor_bytes_by_type', {}))}); each c=1's streaming floor = "
+        "bandwidth around it / these bytes"
     )
     lines = [head, "", "| server | " + " | ".join(c for c, _, _ in COLUMNS) + " |",
              "| --- |" + " ---: |" * len(COLUMNS)]  # fmt: skip
@@ -114,17 +120,16 @@ def format_file(name: str, entry: dict[str, Any], cs: tuple[int, ...]) -> str:
             why = res.get("skipped") or res.get("error", "?")
             lines.append(f"| {server} | " + " | ".join(["-"] * len(COLUMNS)) + f" |  ({why.splitlines()[0]})")
             continue
-        cells = [
-            _cell(figure(res, floor, cs, key), d, GiB if key[1] == "peak_rss" else 1) for _, key, d in COLUMNS
-        ]
+        cells = [_cell(figure(res, cs, key), d, GiB if key[1] == "peak_rss" else 1) for _, key, d in COLUMNS]
         lines.append(f"| {server} | " + " | ".join(cells) + " |")
     ours, theirs = servers.get("llmserve", {}), servers.get("llama-server", {})
     if "levels" in ours and "levels" in theirs:
         cells = []
         for _, key, _ in COLUMNS:
-            q = _ratio(figure(ours, floor, cs, key), figure(theirs, floor, cs, key))
-            cells.append(f"{q:.2f}x" if q and key[1] != "floor_fraction" else "")
+            q = _ratio(figure(ours, cs, key), figure(theirs, cs, key))
+            cells.append(f"{q:.2f}x" if q and key[0] not in ("floor",) and "floor" not in key[1] else "")
         lines.append("| llmserve / llama-server | " + " | ".join(cells) + " |")
+    lines += _floor_lines(servers)
     lines += _memory_lines(servers)
     lines += _noise_lines(servers, cs)
     return "\n".join(lines)
@@ -139,6 +144,23 @@ def _noise_lines(servers: dict[str, Any], cs: tuple[int, ...]) -> list[str]:
             if cpu.get("other_cpu_fraction", 0) > NOISY:
                 lines.append(f"  DISTURBED: {server} c={c}: other processes used {cpu['other_cpu_fraction']:.0%} "
                              f"of the machine meanwhile (this server {cpu['server_cpu_fraction']:.0%})")  # fmt: skip
+    return lines
+
+
+def _floor_lines(servers: dict[str, Any]) -> list[str]:
+    """Each server's c=1 floor: the bandwidth just before and just after its c=1 level."""
+    lines = []
+    for server, res in servers.items():
+        fl = res.get("floor")
+        if fl and "gb_s" in fl:
+            lo, hi = fl["floor_tok_s_range"]
+            lines.append(
+                f"  {server} c=1 floor: bandwidth {_cell(fl['gb_s_before'], 1)} GB/s before, "
+                f"{_cell(fl['gb_s_after'], 1)} after ({fl['before'].get('reader') or fl['after'].get('reader')}"
+                f" fastest): floor {fl['floor_tok_s']:.1f} tok/s ({lo:.1f}-{hi:.1f} at either end)"
+            )
+        elif fl:
+            lines.append(f"  {server} c=1 floor: {fl.get('error', '?')}")
     return lines
 
 
@@ -171,15 +193,16 @@ def format_targets(result: dict[str, Any]) -> str:
 
 
 def format_report(result: dict[str, Any]) -> str:
-    env, bw = result.get("environment", {}), result.get("bandwidth", {})
+    env = result.get("environment", {})
     w = result["plan"]["workload"]
     cs = tuple(c for c, _ in w["levels"])
     lines = [
         f"bench_cpu_scale ({result['plan']['name']}) on {env.get('cpu')} (family {env.get('cpu_family')}, "
         f"{env.get('cpu_cores')} cores, {(env.get('mem_total_bytes') or 0) / GiB:.0f} GiB); llmserve "
         f"{env.get('llmserve')} ({env.get('commit')}), torch {env.get('torch')}, {result['date']}",
-        f"bandwidth: {_cell(bw.get('gb_s'), 1)} GB/s ({bw.get('method', 'not measured')}, median of "
-        f"{len(bw.get('passes_gb_s', []))} passes)",
+        "floor: memory bandwidth measured just before and just after each server's c=1 level (the "
+        "faster of torch.sum and llmserve's q8 kernel at batch 1, median of "
+        f"{result['plan']['bandwidth_passes']} passes each); floor = their mean / the file's tensor bytes",
         f"workload: {w['input_len']}-token random prompts, {w['output_len']} output tokens, EOS ignored; "
         + ", ".join(f"c={c}: {n} prompts" for c, n in w["levels"])
         + f"; {w['num_warmups']} warm-up request per level",
@@ -214,16 +237,14 @@ def write_plot(result: dict[str, Any], path: Path) -> Path | None:
     width = 0.38
     for ax, (label, key, scale) in zip(axes, panels, strict=True):
         for i, server in enumerate(("llmserve", "llama-server")):
-            values = [
-                figure(e["servers"].get(server, {}), e.get("floor_tok_s"), cs, key) for e in files.values()
-            ]
-            ax.bar(
-                [p + (i - 0.5) * width for p in x], [(v or 0) / scale for v in values], width, label=server
-            )
-        if key == ("c1", "output_throughput"):
-            floors = [e.get("floor_tok_s") or 0 for e in files.values()]
-            ax.hlines(floors, [p - width for p in x], [p + width for p in x], colors="black",
-                      label="streaming floor", zorder=3)  # fmt: skip
+            bars = [p + (i - 0.5) * width for p in x]
+            values = [figure(e["servers"].get(server, {}), cs, key) for e in files.values()]
+            ax.bar(bars, [(v or 0) / scale for v in values], width, label=server)
+            if key == ("c1", "output_throughput"):  # each bar's own floor, from the passes around it
+                floors = [figure(e["servers"].get(server, {}), cs, ("floor", "floor_tok_s")) or 0
+                          for e in files.values()]  # fmt: skip
+                ax.hlines(floors, [b - width / 2 for b in bars], [b + width / 2 for b in bars], colors="black",
+                          label="streaming floor" if i == 0 else None, zorder=3)  # fmt: skip
         ax.set_xticks(x, list(files), fontsize="small")
         ax.set(ylabel=label)
         ax.grid(alpha=0.3, axis="y")

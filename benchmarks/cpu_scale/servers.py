@@ -10,7 +10,9 @@
 Each server runs in a subprocess (compare.server_process: up when /health answers 200, SIGTERM
 after), its memory watched (memory.RssWatch) while `llmserve bench serve --dataset random
 --ignore-eos` runs each level in its own subprocess, with one unmeasured warm-up request first and
-a fresh salt opening every prompt (cold prefix caches). Every command and its log are kept.
+a fresh salt opening every prompt (cold prefix caches). Memory bandwidth is measured just before
+and just after the c=1 level, the server idle meanwhile: that server's c=1 floor (`floor`). Every
+command and its log are kept.
 Does not know the targets or the table.
 """
 
@@ -27,7 +29,7 @@ from typing import Any
 
 from compare import server_process
 from cpu_scale.cpu_time import NOISY, other_load
-from cpu_scale.memory import RssWatch
+from cpu_scale.memory import RssWatch, floor_around
 from cpu_scale.plan import Workload
 from gpu.runs import MODEL_NAME, SUMMARY_KEYS, llmserve, run_command, shown, startup_lines
 
@@ -44,6 +46,11 @@ class Setup:
     """this file's results folder"""
     workload: Workload
     timeout_s: float
+    bandwidth: Callable[[], dict[str, Any]] | None = None
+    """measures memory bandwidth (memory.measure_bandwidth), run just before and just after the
+    first level (c=1): that level's streaming floor comes from these two passes"""
+    tensor_bytes: int = 0
+    """the file's tensor bytes, which one decode step at batch 1 reads"""
 
 
 def llmserve_command(gguf: Path, port: int, w: Workload) -> list[str]:
@@ -71,10 +78,13 @@ def run_server(name: str, cmd: list[str], port: int, t: Setup) -> dict[str, Any]
         result["startup_seconds"] = time.perf_counter() - start
         watch = RssWatch(proc.pid).start()
         try:
-            for c, num_prompts in t.workload.levels:
+            for i, (c, num_prompts) in enumerate(t.workload.levels):
+                before = _guarded_bandwidth("before", t) if i == 0 else {}
                 result["levels"][str(c)] = _guarded(
                     f"c={c}", bench_serve, base_url, proc.pid, name, c, num_prompts, t
                 )
+                if i == 0 and t.bandwidth is not None:
+                    result["floor"] = floor_around(before, _guarded_bandwidth("after", t), t.tensor_bytes)
         finally:
             result["memory"] = watch.stop()
     if name == "llmserve":
@@ -124,6 +134,19 @@ def _guarded(label: str, fn: Callable[..., dict[str, Any]], *args: Any) -> dict[
             f"    {label}: DISTURBED: other processes used {other:.0%} of the machine meanwhile", flush=True
         )
     return out
+
+
+def _guarded_bandwidth(when: str, t: Setup) -> dict[str, Any]:
+    """A bandwidth pass beside the c=1 level (the server idle meanwhile), or its error."""
+    if t.bandwidth is None:
+        return {}
+    try:
+        bw = t.bandwidth()
+    except Exception as e:  # a failed pass loses this floor, never the level
+        print(f"    bandwidth {when} c=1: FAILED: {e}", flush=True)
+        return {"error": f"{type(e).__name__}: {e}"}
+    print(f"    bandwidth {when} c=1: {bw['gb_s']:.1f} GB/s ({bw['reader']})", flush=True)
+    return bw
 
 
 def source_state() -> dict[str, Any]:

@@ -93,13 +93,19 @@ def _check_llmserve(r: dict[str, Any]) -> None:
     assert memory["num_samples"] >= 1
 
 
-def _check_file_and_floor(r: dict[str, Any]) -> None:
-    entry, bw = r["files"][FILE], r["bandwidth"]
+def _check_file_and_floor(r: dict[str, Any], servers: tuple[str, ...] = ("llmserve",)) -> None:
+    """The file's facts, and each server's own c=1 floor from the bandwidth passes around its c=1."""
+    entry = r["files"][FILE]
     facts = entry["file"]
     assert set(facts["tensor_bytes_by_type"]) == {"Q8_0", "F32"}
     assert 0 < facts["tensor_bytes"] < facts["file_bytes"]  # the header and vocabulary are the rest
-    assert bw["gb_s"] > 0 and len(bw["passes_gb_s"]) == r["plan"]["bandwidth_passes"]
-    assert entry["floor_tok_s"] == pytest.approx(bw["gb_s"] * 1e9 / facts["tensor_bytes"])
+    for server in servers:
+        floor = entry["servers"][server]["floor"]
+        for bw in (floor["before"], floor["after"]):
+            assert bw["gb_s"] > 0 and len(bw["passes_gb_s"]) == r["plan"]["bandwidth_passes"]
+            assert bw["gb_s"] == max(reader["gb_s"] for reader in bw["readers"].values())
+        assert floor["gb_s"] == pytest.approx((floor["gb_s_before"] + floor["gb_s_after"]) / 2)
+        assert floor["floor_tok_s"] == pytest.approx(floor["gb_s"] * 1e9 / facts["tensor_bytes"])
     assert r["environment"]["cpu_cores"] >= 1 and r["environment"]["mem_total_bytes"] > 0
 
 
@@ -114,7 +120,8 @@ def test_ci_run_without_llama_cpp(ci_run: Run) -> None:
     met = {t["target"]: t["met"] for t in r["targets"][FILE]}
     assert len(met) == 4 and met["c=1 / streaming floor"] is not None
     assert [v for k, v in met.items() if "llama-server" in k] == [None] * 3  # nothing to compare with
-    assert "| server | c=1 tok/s | c=1 / floor |" in proc.stdout and "| llmserve | " in proc.stdout
+    assert "| server | c=1 tok/s | c=1 floor tok/s | c=1 / floor | c=1 decode / floor |" in proc.stdout
+    assert "| llmserve | " in proc.stdout and "  llmserve c=1 floor: bandwidth " in proc.stdout
     assert "smoke runs never build it" in proc.stdout
     assert "targets (issue 30, stated for the 1B model" in proc.stdout
     assert (out / "bench_cpu_scale.png").read_bytes().startswith(PNG_MAGIC)
@@ -126,7 +133,7 @@ def test_peer_run_with_llama_cpp(peer_run: Run) -> None:
     assert r["files"][FILE]["file"]["command"].endswith(
         "--outtype q8_0 --outfile " + r["files"][FILE]["path"]
     )
-    _check_file_and_floor(r)
+    _check_file_and_floor(r, ("llmserve", "llama-server"))
     _check_llmserve(r)
     peer = r["files"][FILE]["servers"]["llama-server"]
     # as benchmarks/compare.py starts it: 16 slots of (32 + 16 + 16) tokens, 2 threads
