@@ -217,6 +217,12 @@ def main() -> None:
         "ingress_added_vs_replica_ms": (
             ray["latency_median_ms"] - direct[0]["latency_median_ms"] if direct else None  # type: ignore[operator]
         ),
+        # like with like: both just after the plain server (whose engine's spin both then share)
+        "ingress_added_vs_replica_after_plain_ms": (
+            ray["latency_median_ms_after"]["plain"] - direct[0]["latency_median_ms_after"]["plain"]  # type: ignore[index]
+            if direct
+            else None
+        ),
         "hit_rate_ratio": ray["hit_rate"] / plain["hit_rate"] if plain["hit_rate"] else None,  # type: ignore[operator]
         "logs": str(logs),
     }
