@@ -9,7 +9,9 @@ Both setups run at once, each in a subprocess: `llmserve serve` (the replica's a
 by uvicorn) and `llmserve serve --replicas N` (a local Ray cluster: the front `--ray-http-proxy`
 names, then the replicas). Latency: `--requests` completions of one token from a short prompt, one at a time,
 alternating between the two servers, so that a machine whose load drifts (a shared one) weighs on
-both alike (median and p90; the difference of the medians is the ingress's cost). With the direct
+both alike, each round in the next order of the servers (median and p90; the difference of the
+medians is the ingress's cost; `latency_median_ms_after`: the medians by the server asked just
+before). With the direct
 front, the replica that front sends the probe to is also asked at its own port in the same rotation
 (`replica_direct`, `ingress_added_vs_replica_ms`: the front's cost against that replica served
 directly, the issue's baseline; the plain server is another process on the same cores). Then, on each
@@ -21,6 +23,7 @@ each answer's usage). Prints one JSON object.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import socket
@@ -67,19 +70,29 @@ def _start(args: argparse.Namespace, extra: list[str], log: Path) -> tuple[subpr
     return proc, port
 
 
-def _latencies(clients: list[httpx.Client], n: int) -> list[list[float]]:
-    """`n` one-token completions per client, sent in turn to each (one at a time)."""
+def _latencies(clients: list[httpx.Client], n: int) -> tuple[list[list[float]], list[dict[int, list[float]]]]:
+    """`n` one-token completions per client, sent in turn to each (one at a time), the order of
+    each round the next of all the clients' orders: every server follows every other equally
+    often. A fixed order (plain, Ray, replica) measured the Ray front right after the plain server,
+    whose engine's OpenMP worker still spins on one of the 2 cores when the next request starts,
+    and the replica right after the front had warmed that same replica. Also each client's times
+    by the client that went before (its index)."""
     body = {"model": "m", "prompt": "Hi", "max_tokens": 1, "temperature": 0}
     for _ in range(5):  # warm-up
         for client in clients:
             client.post("/v1/completions", json=body).raise_for_status()
     out: list[list[float]] = [[] for _ in clients]
-    for _ in range(n):
-        for client, times in zip(clients, out, strict=True):
+    after: list[dict[int, list[float]]] = [{} for _ in clients]
+    orders = list(itertools.permutations(range(len(clients))))
+    previous = -1
+    for i in range(n):
+        for c in orders[i % len(orders)]:
             started = time.perf_counter()
-            client.post("/v1/completions", json=body).raise_for_status()
-            times.append(time.perf_counter() - started)
-    return out
+            clients[c].post("/v1/completions", json=body).raise_for_status()
+            out[c].append(time.perf_counter() - started)
+            after[c].setdefault(previous, []).append(out[c][-1])
+            previous = c
+    return out, after
 
 
 def _replica_client(ray_client: httpx.Client) -> httpx.Client | None:
@@ -178,7 +191,13 @@ def main() -> None:
             clients.append(httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120))
         replica = _replica_client(clients[1]) if args.ray_http_proxy == "direct" else None
         probes = clients if replica is None else [*clients, replica]
-        plain, ray, *direct = (_summary(lat) for lat in _latencies(probes, args.requests))
+        latencies, after = _latencies(probes, args.requests)
+        plain, ray, *direct = (_summary(lat) for lat in latencies)
+        names = ["plain", "ray", "replica_direct"]
+        for summary, by_previous in zip((plain, ray, *direct), after, strict=True):
+            summary["latency_median_ms_after"] = {
+                names[p]: 1e3 * statistics.median(t) for p, t in by_previous.items() if p >= 0
+            }
         if replica is not None:
             replica.close()
         plain.update(_hit_rate(clients[0], args))
@@ -197,6 +216,12 @@ def main() -> None:
         "replica_direct": direct[0] if direct else None,
         "ingress_added_vs_replica_ms": (
             ray["latency_median_ms"] - direct[0]["latency_median_ms"] if direct else None  # type: ignore[operator]
+        ),
+        # like with like: both just after the plain server (whose engine's spin both then share)
+        "ingress_added_vs_replica_after_plain_ms": (
+            ray["latency_median_ms_after"]["plain"] - direct[0]["latency_median_ms_after"]["plain"]  # type: ignore[index]
+            if direct
+            else None
         ),
         "hit_rate_ratio": ray["hit_rate"] / plain["hit_rate"] if plain["hit_rate"] else None,  # type: ignore[operator]
         "logs": str(logs),

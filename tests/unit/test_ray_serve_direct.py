@@ -22,7 +22,7 @@ from ray.serve._private.request_router.common import ReplicaQueueLengthCache
 from llmserve.config.engine_args import EngineArgs
 from llmserve.ray_serve import RayServeOptions, build_application
 from llmserve.ray_serve.application import resolve_front
-from llmserve.ray_serve.direct import ROUTING_STATS_PERIOD_S, PrefixRouter
+from llmserve.ray_serve.direct import ROUTING_STATS_PERIOD_S
 from llmserve.ray_serve.prefix import PrefixKeyer
 from llmserve.ray_serve.router import ONGOING_STAT, PREFIX_KEY, PrefixAwareRouter
 from llmserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -30,7 +30,7 @@ from tests.unit.test_ray_serve_routing import keyer, model_dir  # noqa: F401 (fi
 
 
 def body_key(prefix_keyer: PrefixKeyer, body: bytes) -> int | None:
-    return PrefixRouter.key(SimpleNamespace(keyer=prefix_keyer), body)
+    return prefix_keyer.body_key(body)
 
 
 def test_the_routers_key_of_a_body_is_the_ingress_key(keyer: PrefixKeyer) -> None:  # noqa: F811

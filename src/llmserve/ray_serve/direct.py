@@ -34,15 +34,14 @@ What moves from the ingress (ingress.py) into each replica, and what changes:
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import Response
-from pydantic import ValidationError
 from ray import serve
 from ray.serve.exceptions import DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
+from starlette.requests import Request as StarletteRequest
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llmserve.config.models import ModelSpec
@@ -54,12 +53,13 @@ from llmserve.ray_serve.prefix import PrefixKeyer
 from llmserve.ray_serve.replica import NODE_HEADER, REPLICA_HEADER, EngineReplica
 from llmserve.ray_serve.router import ONGOING_STAT, PREFIX_KEY
 from llmserve.server.middleware import OPEN_PATHS, send_error
-from llmserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from llmserve.tokenizer import load_tokenizer
 
 ROUTING_STATS_PERIOD_S = 0.5
 """How often Ray's controller fetches each replica's count of held requests for the router (Ray's
 default: 10 s); a burst shorter than this is spread by the random two choices, not by load."""
+ROUTE_PATH = "/internal/route"
+"""Where HAProxy's Lua asks the router (Ray Serve's ingress request router contract)."""
 
 
 @serve.ingress()
@@ -90,11 +90,8 @@ class DirectEngineReplica(EngineReplica):
         """The replica's app, as Serve's HTTP server calls it: its lifespan is the replica's own
         (EngineReplica runs it), so Serve's is answered at once."""
         if scope["type"] == "lifespan":
-            while True:
-                kind = (await receive())["type"]  # lifespan.startup, then lifespan.shutdown
-                await send({"type": f"{kind}.complete"})
-                if kind == "lifespan.shutdown":
-                    return
+            await _answer_lifespan(receive, send)
+            return
         path = scope.get("path", "")
         if scope["type"] != "http":
             await self.server_app(scope, receive, send)
@@ -152,7 +149,11 @@ class _ASGI:
 @serve.ingress()
 class PrefixRouter:
     """The ingress request router HAProxy consults (a Ray Serve deployment class; application.py
-    applies `serve.deployment` and attaches it with `_with_ingress_request_router`)."""
+    applies `serve.deployment` and attaches it with `_with_ingress_request_router`).
+
+    Its one route, `POST /internal/route`, is a plain ASGI app, not FastAPI's: HAProxy's Lua waits
+    for it on every POST, and FastAPI's routing, validation and response encoding cost more than
+    the key of a short prompt (docs/benchmarks.md, "The direct front's router")."""
 
     def __init__(
         self, engine: DeploymentHandle, model_source: str | None, block_size: int, prefix_blocks: int
@@ -161,38 +162,41 @@ class PrefixRouter:
         self.keyer = PrefixKeyer(load_tokenizer(resolve_model(model_source)), block_size, prefix_blocks)
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
-        api = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+        return _ASGI(self._serve_http)
 
-        @api.post("/internal/route")
-        async def route(request: Request) -> dict[str, str]:
-            return {"replica_id": await self.pick(self.key(await request.body()))}
-
-        return api
-
-    def key(self, body: bytes) -> BlockHash | None:
-        """The prefix key of a request's body (None: not JSON, not a prompt route's, invalid, or
-        cut by HAProxy's buffer: routed by load; the replica refuses what is invalid)."""
+    async def _serve_http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await _answer_lifespan(receive, send)
+            return
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != ROUTE_PATH:
+            await JSONResponse({"detail": "Not Found"}, 404)(scope, receive, send)
+            return
+        body = await StarletteRequest(scope, receive).body()
         try:
-            data = json.loads(body)
-        except ValueError:
-            return None
-        if not isinstance(data, dict):
-            return None
-        try:
-            if "messages" in data:
-                return self.keyer.chat_key(ChatCompletionRequest.model_validate(data))
-            if "prompt" in data:
-                return self.keyer.completion_key(CompletionRequest.model_validate(data))
-        except ValidationError:
-            return None
-        return None
+            replica_id = await self.pick(self.keyer.body_key(body))
+        except DeploymentUnavailableError as e:  # HAProxy answers any non-200 with a 503
+            await JSONResponse({"detail": str(e)}, 503)(scope, receive, send)
+            return
+        await JSONResponse({"replica_id": replica_id})(scope, receive, send)
 
     async def pick(self, key: BlockHash | None) -> str:
         """The chosen replica's actor name, as HAProxy's Lua maps it to a server. Pick-only: no
         slot is reserved (the request goes through HAProxy, not this handle), as in Ray's own
-        LLMRouter, whose `_replica` access this follows (the selection has no public full id)."""
-        try:
-            async with self.engine.choose_replica(**{PREFIX_KEY: key}, _reserve=False) as picked:
-                return picked._replica.replica_id.to_full_id_str()
-        except DeploymentUnavailableError as e:  # HAProxy answers any non-200 with a 503
-            raise HTTPException(503, str(e)) from None
+        LLMRouter, whose `_replica` access this follows (the selection has no public full id).
+
+        The handle's router runs in this replica's event loop (Ray's default is a loop of its
+        own, in another thread, for a handle that also sends requests): a pick is then a plain
+        coroutine, not two hand-offs between threads, and this handle only ever picks."""
+        if not self.engine.is_initialized:  # set up from the loop that serves the requests
+            self.engine._init(_run_router_in_separate_loop=False)
+        async with self.engine.choose_replica(**{PREFIX_KEY: key}, _reserve=False) as picked:
+            return picked._replica.replica_id.to_full_id_str()
+
+
+async def _answer_lifespan(receive: Receive, send: Send) -> None:
+    """Complete Serve's lifespan events at once (what a replica holds is set up in __init__)."""
+    while True:
+        kind = (await receive())["type"]  # lifespan.startup, then lifespan.shutdown
+        await send({"type": f"{kind}.complete"})
+        if kind == "lifespan.shutdown":
+            return
