@@ -3,9 +3,11 @@
     OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1 PYTHONPATH=<tree>/src \\
         python benchmarks/bench_step_gguf.py FILE [--repeats 4] [--threads 1]
 
-`ForwardRunner.execute` (the decoder's layers and final norm; no LM head, no sampling) on three
-batches: a decode step of 1 and of 16 sequences (contexts 128-256, shuffled block tables) and a
-128-token prefill. Reports the minimum and median ms of --repeats steps after one warm-up, and the
+`ForwardRunner.execute` (the decoder's layers, the final norm and the LM head on each sequence's
+last token; no sampling) on three batches: a decode step of 1 and of 16 sequences (contexts
+128-256, shuffled block tables) and a 128-token prefill (its LM head: one row, where decode_16
+has 16). The KV cache holds what the server's `--kv-cache-dtype` (default auto: float16 under
+these quantized weights) makes it hold. Reports the minimum and median ms of --repeats steps after one warm-up, and the
 weight bytes a decode step streams (`step_bytes`: every packed matrix once, the LM head's included,
 and the float parameters) next to the file's tensor bytes: a format wider than the file's (Q6_K
 held as q8, Q4_K's half scales) lowers the ceiling of decode / streaming floor before any kernel
@@ -68,19 +70,28 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--bytes-only", action="store_true", help="print the byte accounting and stop")
+    ap.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="the cache's K/V type, as the server's option (auto: float16 here)",
+    )
     args = ap.parse_args()
     keep_freed_memory()
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.threads == 1 else time.perf_counter
-    model = load_model(ModelConfig(model=args.file, show_progress=False)).model
+    loaded = load_model(ModelConfig(model=args.file, show_progress=False))
+    model, kv_dtype = loaded.model, loaded.kv_cache_dtype(args.kv_cache_dtype)
     result: dict[str, object] = {"extension": cpu_kernels._ext.__file__ if cpu_kernels._ext else None}
+    result["kv_cache_dtype"] = kv_dtype.name
     result["bytes"] = step_bytes(model, args.file)
     if args.bytes_only:
         print(json.dumps(result))
         return
     seq_lens, tables, num_blocks = make_batch(16, 0, 128, 256)
     T = 128
-    runner = ForwardRunner(model, num_blocks=max(num_blocks, T // BLOCK + 1), block_size=BLOCK)
+    runner = ForwardRunner(
+        model, num_blocks=max(num_blocks, T // BLOCK + 1), block_size=BLOCK, kv_cache_dtype=kv_dtype
+    )
     if runner.fused is None:
         raise SystemExit(f"the fused decoder does not take this model: {runner.fused_unsupported}")
     decode = [
