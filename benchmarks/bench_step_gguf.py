@@ -15,12 +15,17 @@ runs (docs/benchmarks.md, issue 30). --bytes-only stops after the accounting. On
 thread the time is the main thread's CPU time, which a shared, time-sliced core does not inflate
 (the kernels run on the calling thread); with more threads, wall time. Two builds are compared as
 bench_decode_gguf.py does: alternating processes with PYTHONPATH at each tree's `src`.
+--huge-pages-ab loads the file twice, one copy's runner with LLMSERVE_HUGE_PAGES=0 (weights in
+4 KiB pages) and one with it on (cpu_memory.back_with_huge_pages), and alternates their steps in
+the one process (two processes differ by more than that on a shared machine); it reports both
+and whether their outputs are the same bits.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -31,7 +36,7 @@ from gguf import GGUFReader
 
 from llmserve.config import ModelConfig
 from llmserve.layers.quantization import cpu_kernels
-from llmserve.layers.quantization.layers import QuantizedLinear, QuantizedLMHead
+from llmserve.layers.quantization.layers import packed_weights
 from llmserve.model_executor.cpu_memory import keep_freed_memory
 from llmserve.model_executor.forward_runner import ForwardRunner, SequenceBatchEntry
 from llmserve.model_executor.model_loader import load_model
@@ -46,13 +51,8 @@ def step_bytes(model: torch.nn.Module, file: str) -> dict[str, object]:
     counted once; an untied embedding's table is not counted: a step reads only its tokens' rows),
     and the float parameters (norms)."""
     by_fmt: dict[str, int] = {}
-    for module in model.modules():
-        if isinstance(module, QuantizedLinear | QuantizedLMHead):
-            weights = (
-                module.packed_weights() if isinstance(module, QuantizedLinear) else [module.packed_weight]
-            )
-            for w in weights:
-                by_fmt[w.fmt] = by_fmt.get(w.fmt, 0) + w.nbytes()
+    for w in packed_weights(model):
+        by_fmt[w.fmt] = by_fmt.get(w.fmt, 0) + w.nbytes()
     by_fmt["float"] = sum(p.numel() * p.element_size() for p in model.parameters() if p.is_floating_point())
     file_bytes = sum(int(t.n_bytes) for t in GGUFReader(file).tensors)
     total = sum(by_fmt.values())
@@ -75,6 +75,7 @@ def main() -> None:
         default="auto",
         help="the cache's K/V type, as the server's option (auto: float16 here)",
     )
+    ap.add_argument("--huge-pages-ab", action="store_true", help="weights in 4 KiB pages against huge pages")
     args = ap.parse_args()
     keep_freed_memory()
     torch.set_num_threads(args.threads)
@@ -89,24 +90,44 @@ def main() -> None:
         return
     seq_lens, tables, num_blocks = make_batch(16, 0, 128, 256)
     T = 128
-    runner = ForwardRunner(
-        model, num_blocks=max(num_blocks, T // BLOCK + 1), block_size=BLOCK, kv_cache_dtype=kv_dtype
-    )
-    if runner.fused is None:
-        raise SystemExit(f"the fused decoder does not take this model: {runner.fused_unsupported}")
+    # one runner, or (--huge-pages-ab) a second copy of the model whose runner leaves 4 KiB pages
+    variants = {"": model}
+    if args.huge_pages_ab:
+        variants = {"huge_pages_off": load_model(ModelConfig(model=args.file, show_progress=False)).model}
+        variants["huge_pages_on"] = model
+    runners = {}
+    for label, m in variants.items():
+        if label:  # else the environment's own setting
+            os.environ["LLMSERVE_HUGE_PAGES"] = "0" if label == "huge_pages_off" else "1"
+        runners[label] = ForwardRunner(
+            m, num_blocks=max(num_blocks, T // BLOCK + 1), block_size=BLOCK, kv_cache_dtype=kv_dtype
+        )
+        if runners[label].fused is None:
+            raise SystemExit(
+                f"the fused decoder does not take this model: {runners[label].fused_unsupported}"
+            )
     decode = [
         SequenceBatchEntry([7 + i], n, t) for i, (n, t) in enumerate(zip(seq_lens, tables, strict=True))
     ]
     prefill = [SequenceBatchEntry(list(range(5, 5 + T)), T, list(range(T // BLOCK)))]
     with torch.inference_mode():
         for name, batch in (("decode_1", decode[:1]), ("decode_16", decode), (f"prefill_{T}", prefill)):
-            times = []
+            times: dict[str, list[float]] = {label: [] for label in runners}
+            outs = {}
             for i in range(args.repeats + 1):
-                t = clock()
-                runner.execute(batch)
-                if i:  # the first is a warm-up
-                    times.append((clock() - t) * 1e3)
-            result[name] = {"min_ms": round(min(times), 1), "median_ms": round(statistics.median(times), 1)}
+                for label, runner in runners.items():  # alternating, step by step
+                    t = clock()
+                    outs[label] = runner.execute(batch)
+                    if i:  # the first is a warm-up
+                        times[label].append((clock() - t) * 1e3)
+            for label, ts in times.items():
+                cell = {"min_ms": round(min(ts), 1), "median_ms": round(statistics.median(ts), 1)}
+                if label:
+                    result.setdefault(label, {})[name] = cell  # type: ignore[index]
+                else:
+                    result[name] = cell
+            if len(outs) > 1:
+                result[f"{name}_same_bits"] = torch.equal(*outs.values())
     print(json.dumps(result))
 
 
