@@ -146,6 +146,7 @@ def test_kv_cache_budget_is_what_utilization_leaves() -> None:
 def test_profile_decisions_by_device() -> None:
     cpu = build_profile(torch.device("cpu"))
     assert cpu.is_cpu and cpu.fused_cpu_decoder and not cpu.cuda_graphs and cpu.keep_freed_memory
+    assert cpu.huge_page_weights
     assert cpu.model_dtype("auto", None) == torch.float32
     assert cpu.kv_cache_dtype("auto", torch.float32, quantized=True) == KVDtypes.of(torch.float16)
     assert cpu.kv_cache_dtype("auto", torch.float32, quantized=False) == KVDtypes.of(torch.float32)

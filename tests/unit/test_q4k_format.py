@@ -99,10 +99,12 @@ def test_k_scales_round_once_to_nearest_even():
     assert torch.equal(minimum, (-per(rows.m) * rows.scales[..., 1].double()).half())
 
 
-@pytest.mark.parametrize("M", [1, 3, 17])
+@pytest.mark.parametrize("M", [1, 3, 16, 17, 40])
 @pytest.mark.parametrize("act_bits", [16, 8])
 def test_matmul_is_q4_bits(kernels, M, act_bits):
-    """N not a multiple of 16 (and below one register tile), several super-blocks."""
+    """N not a multiple of 16 (and below one register tile), several super-blocks. From 17 tokens
+    (three groups of 8) the AVX-512 int16 kernel makes a tile pair's scales once for all groups
+    (expand_scales): the same bits as made per block."""
     for N, K, seed in ((37, 768, 0), (100, 1024, 1), (5, 256, 2)):
         rows = _random_q4k(N, K, seed)
         x = torch.randn(M, K, generator=torch.Generator().manual_seed(seed))

@@ -112,6 +112,23 @@ def test_a_tokens_row_is_the_same_in_any_batch(kernels):
     assert torch.equal(cpu_kernels.linear(x[3:7], q6), whole[3:7])
 
 
+@pytest.mark.parametrize("m", [2, 4, 5, 8, 16, 21])
+def test_every_register_tile_gives_a_token_its_row_alone(kernels, m):
+    """A batch of m tokens runs in register tiles of up to 8 tokens (AVX-512; 2 with AVX2) and
+    remainders of every size: each token's row is the bits of that token alone (one token runs
+    the batch-1 tile, the same code whatever the batch tiles are), so widening a tile changes
+    no output."""
+    if kernels == "torch":
+        pytest.skip("the torch path makes no such promise (cpu_kernels.py)")
+    raw, _ = _q6_k(50, 1024, seed=5)
+    q6 = pack(read_rows(raw, Q.Q6_K, 1024))  # type: ignore[arg-type]
+    x = torch.randn(m, 1024, generator=torch.Generator().manual_seed(m))
+    x[:, 3] *= 40
+    batch = cpu_kernels.linear(x, q6)
+    alone = torch.cat([cpu_kernels.linear(x[i : i + 1], q6) for i in range(m)])
+    assert torch.equal(batch, alone)
+
+
 def test_kernel_sets_agree_to_float_rounding():
     if "avx2" not in KERNEL_SETS or "avx512_vnni" not in KERNEL_SETS:
         pytest.skip("needs both native kernel sets")

@@ -21,7 +21,8 @@ handed: that is input validation, not a device decision.)
     grammar masks beside  only with a core to spare            yes
     the forward pass
     seeded sampling       per-request torch generators         counter-based draws, one launch
-    host memory           glibc keeps freed memory             pinned input buffers
+    host memory           glibc keeps freed memory;            pinned input buffers
+                          quantized weights in huge pages
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ class DeviceProfile:
     """Grammar masks are filled on a worker thread while the forward pass runs (model_runner.py)."""
     keep_freed_memory: bool
     """glibc keeps freed activation memory in the process (cpu_memory.py)."""
+    huge_page_weights: bool
+    """Quantized weights are held in transparent huge pages (cpu_memory.back_with_huge_pages)."""
     pin_memory: bool
     """Step inputs are staged in pinned host memory and copied asynchronously."""
     sampling: SamplingDevicePolicy
@@ -126,6 +129,7 @@ def build_profile(
         # from 3-4% to 5-13%, docs/benchmarks.md): beside the forward only with a core to spare.
         overlap_masks=not cpu or _usable_cores() > torch.get_num_threads(),
         keep_freed_memory=cpu,
+        huge_page_weights=cpu,
         pin_memory=device.type == "cuda",
         sampling=SamplingDevicePolicy.for_device(device),
     )

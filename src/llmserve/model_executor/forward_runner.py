@@ -34,7 +34,8 @@ import torch
 
 from llmserve.layers.attention import Attention, KVCacheSpec, KVDtypes, KVPair, LayerKVCache
 from llmserve.layers.quantization.fused_decoder import FusedDecoder, unsupported_reason
-from llmserve.model_executor.cpu_memory import keep_freed_memory
+from llmserve.layers.quantization.layers import packed_weights
+from llmserve.model_executor.cpu_memory import back_with_huge_pages, keep_freed_memory
 from llmserve.model_executor.cuda_graph import GraphRunner
 from llmserve.model_executor.device import DeviceProfile, build_profile
 from llmserve.model_executor.input_buffers import ForwardOutput, InputBuffers, SequenceBatchEntry, StepInputs
@@ -72,6 +73,8 @@ class ForwardRunner:
         self.profile = profile or build_profile(self.device)
         if self.profile.keep_freed_memory:
             keep_freed_memory()  # activations are reused every step: no page faults on them
+        if self.profile.huge_page_weights:  # each step streams them: fewer TLB misses
+            back_with_huge_pages(w.data for w in packed_weights(model))
         kv_dtype = kv_cache_dtype or self.dtype
         self.num_blocks = num_blocks
         """Blocks the scheduler hands out (ids 0 .. num_blocks - 1)."""

@@ -283,3 +283,16 @@ class QuantizedLMHead(LMHead):
 
     def extra_repr(self) -> str:
         return f"vocab={self.vocab_size}, hidden={self.hidden_size}, {self.fmt}, tied={self.tied_to}"
+
+
+def packed_weights(model: nn.Module) -> list[PackedWeight]:
+    """Every matrix that the model's quantized linear layers and LM head multiply by (a tied
+    head's is the embedding's table), as loaded so far."""
+    found: list[PackedWeight] = []
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            found += module.packed_weights()
+        elif isinstance(module, QuantizedLMHead):
+            w = module.tied_embedding.qweight if module.tied_embedding is not None else module.qweight
+            found += [w] if w is not None else []
+    return found
