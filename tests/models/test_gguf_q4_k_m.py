@@ -157,3 +157,12 @@ def test_tp2_matches_tp1(q4_k_m_gguf):
     from tests.models.test_tensor_parallel import compare_tp
 
     compare_tp(str(q4_k_m_gguf), atol=2e-3)
+
+
+def test_a_q4k_only_file_takes_the_16_bit_kv_cache(tmp_path):
+    """The CPU kernels' formats take a float16 KV cache by default: q4k too, where it is the only one."""
+    only_q4k = {name: Q.Q4_K for name in (*Q4_K_M_TYPES, "output")}
+    path = tiny_llama_gguf(tmp_path, only_q4k, tokenizer=True, random_types=(*RANDOM_TYPES, Q.Q4_K))
+    loaded = load_model(ModelConfig(model=str(path), show_progress=False))
+    assert {g.fmt for g in loaded.weight_groups if g.role != "other"} <= {"q4k", "float32"}
+    assert loaded.kv_cache_dtype().k == torch.float16

@@ -37,6 +37,7 @@ from llmserve.layers.quantization import (
     quantize_modules,
     weight_groups,
 )
+from llmserve.layers.quantization.formats import KERNEL_CODES
 from llmserve.model_executor.device import DeviceProfile, build_profile, resolve_device
 from llmserve.model_executor.model_loader import hf_folder
 from llmserve.model_executor.model_loader.hf_quant_config import (
@@ -106,9 +107,9 @@ class LoadedModel:
 
     def kv_cache_dtype(self, name: str = "auto") -> KVDtypes:
         """`CacheConfig.kv_cache_dtype` for this model (see `DeviceProfile.kv_cache_dtype`)."""
-        # q4/q8/q6 weights (the CPU kernels) take a 16-bit cache by default; fp8's CPU path is a
+        # the CPU kernels' formats (q4, q4k, q6, q8) take a 16-bit cache by default; fp8's CPU path is a
         # reference for its GPU numbers: its K/V stay in the model's dtype, as float models' do
-        quantized = any(g.fmt in ("q4", "q8", "q6") for g in self.weight_groups)
+        quantized = any(g.fmt in KERNEL_CODES for g in self.weight_groups)
         return self.profile.kv_cache_dtype(name, self.dtype, quantized)
 
     def summary(self) -> str:
