@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from llmserve.ray_serve import haproxy_wrapper
-from llmserve.ray_serve.env import DIRECT_ENV, WRAPPER
+from llmserve.ray_serve.env import DIRECT_ENV, RETRY_IN_FLIGHT, WRAPPER
 from llmserve.server.errors import APIError, anthropic_error_sse, error_body, error_sse
 from tests.e2e.conftest import free_port
 
@@ -44,7 +44,7 @@ defaults
     timeout client 30s
     timeout server 30s
     option redispatch 1
-    retry-on conn-failure empty-response
+    retry-on {retry_on}
     errorfile 502 {folder}/500.http
     errorfile 503 {folder}/500.http
     errorfile 504 {folder}/500.http
@@ -116,7 +116,9 @@ def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     serve_raw(ports["dies"], lambda conn, head: None, once=True)  # closes the request unanswered
     serve_raw(ports["steady"], steady)
     config = folder / "haproxy.cfg"
-    config.write_text(CONFIG.format(folder=folder, **ports))
+    config.write_text(
+        CONFIG.format(folder=folder, retry_on=RETRY_IN_FLIGHT["RAY_SERVE_HAPROXY_RETRY_ON"], **ports)
+    )
     env = {**os.environ, "LLMSERVE_HAPROXY_BINARY": HAPROXY}
     proc = subprocess.Popen([str(WRAPPER), "-db", "-f", str(config)], env=env, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{ports['port']}"
@@ -153,8 +155,9 @@ def test_a_whole_stream_is_left_alone(url: str) -> None:
 
 
 def test_a_request_its_server_closed_unanswered_is_retried_on_the_other(url: str) -> None:
-    """The server took the request, closed it unanswered and died: HAProxy retries it (empty
-    response), finds the server gone (connection refused) and redispatches it to another."""
+    """With the opt-in retry (env.py's RETRY_IN_FLIGHT, in this config): the server took the
+    request, closed it unanswered and died: HAProxy retries it (empty response), finds the server
+    gone (connection refused) and redispatches it to another."""
     for _ in range(3):
         r = httpx.post(f"{url}/first", json={}, timeout=10)
         assert r.status_code == 200, r.text  # from `steady` or `dying`, whichever the balance picked

@@ -41,7 +41,6 @@ HAPROXY_ENV = {
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
     "RAY_SERVE_HAPROXY_BINARY_PATH": str(WRAPPER),
     "LLMSERVE_HAPROXY_BINARY": _real_haproxy(),
-    "RAY_SERVE_HAPROXY_RETRY_ON": "conn-failure empty-response",
 }
 """Ray Serve's HAProxy mode: HAProxy (Ray's bundled binary) listens on Serve's HTTP port and sends
 each request straight to a replica of the application's HTTP-facing deployment (front=ingress: an
@@ -49,10 +48,16 @@ each request straight to a replica of the application's HTTP-facing deployment (
 proxy takes the request and calls the ingress through Ray, and the ingress fetches the body by a
 call back to the proxy (benchmarks/bench_ray_ingress.py measures both; docs/benchmarks.md).
 
-HAProxy runs through llmserve's wrapper (haproxy_wrapper.py), and retries on another replica
-(Ray's `option redispatch 1`) a request whose replica refused the connection or closed it without
-a byte of answer (Ray's default retries the first only): the replica died before answering, so
-the request is run again elsewhere, as the ingress retries it (ingress.py)."""
+HAProxy runs through llmserve's wrapper (haproxy_wrapper.py). It retries on another replica
+(Ray's `option redispatch 1`) a request whose replica refused the connection (Ray's default
+`retry-on conn-failure`); one whose replica died after taking it gets the API's 502 or, on a
+reused connection, HAProxy's silent close.
+`RAY_SERVE_HAPROXY_RETRY_ON="conn-failure empty-response"` (RETRY_IN_FLIGHT) retries that one too,
+but is not the default: HAProxy's layer-7 retries cost ~6 ms on every request here
+(docs/benchmarks.md), and Ray's own default avoids them (a retried request may run twice)."""
+
+RETRY_IN_FLIGHT = {"RAY_SERVE_HAPROXY_RETRY_ON": "conn-failure empty-response"}
+"""Opt-in: also retry a request whose replica closed its connection without a byte of answer."""
 
 DIRECT_ENV = {**HAPROXY_ENV, "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1"}
 """The direct front (direct.py): HAProxy mode, and HAProxy forwarding each POST's body to the

@@ -16,8 +16,9 @@ a line the template no longer has is left as Ray wrote it):
                            clean end (OpenAI's `data: {"error"}` + `data: [DONE]`; Anthropic's
                            `event: error` on /v1/messages) instead of a cut chunked body
 
-Retrying a request whose replica died before answering is Ray's own knob (env.py sets
-`RAY_SERVE_HAPROXY_RETRY_ON`); Ray's `option redispatch 1` sends each retry to another server.
+Retrying a request whose replica died before answering is Ray's own knob,
+`RAY_SERVE_HAPROXY_RETRY_ON` (env.py's opt-in RETRY_IN_FLIGHT); Ray's `option redispatch 1` sends
+each retry to another server.
 
 Standard library only, and no import of llmserve: HAProxy is restarted on every change of the
 replicas, and any `python3` runs this. The bodies are llmserve's error shape (server/errors.py;
