@@ -33,3 +33,21 @@ def start_ray(start: Callable[[], T]) -> T:
             ray_cli = Path(sys.executable).with_name("ray")
             subprocess.run([str(ray_cli), "stop", "--force"], capture_output=True, timeout=120, check=False)
     raise AssertionError("unreachable")
+
+
+def start_two_nodes(num_cpus: int, log_to_driver: bool):
+    """A local two-node Ray cluster (a head and one more node, `num_cpus` Ray CPUs each, no
+    dashboard) with this process connected to it: the `Cluster`, its start retried as `start_ray`'s."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    def start() -> Cluster:
+        cluster = Cluster(
+            initialize_head=True, head_node_args={"num_cpus": num_cpus, "include_dashboard": False}
+        )
+        cluster.add_node(num_cpus=num_cpus)
+        ray.init(address=cluster.address, log_to_driver=log_to_driver)
+        cluster.wait_for_nodes()
+        return cluster
+
+    return start_ray(start)

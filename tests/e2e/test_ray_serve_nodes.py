@@ -30,7 +30,7 @@ from ray.cluster_utils import Cluster
 
 from tests.e2e.conftest import free_port
 from tests.models.tiny import make_tiny_model_eos0
-from tests.ray_start import start_ray
+from tests.ray_start import start_two_nodes
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -44,15 +44,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster,
     ingress (0.25); a third replica fits on neither (one per node)."""
     folder = tmp_path_factory.mktemp("tiny-ray-nodes")
     make_tiny_model_eos0(folder)  # a 2048-token context: room for a long stream
-
-    def start() -> Cluster:
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
-        cluster.add_node(num_cpus=2)
-        ray.init(address=cluster.address, log_to_driver=False)
-        cluster.wait_for_nodes()
-        return cluster
-
-    cluster = start_ray(start)
+    cluster = start_two_nodes(num_cpus=2, log_to_driver=False)
     port = free_port()
     args = {
         "front": "ingress", "model": str(folder), "served_model_name": MODEL, "num_replicas": "2",

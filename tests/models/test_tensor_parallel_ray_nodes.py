@@ -25,7 +25,7 @@ from llmserve.engine.llm import build_engine
 from llmserve.model_executor import ray_workers
 from tests.models.test_tensor_parallel import _run, check_killed_worker_stops_the_engine
 from tests.models.tiny import make_tiny_model
-from tests.ray_start import start_ray
+from tests.ray_start import start_two_nodes
 
 SPREAD = dict(
     tensor_parallel_size=2, threads_per_rank=1, distributed_executor_backend="ray",
@@ -36,14 +36,7 @@ SPREAD = dict(
 @pytest.fixture(scope="module")
 def two_nodes() -> Iterator[Cluster]:
     # one CPU per node: the driver (this process) on the head, the worker rank on the other
-    def start() -> Cluster:
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-        cluster.add_node(num_cpus=1)
-        ray.init(address=cluster.address, log_to_driver=True)
-        cluster.wait_for_nodes()
-        return cluster
-
-    cluster = start_ray(start)
+    cluster = start_two_nodes(num_cpus=1, log_to_driver=True)
     try:
         yield cluster
     finally:
