@@ -24,10 +24,12 @@ What moves from the ingress (ingress.py) into each replica, and what changes:
     tracing           the replica's `llm_request` span (a child of the client's traceparent);
                       there is no ingress span
     a dead replica    HAProxy (through haproxy_wrapper.py, env.py) ends a stream it was answering
-                      with the API's SSE error event, retries elsewhere a request it had not
-                      begun to answer (then the API's JSON 502/503); the ingress did both too.
-                      HAProxy's health checks and Ray's router stop choosing it, and new requests
-                      go to the survivors (a request the router still sends it is redispatched)
+                      with the API's SSE error event, and a request it had not begun to answer
+                      with the API's JSON 502 or, on a reused connection, a closed one (retried
+                      elsewhere only with env.py's opt-in RETRY_IN_FLIGHT; the ingress retried
+                      it). HAProxy's health checks and Ray's router stop choosing it, and new
+                      requests go to the survivors (a request the router still sends it is
+                      redispatched)
     a dead engine     the replica answers 503 in the API's error shape until Ray replaces it
                       (health check); the ingress retried those on another replica
 """

@@ -286,13 +286,12 @@ class QuantizedLMHead(LMHead):
 
 
 def packed_weights(model: nn.Module) -> list[PackedWeight]:
-    """Every matrix that the model's quantized linear layers and LM head multiply by (a tied
-    head's is the embedding's table), as loaded so far."""
+    """Every matrix that the model's loaded quantized linear layers and LM head multiply by (a
+    tied head's is the embedding's table)."""
     found: list[PackedWeight] = []
     for module in model.modules():
         if isinstance(module, QuantizedLinear):
             found += module.packed_weights()
         elif isinstance(module, QuantizedLMHead):
-            w = module.tied_embedding.qweight if module.tied_embedding is not None else module.qweight
-            found += [w] if w is not None else []
+            found.append(module.packed_weight)
     return found
