@@ -450,10 +450,22 @@ const float* expand_scales(const GemmArgs& a, int64_t tile, int64_t ntl) {
   return dst;
 }
 
+// Up to this many tokens in the matmul (q8: ONE_STREAM_TOKENS_Q8), each tile of a job runs alone
+// (one weight stream), else the job's TILES tiles share each broadcast. One stream is what the
+// memory system streams best: with two tiles' streams (each a tile's 16 KB at K = 2048, then a
+// jump) one thread read q4 weights at 28 GB/s where torch.sum reads 39 (two threads: 37 against
+// 48). Alternating builds in one process, 8 layers of a 1B's matrices, two threads, medians of
+// 7-11 passes, time of one stream / two tiles: q4 at 1, 2, 4, 8, 16, 24, 32, 64, 128 tokens 0.80,
+// 0.83, 0.87, 0.93, 0.98, 0.99, 0.99, 1.03, 1.03 (compute-bound from 64: the shared broadcasts
+// win), q4k at 1 and 16 0.83 and 0.97; q8 (twice the bytes a multiply-add, less work a byte) at
+// 4, 8, 16 0.86, 0.95, 1.01.
+constexpr int64_t ONE_STREAM_TOKENS = 32, ONE_STREAM_TOKENS_Q8 = 8;
+
 template <int F>
 void tile_tokens(const GemmArgs& a, int64_t tile, int64_t t0, int64_t t1, const int32_t* xi, const float* xs,
                  const float* dx) {
   const int64_t ntl = std::min<int64_t>(TILES, num_tiles(a.N) - tile);
+  const bool shared = ntl == TILES && a.M > (F == kQ8 ? ONE_STREAM_TOKENS_Q8 : ONE_STREAM_TOKENS);
   // q4k with three groups of tokens or more: its scales made once for all of them (bench_q4k.py,
   // alternating builds: q4k / q4 time at 128 tokens 1.065 -> 1.001, medians of 4; at 16 tokens, two
   // groups, the extra pass cost what it saved: 1.074 -> 1.080), else per block in the loop
@@ -461,7 +473,7 @@ void tile_tokens(const GemmArgs& a, int64_t tile, int64_t t0, int64_t t1, const 
   const int64_t stride = num_blocks(a.K) * 2 * NT;
   for (int64_t t = t0; t < t1; t += MAX_MT) {
     const int mt = static_cast<int>(std::min<int64_t>(MAX_MT, t1 - t));
-    if (ntl == TILES) run_group<F, TILES>(mt, a, tile, t, xi, xs, dx, expanded);
+    if (shared) run_group<F, TILES>(mt, a, tile, t, xi, xs, dx, expanded);
     else
       for (int64_t j = 0; j < ntl; ++j)
         run_group<F, 1>(mt, a, tile + j, t, xi, xs, dx, expanded ? expanded + j * stride : nullptr);
