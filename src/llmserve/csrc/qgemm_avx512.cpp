@@ -216,16 +216,19 @@ inline void finish_block(__m512i (&ia)[NTL][MT][A], const S& scales, int64_t b, 
   }
 }
 
-// Asks for a tile's weights PREFETCH_BLOCKS blocks ahead of the one being read (BYTES a block):
-// a model's weights stream from memory once a step, and the hardware prefetcher alone left part
-// of that wait exposed (a 1B step on one thread: batch 1 0.83x, batch 16 0.92x the time with it;
-// docs/benchmarks.md). Past a tile's end it reads the next tile's first blocks, needed next.
-// The distance, judged with alternating builds (bench_q4k.py --layers 8 --batch 1, q4 medians of
-// 4 rounds): 0 blocks 13.65 ms, 4 10.9, 8 10.3, 16 10.4 (2 KB ahead per tile stream suffice).
-constexpr int PREFETCH_BLOCKS = 8;
-template <int BYTES>
+// Asks for a tile's weights `BLOCKS` blocks ahead of the one being read (BYTES a block): a
+// model's weights stream from memory once a step, and the hardware prefetcher alone left part of
+// that wait exposed (a 1B step on one thread: batch 1 0.83x, batch 16 0.92x the time with it;
+// docs/benchmarks.md). Past a tile's end it reads the next tile's first blocks, needed next (one
+// weight stream, ONE_STREAM_TOKENS) or soon after. The distances, judged with alternating builds
+// on one thread, batch 1, after one stream came in (8 layers of a 1B's matrices, medians of 9-11
+// passes): q4 8 blocks (2 KB) 7.86 ms, 16 7.05, 32 6.72, 64 6.69; q8 8 blocks (4 KB) 6.04 ms,
+// 16 6.22, 32 6.37. (Before one stream, two tiles' streams: q4 0 blocks 13.65 ms, 4 10.9, 8 10.3,
+// 16 10.4.)
+constexpr int Q8_PREFETCH_BLOCKS = 8, Q4_PREFETCH_BLOCKS = 32;
+template <int BYTES, int BLOCKS>
 inline void prefetch_ahead(const void* block) {
-  const char* p = static_cast<const char*>(block) + PREFETCH_BLOCKS * BYTES;
+  const char* p = static_cast<const char*>(block) + BLOCKS * BYTES;
   for (int i = 0; i < BYTES; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
 }
 
@@ -246,7 +249,7 @@ void tile_q8(const int8_t* w, const uint16_t* d, const uint16_t* m, int64_t nb, 
       for (int t = 0; t < MT; ++t)
         for (int c = 0; c < A; ++c) ia[j][t][c] = _mm512_setzero_si512();
     const int8_t* wb = w + b * (KB * NT);
-    for (int j = 0; j < NTL; ++j) prefetch_ahead<KB * NT>(wb + j * nb * (KB * NT));
+    for (int j = 0; j < NTL; ++j) prefetch_ahead<KB * NT, Q8_PREFETCH_BLOCKS>(wb + j * nb * (KB * NT));
     const int32_t* xb = xi + b * (KB / 2) * MT;
 #pragma GCC unroll 16
     for (int p = 0; p < KB / 2; ++p) {
@@ -277,7 +280,7 @@ void tile_q4(const uint8_t* w, const S& sc, int64_t nb, const int32_t* xi, const
       for (int t = 0; t < MT; ++t)
         for (int c = 0; c < A; ++c) ia[j][t][c] = _mm512_setzero_si512();
     const uint8_t* wb = w + b * (KB * NT / 2);
-    for (int j = 0; j < NTL; ++j) prefetch_ahead<KB * NT / 2>(wb + j * nb * (KB * NT / 2));
+    for (int j = 0; j < NTL; ++j) prefetch_ahead<KB * NT / 2, Q4_PREFETCH_BLOCKS>(wb + j * nb * (KB * NT / 2));
     const int32_t* xb = xi + b * (KB / 2) * MT;
 #pragma GCC unroll 4
     for (int g = 0; g < KB / 8; ++g) {
