@@ -20,9 +20,9 @@ Needs llama.cpp's binaries and sources (benchmarks/peers/build_llama_server.sh, 
                 prompts) and 16 (32 prompts), one warm-up request each; output tok/s, median TPOT
                 and TTFT, and the server's peak resident memory (/proc: VmHWM, and the process tree's
                 VmRSS sampled every 0.2 s); just before and just after each server's c=1 level, the
-                memory bandwidth (cpu_scale/memory.py: torch.sum over 2 GiB of float32 and llmserve's
-                q8 kernel at batch 1 over 2 GiB, alternated, 7 passes each, the faster reader's
-                median): that c=1's streaming floor = the mean of the two / the file's tensor bytes
+                memory bandwidth (cpu_scale/memory.py: torch.sum over 2 GiB of float32 in 4 KiB
+                and in huge pages, and llmserve's q8 and q4 kernels at batch 1 over 2 GiB, alternated,
+                7 passes each, the fastest reader's median): that c=1's streaming floor = the mean of the two / the file's tensor bytes
                 (tok/s at batch 1), its own for each server, as the bandwidth drifts by minutes;
   3. report     one table per file, issue 30's targets met / not met (c=1 >= 0.8 of the floor;
                 c=16 >= 2x llama-server; median TTFT <= 0.5x; RSS <= 1.3x; a missed target never

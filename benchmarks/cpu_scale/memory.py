@@ -1,9 +1,12 @@
 """Memory, both ways: how fast this machine streams it, and how much a server holds.
 
-    bandwidth   two readers over buffers many times the L3's size, on every core the servers get,
-                in alternation: torch's sum over float32, and llmserve's own q8 kernel at batch 1
-                (a decode step's read pattern); each the median of several passes, the faster one
-                taken: GB/s a decode step could read weights at. The streaming floor of a file is
+    bandwidth   readers over buffers many times the L3's size, on every core the servers get, in
+                alternation: torch's sum over float32 (in 4 KiB pages, and in transparent huge
+                pages where the kernel allows them), and llmserve's own q8 and q4 kernels at
+                batch 1 (a decode step's read pattern, the matrix in huge pages as the server's
+                weights);
+                each the median of several passes, the fastest one taken: GB/s a decode step
+                could read weights at. The streaming floor of a file is
                 that bandwidth / the file's tensor bytes (a decode step at batch 1 reads every
                 matrix once; the tied embedding, as the LM head, too); bench_cpu_scale measures it
                 just before and just after each c=1 level (`floor_around`): this machine's
@@ -37,10 +40,33 @@ def _torch_sum(num_bytes: int) -> tuple[Callable[[], object], int]:
     return buf.sum, buf.nbytes
 
 
-def _q8_matvec(num_bytes: int) -> tuple[Callable[[], object], int] | None:
-    """The fused decoder's own q8 kernel at batch 1 (`cpu_kernels.linear`, M = 1) over one
-    [N, 8192] matrix of `num_bytes`: the read pattern of a decode step, and a lower bound on what
-    memory gives (it reads every byte in that time). None without llmserve's native kernels."""
+def _huge_pages(tensors: list[object]) -> bool:
+    """The tensors' memory in transparent huge pages, as llmserve holds a model's weights
+    (cpu_memory.back_with_huge_pages); False where that is not done (THP off, not Linux, no
+    llmserve)."""
+    try:
+        from llmserve.model_executor.cpu_memory import back_with_huge_pages
+    except ImportError:
+        return False
+    return back_with_huge_pages(tensors) > 0  # type: ignore[arg-type]
+
+
+def _torch_sum_huge_pages(num_bytes: int) -> tuple[Callable[[], object], int] | None:
+    """torch's sum over a float32 buffer in huge pages: a decode step's weights sit in huge pages,
+    and a reader over 4 KiB pages reads a few percent slower (its floor would be too low). None
+    where the buffer could not be put in huge pages."""
+    import torch
+
+    buf = torch.ones(num_bytes // 4, dtype=torch.float32)
+    return (buf.sum, buf.nbytes) if _huge_pages([buf]) else None
+
+
+def _matvec(fmt: str, num_bytes: int) -> tuple[Callable[[], object], int] | None:
+    """The fused decoder's own `fmt` kernel at batch 1 (`cpu_kernels.linear`, M = 1) over one
+    [N, 8192] matrix of about `num_bytes`, in huge pages as the server's weights: the read pattern
+    of a decode step, and a lower bound on what memory gives (it reads every byte in that time).
+    q8's and q4's kernels stream differently (q4 does more work a byte, and reads 8 KB ahead
+    where q8 reads 4), so each is a reader. None without llmserve's native kernels."""
     import torch
 
     from llmserve.layers.quantization import cpu_kernels
@@ -50,17 +76,28 @@ def _q8_matvec(num_bytes: int) -> tuple[Callable[[], object], int] | None:
         return None
     K = 8192
     nb = K // BLOCK
-    num_tiles = max(1, num_bytes // (TILE * nb * (BLOCK + 2)))  # a block: 32 int8 and a float16 scale
-    # [tiles, blocks, 16 pairs, 16 rows, 2] int8 and [tiles, blocks, 16 rows] scales: pack()'s q8 layout
-    w = PackedWeight("q8", torch.ones(num_tiles, nb, BLOCK // 2, TILE, 2, dtype=torch.int8),
-                     torch.zeros(num_tiles, nb, TILE, dtype=torch.float16), None, num_tiles * TILE, K)  # fmt: skip
+    # a block of 16 rows: 32 int8 (q8) or 16 bytes of nibbles (q4) a row, and a float16 scale a row
+    block_bytes = TILE * ((BLOCK if fmt == "q8" else BLOCK // 2) + 2)
+    num_tiles = max(1, num_bytes // (nb * block_bytes))
+    # pack()'s layouts: q8 [tiles, blocks, 16 pairs, 16 rows, 2] int8, q4 [tiles, blocks, 4 groups,
+    # 16 rows, 2 lanes, 2 bytes] uint8 (symmetric: no minimums); scales [tiles, blocks, 16 rows]
+    data = (
+        torch.ones(num_tiles, nb, BLOCK // 2, TILE, 2, dtype=torch.int8)
+        if fmt == "q8"
+        else torch.full((num_tiles, nb, 4, TILE, 2, 2), 0x99, dtype=torch.uint8)
+    )
+    scales = torch.full((num_tiles, nb, TILE), 1e-3, dtype=torch.float16)
+    w = PackedWeight(fmt, data, scales, None, num_tiles * TILE, K)  # type: ignore[arg-type]
+    _huge_pages(w.tensors())
     x = torch.ones(1, K)
     return (lambda: cpu_kernels.linear(x, w)), w.nbytes()
 
 
 READERS: dict[str, Callable[[int], tuple[Callable[[], object], int] | None]] = {
     "torch.sum float32": _torch_sum,
-    "q8 matvec (llmserve's kernel, batch 1)": _q8_matvec,
+    "torch.sum float32, huge pages": _torch_sum_huge_pages,
+    "q8 matvec (llmserve's kernel, batch 1)": lambda n: _matvec("q8", n),
+    "q4 matvec (llmserve's kernel, batch 1)": lambda n: _matvec("q4", n),
 }
 
 

@@ -201,7 +201,7 @@ def format_report(result: dict[str, Any]) -> str:
         f"{env.get('cpu_cores')} cores, {(env.get('mem_total_bytes') or 0) / GiB:.0f} GiB); llmserve "
         f"{env.get('llmserve')} ({env.get('commit')}), torch {env.get('torch')}, {result['date']}",
         "floor: memory bandwidth measured just before and just after each server's c=1 level (the "
-        "faster of torch.sum and llmserve's q8 kernel at batch 1, median of "
+        "fastest of torch.sum (4 KiB and huge pages) and llmserve's q8 and q4 kernels at batch 1, median of "
         f"{result['plan']['bandwidth_passes']} passes each); floor = their mean / the file's tensor bytes",
         f"workload: {w['input_len']}-token random prompts, {w['output_len']} output tokens, EOS ignored; "
         + ", ".join(f"c={c}: {n} prompts" for c, n in w["levels"])
