@@ -4,13 +4,12 @@
                 alternation: torch's sum over float32 (in 4 KiB pages, and in transparent huge
                 pages where the kernel allows them), and llmserve's own q8 and q4 kernels at
                 batch 1 (a decode step's read pattern, the matrix in huge pages as the server's
-                weights);
-                each the median of several passes, the fastest one taken: GB/s a decode step
-                could read weights at. The streaming floor of a file is
-                that bandwidth / the file's tensor bytes (a decode step at batch 1 reads every
-                matrix once; the tied embedding, as the LM head, too); bench_cpu_scale measures it
-                just before and just after each c=1 level (`floor_around`): this machine's
-                bandwidth drifts by up to 30% from minute to minute
+                weights); each the median of several passes, the fastest one taken: GB/s a decode
+                step could read weights at. The streaming floor of a file is that bandwidth / the
+                file's tensor bytes (a decode step at batch 1 reads every matrix once; the tied
+                embedding, as the LM head, too); bench_cpu_scale measures it just before and just
+                after each c=1 level (`floor_around`): this machine's bandwidth moves between
+                ~50 and ~80 GB/s from minute to minute
     RssWatch    a server's resident memory from /proc while it runs: the process tree's summed VmRSS
                 sampled every 0.2 s (its anon / file / shmem parts at the peak), and each process's
                 VmHWM (the kernel's own peak, load included) at the end. Linux only; empty elsewhere

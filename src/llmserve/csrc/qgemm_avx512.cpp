@@ -222,8 +222,9 @@ inline void finish_block(__m512i (&ia)[NTL][MT][A], const S& scales, int64_t b, 
 // Asks for a tile's weights `BLOCKS` blocks ahead of the one being read (BYTES a block): a
 // model's weights stream from memory once a step, and the hardware prefetcher alone left part of
 // that wait exposed (a 1B step on one thread: batch 1 0.83x, batch 16 0.92x the time with it;
-// docs/benchmarks.md). Past a tile's end it reads the next tile's first blocks, needed next (one
-// weight stream, ONE_STREAM_TOKENS) or soon after. The distances, judged with alternating builds
+// docs/benchmarks.md). Past a tile's end it reads the next tile's first blocks: with one weight
+// stream (ONE_STREAM_TOKENS) the tile read next, with two tiles sharing the pair's second tile
+// (already streaming) or the next pair's first. The distances, judged with alternating builds
 // on one thread, batch 1, after one stream came in (8 layers of a 1B's matrices, medians of 9-11
 // passes): q4 8 blocks (2 KB) 7.86 ms, 16 7.05, 32 6.72, 64 6.69; q8 8 blocks (4 KB) 6.04 ms,
 // 16 6.22, 32 6.37. (Before one stream, two tiles' streams: q4 0 blocks 13.65 ms, 4 10.9, 8 10.3,
