@@ -2,14 +2,15 @@
 0.5 and 1 GiB of GPU.md's 1.07B model kept in pinned host memory, one table, one run (GPU only).
 
     python benchmarks/bench_offload.py [--offload-gb 0 0.5 1] [--batch 1 16] [--enforce-eager]
-        [--quantization none|fp8] [--model-dir DIR] [--json OUT.json]
+        [--quantization none|fp8] [--model-dir DIR] [--tokenizer auto|smollm2|synthetic] [--json OUT.json]
 
 For each offload size: `LLM(folder, dtype=bfloat16, device=cuda, cpu_offload_gb=N)` (CUDA graphs
 unless --enforce-eager), one warm-up generate, then per batch size B: B random 128-token prompts,
 128 output tokens each (EOS ignored), tok/s = B x 128 / wall time of the generate call. Reported
 beside it: which layers were offloaded, the GPU memory that freed, the KV cache the engine sized,
 and the PCIe floor (offloaded bytes / the measured pinned host-to-device bandwidth) a step cannot
-beat. The model folder is bench_gpu.py's (benchmarks/gpu/model.py), built here when missing.
+beat. The model folder is bench_gpu.py's (benchmarks/gpu/model.py: the same seed drawn on the GPU),
+built here when missing.
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--quantization", default="none", choices=["none", "fp8"])
     p.add_argument("--model-dir", type=Path, default=Path("benchmarks/results/gpu/model"))
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument(
+        "--tokenizer", default="auto", choices=["auto", "smollm2", "synthetic"],
+        help="the model folder's tokenizer (bench_gpu.py's choices; a folder built with another is rebuilt)",
+    )  # fmt: skip
     return p.parse_args()
 
 
@@ -99,7 +104,7 @@ def main() -> int:
     from gpu.model import build_model
     from gpu.plan import ModelShape
 
-    info = build_model(args.model_dir, ModelShape(), "bfloat16")
+    info = build_model(args.model_dir, ModelShape(), "bfloat16", 0, args.tokenizer, "cuda")
     bandwidth = h2d_bandwidth()
     rows = [measure(args.model_dir, gb, args) for gb in args.offload_gb]
     base = rows[0]

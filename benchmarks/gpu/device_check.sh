@@ -7,15 +7,21 @@
 #    uvicorn, pydantic(-core), annotated-types/-doc, typing-inspection, opentelemetry-api,
 #    llguidance, gguf; the image has aiohttp) into /tmp/site, and builds llmserve (`pip install --no-deps .`);
 # 2. builds the benchmark's 1B model on the GPU in the background while
-# 3. the CUDA tests run: every test of test_gpu.py, test_gpu_fp8_offload.py, and the Triton kernel
-#    (attention, elementwise, grouped MoE) and sampler files (compiled on the GPU instead of
-#    interpreted), under TESTS_SECONDS;
+# 3. the CUDA tests run: every test of test_gpu.py, test_gpu_fp8_offload.py, test_gpu_models.py
+#    (gpt-oss, the Qwen VL models, Gemma 3 vision, BERT, LoRA), the Triton kernel files (attention,
+#    elementwise, grouped MoE, LoRA) and the sampler, graph-runner and offload files (compiled on
+#    the GPU instead of interpreted), under TESTS_SECONDS;
 # 3b. tensor parallelism on CUDA (benchmarks/gpu/tp_check.py, issue 25): TP=2 over NCCL against TP=1
 #    on tiny Llama and Mixtral models where 2 GPUs are visible; on a 1-GPU machine only the engine's
 #    refusal ("needs 2 GPUs; 1 visible") is checked. Its lines go to tests.log and are printed;
 # 4. times the grouped MoE kernel against the dense fallback (benchmarks/gpu/moe_kernel.py: one
 #    Mixtral-width block, T = 1 .. 2048; about a minute) unless BENCH_SECONDS is 0;
-# 5. runs benchmarks/bench_gpu.py under BENCH_SECONDS (0 skips it).
+# 5. runs benchmarks/bench_gpu.py under BENCH_SECONDS (0 skips it);
+# 6. with EXTRAS=1 in the environment, instead of bench_gpu.py: CPU offloading
+#    (benchmarks/bench_offload.py: 0, 0.5 and 1 GiB at batch 1 and 16), then fp8 next to bf16
+#    (bench_offload.py --offload-gb 0 --quantization fp8) and fp8's KL divergence from bf16
+#    (`llmserve eval perplexity`), the two "to be measured on a GPU" tables of docs/benchmarks.md;
+#    their output goes to extras.log, their JSON to offload.json, fp8.json and fp8_kld.json.
 # Everything it prints lands in $OUT (at most 8 files come back): env.txt, install.log, tests.log,
 # bench.log (with moe_kernel.py's table first), bench_gpu.json, bench_gpu.png, logs.tgz (the
 # engines' own logs and moe_kernel.json).
@@ -58,9 +64,10 @@ print('model built')") >"$OUT/bench.log" 2>&1 &
     BUILD=$!
 fi
 
-timeout "$T_TESTS" python3 -m pytest -q --tb=short -rfE -p no:cacheprovider -n 4 --timeout 120 \
-    tests/models/test_gpu.py tests/models/test_gpu_fp8_offload.py \
-    tests/unit/test_triton_kernels.py tests/unit/test_triton_moe.py tests/unit/test_sampler_philox.py \
+timeout "$T_TESTS" python3 -m pytest -q --tb=short -rfE -p no:cacheprovider -n 6 --timeout 120 \
+    tests/models/test_gpu.py tests/models/test_gpu_fp8_offload.py tests/models/test_gpu_models.py \
+    tests/unit/test_triton_kernels.py tests/unit/test_triton_moe.py tests/unit/test_triton_lora.py \
+    tests/unit/test_sampler_philox.py tests/unit/test_graph_runner.py tests/unit/test_offload.py \
     >"$OUT/tests.log" 2>&1
 echo "tests: exit $?"
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -40
@@ -71,10 +78,26 @@ tail -6 /tmp/gpu/logs/tp_check.log | tee -a "$OUT/tests.log"
 
 if [ "$T_BENCH" -gt 0 ]; then
     mkdir -p /tmp/gpu/logs
-    timeout 150 python3 benchmarks/gpu/moe_kernel.py --out /tmp/gpu/logs >/tmp/gpu/logs/moe_kernel.log 2>&1
+    timeout 100 python3 benchmarks/gpu/moe_kernel.py --out /tmp/gpu/logs >/tmp/gpu/logs/moe_kernel.log 2>&1
     echo "moe kernel: exit $?"
     tail -8 /tmp/gpu/logs/moe_kernel.log
     wait "$BUILD"
+    if [ "${EXTRAS:-0}" = 1 ]; then
+        M=/tmp/model
+        {
+            timeout "$T_BENCH" python3 benchmarks/bench_offload.py --model-dir $M --tokenizer synthetic --json "$OUT/offload.json"
+            echo "offload: exit $?"
+            timeout "$T_BENCH" python3 benchmarks/bench_offload.py --model-dir $M --tokenizer synthetic --offload-gb 0 \
+                --quantization fp8 --json "$OUT/fp8.json"
+            echo "fp8 speed: exit $?"
+            timeout "$T_BENCH" python3 -c "import sys; from llmserve.cli.main import main; sys.exit(main())" eval perplexity --model $M --device cuda --dtype bfloat16 \
+                --quantization fp8 --reference-dtype bfloat16 --ctx 512 --json "$OUT/fp8_kld.json"
+            echo "fp8 kld: exit $?"
+        } >"$OUT/extras.log" 2>&1
+        cat "$OUT/extras.log" | grep -v "^Loading\|it/s" | tail -40
+        tar czf "$OUT/logs.tgz" -C /tmp/gpu logs 2>/dev/null
+        exit 0
+    fi
     timeout "$T_BENCH" python3 benchmarks/bench_gpu.py --out /tmp/gpu --model-dir /tmp/model \
         --tokenizer synthetic "$@" >>"$OUT/bench.log" 2>&1
     echo "bench: exit $?"

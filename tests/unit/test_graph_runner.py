@@ -124,8 +124,9 @@ def test_triton_model_steps_match_the_reference_backend(tiny: str) -> None:
     steps included, against the torch reference backend."""
     pytest.importorskip("triton")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    ref = load_model(ModelConfig(model=tiny, device=device, attention_backend="torch", show_progress=False))
-    tri = load_model(ModelConfig(model=tiny, device=device, attention_backend="triton", show_progress=False))
+    kw = dict(model=tiny, device=device, dtype="float32", show_progress=False)  # CUDA's default is bf16
+    ref = load_model(ModelConfig(**kw, attention_backend="torch"))
+    tri = load_model(ModelConfig(**kw, attention_backend="triton"))
     assert (
         tri.profile.attention_backend == "triton" and tri.model.model.layers[0].self_attn.attn.rope_in_backend
     )

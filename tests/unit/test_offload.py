@@ -97,7 +97,7 @@ def deep(tmp_path_factory):
 
 def _load(folder):
     # blas: plain parameter tensors (oneDNN's packed weights are opaque to byte views)
-    return load_model(ModelConfig(model=str(folder), cpu_gemm="blas", show_progress=False))
+    return load_model(ModelConfig(model=str(folder), device="cpu", cpu_gemm="blas", show_progress=False))
 
 
 def _run(loaded) -> list[torch.Tensor]:
@@ -149,7 +149,7 @@ def test_offloaded_stack_gives_bitwise_the_same_outputs(deep, offloaded, num_slo
 
 def test_fp8_layers_offload_too(deep):
     """e4m3 weights and their float32 scales are parameters like any other: byte views of a slot."""
-    kw = dict(model=str(deep), quantization="fp8", cpu_gemm="blas", show_progress=False)
+    kw = dict(model=str(deep), device="cpu", quantization="fp8", cpu_gemm="blas", show_progress=False)
     want = _run(load_model(ModelConfig(**kw)))
     loaded = load_model(ModelConfig(**kw))
     LayerOffloader(decoder_layers(loaded.model), (1, 3, 5, 7), SyncCopies(), torch.device("cpu"), False)

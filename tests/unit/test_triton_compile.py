@@ -114,6 +114,13 @@ def _elementwise_variants() -> None:
         )
     for gelu in (False, True):
         _compile(O._act_and_mul_kernel, {"*": "bf16"}, dict(GELU=gelu, BLOCK=1024))
+    for dt, block in (("bf16", 2048), ("fp32", 8192)):  # fp8's activation rounding (the compiled branch)
+        _compile(
+            O._quantize_fp8_kernel,
+            {"*": dt, "q_ptr": "u8", "s_ptr": "fp32", "inv_max": "fp32", "min_scale": "fp32"},
+            dict(FP8_MAX=448.0, BLOCK=block),
+            num_warps=8 if block <= 4096 else 16,
+        )
 
 
 def _moe_variants() -> None:

@@ -404,6 +404,30 @@ def test_act_and_mul(dtype: torch.dtype, inter: int, act: str) -> None:
     _assert_rounded_like(out, ref, ulps=1 if act == "silu" else 2)
 
 
+@pytest.mark.parametrize("dtype", NORM_DTYPES)
+@pytest.mark.parametrize("width", [64, 300, 2048])
+def test_fp8_activation_rounding_is_bitwise_quantize_fp8(dtype: torch.dtype, width: int) -> None:
+    """One kernel for fp8's per-token rounding: the scales and e4m3 bits of `quantize_fp8`, over
+    rows of very different magnitudes, a zero row, e4m3 ties (the midpoints between neighbours,
+    scaled by each row's scale) and values in the subnormal range."""
+    from llmserve.layers.quantization.fp8 import FP8_INV_MAX, FP8_MAX, MIN_SCALE, quantize_fp8
+
+    gen = torch.Generator().manual_seed(width)
+    x = torch.randn(7, width, generator=gen) * torch.logspace(-6, 3, 7)[:, None]
+    x[3] = 0.0
+    grid = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    ties = torch.cat([(grid[:-1] + grid[1:]) / 2, grid]).repeat(width)[:width]
+    x[5] = ties * (ties.abs().amax() / FP8_MAX)  # x / scale lands on the midpoints themselves
+    x[5, 0] = FP8_MAX * (ties.abs().amax() / FP8_MAX)
+    x = x.to(dtype).to(DEVICE)
+    q, scale = triton_ops.quantize_fp8_rows(x[:, :width], FP8_MAX, FP8_INV_MAX, MIN_SCALE)
+    assert q.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
+    # torch's ops on the same device (on CUDA, torch divides by 448 as a product with 1/448)
+    ref_q, ref_scale = quantize_fp8(x)
+    assert torch.equal(scale, ref_scale)
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+
+
 # ---- larger shapes, compiled kernels only -----------------------------------------------------
 
 GPU_CASES = {
@@ -439,4 +463,5 @@ def test_fused_elementwise_gpu() -> None:
     for weight_offset in (0.0, 1.0):
         test_rms_norm(BF16, 8192, weight_offset, True)
     test_act_and_mul(BF16, 8192, "silu")
+    test_fp8_activation_rounding_is_bitwise_quantize_fp8(BF16, 8192)
     test_rope_cache_write(128, 128, BF16, BF16, False)

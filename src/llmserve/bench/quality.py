@@ -55,10 +55,11 @@ class QualityResult:
 
 
 def _chunk_logprobs(runner: ForwardRunner, chunk: list[int], first: int) -> torch.Tensor:
-    """log-softmax rows first .. n-2 of a chunk run as one prompt: [n - 1 - first, vocab]."""
+    """log-softmax rows first .. n-2 of a chunk run as one prompt: [n - 1 - first, vocab], on the
+    host (where the targets are, and where the reference's rows meet these)."""
     blocks = list(range(-(-len(chunk) // runner.block_size)))
     logits = runner.execute([SequenceBatchEntry(chunk, len(chunk), blocks)], all_logits=True)
-    return torch.log_softmax(logits[first:-1].double(), dim=-1)
+    return torch.log_softmax(logits[first:-1].double(), dim=-1).cpu()
 
 
 def _runner(

@@ -58,7 +58,9 @@ class MRotaryEmbedding(RotaryEmbedding):
             for a in (1, 2):
                 axis[(j % 3 == a) & (j < 3 * self.mrope_section[a])] = a
         else:
-            axis = torch.repeat_interleave(torch.arange(3, device="cpu"), torch.tensor(self.mrope_section))
+            axis = torch.repeat_interleave(
+                torch.arange(3, device="cpu"), torch.tensor(self.mrope_section, device="cpu")
+            )
         # the table's row is [cos f_0..f_D/2-1 | sin f_0..]: each column's axis, both halves alike
         self.register_buffer(
             "column_axis", torch.cat([axis, axis]).to(torch.get_default_device()), persistent=False

@@ -1,12 +1,14 @@
-"""Fused elementwise Triton kernels for the GPU path: residual add + RMSNorm, and the gated
-activations (SiLU-and-mul, GELU-tanh-and-mul). Plain functions over torch tensors; importing this
-module needs triton, so callers import it where the device profile chose the Triton path.
+"""Fused elementwise Triton kernels for the GPU path: residual add + RMSNorm, the gated
+activations (SiLU-and-mul, GELU-tanh-and-mul), and fp8's per-token activation rounding. Plain
+functions over torch tensors; importing this module needs triton, so callers import it where the
+device profile chose the Triton path.
 
 Each matches the torch layers' rounding (layernorm.py's `RMSNorm`, activation.py + `gate * up`):
 sums and statistics in float32, rounded to the activation dtype where the torch code rounds.
 
     add_rms_norm: one program per row, the row as one tile   [x | residual] -> [normed | sum]
     gated act:    grid (rows, I / BLOCK), [gate | up] halves of one row -> act(gate) * up
+    fp8 rows:     one program per row: max |x|, the scale, x / scale rounded to e4m3 -> [q | scale]
 
 Both are a single read and write of their tensors. On an H100 (the 1.07B Llama of bench_gpu.py):
 rms_norm 1.9 us and act_and_mul 1.2 us per call at batch 1; 42 us and 136 us per call in an
@@ -33,6 +35,7 @@ def _probe():
 INTERPRETED = type(_probe).__name__ == "InterpretedFunction"
 """The kernels run under Triton's interpreter (TRITON_INTERPRET=1 when triton.jit decorated them)."""
 _RNE_BY_HAND = tl.constexpr(INTERPRETED)
+INTERPRETED_BY_CPU = tl.constexpr(INTERPRETED)
 
 
 @triton.jit
@@ -184,3 +187,61 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[..., 2I] as [gate | up] -> gelu_tanh(gate) * up [..., I] (Gemma's GeGLU)."""
     return _act_and_mul(x, gelu=True)
+
+
+@triton.jit
+def e4m3_bits(v):
+    """float32 v with |v| <= 448 -> the bits (uint8) of v rounded to nearest even in e4m3fn, by
+    integer arithmetic: the same bits as torch's `.to(torch.float8_e4m3fn)` compiled and under the
+    interpreter (whose own fp8 cast does not round to nearest), whatever rounding a Triton build's
+    conversion uses. Normal results (|v| >= 2^-6) keep 3 of float32's 23 mantissa bits; smaller
+    ones are multiples of 2^-9, the significand shifted right by 14 - exponent, rounded alike."""
+    bits = v.to(tl.uint32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF
+    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - ((127 - 7) << 3)  # rebias 127 -> 7
+    shift = tl.minimum(tl.maximum(141 - (a >> 23).to(tl.int32), 1), 31).to(tl.uint32)
+    sig = (a & 0x7FFFFF) | 0x800000
+    sub = (sig + (1 << (shift - 1)) - 1 + ((sig >> shift) & 1)) >> shift
+    return (tl.where(a < 0x3C800000, sub, normal) | sign).to(tl.uint8)  # 0x3C800000: 2^-6
+
+
+@triton.jit
+def _quantize_fp8_kernel(
+    x_ptr, q_ptr, s_ptr, stride_x, n, inv_max, min_scale, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < n
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    # as torch rounds on this device: amax / 448 an IEEE division on the CPU (the interpreter), a
+    # product with 1/448 in float32 on CUDA; x / scale an IEEE division (div_rn) on both, as torch
+    # divides two tensors (Triton's `/` on float32 is an approximation)
+    amax = tl.max(tl.abs(x), 0)
+    if INTERPRETED_BY_CPU:  # noqa: SIM108 (a static if on a constexpr)
+        scale = tl.math.div_rn(amax, FP8_MAX)
+    else:
+        scale = amax * inv_max
+    scale = tl.maximum(scale, min_scale)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
+    tl.store(q_ptr + row * n + cols, e4m3_bits(q), mask=ok)
+    tl.store(s_ptr + row, scale)
+
+
+def quantize_fp8_rows(
+    x: torch.Tensor, fp8_max: float, inv_max: float, min_scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8.py's `quantize_fp8` in one kernel (its eight torch ops were eight launches per matmul):
+    rows of x [R, K] -> (q [R, K] float8_e4m3fn, scale [R] float32), the same bits."""
+    n = x.shape[-1]
+    if n > MAX_NORM_WIDTH:
+        raise ValueError(f"rows of {n} elements are wider than the fused fp8 rounding's {MAX_NORM_WIDTH}")
+    x2 = _rows(x)
+    q = torch.empty(x2.shape, dtype=torch.uint8, device=x.device)
+    scale = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
+    block = triton.next_power_of_2(n)
+    _quantize_fp8_kernel[(x2.shape[0],)](
+        x2, q, scale, x2.stride(0), n, inv_max, min_scale, FP8_MAX=fp8_max, BLOCK=block,
+        num_warps=4 if block <= 1024 else (8 if block <= 4096 else 16),
+    )  # fmt: skip
+    return q.view(torch.float8_e4m3fn), scale

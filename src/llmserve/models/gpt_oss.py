@@ -38,6 +38,10 @@ from llmserve.models.llama import ArchFlags, LlamaForCausalLM
 
 STACKED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
 
+# The clamped SwiGLU's alpha and limit where a config lacks them: OpenAI's reference code fixes
+# alpha, and transformers 5.17's GptOssConfig has neither field (later ones default to these).
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
+
 
 def per_expert(
     prefix: str, proj: str, kind: str, t: torch.Tensor, interleaved: bool = True
@@ -97,7 +101,10 @@ class GptOssForCausalLM(LlamaForCausalLM):
             renormalize=False,
             softmax_after_top_k=True,
             bias=True,
-            glu=clamped_swiglu(float(config.swiglu_alpha), float(config.swiglu_limit)),
+            glu=clamped_swiglu(
+                float(getattr(config, "swiglu_alpha", SWIGLU_ALPHA)),
+                float(getattr(config, "swiglu_limit", SWIGLU_LIMIT)),
+            ),
         )
 
     def map_weight_name(self, name: str) -> str | None:

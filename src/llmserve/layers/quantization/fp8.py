@@ -8,7 +8,9 @@ per-token activation scales, W8A8).
 
 e4m3 (`torch.float8_e4m3fn`) has 3 mantissa bits and a largest finite value of 448: the scale maps
 each row's largest magnitude onto 448, and every normal element is rounded with a relative error of
-at most 2^-4. Scales are floored at `MIN_SCALE` so a row of zeros (a padding token) quantizes to
+at most 2^-4. (torch divides by 448 exactly on the CPU; on CUDA it multiplies by 1/448 rounded to
+float32, `FP8_INV_MAX`, as it does for any division by a Python number: the scale can differ by a
+float32 unit between the devices. The Triton kernel on CUDA rounds as torch does there.) Scales are floored at `MIN_SCALE` so a row of zeros (a padding token) quantizes to
 zeros instead of dividing by zero.
 
 Two kernels compute `y`, picked once per model (`fp8_kernel`):
@@ -32,6 +34,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from llmserve.layers.activation import gpu_kernels
 from llmserve.layers.linear import Linear
 from llmserve.layers.quantization.formats import QuantizedRows
 from llmserve.load_errors import WeightShapeError
@@ -39,6 +42,9 @@ from llmserve.load_errors import WeightShapeError
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 """The largest finite e4m3fn value."""
+FP8_INV_MAX = (torch.ones((), dtype=torch.float32) / FP8_MAX).item()
+"""1/448 rounded to float32 (a Python float holding that value): torch on CUDA computes
+`amax / 448` as `amax * FP8_INV_MAX`."""
 MIN_SCALE = 1e-12
 """Floor of every scale. Any positive floor keeps |x / scale| <= 448; it only decides what an all
 (near-)zero row becomes: zeros."""
@@ -66,6 +72,15 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = (xf.abs().amax(dim=-1) / FP8_MAX).clamp_min(MIN_SCALE)  # [R]
     q = (xf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)  # round to nearest even
     return q, scale
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_fp8` of activation rows, in one Triton kernel on CUDA (triton_ops.py's
+    `quantize_fp8_rows`: the same bits, one launch instead of eight)."""
+    kernels = gpu_kernels() if x.is_cuda else None
+    if kernels is not None and x.shape[-1] <= kernels.MAX_NORM_WIDTH:
+        return kernels.quantize_fp8_rows(x, FP8_MAX, FP8_INV_MAX, MIN_SCALE)
+    return quantize_fp8(x)
 
 
 def scaled_mm_supported(device: torch.device) -> bool:
@@ -125,7 +140,7 @@ class Fp8Linear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         lead = x.shape[:-1]
-        x_q, x_scale = quantize_fp8(x.reshape(-1, self.in_features))  # [T, K], [T]
+        x_q, x_scale = quantize_activations(x.reshape(-1, self.in_features))  # [T, K], [T]
         y = fp8_matmul(x_q, x_scale, self.weight, self.weight_scale, self.kernel).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
