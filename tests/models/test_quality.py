@@ -130,3 +130,15 @@ def test_cli_writes_its_report(tiny, tmp_path):
     )  # llama.cpp's names read
     assert data["n_ctx"] == 64 and data["text_tokens"] >= 64
     assert data["kld"] > 0 and data["ppl"] > 1
+    assert "warning" not in run.stderr  # the tiny tokenizer knows these words
+
+
+def test_a_text_the_tokenizer_does_not_know_is_named():
+    """Most of the text one id (a word-level vocabulary's unknown token for English text: every
+    logit then comes from the same row) is warned about; ordinary text is not."""
+    from llmserve.cli.eval import repeated_id_warning
+
+    assert repeated_id_warning([0] * 60 + list(range(1, 41))) is not None
+    assert "token id 0 is 60 of the text's 100 tokens" in repeated_id_warning([0] * 60 + [1] * 40)
+    assert repeated_id_warning(list(range(100))) is None and repeated_id_warning([]) is None
+    assert repeated_id_warning([5] * 50 + list(range(100, 150))) is None  # half is not more than half

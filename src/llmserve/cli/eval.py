@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections import Counter
 from importlib import resources
 from pathlib import Path
 
@@ -78,6 +79,8 @@ def run_perplexity(args: argparse.Namespace) -> int:
         reference = load(args.reference, "none", args.reference_dtype)
     tokenizer = load_tokenizer(loaded.source)
     ids = tokenizer.encode(read_text(args.text))  # a BOS only where the model's tokenizer adds one
+    if warning := repeated_id_warning(ids):
+        print(f"warning: {warning}", file=sys.stderr)
     print(f"model: {loaded.summary()}", file=sys.stderr)
     if reference is not None:
         print(f"reference: {reference.summary()}", file=sys.stderr)
@@ -103,3 +106,17 @@ def run_perplexity(args: argparse.Namespace) -> int:
         }
         args.json.write_text(json.dumps(report, indent=1))
     return 0
+
+
+def repeated_id_warning(ids: list[int], share: float = 0.5) -> str | None:
+    """A warning where one id is more than `share` of the text's tokens: a tokenizer that does
+    not know the text's words maps them to its unknown token, and the scores say nothing then."""
+    if not ids:
+        return None
+    token, count = Counter(ids).most_common(1)[0]
+    if count <= share * len(ids):
+        return None
+    return (
+        f"token id {token} is {count} of the text's {len(ids)} tokens: the tokenizer does not "
+        "know the text's words (its unknown token?), so the perplexity and KLD measure little"
+    )
