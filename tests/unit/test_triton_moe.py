@@ -192,6 +192,26 @@ def test_stacked_experts_are_views_of_one_copy() -> None:
         torch.testing.assert_close(moe(x), moe.grouped_forward(x, weights, ids), rtol=2e-5, atol=2e-5)
 
 
+def test_long_eager_steps_run_grouped(monkeypatch) -> None:
+    """Under `triton`, a step of GROUPED_FROM_TOKENS tokens or more runs the experts grouped on the
+    host (cuBLAS beats the kernel's tiles there), a shorter one runs the kernel; the same numbers."""
+    import llmserve.layers.moe as moe_module
+    import llmserve.layers.triton_moe as triton_moe
+
+    moe = make_moe(32, 4, 40, torch.float32)
+    assert moe.use_kernel("triton") == "triton"
+    ran: list[str] = []
+    real_grouped, real_fused = moe.grouped_forward, triton_moe.fused_moe
+    monkeypatch.setattr(moe, "grouped_forward", lambda *a: (ran.append("grouped"), real_grouped(*a))[1])
+    monkeypatch.setattr(triton_moe, "fused_moe", lambda *a: (ran.append("triton"), real_fused(*a))[1])
+    monkeypatch.setattr(moe_module, "GROUPED_FROM_TOKENS", 12)
+    x = torch.randn(12, 32, device=DEVICE)
+    with torch.no_grad():
+        long, short = moe(x), moe(x[:11])
+    assert ran == ["grouped", "triton"]
+    torch.testing.assert_close(long[:11], short, rtol=2e-5, atol=2e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("num_tokens", [1, 16, 300])

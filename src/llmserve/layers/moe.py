@@ -23,7 +23,9 @@ loader through `use_moe_kernel`):
               free on the CPU
     triton    CUDA: the same grouping on the device, in two Triton kernels (triton_moe.py), with
               no host sync, so decode steps replay in CUDA graphs; the experts' weights stacked
-              into [E, H, 2I] / [E, I, H] tensors that the experts' own parameters then view
+              into [E, H, 2I] / [E, I, H] tensors that the experts' own parameters then view.
+              Eager steps of `GROUPED_FROM_TOKENS` tokens or more (long prefill chunks) run
+              `grouped` instead: there cuBLAS per expert beats the kernel's tiles
     dense     CUDA without triton, experts the kernel does not take (fp8 or quantized layers,
               activations other than SiLU / GELU-tanh, gpt-oss's biased experts with the clamped
               SwiGLU), layers offloaded to the host, and experts
@@ -43,6 +45,13 @@ from llmserve.layers.activation import GatedActivation, fused_gated_name
 from llmserve.layers.mlp import DownLinear, GatedMLP, GateUpLinear
 
 MoEKernel = Literal["grouped", "triton", "dense"]
+
+GROUPED_FROM_TOKENS = 2048
+"""Under the `triton` kernel, a step of at least this many tokens that is not being captured into
+a CUDA graph runs `grouped` (cuBLAS per expert, one host sync per layer, nothing at this size). On
+an H100 at Mixtral-8x7B's width in bf16 (benchmarks/gpu/moe_kernel.py, eager): 2,048 tokens took
+3.35 ms grouped against the kernel's 5.32; at 256 they were even (1.69 against 1.64). Sizes between
+were not measured."""
 
 
 class Router(nn.Module):
@@ -123,7 +132,10 @@ class SparseMoE(nn.Module):
             from llmserve.layers.triton_moe import fused_moe
 
             assert self.w13 is not None and self.w2 is not None
-            out = fused_moe(x, self.w13, self.w2, weights, ids, self.experts[0].act_name)
+            if x.shape[0] >= GROUPED_FROM_TOKENS and not _capturing(x):
+                out = self.grouped_forward(x, weights, ids)
+            else:
+                out = fused_moe(x, self.w13, self.w2, weights, ids, self.experts[0].act_name)
         else:
             out = self.dense_forward(x, weights, ids)
         if self.shared_expert is not None:
@@ -192,6 +204,10 @@ class SparseMoE(nn.Module):
         for e, expert in enumerate(self.experts):
             out = out + expert(x) * dense[:, e : e + 1]
         return out
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def use_moe_kernel(model: nn.Module, kernel: MoEKernel) -> str:
