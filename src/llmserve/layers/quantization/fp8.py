@@ -8,10 +8,11 @@ per-token activation scales, W8A8).
 
 e4m3 (`torch.float8_e4m3fn`) has 3 mantissa bits and a largest finite value of 448: the scale maps
 each row's largest magnitude onto 448, and every normal element is rounded with a relative error of
-at most 2^-4. (torch divides by 448 exactly on the CPU; on CUDA it multiplies by 1/448 rounded to
-float32, `FP8_INV_MAX`, as it does for any division by a Python number: the scale can differ by a
-float32 unit between the devices. The Triton kernel on CUDA rounds as torch does there.) Scales are floored at `MIN_SCALE` so a row of zeros (a padding token) quantizes to
-zeros instead of dividing by zero.
+at most 2^-4. Scales are floored at `MIN_SCALE` so a row of zeros (a padding token) quantizes to
+zeros instead of dividing by zero. (torch divides by 448 exactly on the CPU; on CUDA it multiplies
+by 1/448 rounded to float32, `FP8_INV_MAX`, as it does for any division by a Python number, so a
+scale can differ by a float32 unit between the devices. The Triton kernel rounds as torch does on
+each.)
 
 Two kernels compute `y`, picked once per model (`fp8_kernel`):
 
