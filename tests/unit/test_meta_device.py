@@ -90,3 +90,30 @@ def test_gemma3_vision_on_meta_creates_nothing_on_another_device(tmp_path) -> No
                                 bidirectional=((2, 18),))]  # fmt: skip
     logits = runner.execute(batch, all_logits=True)
     assert logits.device == META and tuple(logits.shape) == (20, text.vocab_size)
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
+def test_qwen_vl_on_meta_creates_nothing_on_another_device(tmp_path, kind: str) -> None:
+    """Built under a default device that is not the CPU (as the loader builds on CUDA), the M-RoPE
+    tables, the vision tower and a step with an image's rows stay on that device (M-RoPE's column
+    map once mixed a default-device tensor with a CPU one: every Qwen VL model failed to load on
+    CUDA)."""
+    import transformers
+
+    from tests.models import tiny
+
+    make = {"qwen2_vl": tiny.make_tiny_qwen2_vl, "qwen2_5_vl": tiny.make_tiny_qwen2_5_vl,
+            "qwen3_vl": tiny.make_tiny_qwen3_vl,
+            "qwen3_vl_moe": lambda folder: tiny.make_tiny_qwen3_vl(folder, moe=True)}[kind]  # fmt: skip
+    make(tmp_path)
+    config = transformers.AutoConfig.from_pretrained(tmp_path)
+    with torch.device(META):
+        model = resolve_model_class(config.architectures, kind)(config, get_attention_backend("torch")).eval()
+    assert {p.device for p in model.parameters()} | {b.device for b in model.buffers()} == {META}
+    vision = config.vision_config
+    patch = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    vectors = model.visual(torch.empty(4 * 4, patch, device=META), (1, 4, 4))  # 16 patches, 4 tokens
+    assert vectors.device == META and vectors.shape[0] == 4
+    runner = ForwardRunner(model, num_blocks=16, block_size=4, profile=build_profile(META))
+    logits = runner.execute([SequenceBatchEntry(list(range(1, 10)), 9, [0, 1, 2])], all_logits=True)
+    assert logits.device == META and tuple(logits.shape) == (9, config.get_text_config().vocab_size)
