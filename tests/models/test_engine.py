@@ -179,6 +179,41 @@ def test_abort_frees_blocks(tiny):
     assert not engine.has_unfinished_requests()
 
 
+def test_final_only_requests_come_back_once_as_the_cumulative_ones_end(tiny):
+    """The offline `LLM`'s requests (final_only) give no output until they finish, and then the
+    same tokens, text, logprobs, stop and metrics as a request that accumulated every step; a
+    stop string and n = 2 included."""
+    engine = make_llm(tiny[0]).engine
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop=[" "]),
+    ]
+    for i, p in enumerate(params):
+        engine.add_request(f"cum{i}", PROMPTS[i], p)
+        engine.add_request(f"fin{i}", PROMPTS[i], p, final_only=True)
+    finals, seen = {}, []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen.append((out.request_id, out.finished))
+            if out.finished:
+                finals[out.request_id] = out
+    assert all(finished for rid, finished in seen if rid.startswith("fin"))
+    assert sum(rid.startswith("fin") for rid, _ in seen) == len(params)
+    for i in range(len(params)):
+        cum, fin = finals[f"cum{i}"], finals[f"fin{i}"]
+        for a, b in zip(cum.outputs, fin.outputs, strict=True):
+            assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == (
+                b.token_ids,
+                b.text,
+                b.finish_reason,
+                b.stop_reason,
+            )
+            assert a.logprobs == b.logprobs and a.cumulative_logprob == b.cumulative_logprob
+        assert fin.metrics.num_generation_tokens == cum.metrics.num_generation_tokens
+    assert finals["fin2"].outputs[0].stop_reason == " "  # the stop string cut it
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

@@ -102,7 +102,7 @@ class LatencyRunner:
         params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
         ids = [f"bench-latency-{next(self._ids)}" for _ in prompts]
         for request_id, prompt in zip(ids, prompts, strict=True):
-            self.engine.add_request(request_id, prompt, params)
+            self.engine.add_request(request_id, prompt, params, final_only=True)
         finished: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():

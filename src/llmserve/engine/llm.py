@@ -210,7 +210,9 @@ class LLM:
         try:
             for i, (req_id, p) in enumerate(zip(ids, prompts, strict=True)):  # type: ignore[arg-type]
                 engine.add_request(
-                    req_id, engine.process_embedding_inputs(_text_or_ids(p, i), pooling_params)
+                    req_id,
+                    engine.process_embedding_inputs(_text_or_ids(p, i), pooling_params),
+                    final_only=True,
                 )
         except ValueError as e:
             engine.abort_request(ids)
@@ -253,7 +255,12 @@ class LLM:
                 if isinstance(prompt, ImagePrompt):
                     prompt = engine.process_inputs(prompt.prompt, p, prompt.images, videos=prompt.videos)
                 engine.add_request(
-                    req_id, prompt, p, priority=priority[i] if priority else 0, lora_request=lora
+                    req_id,
+                    prompt,
+                    p,
+                    priority=priority[i] if priority else 0,
+                    lora_request=lora,
+                    final_only=True,
                 )
         except ValueError as e:
             engine.abort_request(ids)  # nothing half-queued stays behind

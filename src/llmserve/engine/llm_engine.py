@@ -360,11 +360,13 @@ class LLMEngine:
         priority: int = 0,
         delta: bool = False,
         lora_request: LoRARequest | None = None,
+        final_only: bool = False,
     ) -> None:
         """Validate and queue a request; raises ValueError (nothing queued) for bad input.
 
         `prompt` may be the result of `process_inputs`. `delta`: each step's output for this
         request carries only the new tokens and text (streaming); otherwise it accumulates.
+        `final_only`: `step` returns this request's output only once, when it finishes.
         `lora_request`: the adapter it runs with (loaded now the first time, so a bad one fails here).
         """
         if self.output_processor.has_request(request_id):
@@ -391,6 +393,7 @@ class LLMEngine:
             delta,
             prompt.max_tokens,
             None if lora_request is None else lora_request.lora_name,
+            final_only,
         )
         for i, child_id in enumerate(child_ids):
             child_params = params

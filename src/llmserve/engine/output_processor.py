@@ -71,6 +71,9 @@ class _RequestState:
     delta: bool = False
     """Each output carries only what is new (fresh objects, safe to hand to another thread);
     otherwise the same accumulating `CompletionOutput`s are returned every step."""
+    final_only: bool = False
+    """No output until the request finishes (the offline `LLM`, which keeps only finished ones):
+    a step builds no `RequestOutput` and joins no text for it."""
     prompt_logprobs_sent: bool = False
     embedding: list[float] | None = None
 
@@ -120,6 +123,7 @@ class OutputProcessor:
         delta: bool = False,
         max_tokens: int = 0,
         lora_name: str | None = None,
+        final_only: bool = False,
     ) -> None:
         children = {
             cid: _Child(
@@ -138,7 +142,7 @@ class OutputProcessor:
         self._requests[request_id] = _RequestState(
             request_id, prompt, prompt_token_ids, params, children, RequestMetrics(arrival_time),
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
-            num_unfinished=len(child_ids), child_order=list(child_ids), delta=delta,
+            num_unfinished=len(child_ids), child_order=list(child_ids), delta=delta, final_only=final_only,
         )  # fmt: skip
         for cid in child_ids:
             self._parent_of[cid] = request_id
@@ -217,6 +221,8 @@ class OutputProcessor:
                 del self._requests[request_id]
                 for cid in state.child_order:
                     self._parent_of.pop(cid, None)
+            elif state.final_only:
+                continue
             results.append(state.to_output(finished))
         return results, to_abort
 

@@ -106,9 +106,16 @@ class KVCacheManager:
         Returns the ids of the blocks added to the table, cached hits first.
         """
         assert num_new_tokens >= 0
+        table = self._tables.get(request.request_id)
+        if table is not None and not new_computed_block_ids:
+            # the common decode step: the held blocks already have room
+            num_total_tokens = request.num_computed_tokens + num_new_tokens
+            if num_total_tokens <= len(table.blocks) * self.block_size:
+                if self.enable_caching:
+                    self._register_full_blocks(table, min(num_total_tokens, request.num_tokens))
+                return []
         computed_ids = new_computed_block_ids or []
         assert num_new_computed_tokens == len(computed_ids) * self.block_size
-        table = self._tables.get(request.request_id)
         num_held = len(table.blocks) if table is not None else 0
         assert table is not None or request.num_computed_tokens == 0, (
             f"request {request.request_id} has computed tokens but no blocks (not reset on preemption?)"
