@@ -2,7 +2,8 @@
 graphs on (the default) against transformers (or PEFT) run on the CPU: gpt-oss's attention sinks
 and sliding window in the Triton kernels, Qwen2-VL / Qwen2.5-VL / Qwen3-VL (dense and MoE) with
 their M-RoPE positions in the graphs' persistent buffer, Gemma 3's vision spans, a BERT encoder's
-embeddings and LoRA adapters through the Triton shrink/expand kernels.
+embeddings and LoRA adapters through the Triton shrink/expand kernels. All passed on an H100
+(2026-11-26).
 
 The logprob tolerance is 2e-3 rather than the CPU tests' 1e-4: cuDNN runs float32 convolutions
 (SigLIP's patch embedding) in TF32 by default, and CUDA's reductions sum in other orders."""
@@ -135,8 +136,8 @@ def test_bert_embeddings_match_transformers(tmp_path) -> None:
 
 
 def test_lora_adapters_match_peft(tmp_path) -> None:
-    """Two PEFT adapters and the base in one batch on CUDA (the Triton LoRA kernels, graphs on):
-    each greedy continuation equals PEFT's generate on the CPU, and the adapters change it."""
+    """Two PEFT adapters and the base in one batch on CUDA (the Triton LoRA kernels): each greedy
+    continuation equals PEFT's generate on the CPU, and the adapters change it."""
     pytest.importorskip("peft")
     from tests.models.test_lora import ALL, SOME, make_adapter, peft_reference
 
