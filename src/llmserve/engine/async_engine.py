@@ -36,7 +36,7 @@ from llmserve.engine.llm_engine import LLMEngine, ProcessedPrompt
 from llmserve.lora import LoRARequest
 from llmserve.metrics.loggers import StatLogger
 from llmserve.metrics.stats import IterationStats, SchedulerStats
-from llmserve.outputs import RequestOutput
+from llmserve.outputs import CompletionOutput, RequestOutput
 from llmserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -85,11 +85,21 @@ class RequestStream:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        pending: RequestOutput | BaseException | None = None
         while not self.finished:
-            item = await self._queue.get()
+            item = pending if pending is not None else await self._queue.get()
+            pending = None
             if isinstance(item, BaseException):
                 self.finished = True
                 raise item
+            # a reader that fell behind (a busy event loop) gets the steps that wait as one delta,
+            # so its per-delta work (an SSE event, a JSON body) shrinks as the load grows
+            while not item.finished and not self._queue.empty():
+                following = self._queue.get_nowait()
+                if isinstance(following, BaseException):
+                    pending = following
+                    break
+                item = merge_deltas(item, following)
             self.finished = item.finished
             yield item
 
@@ -103,6 +113,29 @@ class RequestStream:
 
     async def __aexit__(self, *exc: object) -> None:
         self.abort()
+
+
+def merge_deltas(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """Two consecutive delta outputs of one request as one: each sample's new tokens, text and
+    logprobs joined; finish, cumulative logprob and metrics from the later one."""
+    outputs = [
+        CompletionOutput(
+            b.index,
+            a.text + b.text,
+            a.token_ids + b.token_ids,
+            b.cumulative_logprob,
+            None if a.logprobs is None else a.logprobs + (b.logprobs or []),
+            b.finish_reason,
+            b.stop_reason,
+        )
+        for a, b in zip(first.outputs, then.outputs, strict=True)
+    ]
+    return RequestOutput(
+        then.request_id, then.prompt, then.prompt_token_ids, outputs, then.finished,
+        first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs,
+        max(first.num_cached_tokens, then.num_cached_tokens),
+        then.embedding if then.embedding is not None else first.embedding, then.metrics,
+    )  # fmt: skip
 
 
 class AsyncEngine:
