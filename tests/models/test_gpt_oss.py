@@ -238,3 +238,20 @@ def test_gguf_mxfp4_experts_stay_in_their_blocks(f32_gguf: Path, tmp_path: Path)
     want = torch.cat([floats[prefix + "gate_proj.weight"], floats[prefix + "up_proj.weight"]])
     assert torch.equal(layer.logical_weight(), want)
     torch.testing.assert_close(_logits(quant.model, PROMPT), _logits(plain.model, PROMPT), rtol=TOL, atol=TOL)
+
+
+def test_configs_without_the_swiglu_fields_take_openais_values(tiny) -> None:
+    """transformers 5.17's GptOssConfig has neither `swiglu_alpha` nor `swiglu_limit` (the model
+    failed to load under it): the experts' gating then uses alpha 1.702 and limit 7.0."""
+    from types import SimpleNamespace
+
+    from llmserve.layers.activation import clamped_swiglu
+    from llmserve.models.gpt_oss import GptOssForCausalLM
+
+    hf, _ = tiny
+    fields = {k: getattr(hf.config, k) for k in ("hidden_size", "num_local_experts", "num_experts_per_tok",
+                                                  "intermediate_size")}  # fmt: skip
+    glu = GptOssForCausalLM.build_mlp(SimpleNamespace(**fields), 0).experts[0].glu
+    gate, up = torch.linspace(-10, 10, 41), torch.linspace(9, -9, 41)
+    assert torch.equal(glu(gate, up), clamped_swiglu(1.702, 7.0)(gate, up))
+    assert not torch.equal(glu(gate, up), clamped_swiglu(1.0, 7.0)(gate, up))

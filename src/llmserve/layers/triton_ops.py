@@ -34,8 +34,8 @@ def _probe():
 
 INTERPRETED = type(_probe).__name__ == "InterpretedFunction"
 """The kernels run under Triton's interpreter (TRITON_INTERPRET=1 when triton.jit decorated them)."""
-_RNE_BY_HAND = tl.constexpr(INTERPRETED)
-INTERPRETED_BY_CPU = tl.constexpr(INTERPRETED)
+_ON_INTERPRETER = tl.constexpr(INTERPRETED)
+"""`INTERPRETED` as a constexpr, for static ifs inside kernels."""
 
 
 @triton.jit
@@ -44,7 +44,7 @@ def cast(x, dtype: tl.constexpr):
     own cast truncates, which would make the CPU tests disagree with torch by a unit of rounding."""
     out = x.to(dtype)
     # nested static ifs, not one `and`: compiled Triton takes two operands per `and`, no more
-    if _RNE_BY_HAND:  # noqa: SIM102
+    if _ON_INTERPRETER:  # noqa: SIM102
         if x.dtype == tl.float32:  # noqa: SIM102
             if dtype == tl.bfloat16:
                 bits = x.to(tl.uint32, bitcast=True)
@@ -218,7 +218,7 @@ def _quantize_fp8_kernel(
     # product with 1/448 in float32 on CUDA; x / scale an IEEE division (div_rn) on both, as torch
     # divides two tensors (Triton's `/` on float32 is an approximation)
     amax = tl.max(tl.abs(x), 0)
-    if INTERPRETED_BY_CPU:  # noqa: SIM108 (a static if on a constexpr)
+    if _ON_INTERPRETER:  # noqa: SIM108 (a static if on a constexpr)
         scale = tl.math.div_rn(amax, FP8_MAX)
     else:
         scale = amax * inv_max
