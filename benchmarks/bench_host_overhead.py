@@ -1,0 +1,128 @@
+"""The engine's Python around the model, side by side for two checkouts: offline throughput and
+served throughput on a tiny model whose own compute is small (the tests' tiny Llama: hidden 64, 2
+layers), so a step's time is the engine's scheduling, input building and output handling, as on
+a GPU at large batches.
+
+    python benchmarks/bench_host_overhead.py BASE_SRC [NEW_SRC] [--pairs 3] [--concurrency 64 256 4]
+
+BASE_SRC and NEW_SRC are `src` folders of two checkouts (NEW_SRC defaults to this one's); each
+measurement runs in a fresh process with PYTHONPATH at one of them, the two alternating pair by
+pair so that drift hits both alike:
+
+    offline  `llmserve bench throughput`: 512 prompts of 24 tokens, 200 output tokens each, EOS
+             ignored, 256 sequences at a time; output tok/s
+    served   `llmserve serve` (256 sequences) driven by `llmserve bench serve` at each concurrency
+             c (4c prompts, the same lengths, streamed); output tok/s. The client runs on the same
+             machine, as it would in a one-host setup.
+
+Prints every figure, then each level's medians and their ratio (new / base).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+LENGTHS = ["--input-len", "24", "--output-len", "200"]
+CLI = "import sys; from llmserve.cli.main import main; sys.exit(main())"
+
+
+def _env(src: Path) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(src)}
+
+
+def _output_tok_s(text: str) -> float:
+    match = re.search(r"Output token throughput \(tok/s\):\s*([\d.]+)|([\d.]+) output tokens/s", text)
+    if match is None:
+        raise RuntimeError(f"no throughput in:\n{text[-2000:]}")
+    return float(match.group(1) or match.group(2))
+
+
+def offline(src: Path, model: Path) -> float:
+    cmd = [sys.executable, "-c", CLI, "bench", "throughput", "--model", str(model), *LENGTHS,
+           "--num-prompts", "512", "--max-num-seqs", "256", "--num-kv-blocks", "4096", "--disable-tqdm"]  # fmt: skip
+    return _output_tok_s(
+        subprocess.run(cmd, env=_env(src), capture_output=True, text=True, check=True).stdout
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def served(src: Path, model: Path, concurrency: int, results: Path) -> float:
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-c", CLI, "serve", str(model), "--max-num-seqs", "256", "--num-kv-blocks", "4096",
+         "--port", str(port)],
+        env=_env(src), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not _ready(port):
+            if time.monotonic() > deadline or server.poll() is not None:
+                raise RuntimeError(f"the server from {src} did not start")
+            time.sleep(0.5)
+        cmd = [sys.executable, "-c", CLI, "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
+               "--dataset", "random", *LENGTHS, "--ignore-eos", "--num-prompts", str(4 * concurrency),
+               "--max-concurrency", str(concurrency), "--tokenizer", str(model), "--result-dir", str(results)]  # fmt: skip
+        run = subprocess.run(cmd, env=_env(src), capture_output=True, text=True, check=True)
+        return _output_tok_s(run.stdout + run.stderr)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
+def _ready(port: int) -> bool:
+    """/health answers 200 (503 while the model loads)."""
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("base", type=Path, help="the baseline checkout's src folder")
+    ap.add_argument("new", type=Path, nargs="?", default=REPO / "src", help="default: this checkout's src")
+    ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--concurrency", type=int, nargs="*", default=[64, 256, 4])
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = Path(tmp) / "model"
+        sys.path.insert(0, str(REPO))
+        from tests.models.tiny import make_tiny_model
+
+        make_tiny_model("llama", model)
+        levels = [("offline", None)] + [(f"served c={c}", c) for c in args.concurrency]
+        figures: dict[str, list[list[float]]] = {name: [[], []] for name, _ in levels}
+        for pair in range(args.pairs):
+            for name, c in levels:
+                for side, src in enumerate((args.base, args.new)):
+                    tok_s = offline(src, model) if c is None else served(src, model, c, Path(tmp) / "results")
+                    figures[name][side].append(tok_s)
+                    print(f"pair {pair + 1} {name} {'base' if side == 0 else 'new'}: {tok_s:,.0f} output tok/s",
+                          flush=True)  # fmt: skip
+    print("\n| level | base output tok/s | new output tok/s | median ratio |\n| --- | --- | --- | ---: |")
+    for name, (base, new) in figures.items():
+        ratio = statistics.median(new) / statistics.median(base)
+        print(f"| {name} | {' / '.join(f'{v:,.0f}' for v in base)} | {' / '.join(f'{v:,.0f}' for v in new)} "
+              f"| {ratio:.2f}x |")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
