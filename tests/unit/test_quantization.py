@@ -118,6 +118,26 @@ def test_linear_matches_dequantized_reference(kernels, fmt, with_min, n, k, m, a
         assert not ((got - want).abs() <= _bound(w, x)).all()
 
 
+# int16 activations whose bytes are at their edges: the AVX-512 q4 tile multiplies each activation's
+# low byte (unsigned) and high byte (signed) apart and joins the sums as lo + 256 hi
+EDGE_ACTIVATIONS = [32767, -32767, 256, -256, 255, -255, 128, -128, 127, -129, 1, -1, 0, 32512, -32513, 12345]
+
+
+@pytest.mark.parametrize("fmt,with_min", [("q8", False), ("q4", True), ("q4", False)])
+@pytest.mark.parametrize("m", [1, 3, 8, 40])
+def test_int16_activations_at_their_byte_edges(kernels, fmt, with_min, m):
+    """Activations that are int16 values already (max |x| = 32767, so the scale is 1 and nothing
+    rounds): the result is the dequantized weights times them up to float32 accumulation, whatever
+    the batch (one weight stream up to 32 tokens, two tiles sharing broadcasts from 33)."""
+    rows = _random_rows(fmt, 48, 96, with_min, seed=7)
+    w = rows.dequantize().double()
+    x = torch.stack([torch.tensor(EDGE_ACTIVATIONS * 6, dtype=torch.float32).roll(i) for i in range(m)])
+    got = cpu_kernels.linear(x, pack(rows), None, 16).double()
+    want = x.double() @ w.T
+    bound = 1e-5 * (x.double().abs() @ w.abs().T) + 1e-6
+    assert ((got - want).abs() <= bound).all(), (got - want).abs().max()
+
+
 @pytest.mark.parametrize("act_bits", [16, 8])
 @pytest.mark.parametrize("fmt,with_min", [("q8", False), ("q8", True), ("q4", True), ("q4", False)])
 def test_a_tokens_row_is_the_same_in_any_batch(kernels, fmt, with_min, act_bits):

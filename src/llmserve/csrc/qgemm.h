@@ -21,7 +21,9 @@
 //
 // so that one load gives, for all 16 rows, the pairs of columns that VNNI multiply-adds (int16
 // pairs -> int32) consume: q8 one pair per 32 bytes (sign-extended to int16), q4 four pairs per 64
-// bytes (each nibble masked or shifted into an int16 lane). The tile advances through K in lock step.
+// bytes (each nibble masked or shifted into an int16 lane; AVX-512's q4 tiles read the same 64 bytes
+// as two vectors of unsigned bytes, low and high nibbles, for vpdpbusd against the int16
+// activations' two bytes: the same int32 sums). The tile advances through K in lock step.
 //
 // Activations are quantized per token (row of x) to int16 with one scale, dx = max|x| / 32767:
 // 16 bits keep the activations' outlier channels and small channels alike, so the result differs

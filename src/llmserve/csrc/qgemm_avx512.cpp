@@ -1,9 +1,11 @@
 // q8 / q4 matmul for CPUs with AVX-512 VNNI (Zen 4, Ice Lake and later): 16 output rows live in one
 // zmm register of int32 lanes.
-//   int16 activations (q8, and q4 by default): each step multiplies a pair of int16 activations
+//   int16 activations (q8, and q4 by default): q8 multiplies a pair of int16 activations
 //       (broadcast to all lanes) by the 16 rows' matching pair of weights and adds both products
 //       (vpdpwssd). A register tile is up to 8 tokens x 2 tiles (32 rows): each broadcast feeds
-//       two instructions, each unpacked weight vector eight.
+//       two instructions, each unpacked weight vector eight. q4 takes each int16 activation as
+//       its two bytes and multiplies four of them by four nibbles (vpdpbusd) per half, exactly
+//       the same sums with less unpacking (tile_q4).
 //   int8 activations (q4, opt-in): one scale per block of 32 (GGUF's Q8_1 arithmetic, as llama.cpp
 //       computes Q4 weights); each step multiplies four unsigned 4-bit weights of each row by four
 //       int8 activations and adds the four products (vpdpbusd): 64 products an instruction,
@@ -33,9 +35,10 @@ namespace avx512 {
 namespace {
 
 // Register tiles. int16 activations: up to 8 tokens x TILES tiles of 16 rows, 16 int32 chains (the
-// tiles share each broadcast activation pair); 12 or 16 tokens spilled and ran no faster.
+// tiles share each broadcast activation pair); 12 or 16 tokens spilled and ran no faster. q4 from
+// the activations' bytes (tile_q4) has two chains a token and tile: 8 tokens x 1 tile, or 4 x TILES.
 // int8 activations: up to 8 tokens x 1 tile, 8 int32 + 8 float accumulators.
-constexpr int MAX_MT = 8;
+constexpr int MAX_MT = 8, MAX_MT_Q4_SHARED = 4;
 constexpr int MAX_MT8 = 8;
 constexpr int TILES = 2;
 
@@ -92,6 +95,38 @@ struct ActScratch8 {
   }
 };
 thread_local ActScratch8 scratch8;
+
+// tile_q4's activations: each int16 xq's low byte (unsigned) and high byte (signed), in the
+// quads the nibble masks make of the weights (columns 8g + {0, 4, 1, 5} and 8g + {2, 6, 3, 7},
+// as quantize_quads_i8 orders them), a group of up to G tokens side by side (interleave_groups'
+// grouping): xb for tokens t0 .. t0 + g - 1, block b, half h (0: low bytes), quad j, token t at
+//   xb + t0 * nb * 16 + ((b * 2 + h) * 8 + j) * g + t
+void split_bytes(const int16_t* xq, int64_t M, int64_t K, int64_t G, int32_t* xb) {
+  const int64_t nb = num_blocks(K), Kp = nb * KB;
+  const __m256i order = _mm256_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15,  //
+                                         0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+  for (int64_t t0 = 0; t0 < M; t0 += G) {
+    const int64_t g = std::min(G, M - t0);
+    for (int64_t u = 0; u < g; ++u) {
+      const int16_t* src = xq + (t0 + u) * Kp;
+      int32_t* dst = xb + t0 * nb * 16 + u;
+      for (int64_t b = 0; b < nb; ++b) {
+        const __m512i v = _mm512_loadu_si512(src + b * KB);
+        const __m256i lo = _mm256_shuffle_epi8(_mm512_cvtepi16_epi8(v), order);  // vpmovwb keeps the low byte
+        const __m256i hi = _mm256_shuffle_epi8(_mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)), order);
+        if (g == 1) {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + b * 16), lo);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + b * 16 + 8), hi);
+        } else {
+          alignas(32) int32_t q[16];
+          _mm256_store_si256(reinterpret_cast<__m256i*>(q), lo);
+          _mm256_store_si256(reinterpret_cast<__m256i*>(q + 8), hi);
+          for (int j = 0; j < 16; ++j) dst[(b * 16 + j) * g] = q[j];
+        }
+      }
+    }
+  }
+}
 
 inline __m512 half16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -271,40 +306,61 @@ void tile_q8(const int8_t* w, const uint16_t* d, const uint16_t* m, int64_t nb, 
 }
 
 // The same for 4-bit weights, whose minimums' term is always there (scales S: BlockScales, q4;
-// BlockScales<true>, symmetric q4; KScales, q4k).
+// BlockScales<true>, symmetric q4; KScales or FloatScales, q4k), from the bytes of the int16
+// activations: xq = 256 hi + lo (lo unsigned, hi signed), and per block
+//   sum_k q xq = sum_k q lo + 256 sum_k q hi,
+// each half by vpdpbusd (lo unsigned against the nibbles as signed bytes; the nibbles unsigned
+// against hi signed): exact int32 sums, vpdpwssd's on the int16 values, so the same bits. A
+// 64-byte load of nibbles becomes two vectors of bytes in three instructions (mask; shift, mask)
+// where int16 lanes took six for their four vectors, and the multiply-adds stay 16 a block and
+// token. Against the int16 lanes (the same bits; bench_kernel_ab.py, two threads, a 1B layer's
+// q4 and q4k matrices from the L3, Zen 5): time 0.87-0.97x from 1 to 128 tokens (q4k at 64: 1.00x);
+// at batch 1 from memory, 1.01x (the bytes bound it, not the instructions).
+// xb: the group's bytes as split_bytes lays them out, per block [half h][quad j][token].
 template <int MT, class S, int NTL = 1>
-void tile_q4(const uint8_t* w, const S& sc, int64_t nb, const int32_t* xi, const float* xs, const float* dx,
+void tile_q4(const uint8_t* w, const S& scales, int64_t nb, const int32_t* xb, const float* xs, const float* dx,
              const float* bias, int nvalid, float* out, int64_t ldo) {
-  constexpr int A = chains<MT, NTL>();
-  const __m512i low4 = _mm512_set1_epi16(0x000F);
+  constexpr int A = MT * NTL >= 4 ? 1 : (MT * NTL >= 2 ? 2 : 4);  // chains per half
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
   FloatAcc<MT * NTL> acc;
   for (int64_t b = 0; b < nb; ++b) {
-    __m512i ia[NTL][MT][A];
+    __m512i il[NTL][MT][A], ih[NTL][MT][A];
     for (int j = 0; j < NTL; ++j)
       for (int t = 0; t < MT; ++t)
-        for (int c = 0; c < A; ++c) ia[j][t][c] = _mm512_setzero_si512();
+        for (int c = 0; c < A; ++c) il[j][t][c] = ih[j][t][c] = _mm512_setzero_si512();
     const uint8_t* wb = w + b * (KB * NT / 2);
     for (int j = 0; j < NTL; ++j) prefetch_ahead<KB * NT / 2, Q4_PREFETCH_BLOCKS>(wb + j * nb * (KB * NT / 2));
-    const int32_t* xb = xi + b * (KB / 2) * MT;
+    const int32_t* xl = xb + b * 16 * MT;
+    const int32_t* xh = xl + 8 * MT;
 #pragma GCC unroll 4
     for (int g = 0; g < KB / 8; ++g) {
-      // 64 bytes = 16 rows x 2 lanes of four nibbles: nibble s of lane j holds column 8g + 2s + j.
-      __m512i v[NTL];
-      for (int j = 0; j < NTL; ++j) v[j] = _mm512_loadu_si512(wb + j * nb * (KB * NT / 2) + g * 64);
-      for (int s = 0; s < 4; ++s) {
-        const int p = 4 * g + s;  // the pair of columns 8g + 2s, 8g + 2s + 1
-        __m512i ws[NTL];
-        for (int j = 0; j < NTL; ++j) {
-          const __m512i sh = s == 0 ? v[j] : _mm512_srli_epi16(v[j], 4 * s);
-          ws[j] = s == 3 ? sh : _mm512_and_si512(sh, low4);
-        }
+      // 64 bytes = 16 rows x 4 bytes; the low nibbles of a row's 4 bytes are columns 8g + {0, 4,
+      // 1, 5}, the high ones 8g + {2, 6, 3, 7} (qgemm.h's lanes read as bytes): quads 2g, 2g + 1
+      __m512i nib[NTL][2];
+      for (int j = 0; j < NTL; ++j) {
+        const __m512i v = _mm512_loadu_si512(wb + j * nb * (KB * NT / 2) + g * 64);
+        nib[j][0] = _mm512_and_si512(v, low4);
+        nib[j][1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      }
+      for (int h = 0; h < 2; ++h) {
+        const int q = 2 * g + h, c = q % A;
         for (int t = 0; t < MT; ++t) {
-          const __m512i x = _mm512_set1_epi32(xb[p * MT + t]);
-          for (int j = 0; j < NTL; ++j) ia[j][t][p % A] = _mm512_dpwssd_epi32(ia[j][t][p % A], x, ws[j]);
+          const __m512i lo = _mm512_set1_epi32(xl[q * MT + t]), hi = _mm512_set1_epi32(xh[q * MT + t]);
+          for (int j = 0; j < NTL; ++j) {
+            il[j][t][c] = _mm512_dpbusd_epi32(il[j][t][c], lo, nib[j][h]);
+            ih[j][t][c] = _mm512_dpbusd_epi32(ih[j][t][c], nib[j][h], hi);
+          }
         }
       }
     }
-    finish_block<MT, NTL, A>(ia, sc, b, xs + b * MT, acc);
+    __m512i ia[NTL][MT][1];
+    for (int j = 0; j < NTL; ++j)
+      for (int t = 0; t < MT; ++t) {
+        __m512i lo = il[j][t][0], hi = ih[j][t][0];
+        for (int c = 1; c < A; ++c) lo = _mm512_add_epi32(lo, il[j][t][c]), hi = _mm512_add_epi32(hi, ih[j][t][c]);
+        ia[j][t][0] = _mm512_add_epi32(lo, _mm512_slli_epi32(hi, 8));
+      }
+    finish_block<MT, NTL, 1>(ia, scales, b, xs + b * MT, acc);
   }
   store_tiles<MT, NTL>(acc, dx, bias, nvalid, out, ldo);
 }
@@ -408,16 +464,13 @@ void run_group(const GemmArgs& a, int64_t tile, int64_t t, const int32_t* xi, co
   float* out = a.out + t * a.ldo + tile * NT;
   if constexpr (F != kQ8) {
     const uint8_t* w = static_cast<const uint8_t*>(a.w) + tile * nb * (KB * NT / 2);
-    if constexpr (F == kQ4K) {
-      if (expanded) {
-        const FloatScales sc{expanded, nb * 2 * NT};
-        tile_q4<MT, FloatScales, NTL>(w, sc, nb, x, s, dx + t, bias, nvalid, out, a.ldo);
-        return;
-      }
-    }
-    with_scales<F>(a, tile, [&](const auto& sc) {
+    const auto run = [&](const auto& sc) {
       tile_q4<MT, std::decay_t<decltype(sc)>, NTL>(w, sc, nb, x, s, dx + t, bias, nvalid, out, a.ldo);
-    });
+    };
+    if constexpr (F == kQ4K) {
+      if (expanded) return run(FloatScales{expanded, nb * 2 * NT});
+    }
+    with_scales<F>(a, tile, run);
   } else {
     const int8_t* w = static_cast<const int8_t*>(a.w) + tile * nb * (KB * NT);
     tile_q8<MT, NTL>(w, d, m, nb, x, s, dx + t, bias, nvalid, out, a.ldo);
@@ -470,7 +523,7 @@ constexpr int64_t ONE_STREAM_TOKENS = 32, ONE_STREAM_TOKENS_Q8 = 8;
 
 template <int F>
 void tile_tokens(const GemmArgs& a, int64_t tile, int64_t t0, int64_t t1, const int32_t* xi, const float* xs,
-                 const float* dx) {
+                 const float* dx, int64_t G) {
   const int64_t ntl = std::min<int64_t>(TILES, num_tiles(a.N) - tile);
   const bool shared = ntl == TILES && a.M > (F == kQ8 ? ONE_STREAM_TOKENS_Q8 : ONE_STREAM_TOKENS);
   // q4k with three groups of tokens or more: its scales made once for all of them (bench_q4k.py,
@@ -478,8 +531,8 @@ void tile_tokens(const GemmArgs& a, int64_t tile, int64_t t0, int64_t t1, const 
   // groups, the extra pass cost what it saved: 1.074 -> 1.080), else per block in the loop
   const float* expanded = F == kQ4K && t1 - t0 > 2 * MAX_MT ? expand_scales(a, tile, ntl) : nullptr;
   const int64_t stride = num_blocks(a.K) * 2 * NT;
-  for (int64_t t = t0; t < t1; t += MAX_MT) {
-    const int mt = static_cast<int>(std::min<int64_t>(MAX_MT, t1 - t));
+  for (int64_t t = t0; t < t1; t += G) {
+    const int mt = static_cast<int>(std::min<int64_t>(G, t1 - t));
     if (shared) run_group<F, TILES>(mt, a, tile, t, xi, xs, dx, expanded);
     else
       for (int64_t j = 0; j < ntl; ++j)
@@ -495,7 +548,13 @@ void gemm(const GemmArgs& a) {
   scratch.fit(a.M, a.K);
   float* xsum = (F != kQ8 || a.m) ? scratch.xsum.data() : nullptr;  // block sums carry the minimums' term
   quantize_activations(a.x, a.ldx, a.M, a.K, scratch.xq.data(), scratch.dx.data(), xsum);
-  interleave_groups(scratch.xq.data(), xsum, a.M, a.K, MAX_MT, scratch.xi.data(), xsum ? scratch.xs.data() : nullptr);
+  // 4-bit tiles take the activations' bytes (tile_q4), two tiles' worth of them (shared) in
+  // groups of MAX_MT_Q4_SHARED tokens
+  const bool bytes = F != kQ8;
+  const int64_t G = bytes && a.M > ONE_STREAM_TOKENS ? MAX_MT_Q4_SHARED : MAX_MT;
+  interleave_groups(scratch.xq.data(), xsum, a.M, a.K, G, bytes ? nullptr : scratch.xi.data(),
+                    xsum ? scratch.xs.data() : nullptr);
+  if (bytes) split_bytes(scratch.xq.data(), a.M, a.K, G, scratch.xi.data());
   const int32_t* xi = scratch.xi.data();
   const float* xs = xsum ? scratch.xs.data() : nullptr;
   const float* dx = scratch.dx.data();
@@ -504,7 +563,7 @@ void gemm(const GemmArgs& a) {
   for (int64_t t0 = 0; t0 < a.M; t0 += chunk) {
     const int64_t t1 = std::min(a.M, t0 + chunk);
 #pragma omp for schedule(static)
-    for (int64_t job = 0; job < jobs; ++job) tile_tokens<F>(a, job * TILES, t0, t1, xi, xs, dx);
+    for (int64_t job = 0; job < jobs; ++job) tile_tokens<F>(a, job * TILES, t0, t1, xi, xs, dx, G);
   }
 }
 
