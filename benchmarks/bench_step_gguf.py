@@ -20,6 +20,13 @@ bench_decode_gguf.py does: alternating processes with PYTHONPATH at each tree's 
 4 KiB pages) and one with it on (cpu_memory.back_with_huge_pages), and alternates their steps in
 the one process (two processes differ by more than that on a shared machine); it reports both
 and whether their outputs are the same bits.
+--bare-matmuls adds, alternating with the step, the step's matrices alone: every packed matrix
+the model multiplies by, called straight through the extension on rows of random activations (a
+row a token; the LM head a row a sequence): the step's time over theirs is what surrounds the
+matmuls (attention, norms, serial work, barriers).
+--builds BASE.so NEW.so [...] does the same for builds of the C++ kernels (each a copy of
+src/llmserve/_cpu_kernels*.so, as bench_kernel_ab.py takes them): one runner per build over the
+one loaded model, its fused decoder made and run by that build, steps alternating.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from gguf import GGUFReader
 
 from llmserve.config import ModelConfig
 from llmserve.layers.quantization import cpu_kernels
-from llmserve.layers.quantization.layers import packed_weights
+from llmserve.layers.quantization.layers import QuantizedLMHead, packed_weights
 from llmserve.model_executor.cpu_memory import keep_freed_memory
 from llmserve.model_executor.forward_runner import ForwardRunner, SequenceBatchEntry
 from llmserve.model_executor.model_loader import load_model
@@ -65,6 +72,30 @@ def step_bytes(model: torch.nn.Module, file: str) -> dict[str, object]:
     }
 
 
+class BareMatmuls:
+    """The step's matrices alone (--bare-matmuls): `execute(batch)` calls the extension's gemm on
+    every packed matrix the model multiplies by, a row of random activations a token (the LM head a
+    row a sequence), as the fused decoder calls them but without what lies between."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.weights = packed_weights(model)
+        heads = [m.packed_weight for m in model.modules() if isinstance(m, QuantizedLMHead)]
+        self.head = heads[0] if heads else None
+        g = torch.Generator().manual_seed(0)
+        width = max(w.in_features for w in self.weights)
+        self.x = torch.randn(256, width, generator=g)
+        self.out = torch.empty(256 * max(w.out_features for w in self.weights))
+
+    def execute(self, batch: list[SequenceBatchEntry]) -> torch.Tensor:
+        ext = cpu_kernels._ext
+        tokens = sum(len(e.new_token_ids) for e in batch)
+        for w in self.weights:
+            rows, m = (len(batch) if w is self.head else tokens), 0 if w.m is None else w.m.data_ptr()
+            ext.gemm(w.code, self.x.data_ptr(), self.x.shape[1], rows, w.in_features, w.out_features,  # type: ignore[union-attr]
+                     w.data.data_ptr(), w.d.data_ptr(), m, 0, self.out.data_ptr(), w.out_features, 16)  # fmt: skip
+        return self.out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("file")
@@ -77,6 +108,10 @@ def main() -> None:
         help="the cache's K/V type, as the server's option (auto: float16 here)",
     )
     ap.add_argument("--huge-pages-ab", action="store_true", help="weights in 4 KiB pages against huge pages")
+    ap.add_argument("--bare-matmuls", action="store_true", help="also time the step's matrices alone")
+    ap.add_argument(
+        "--builds", nargs="+", default=[], help="extension .so builds to alternate (the first the baseline)"
+    )
     args = ap.parse_args()
     keep_freed_memory()
     torch.set_num_threads(args.threads)
@@ -93,12 +128,20 @@ def main() -> None:
     T = 128
     # one runner, or (--huge-pages-ab) a second copy of the model whose runner leaves 4 KiB pages
     variants = {"": model}
+    exts = {}  # label -> the build that makes and runs that runner's decoder (--builds)
+    if args.builds:
+        from bench_kernel_ab import load_build
+
+        exts = {path: load_build(path) for path in args.builds}
+        variants = dict.fromkeys(args.builds, model)
     if args.huge_pages_ab:
         variants = {"huge_pages_off": load_model(ModelConfig(model=args.file, show_progress=False)).model}
         variants["huge_pages_on"] = model
     runners = {}
     for label, m in variants.items():
-        if label:  # else the environment's own setting
+        if label in exts:
+            cpu_kernels._ext = exts[label]
+        elif label:  # else the environment's own setting
             os.environ["LLMSERVE_HUGE_PAGES"] = "0" if label == "huge_pages_off" else "1"
         runners[label] = ForwardRunner(
             m, num_blocks=max(num_blocks, T // BLOCK + 1), block_size=BLOCK, kv_cache_dtype=kv_dtype
@@ -107,16 +150,26 @@ def main() -> None:
             raise SystemExit(
                 f"the fused decoder does not take this model: {runners[label].fused_unsupported}"
             )
+    if args.bare_matmuls:
+        runners["bare_matmuls"] = BareMatmuls(model)  # type: ignore[assignment]
     decode = [
         SequenceBatchEntry([7 + i], n, t) for i, (n, t) in enumerate(zip(seq_lens, tables, strict=True))
     ]
     prefill = [SequenceBatchEntry(list(range(5, 5 + T)), T, list(range(T // BLOCK)))]
     with torch.inference_mode():
-        for name, batch in (("decode_1", decode[:1]), ("decode_16", decode), (f"prefill_{T}", prefill)):
+        batches = (
+            ("decode_1", decode[:1]),
+            ("decode_4", decode[:4]),
+            ("decode_16", decode),
+            (f"prefill_{T}", prefill),
+        )
+        for name, batch in batches:
             times: dict[str, list[float]] = {label: [] for label in runners}
             outs = {}
             for i in range(args.repeats + 1):
                 for label, runner in runners.items():  # alternating, step by step
+                    if label in exts:
+                        cpu_kernels._ext = exts[label]
                     t = clock()
                     outs[label] = runner.execute(batch)
                     if i:  # the first is a warm-up
@@ -127,8 +180,9 @@ def main() -> None:
                     result.setdefault(label, {})[name] = cell  # type: ignore[index]
                 else:
                     result[name] = cell
-            if len(outs) > 1:
-                result[f"{name}_same_bits"] = torch.equal(*outs.values())
+            steps = [o for label, o in outs.items() if label != "bare_matmuls"]
+            if len(steps) > 1:
+                result[f"{name}_same_bits"] = all(torch.equal(steps[0], o) for o in steps)
     print(json.dumps(result))
 
 

@@ -107,4 +107,9 @@ const float* load_rows(int cache_type, const void* src, int64_t rows, int64_t D,
   return dst;
 }
 
+void prefetch_rows(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
+}
+
 }  // namespace llmserve

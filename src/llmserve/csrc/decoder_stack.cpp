@@ -145,7 +145,7 @@ void rope(float* x, const float* cs, int64_t rot) {
   }
 }
 
-// Cache rows (row_bytes, store_row, load_rows): decoder_cache_rows.cpp.
+// Cache rows (row_bytes, store_row, load_rows, prefetch_rows): decoder_cache_rows.cpp.
 
 // Dot products of up to 4 vectors at once: lane j of the result is the sum of the 8 lanes of a[j],
 // always by the same tree ((0+1)+(2+3))+((4+5)+(6+7)), whatever is reduced beside it.
@@ -283,6 +283,9 @@ void attend_chunk(const Decoder& dec, const float* q, int64_t q_stride, int64_t 
   // 1. scores, s[r kChunk + p - p0] for row r and position p
   for (int64_t i = first / bs; i * bs < last; ++i) {
     const char* k_block = k_head + table[i] * bs * rk;
+    // the next block's rows (anywhere in the cache: no hardware prefetcher guesses it); then V's first
+    if ((i + 1) * bs < last) prefetch_rows(k_head + table[i + 1] * bs * rk, bs * rk);
+    else prefetch_rows(v_head + table[first / bs] * bs * rv, bs * rv);
     const float* K = direct_k ? nullptr : load_rows(dec.cache_type, k_block, bs, D, buf);
     for (int64_t r0 = 0; r0 < n; r0 += kRowTile) {
       const int64_t nr = std::min<int64_t>(kRowTile, n - r0);
@@ -326,6 +329,7 @@ void attend_chunk(const Decoder& dec, const float* q, int64_t q_stride, int64_t 
   for (int64_t j = 0; j < n; ++j) std::fill(o + row(j) * D, o + (row(j) + 1) * D, 0.f);
   for (int64_t i = first / bs; i * bs < last; ++i) {
     const char* v_block = v_head + table[i] * bs * rv;
+    if ((i + 1) * bs < last) prefetch_rows(v_head + table[i + 1] * bs * rv, bs * rv);
     const float* V = direct_v ? nullptr : load_rows(dec.v_cache_type, v_block, bs, D, buf);
     for (int64_t r0 = 0; r0 < n; r0 += kRowTile) {
       const int64_t nr = std::min<int64_t>(kRowTile, n - r0);
@@ -370,18 +374,8 @@ void linear(const QuantLinear& w, const float* x, int64_t M, float* out) {
     return;
   }
   GemmArgs a;
-  a.x = x;
-  a.ldx = w.K;
-  a.M = M;
-  a.K = w.K;
-  a.N = w.N;
-  a.w = w.w;
-  a.d = w.d;
-  a.m = w.m;
-  a.bias = w.bias;
-  a.out = out;
-  a.ldo = w.N;
-  a.act_bits = w.act_bits;
+  a.x = x, a.ldx = w.K, a.M = M, a.K = w.K, a.N = w.N, a.w = w.w, a.d = w.d, a.m = w.m;
+  a.bias = w.bias, a.out = out, a.ldo = w.N, a.act_bits = w.act_bits;
   gemm(w.bits, a);
 }
 

@@ -149,6 +149,8 @@ void silu_mul(const float* g, const float* u, int64_t n, float* a);        // a 
 int64_t row_bytes(int cache_type, int64_t D);
 void store_row(int cache_type, const float* src, int64_t n, void* dst);
 const float* load_rows(int cache_type, const void* src, int64_t rows, int64_t D, float* dst);
+// Asks for `bytes` of cache rows at `p` to be brought into the L1 (attention's next block).
+void prefetch_rows(const void* p, int64_t bytes);
 
 // Dispatch to the kernel set in use (module.cpp).
 void gemm(int bits, const GemmArgs& a);
