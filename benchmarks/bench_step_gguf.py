@@ -89,6 +89,8 @@ class BareMatmuls:
     def execute(self, batch: list[SequenceBatchEntry]) -> torch.Tensor:
         ext = cpu_kernels._ext
         tokens = sum(len(e.new_token_ids) for e in batch)
+        if tokens > self.x.shape[0]:
+            raise ValueError(f"--bare-matmuls holds 256 rows of activations, not {tokens}")
         for w in self.weights:
             rows, m = (len(batch) if w is self.head else tokens), 0 if w.m is None else w.m.data_ptr()
             ext.gemm(w.code, self.x.data_ptr(), self.x.shape[1], rows, w.in_features, w.out_features,  # type: ignore[union-attr]
