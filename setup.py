@@ -29,12 +29,14 @@ setup(
                     "shm_comm",
                     "decoder_lora",
                     "module_comm",
+                    "module_jobs",
                 )
             ],
             depends=[
                 f"{CSRC}/{name}"
                 for name in (
                     "qgemm.h",
+                    "job_runs.h",
                     "decoder_stack.h",
                     "shm_comm.h",
                     "py_util.h",

@@ -24,6 +24,9 @@ and whether their outputs are the same bits.
 the model multiplies by, called straight through the extension on rows of random activations (a
 row a token; the LM head a row a sequence): the step's time over theirs is what surrounds the
 matmuls (attention, norms, serial work, barriers).
+--busy F runs a process beside the steps that keeps one core busy a fraction F of each 8 ms (as the
+server's own Python takes the cores between and during steps): a matmul whose threads split
+the work statically waits for the one the host slowed.
 --builds BASE.so NEW.so [...] does the same for builds of the C++ kernels (each a copy of
 src/llmserve/_cpu_kernels*.so, as bench_kernel_ab.py takes them): one runner per build over the
 one loaded model, its fused decoder made and run by that build, steps alternating.
@@ -35,9 +38,12 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from gguf import GGUFReader
@@ -98,6 +104,22 @@ class BareMatmuls:
         return self.out
 
 
+BUSY_LOOP = """
+import sys, time
+busy = float(sys.argv[1]) * 0.008
+while True:
+    t = time.perf_counter()
+    while time.perf_counter() - t < busy:
+        pass
+    time.sleep(0.008 - busy)
+"""
+
+
+def start_busy(fraction: float) -> subprocess.Popen[bytes] | None:
+    """--busy: a process that spins `fraction` of every 8 ms on one core (None for 0)."""
+    return subprocess.Popen([sys.executable, "-c", BUSY_LOOP, str(fraction)]) if fraction else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("file")
@@ -112,9 +134,14 @@ def main() -> None:
     ap.add_argument("--huge-pages-ab", action="store_true", help="weights in 4 KiB pages against huge pages")
     ap.add_argument("--bare-matmuls", action="store_true", help="also time the step's matrices alone")
     ap.add_argument(
+        "--busy", type=float, default=0.0, help="a fraction of one core kept busy beside the steps"
+    )
+    ap.add_argument(
         "--builds", nargs="+", default=[], help="extension .so builds to alternate (the first the baseline)"
     )
     args = ap.parse_args()
+    if not 0 <= args.busy < 1:
+        ap.error(f"--busy is a fraction of a core in [0, 1), not {args.busy}")
     keep_freed_memory()
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.threads == 1 else time.perf_counter
@@ -158,6 +185,29 @@ def main() -> None:
         SequenceBatchEntry([7 + i], n, t) for i, (n, t) in enumerate(zip(seq_lens, tables, strict=True))
     ]
     prefill = [SequenceBatchEntry(list(range(5, 5 + T)), T, list(range(T // BLOCK)))]
+    busy = start_busy(args.busy)
+    if busy:
+        result["busy"] = args.busy
+    try:
+        run_batches(args, runners, exts, decode, prefill, T, clock, result)
+    finally:
+        if busy:
+            busy.kill()
+    print(json.dumps(result))
+
+
+def run_batches(
+    args: argparse.Namespace,
+    runners: dict[str, Any],
+    exts: dict[str, Any],
+    decode: list[SequenceBatchEntry],
+    prefill: list[SequenceBatchEntry],
+    T: int,
+    clock: Callable[[], float],
+    result: dict[str, object],
+) -> None:
+    """Each batch's steps (decode of 1, 4 and 16 sequences, a T-token prefill), the runners
+    alternating step by step, into `result`."""
     with torch.inference_mode():
         batches = (
             ("decode_1", decode[:1]),
@@ -185,7 +235,6 @@ def main() -> None:
             steps = [o for label, o in outs.items() if label != "bare_matmuls"]
             if len(steps) > 1:
                 result[f"{name}_same_bits"] = all(torch.equal(steps[0], o) for o in steps)
-    print(json.dumps(result))
 
 
 if __name__ == "__main__":

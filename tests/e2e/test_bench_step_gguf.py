@@ -57,3 +57,56 @@ def test_step_bytes_against_the_file(tmp_path: Path) -> None:
     assert got["file_tensor_bytes"] == matrices + file_bytes(Q.Q5_0, V, H) + norms + V * H * 4
     assert got["ratio"] == round(got["step_bytes"] / got["file_tensor_bytes"], 3)
     assert got["step_bytes"] > got["file_tensor_bytes"] - V * H * 4  # more than it reads of the file
+
+
+def _busy_loops() -> list[int]:
+    """The pids of --busy's spinning processes (their command line holds BUSY_LOOP's code)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and b"busy = float(sys.argv[1])" in (proc / "cmdline").read_bytes():
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+def test_steps_of_two_builds_beside_a_busy_core(tmp_path: Path) -> None:
+    """--builds (two copies of the extension, one runner each), --bare-matmuls and --busy run
+    every batch; the two builds' steps are the same bits, and the busy process is gone after."""
+    from llmserve import _cpu_kernels
+
+    types = {**dict.fromkeys(MATRICES, Q.Q4_K), "ffn_down": Q.Q4_0, "token_embd": Q.Q5_0}
+    path = tiny_llama_gguf(tmp_path, types)
+    builds = []
+    for name in ("a", "b"):
+        build = tmp_path / f"{name}.so"
+        build.write_bytes(Path(_cpu_kernels.__file__).read_bytes())
+        builds.append(str(build))
+    script = str(ROOT / "benchmarks" / "bench_step_gguf.py")
+    before = set(_busy_loops())
+    cmd = [
+        sys.executable,
+        script,
+        str(path),
+        "--threads",
+        "2",
+        "--repeats",
+        "2",
+        "--bare-matmuls",
+        "--busy",
+        "0.25",
+    ]
+    proc = subprocess.run([*cmd, "--builds", *builds], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    batches = ("decode_1", "decode_4", "decode_16", "prefill_128")
+    assert got["busy"] == 0.25
+    for label in (*builds, "bare_matmuls"):
+        assert set(got[label]) == set(batches)
+        assert all(0 <= got[label][b]["min_ms"] <= got[label][b]["median_ms"] for b in batches)  # ms, to 0.1
+    assert all(got[f"{b}_same_bits"] is True for b in batches)
+    assert set(_busy_loops()) <= before  # killed with the run
+
+    bad = subprocess.run([*cmd[:3], "--busy", "1.5"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert bad.returncode == 2 and "--busy is a fraction of a core in [0, 1), not 1.5" in bad.stderr

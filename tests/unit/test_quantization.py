@@ -241,6 +241,21 @@ def test_kernel_set_the_cpu_lacks_is_refused():
         cpu_kernels.set_kernels("avx512_vnni")
 
 
+@pytest.mark.skipif(cpu_kernels._ext is None, reason="the C++ kernels are not built")
+@pytest.mark.parametrize("n,parts,threads", [(64, 1, 2), (61, 3, 2), (7, 2, 3), (0, 1, 2), (40, 1, 1)])
+def test_matmul_jobs_run_once_and_a_slow_threads_run_is_taken_over(n, parts, threads):
+    """The matmuls' jobs (job_runs.h): each job of each part (chunk of tokens) runs exactly once,
+    whichever thread takes it; with the first thread slowed (2 ms a job), the others take over its
+    run, where a static split would leave it its share."""
+    runs_of, by_thread = cpu_kernels._ext.job_runs_trial(n, parts, threads, 2000)
+    assert runs_of == [1] * (n * parts)
+    assert len(by_thread) == threads and sum(by_thread) == n * parts
+    if threads == 2 and n >= 32:
+        assert by_thread[0] < n * parts // 4
+    with pytest.raises(ValueError, match="n=-1"):
+        cpu_kernels._ext.job_runs_trial(-1, 1, 1, 0)
+
+
 # -- GGUF blocks ------------------------------------------------------------------------------------
 
 

@@ -50,5 +50,6 @@ PyObject* py_comm_all_reduce(PyObject*, PyObject* const* args, Py_ssize_t nargs)
 PyObject* py_comm_all_gather(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 PyObject* py_comm_broadcast(PyObject*, PyObject* args);
 PyObject* py_comm_abort(PyObject*, PyObject* capsule);
+PyObject* py_job_runs_trial(PyObject*, PyObject* args);  // module_jobs.cpp
 
 }  // namespace llmserve

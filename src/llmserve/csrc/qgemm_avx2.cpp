@@ -10,6 +10,7 @@
 #include <cstring>
 #include <vector>
 
+#include "job_runs.h"
 #include "qgemm.h"
 
 namespace llmserve {
@@ -194,11 +195,11 @@ void gemm(const GemmArgs& a) {
   float* xsum = (F != kQ8 || a.m) ? scratch.xsum.data() : nullptr;  // block sums carry the minimums' term
   quantize_activations(a.x, a.ldx, a.M, a.K, xq, dx, xsum);
   const int64_t chunk = std::max<int64_t>(8, ((256 * 1024) / (nb * KB * 2)) / 8 * 8);
+  const JobRuns runs(tiles, (a.M + chunk - 1) / chunk);  // as qgemm_avx512.cpp's gemm
 #pragma omp parallel
   for (int64_t t0 = 0; t0 < a.M; t0 += chunk) {
     const int64_t t1 = std::min(a.M, t0 + chunk);
-#pragma omp for schedule(static)
-    for (int64_t tile = 0; tile < tiles; ++tile) tile_tokens<F>(a, tile, t0, t1, xq, dx, xsum);
+    runs.each(t0 / chunk, [&](int64_t tile) { tile_tokens<F>(a, tile, t0, t1, xq, dx, xsum); });
   }
 }
 

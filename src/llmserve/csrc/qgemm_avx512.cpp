@@ -25,6 +25,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "job_runs.h"
 #include "qgemm.h"
 
 namespace llmserve {
@@ -541,7 +542,8 @@ void tile_tokens(const GemmArgs& a, int64_t tile, int64_t t0, int64_t t1, const 
 }
 
 // Tokens are taken in chunks so that one chunk's quantized activations stay in the core's L2
-// while every tile streams past them; each thread owns a contiguous run of tiles (its weights).
+// while every tile streams past them; each thread owns a contiguous run of tiles (its weights), and
+// helps the others with theirs when done (JobRuns).
 template <int F>
 void gemm(const GemmArgs& a) {
   const int64_t nb = num_blocks(a.K), jobs = (num_tiles(a.N) + TILES - 1) / TILES;
@@ -559,11 +561,11 @@ void gemm(const GemmArgs& a) {
   const float* xs = xsum ? scratch.xs.data() : nullptr;
   const float* dx = scratch.dx.data();
   const int64_t chunk = std::max<int64_t>(MAX_MT, ((256 * 1024) / (nb * KB * 2)) / MAX_MT * MAX_MT);
+  const JobRuns runs(jobs, (a.M + chunk - 1) / chunk);  // no barrier between chunks: their outputs are apart
 #pragma omp parallel
   for (int64_t t0 = 0; t0 < a.M; t0 += chunk) {
     const int64_t t1 = std::min(a.M, t0 + chunk);
-#pragma omp for schedule(static)
-    for (int64_t job = 0; job < jobs; ++job) tile_tokens<F>(a, job * TILES, t0, t1, xi, xs, dx, G);
+    runs.each(t0 / chunk, [&](int64_t job) { tile_tokens<F>(a, job * TILES, t0, t1, xi, xs, dx, G); });
   }
 }
 
@@ -575,13 +577,13 @@ void gemm_q4_i8(const GemmArgs& a) {
   int32_t* xi = scratch8.xi.data();
   float *xd = scratch8.xd.data(), *xs = scratch8.xs.data();
   const int64_t chunk = std::max<int64_t>(MAX_MT8, ((256 * 1024) / (nb * KB)) / MAX_MT8 * MAX_MT8);
+  const JobRuns runs(tiles, (a.M + chunk - 1) / chunk);
 #pragma omp parallel
   {
     quantize_quads_i8(a.x, a.ldx, a.M, a.K, MAX_MT8, xi, xd, xs);
     for (int64_t t0 = 0; t0 < a.M; t0 += chunk) {
       const int64_t t1 = std::min(a.M, t0 + chunk);
-#pragma omp for schedule(static)
-      for (int64_t tile = 0; tile < tiles; ++tile) tile_tokens_q4_i8<F>(a, tile, t0, t1, xi, xd, xs);
+      runs.each(t0 / chunk, [&](int64_t tile) { tile_tokens_q4_i8<F>(a, tile, t0, t1, xi, xd, xs); });
     }
   }
 }

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <vector>
 
+#include "job_runs.h"
 #include "qgemm.h"
 
 namespace llmserve {
@@ -84,11 +85,11 @@ void gemm_q6(const GemmArgs& a) {
     }
   const int32_t* xs = offsets.data();
   const int64_t chunk = std::max<int64_t>(8, ((256 * 1024) / (a.K * 2)) / 8 * 8);
+  const JobRuns runs(tiles, (a.M + chunk - 1) / chunk);
 #pragma omp parallel
   for (int64_t t0 = 0; t0 < a.M; t0 += chunk) {
     const int64_t t1 = std::min(a.M, t0 + chunk);
-#pragma omp for schedule(static)
-    for (int64_t tile = 0; tile < tiles; ++tile) {
+    runs.each(t0 / chunk, [&](int64_t tile) {
       const int nvalid = static_cast<int>(std::min<int64_t>(NT, a.N - tile * NT));
       const uint8_t* w = static_cast<const uint8_t*>(a.w) + tile * ns * Q6_RECORD;
       const uint16_t* d = a.d + tile * ns * NT;
@@ -98,7 +99,7 @@ void gemm_q6(const GemmArgs& a) {
         if (t1 - t >= 2) tile_q6<2>(w, d, ns, xq + t * a.K, a.K, xs + t * n16, dx + t, bias, nvalid, out, a.ldo);
         else tile_q6<1>(w, d, ns, xq + t * a.K, a.K, xs + t * n16, dx + t, bias, nvalid, out, a.ldo);
       }
-    }
+    });
   }
 }
 

@@ -21,6 +21,7 @@
 #include <cstring>
 #include <vector>
 
+#include "job_runs.h"
 #include "qgemm.h"
 
 namespace llmserve {
@@ -175,7 +176,8 @@ void run_group(int mt, const GemmArgs& a, int64_t tile, int64_t t, const int32_t
 }  // namespace
 
 // Tokens in chunks whose activations stay in L2 while every tile streams past; each thread owns a
-// contiguous run of tile pairs (its weights), as `gemm` in qgemm_avx512.cpp.
+// contiguous run of tile pairs (its weights) and helps the others when done, as `gemm` in
+// qgemm_avx512.cpp.
 void gemm_q6(const GemmArgs& a) {
   const int64_t tiles = num_tiles(a.N), jobs = (tiles + TILES - 1) / TILES;
   scratch.fit(a.M, a.K);
@@ -187,18 +189,18 @@ void gemm_q6(const GemmArgs& a) {
   const int32_t* xs = offsets.data();
   const float* dx = scratch.dx.data();
   const int64_t chunk = std::max<int64_t>(MAX_MT, ((256 * 1024) / (a.K * 2)) / MAX_MT * MAX_MT);
+  const JobRuns runs(jobs, (a.M + chunk - 1) / chunk);
 #pragma omp parallel
   for (int64_t t0 = 0; t0 < a.M; t0 += chunk) {
     const int64_t t1 = std::min(a.M, t0 + chunk);
-#pragma omp for schedule(static)
-    for (int64_t job = 0; job < jobs; ++job) {
+    runs.each(t0 / chunk, [&](int64_t job) {
       const int64_t tile = job * TILES, ntl = std::min<int64_t>(TILES, tiles - tile);
       for (int64_t t = t0; t < t1; t += MAX_MT) {
         const int mt = static_cast<int>(std::min<int64_t>(MAX_MT, t1 - t));
         if (ntl == TILES) run_group<TILES>(mt, a, tile, t, xi, xs, dx);
         else run_group<1>(mt, a, tile, t, xi, xs, dx);
       }
-    }
+    });
   }
 }
 
