@@ -481,8 +481,9 @@ void run_group(const GemmArgs& a, int64_t tile, int64_t t, const int32_t* xi, co
 template <int F, int NTL>
 void run_group(int mt, const GemmArgs& a, int64_t tile, int64_t t, const int32_t* xi, const float* xs,
                const float* dx, const float* expanded) {
+  constexpr int top = F != kQ8 && NTL > 1 ? MAX_MT_Q4_SHARED : MAX_MT;  // 4-bit shared groups: gemm's G
   switch (mt) {
-#define LLMSERVE_GROUP(MT) case MT: run_group<F, MT, NTL>(a, tile, t, xi, xs, dx, expanded); break;
+#define LLMSERVE_GROUP(MT) case MT: if constexpr (MT <= top) run_group<F, MT, NTL>(a, tile, t, xi, xs, dx, expanded); break;
     LLMSERVE_GROUP(1) LLMSERVE_GROUP(2) LLMSERVE_GROUP(3) LLMSERVE_GROUP(4)
     LLMSERVE_GROUP(5) LLMSERVE_GROUP(6) LLMSERVE_GROUP(7) LLMSERVE_GROUP(8)
 #undef LLMSERVE_GROUP
