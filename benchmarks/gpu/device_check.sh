@@ -15,7 +15,8 @@
 #    on tiny Llama and Mixtral models where 2 GPUs are visible; on a 1-GPU machine only the engine's
 #    refusal ("needs 2 GPUs; 1 visible") is checked. Its lines go to tests.log and are printed;
 # 4. times the grouped MoE kernel against the dense fallback (benchmarks/gpu/moe_kernel.py: one
-#    Mixtral-width block, T = 1 .. 2048; about a minute) unless BENCH_SECONDS is 0;
+#    Mixtral-width block, T = 1 .. 2048; about a minute) and fp8's matmuls against bf16's
+#    (benchmarks/gpu/fp8_matmul.py: a few seconds) unless BENCH_SECONDS is 0;
 # 5. runs benchmarks/bench_gpu.py under BENCH_SECONDS (0 skips it);
 # 6. with EXTRAS=1 in the environment, instead of bench_gpu.py: CPU offloading
 #    (benchmarks/bench_offload.py: 0, 0.5 and 1 GiB at batch 1 and 16), then fp8 next to bf16
@@ -23,8 +24,8 @@
 #    (`llmserve eval perplexity`), the two "to be measured on a GPU" tables of docs/benchmarks.md;
 #    their output goes to extras.log, their JSON to offload.json, fp8.json and fp8_kld.json.
 # Everything it prints lands in $OUT (at most 8 files come back): env.txt, install.log, tests.log,
-# bench.log (with moe_kernel.py's table first), bench_gpu.json, bench_gpu.png, logs.tgz (the
-# engines' own logs and moe_kernel.json).
+# bench.log (with moe_kernel.py's and fp8_matmul.py's tables first), bench_gpu.json, bench_gpu.png,
+# logs.tgz (the engines' own logs, moe_kernel.json and fp8_matmul.json).
 #
 # The wheels, made here before the run (.whl/ is ignored through .git/info/exclude; the versions
 # are this repo's venv's; llguidance is an abi3 wheel for manylinux_2_31):
@@ -81,6 +82,9 @@ if [ "$T_BENCH" -gt 0 ]; then
     timeout 100 python3 benchmarks/gpu/moe_kernel.py --out /tmp/gpu/logs >/tmp/gpu/logs/moe_kernel.log 2>&1
     echo "moe kernel: exit $?"
     tail -8 /tmp/gpu/logs/moe_kernel.log
+    timeout 60 python3 benchmarks/gpu/fp8_matmul.py --json /tmp/gpu/logs/fp8_matmul.json >/tmp/gpu/logs/fp8_matmul.log 2>&1
+    echo "fp8 matmul: exit $?"
+    tail -15 /tmp/gpu/logs/fp8_matmul.log
     wait "$BUILD"
     if [ "${EXTRAS:-0}" = 1 ]; then
         M=/tmp/model

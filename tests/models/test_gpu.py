@@ -6,6 +6,8 @@ backend run eagerly at float32, or with the same engine without the mechanism.""
 from __future__ import annotations
 
 import gc
+import threading
+import time
 
 import pytest
 import torch
@@ -118,6 +120,39 @@ def test_moe_under_cuda_graphs_equals_eager(tmp_path):
     graphs = token_ids(gpu_llm(str(tmp_path)).generate(PROMPTS, GREEDY, use_tqdm=False))
     eager = token_ids(gpu_llm(str(tmp_path), enforce_eager=True).generate(PROMPTS, GREEDY, use_tqdm=False))
     assert graphs == eager
+
+
+@pytest.mark.parametrize("case", ["dead engine collected here", "live engine's graphs freed elsewhere"])
+def test_another_engines_graphs_freed_during_a_capture_do_not_void_it(tiny, reference, monkeypatch, case):
+    """Destroying a CUDA graph is not allowed while a stream captures. A dropped engine is cyclic
+    garbage whose graphs go when a collection finds it, and on an H100 a collection in the middle
+    of the next engine's capture voided that capture ("operation failed due to a previous error
+    during capture", in test files that made engines one after another). Here the worst moment is
+    forced: at the start of every capture, a collection in this thread with a dropped engine
+    waiting, or another thread freeing a live engine's graphs (a server unloading a model while it
+    loads another). Captures now run after a collection and only this thread's calls void them."""
+    old = gpu_llm(tiny[0])
+    old_graphs = old.engine.runner.runner.graphs.graphs
+    assert old_graphs
+    if case == "dead engine collected here":
+        box: list[object] = [old]
+        box.append(box)
+        del old, box, old_graphs
+        during = gc.collect
+    else:
+        during = threading.Thread(target=old_graphs.clear).start
+    begin = torch.cuda.CUDAGraph.capture_begin
+
+    def begin_then_free(self, *args, **kwargs):
+        begin(self, *args, **kwargs)
+        during()
+        time.sleep(0.05)  # (the other thread's frees land inside the capture)
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", begin_then_free)
+    new = gpu_llm(tiny[0])
+    monkeypatch.undo()
+    assert new.engine.runner.runner.graphs.graphs
+    assert token_ids(new.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference
 
 
 def test_chunked_prefill_prefix_caching_and_preemption(tiny, reference):

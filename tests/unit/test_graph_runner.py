@@ -10,6 +10,7 @@ padded steps through a whole model, RoPE fused into its cache write.
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -21,7 +22,7 @@ if not torch.cuda.is_available():
 from llmserve.config import ModelConfig
 from llmserve.engine.llm import LLM
 from llmserve.layers.attention import KVDtypes
-from llmserve.model_executor.cuda_graph import capture_sizes
+from llmserve.model_executor.cuda_graph import capture_sizes, collection_paused
 from llmserve.model_executor.device import build_profile
 from llmserve.model_executor.forward_runner import ForwardRunner, SequenceBatchEntry
 from llmserve.model_executor.gpu_memory import kv_cache_budget
@@ -37,6 +38,42 @@ def test_capture_sizes_follow_vllm_and_hold_max_num_seqs() -> None:
     assert capture_sizes(5) == [1, 2, 4, 8]
     assert capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
     assert capture_sizes(10_000)[-1] == 512 and len(capture_sizes(10_000)) == 67
+
+
+class Cycle:
+    """An object only a reference cycle keeps: freed by the collector alone (as a dropped engine
+    and its CUDA graphs are)."""
+
+    def __init__(self, freed: list[str], name: str) -> None:
+        self.me, self.freed, self.name = self, freed, name
+
+    def __del__(self) -> None:
+        self.freed.append(self.name)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_captures_run_after_a_collection_and_with_none_during_them(enabled: bool) -> None:
+    """`collection_paused`, what `GraphRunner.capture` runs in: the dead cycles are freed on entry
+    (a dropped engine's graphs are destroyed before a capture, not in the middle of one); then no
+    automatic collection, so garbage made during a capture waits; the collector's setting is
+    restored, also after an error."""
+    freed: list[str] = []
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        Cycle(freed, "before")
+        with collection_paused():
+            assert freed == ["before"] and not gc.isenabled()
+            Cycle(freed, "during")
+            kept = [[] for _ in range(20_000)]  # far past gen 0's threshold: a collection, if enabled
+            assert freed == ["before"] and len(kept) == 20_000
+        assert gc.isenabled() is enabled
+        with pytest.raises(KeyError), collection_paused():
+            raise KeyError("a failed capture")
+        assert gc.isenabled() is enabled and freed == ["before", "during"]
+    finally:
+        (gc.enable if was else gc.disable)()
+        gc.collect()
 
 
 @pytest.fixture(scope="module")

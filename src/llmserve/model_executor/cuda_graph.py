@@ -20,9 +20,11 @@ the same code ("eager replay"), which is how the padding and buffer logic is tes
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -40,6 +42,27 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     sizes = [1, 2, 4, *range(8, MAX_CAPTURE_SIZE + 1, 8)]
     limit = min(max_num_seqs, MAX_CAPTURE_SIZE)
     return [s for s in sizes if s < limit] + [next(s for s in sizes if s >= limit)]
+
+
+@contextlib.contextmanager
+def collection_paused() -> Iterator[None]:
+    """Collect the garbage now, then no automatic collection until the block ends (the previous
+    setting is restored, also on an error).
+
+    Why captures need it: an engine dropped by its user (or a server's unloaded model) is cyclic
+    garbage, and its CUDA graphs are destroyed only when the collector finds it. Destroying a graph
+    is not allowed while a stream is capturing, so a collection that ran in the middle of a capture
+    voided that capture ("operation failed due to a previous error during capture", seen on an H100
+    when test files created engines one after another). torch's own `torch.cuda.graph` stopped
+    collecting before a capture (torch.compiler.config.force_cudagraph_gc, off by default)."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class GraphRunner:
@@ -98,6 +121,10 @@ class GraphRunner:
         pool the largest allocated); (seconds, bytes of GPU memory it took)."""
         if not self.capture_enabled:
             return 0.0, 0
+        with collection_paused():  # (before measuring: a dead engine's memory is freed first)
+            return self._capture(show_progress)
+
+    def _capture(self, show_progress: bool) -> tuple[float, int]:
         device = self.runner.device
         torch.cuda.synchronize(device)
         free_before = torch.cuda.mem_get_info(device)[0]
@@ -115,7 +142,9 @@ class GraphRunner:
                 self.runner.run(inputs)
             torch.cuda.synchronize(device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            # thread_local: only this thread's unsafe calls void the capture, not another thread's
+            # (a server thread unloading another model destroys that model's graphs)
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 self.outputs[size] = self.runner.run(inputs)
             self.graphs[size] = graph
         torch.cuda.synchronize(device)
