@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import gc
 import threading
-import time
 
 import pytest
 import torch
@@ -140,13 +139,17 @@ def test_another_engines_graphs_freed_during_a_capture_do_not_void_it(tiny, refe
         del old, box, old_graphs
         during = gc.collect
     else:
-        during = threading.Thread(target=old_graphs.clear).start
+
+        def during() -> None:  # (the first capture's thread frees them all; the later ones, none)
+            elsewhere = threading.Thread(target=old_graphs.clear)
+            elsewhere.start()
+            elsewhere.join()
+
     begin = torch.cuda.CUDAGraph.capture_begin
 
     def begin_then_free(self, *args, **kwargs):
         begin(self, *args, **kwargs)
         during()
-        time.sleep(0.05)  # (the other thread's frees land inside the capture)
 
     monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", begin_then_free)
     new = gpu_llm(tiny[0])
