@@ -3,7 +3,7 @@ served throughput on a tiny model whose own compute is small (the tests' tiny Ll
 layers), so a step's time is the engine's scheduling, input building and output handling, as on
 a GPU at large batches.
 
-    python benchmarks/bench_host_overhead.py BASE_SRC [NEW_SRC] [--pairs 3] [--concurrency 64 256 4]
+    python benchmarks/bench_host_overhead.py BASE_SRC [NEW_SRC] [--pairs 3] [--concurrency 64 256 4] [--whole 256]
 
 BASE_SRC and NEW_SRC are `src` folders of two checkouts (NEW_SRC defaults to this one's); each
 measurement runs in a fresh process with PYTHONPATH at one of them, the two alternating pair by
@@ -14,6 +14,9 @@ pair so that drift hits both alike:
     served   `llmserve serve` (256 sequences) driven by `llmserve bench serve` at each concurrency
              c (4c prompts, the same lengths, streamed); output tok/s. The client runs on the same
              machine, as it would in a one-host setup.
+    whole    (`--whole c ...`) the same server and lengths (prompts of 24 random token ids), each
+             request answered whole (no `stream`), c at a time from this script's aiohttp client;
+             output tok/s from the responses' usage.
 
 Prints every figure, then each level's medians and their ratio (new / base).
 """
@@ -21,7 +24,10 @@ Prints every figure, then each level's medians and their ratio (new / base).
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import os
+import random
 import re
 import socket
 import statistics
@@ -29,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -63,7 +70,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def served(src: Path, model: Path, concurrency: int, results: Path) -> float:
+@contextlib.contextmanager
+def _server(src: Path, model: Path) -> Iterator[int]:
+    """`llmserve serve` from `src` on a free port, ready; yields the port."""
     port = _free_port()
     server = subprocess.Popen(
         [sys.executable, "-c", CLI, "serve", str(model), "--max-num-seqs", "256", "--num-kv-blocks", "4096",
@@ -76,14 +85,52 @@ def served(src: Path, model: Path, concurrency: int, results: Path) -> float:
             if time.monotonic() > deadline or server.poll() is not None:
                 raise RuntimeError(f"the server from {src} did not start")
             time.sleep(0.5)
+        yield port
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
+def served(src: Path, model: Path, concurrency: int, results: Path) -> float:
+    with _server(src, model) as port:
         cmd = [sys.executable, "-c", CLI, "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
                "--dataset", "random", *LENGTHS, "--ignore-eos", "--num-prompts", str(4 * concurrency),
                "--max-concurrency", str(concurrency), "--tokenizer", str(model), "--result-dir", str(results)]  # fmt: skip
         run = subprocess.run(cmd, env=_env(src), capture_output=True, text=True, check=True)
         return _output_tok_s(run.stdout + run.stderr)
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
+
+
+def served_whole(src: Path, model: Path, concurrency: int) -> float:
+    """Output tok/s of 4c non-streamed completions, c at a time (one warm-up round first). The
+    client is aiohttp's, as `llmserve bench serve`'s: httpx's pool capped this level near 9k tok/s
+    here whatever the server did."""
+    import aiohttp
+
+    rng = random.Random(0)
+    lengths = dict(zip(LENGTHS[::2], map(int, LENGTHS[1::2]), strict=True))
+    body = {"model": str(model), "max_tokens": lengths["--output-len"], "ignore_eos": True, "temperature": 0}
+
+    async def run(port: int, count: int) -> tuple[int, float]:
+        limit = asyncio.Semaphore(concurrency)
+        async with aiohttp.ClientSession(
+            f"http://127.0.0.1:{port}", connector=aiohttp.TCPConnector(limit=concurrency),
+            timeout=aiohttp.ClientTimeout(total=600),
+        ) as session:  # fmt: skip
+
+            async def one() -> int:
+                prompt = [rng.randrange(10, 500) for _ in range(lengths["--input-len"])]
+                async with limit, session.post("/v1/completions", json={**body, "prompt": prompt}) as r:
+                    r.raise_for_status()
+                    return (await r.json())["usage"]["completion_tokens"]
+
+            start = time.perf_counter()
+            tokens = await asyncio.gather(*(one() for _ in range(count)))
+            return sum(tokens), time.perf_counter() - start
+
+    with _server(src, model) as port:
+        asyncio.run(run(port, concurrency))
+        tokens, seconds = asyncio.run(run(port, 4 * concurrency))
+        return tokens / seconds
 
 
 def _ready(port: int) -> bool:
@@ -100,6 +147,7 @@ def main() -> int:
     ap.add_argument("new", type=Path, nargs="?", default=REPO / "src", help="default: this checkout's src")
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--concurrency", type=int, nargs="*", default=[64, 256, 4])
+    ap.add_argument("--whole", type=int, nargs="*", default=[], help="non-streamed levels (concurrency)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "model"
@@ -108,11 +156,17 @@ def main() -> int:
 
         make_tiny_model("llama", model)
         levels = [("offline", None)] + [(f"served c={c}", c) for c in args.concurrency]
+        levels += [(f"whole c={c}", -c) for c in args.whole]
         figures: dict[str, list[list[float]]] = {name: [[], []] for name, _ in levels}
         for pair in range(args.pairs):
             for name, c in levels:
                 for side, src in enumerate((args.base, args.new)):
-                    tok_s = offline(src, model) if c is None else served(src, model, c, Path(tmp) / "results")
+                    if c is None:
+                        tok_s = offline(src, model)
+                    elif c < 0:
+                        tok_s = served_whole(src, model, -c)
+                    else:
+                        tok_s = served(src, model, c, Path(tmp) / "results")
                     figures[name][side].append(tok_s)
                     print(f"pair {pair + 1} {name} {'base' if side == 0 else 'new'}: {tok_s:,.0f} output tok/s",
                           flush=True)  # fmt: skip

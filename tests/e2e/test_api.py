@@ -510,3 +510,48 @@ def test_chat_all_roles(server: ServerProcess, client: openai.OpenAI) -> None:
     assert out.usage.prompt_tokens == len(tokenize(server, messages=messages))
     rendered = post(server, "/detokenize", {"tokens": tokenize(server, messages=messages)})["prompt"]
     assert "<|im_start|>tool\n42<|im_end|>" in rendered
+
+
+def test_a_whole_response_reads_one_output_and_a_stream_every_step(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A response sent whole (no `stream`) asks the engine for each request's final output only
+    (no output built per step, the offline LLM's way); a streamed one for every step's delta. The
+    app in this process (the real engine on the tiny model) with the engine's streams counted."""
+    from fastapi.testclient import TestClient
+
+    from llmserve.config import ServerConfig
+    from llmserve.config.models import ModelSpec
+    from llmserve.engine.async_engine import AsyncEngine, RequestStream
+    from llmserve.server.app import build_app
+
+    reads: list[list] = []  # [final_only, outputs the stream yielded] per request
+    add, iterate = AsyncEngine.add_request, RequestStream._iterate
+
+    def counted_add(self, *args, **kwargs):
+        stream = add(self, *args, **kwargs)
+        stream.read = [kwargs.get("final_only", False), 0]
+        reads.append(stream.read)
+        return stream
+
+    async def counted_iterate(self):
+        async for out in iterate(self):
+            self.read[1] += 1
+            yield out
+
+    monkeypatch.setattr(AsyncEngine, "add_request", counted_add)
+    monkeypatch.setattr(RequestStream, "_iterate", counted_iterate)
+    body = {"model": MODEL_NAME, "max_tokens": 6, "ignore_eos": True, **GREEDY}
+    with TestClient(build_app([ModelSpec(MODEL_NAME, str(tiny_model_dir))], ServerConfig())) as client:
+        for path, extra in (
+            ("/v1/completions", {"prompt": PROMPTS[0]}),
+            ("/v1/chat/completions", {"messages": CHAT}),
+        ):
+            whole = client.post(path, json={**body, **extra}).json()
+            assert (
+                whole["usage"]["completion_tokens"] == 6 and whole["choices"][0]["finish_reason"] == "length"
+            )
+            assert client.post(path, json={**body, **extra, "stream": True}).text.endswith("data: [DONE]\n\n")
+    # (how many deltas a stream reads depends on the load: a reader behind gets them merged)
+    assert [final_only for final_only, _ in reads] == [True, False, True, False]
+    assert [n for _, n in reads][::2] == [1, 1]

@@ -25,9 +25,9 @@ def make_engine(folder, **kw):
     return LLM(str(folder), show_progress=False, num_kv_blocks=64, block_size=4, **kw).engine
 
 
-async def collect(engine: AsyncEngine, prompt: str, params: SamplingParams):
+async def collect(engine: AsyncEngine, prompt: str, params: SamplingParams, final_only: bool = False):
     processed = await engine.process_inputs(prompt, params)
-    stream = engine.add_request(engine.new_request_id(), processed)
+    stream = engine.add_request(engine.new_request_id(), processed, final_only=final_only)
     texts, tokens, deltas = {}, {}, 0
     async with stream:
         async for out in stream:
@@ -38,7 +38,10 @@ async def collect(engine: AsyncEngine, prompt: str, params: SamplingParams):
     return texts, tokens, deltas
 
 
-def test_streamed_deltas_add_up_to_the_offline_outputs(folder):
+@pytest.mark.parametrize("final_only", [False, True], ids=["deltas", "final only"])
+def test_streamed_deltas_add_up_to_the_offline_outputs(folder, final_only):
+    """Every step's delta, or (`final_only`, a response sent whole) one output when the request
+    finishes: either way the offline result."""
     params = SamplingParams(temperature=0.8, seed=3, max_tokens=12, n=2, stop=["o"])
     offline = LLM(str(folder), show_progress=False, num_kv_blocks=64, block_size=4).generate(
         PROMPTS, params, use_tqdm=False
@@ -48,14 +51,17 @@ def test_streamed_deltas_add_up_to_the_offline_outputs(folder):
         engine = AsyncEngine(make_engine(folder))
         engine.start()
         try:
-            return await asyncio.gather(*(collect(engine, p, params) for p in PROMPTS))
+            return await asyncio.gather(*(collect(engine, p, params, final_only) for p in PROMPTS))
         finally:
             engine.shutdown()
 
     for (texts, tokens, deltas), ref in zip(asyncio.run(main()), offline, strict=True):
         assert [texts[i] for i in range(2)] == [c.text for c in ref.outputs]
         assert [tokens[i] for i in range(2)] == [c.token_ids for c in ref.outputs]
-        assert deltas > 1  # it streamed, not one final answer
+        if final_only:
+            assert deltas == 1
+        else:
+            assert deltas > 1  # it streamed, not one final answer
 
 
 def test_abort_frees_blocks_within_a_step(folder):

@@ -288,9 +288,12 @@ class AsyncEngine:
         prompt: ProcessedPrompt,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        final_only: bool = False,
     ) -> RequestStream:
         """Queue a checked prompt (under `lora_request`'s adapter, if any); raises
-        `QueueFullError` when the waiting queue is full."""
+        `QueueFullError` when the waiting queue is full. `final_only`: the stream yields one
+        output, when the request finishes, holding all of it (a reader that wants no deltas: the
+        engine then builds no output for it per step)."""
         n = prompt.params.n
         self.check_queue(n)
         stream = RequestStream(self, request_id, prompt)
@@ -305,7 +308,12 @@ class AsyncEngine:
             self._num_added += n
             try:
                 self.engine.add_request(
-                    request_id, prompt, priority=priority, delta=True, lora_request=lora_request
+                    request_id,
+                    prompt,
+                    priority=priority,
+                    delta=True,
+                    lora_request=lora_request,
+                    final_only=final_only,
                 )
             except ValueError as e:
                 # A check only the engine makes (a derived per-sample seed, say) failed: fail this

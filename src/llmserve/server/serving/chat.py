@@ -208,7 +208,7 @@ class ChatServing:
                 raise APIError(400, f"tools: {e.message}", param="tools") from None  # a bad parameters schema
             raise
         think = self._reasoning(prompt.token_ids)
-        streams = start_requests(ctx, [prompt], req.priority, "chat")
+        streams = start_requests(ctx, [prompt], req.priority, "chat", final_only=not req.stream)
         return await respond(ctx, raw, req, [prompt], streams, _ChatChoices(ctx, req, plan, think))
 
     def _reasoning(self, prompt_ids: list[int]) -> bool | None:

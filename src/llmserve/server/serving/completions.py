@@ -87,7 +87,7 @@ class CompletionServing:
         want_prompt_lp = req.logprobs if req.echo and req.logprobs is not None else req.prompt_logprobs
         params = sampling_params(req, 1 if score_only else req.max_tokens, req.logprobs, want_prompt_lp)
         processed = [await process_prompt(ctx, p, params, req) for p in prompts]
-        streams = start_requests(ctx, processed, req.priority, "cmpl")
+        streams = start_requests(ctx, processed, req.priority, "cmpl", final_only=not req.stream)
         return await respond(
             ctx, raw, req, processed, streams, _CompletionChoices(ctx, req, processed, score_only)
         )

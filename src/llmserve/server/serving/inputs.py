@@ -149,9 +149,10 @@ async def process_prompt(
 
 
 def start_requests(
-    ctx: ServingContext, prompts: list[ProcessedPrompt], priority: int, prefix: str
+    ctx: ServingContext, prompts: list[ProcessedPrompt], priority: int, prefix: str, final_only: bool = False
 ) -> list[RequestStream]:
-    """Queue every prompt of one API request, or none of them (429 when the queue is full)."""
+    """Queue every prompt of one API request, or none of them (429 when the queue is full).
+    `final_only`: a response sent whole (no stream) reads each request's output once, finished."""
     engine = ctx.engine
     num_sequences = sum(p.params.n for p in prompts)
     limit = ctx.config.max_queued_requests
@@ -168,7 +169,10 @@ def start_requests(
     except EngineDeadError as e:
         raise APIError(503, str(e), code="engine_dead") from None
     streams = [
-        engine.add_request(engine.new_request_id(prefix), p, priority, ctx.lora_request) for p in prompts
+        engine.add_request(
+            engine.new_request_id(prefix), p, priority, ctx.lora_request, final_only=final_only
+        )
+        for p in prompts
     ]
     for stream in streams:
         p = stream.prompt
