@@ -552,6 +552,15 @@ def test_a_whole_response_reads_one_output_and_a_stream_every_step(
                 whole["usage"]["completion_tokens"] == 6 and whole["choices"][0]["finish_reason"] == "length"
             )
             assert client.post(path, json={**body, **extra, "stream": True}).text.endswith("data: [DONE]\n\n")
+        # the other APIs' whole answers: Anthropic's Messages, Responses, Ollama's (stream: false)
+        short = {"model": MODEL_NAME, "temperature": 0}
+        for path, extra in (
+            ("/v1/messages", {"max_tokens": 6, "messages": [{"role": "user", "content": "hi"}]}),
+            ("/v1/responses", {"max_output_tokens": 6, "input": "hi"}),
+            ("/api/generate", {"prompt": "hi", "stream": False, "options": {"num_predict": 6}}),
+            ("/api/generate", {"prompt": "hi", "options": {"num_predict": 6}}),  # (Ollama streams by default)
+        ):
+            assert client.post(path, json={**short, **extra}).status_code == 200
     # (how many deltas a stream reads depends on the load: a reader behind gets them merged)
-    assert [final_only for final_only, _ in reads] == [True, False, True, False]
-    assert [n for _, n in reads][::2] == [1, 1]
+    assert [final_only for final_only, _ in reads] == [True, False, True, False, True, True, True, False]
+    assert [n for final_only, n in reads if final_only] == [1] * 5

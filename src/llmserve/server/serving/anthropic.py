@@ -203,7 +203,15 @@ class AnthropicServing:
             plan = tool_plan(ctx, req)
             prompt, images = await render(ctx, req, messages, fields, plan)
             answer = await start_chat(
-                ctx, prompt, params, plan, "msg", template_kwargs(req), "output_config.format", images
+                ctx,
+                prompt,
+                params,
+                plan,
+                "msg",
+                template_kwargs(req),
+                "output_config.format",
+                images,
+                final_only=not req.stream,
             )
             return await _respond(req, raw, answer.pieces, answer.streams, answer.num_prompt_tokens)
 

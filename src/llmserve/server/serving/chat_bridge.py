@@ -64,12 +64,13 @@ async def render_prompt(ctx: ServingContext, messages: list[ChatMessage], fields
 
 async def start_chat(ctx: ServingContext, prompt: list[int] | str, params: SamplingParams, plan: ToolPlan,
                      prefix: str, template_kwargs: dict[str, Any] | None, format_field: str,
-                     images: ImageInputs | None = None) -> Answer:  # fmt: skip
-    """Start the rendered chat prompt (`render_prompt`'s) on a native model (request ids `prefix`-...)."""
+                     images: ImageInputs | None = None, final_only: bool = False) -> Answer:  # fmt: skip
+    """Start the rendered chat prompt (`render_prompt`'s) on a native model (request ids `prefix`-...);
+    `final_only`: an answer sent whole (`start_answer`)."""
     split = thinks(ctx) and template_kwargs != {"enable_thinking": False}
     try:
         return await start_answer(ctx, prompt, with_tools(params, plan), prefix, split,
-                                  plan.fmt if plan.active else None, images=images)  # fmt: skip
+                                  plan.fmt if plan.active else None, images=images, final_only=final_only)  # fmt: skip
     except APIError as e:  # a bad constraint: name the field it came in
         if e.param == "structured_outputs":
             field = "tools" if plan.constraint is not None else format_field

@@ -418,7 +418,7 @@ class OllamaServing:
         call format to read tool calls back in (chat with tools); `images`: the prompt's images."""
         chat = isinstance(req, OllamaChatRequest)
         answer = await start_answer(ctx, prompt, params, "ollama-chat" if chat else "ollama-gen", split, tools,
-                                    context=not chat, images=images)  # fmt: skip
+                                    context=not chat, images=images, final_only=not req.stream)  # fmt: skip
         return await _respond(req, raw, answer.pieces, answer.streams)
 
     @staticmethod

@@ -87,16 +87,17 @@ def thinks(ctx: ServingContext) -> bool:
 
 async def start_answer(ctx: ServingContext, prompt: str | list[int], params: SamplingParams, prefix: str,
                        split: bool, tools: ToolFormat | None = None, context: bool = False,
-                       images: ImageInputs | None = None) -> Answer:  # fmt: skip
+                       images: ImageInputs | None = None, final_only: bool = False) -> Answer:  # fmt: skip
     """Run one prompt on a native model; `split`: thinking apart from content; `tools`: the call
     format to read tool calls back in (`params` made `with_tools`); `context`: the tokens in the end
-    (Ollama's /api/generate); `images`: the prompt's images (its text then holds their markers)."""
+    (Ollama's /api/generate); `images`: the prompt's images (its text then holds their markers);
+    `final_only`: an answer sent whole (the engine's output once, finished; `start_requests`)."""
     if images is None:
         processed = await process_prompt(ctx, prompt, params)
     else:
         processed = await process_prompt(ctx, prompt, params, None, images.data, images.add_special_tokens,
                                          images.fields)  # fmt: skip
-    streams = start_requests(ctx, [processed], 0, prefix)
+    streams = start_requests(ctx, [processed], 0, prefix, final_only=final_only)
     opened = prompt_opens_thinking(ctx.tokenizer, processed.token_ids) if split else None
     splitter = reply_splitter(ctx.harmony, opened, tools)
     pieces = _engine_pieces(ctx, streams, processed.token_ids, splitter, context)

@@ -247,8 +247,16 @@ class ResponsesServing:
             plan = tool_plan(ctx, req)
             prompt, images = await render_prompt(ctx, messages, fields, "input", add_generation_prompt=True,
                                                  extra=template_kwargs(req), tools=plan.tools, fmt=plan.fmt)  # fmt: skip
-            answer = await start_chat(
-                ctx, prompt, params, plan, "resp", template_kwargs(req), "text.format", images
+            answer = await start_chat(  # (a background response shows its output as it stands)
+                ctx,
+                prompt,
+                params,
+                plan,
+                "resp",
+                template_kwargs(req),
+                "text.format",
+                images,
+                final_only=not req.stream and not req.background,
             )
             return await self._respond(
                 req, raw, events, kept, answer.pieces, answer.streams, answer.num_prompt_tokens
