@@ -4,6 +4,7 @@ layers), so a step's time is the engine's scheduling, input building and output 
 a GPU at large batches.
 
     python benchmarks/bench_host_overhead.py BASE_SRC [NEW_SRC] [--pairs 3] [--concurrency 64 256 4] [--whole 256]
+        [--new-serve-args='--stream-interval 8']
 
 BASE_SRC and NEW_SRC are `src` folders of two checkouts (NEW_SRC defaults to this one's); each
 measurement runs in a fresh process with PYTHONPATH at one of them, the two alternating pair by
@@ -71,12 +72,12 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def _server(src: Path, model: Path) -> Iterator[int]:
-    """`llmserve serve` from `src` on a free port, ready; yields the port."""
+def _server(src: Path, model: Path, extra: list[str]) -> Iterator[int]:
+    """`llmserve serve` from `src` (with the flags `extra`) on a free port, ready; yields the port."""
     port = _free_port()
     server = subprocess.Popen(
         [sys.executable, "-c", CLI, "serve", str(model), "--max-num-seqs", "256", "--num-kv-blocks", "4096",
-         "--port", str(port)],
+         "--port", str(port), *extra],
         env=_env(src), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
@@ -91,8 +92,8 @@ def _server(src: Path, model: Path) -> Iterator[int]:
         server.wait(timeout=60)
 
 
-def served(src: Path, model: Path, concurrency: int, results: Path) -> float:
-    with _server(src, model) as port:
+def served(src: Path, model: Path, concurrency: int, results: Path, extra: list[str]) -> float:
+    with _server(src, model, extra) as port:
         cmd = [sys.executable, "-c", CLI, "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
                "--dataset", "random", *LENGTHS, "--ignore-eos", "--num-prompts", str(4 * concurrency),
                "--max-concurrency", str(concurrency), "--tokenizer", str(model), "--result-dir", str(results)]  # fmt: skip
@@ -100,7 +101,7 @@ def served(src: Path, model: Path, concurrency: int, results: Path) -> float:
         return _output_tok_s(run.stdout + run.stderr)
 
 
-def served_whole(src: Path, model: Path, concurrency: int) -> float:
+def served_whole(src: Path, model: Path, concurrency: int, extra: list[str]) -> float:
     """Output tok/s of 4c non-streamed completions, c at a time (one warm-up round first). The
     client is aiohttp's, as `llmserve bench serve`'s: httpx's pool capped this level near 9k tok/s
     here whatever the server did."""
@@ -127,7 +128,7 @@ def served_whole(src: Path, model: Path, concurrency: int) -> float:
             tokens = await asyncio.gather(*(one() for _ in range(count)))
             return sum(tokens), time.perf_counter() - start
 
-    with _server(src, model) as port:
+    with _server(src, model, extra) as port:
         asyncio.run(run(port, concurrency))
         tokens, seconds = asyncio.run(run(port, 4 * concurrency))
         return tokens / seconds
@@ -148,6 +149,8 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--concurrency", type=int, nargs="*", default=[64, 256, 4])
     ap.add_argument("--whole", type=int, nargs="*", default=[], help="non-streamed levels (concurrency)")
+    ap.add_argument("--new-serve-args", default="", help="flags for the new side's server only, as one string "
+                    "(the same src twice then compares a flag: --new-serve-args='--stream-interval 8')")  # fmt: skip
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "model"
@@ -161,12 +164,13 @@ def main() -> int:
         for pair in range(args.pairs):
             for name, c in levels:
                 for side, src in enumerate((args.base, args.new)):
+                    extra = args.new_serve_args.split() if side == 1 else []
                     if c is None:
                         tok_s = offline(src, model)
                     elif c < 0:
-                        tok_s = served_whole(src, model, -c)
+                        tok_s = served_whole(src, model, -c, extra)
                     else:
-                        tok_s = served(src, model, c, Path(tmp) / "results")
+                        tok_s = served(src, model, c, Path(tmp) / "results", extra)
                     figures[name][side].append(tok_s)
                     print(f"pair {pair + 1} {name} {'base' if side == 0 else 'new'}: {tok_s:,.0f} output tok/s",
                           flush=True)  # fmt: skip

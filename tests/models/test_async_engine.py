@@ -64,6 +64,42 @@ def test_streamed_deltas_add_up_to_the_offline_outputs(folder, final_only):
             assert deltas > 1  # it streamed, not one final answer
 
 
+@pytest.mark.parametrize("interval", [1, 4])
+def test_a_stream_interval_groups_tokens_and_changes_none(folder, interval):
+    """`stream_interval` N: the first token at once, then every N tokens, then the end; the same
+    tokens and text as the offline run. (A reader that falls behind gets deltas merged, so the
+    token counts at the deltas' ends are checked against the interval's marks, not one by one.)"""
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=13, ignore_eos=True, logprobs=1)
+    offline = LLM(str(folder), show_progress=False, num_kv_blocks=64, block_size=4).generate(
+        PROMPTS, params, use_tqdm=False
+    )
+
+    async def read(engine: AsyncEngine, prompt: str) -> tuple[str, list[int], list[int], int]:
+        stream = engine.add_request(engine.new_request_id(), await engine.process_inputs(prompt, params))
+        text, tokens, ends, logprobs = "", [], [], 0
+        async with stream:
+            async for out in stream:
+                c = out.outputs[0]
+                text, tokens = text + c.text, tokens + c.token_ids
+                logprobs += len(c.logprobs or [])
+                if c.token_ids:
+                    ends.append(len(tokens))
+        return text, tokens, ends, logprobs
+
+    async def main():
+        engine = AsyncEngine(make_engine(folder, stream_interval=interval))
+        engine.start()
+        try:
+            return await asyncio.gather(*(read(engine, p) for p in PROMPTS))
+        finally:
+            engine.shutdown()
+
+    marks = {1, *range(1 + interval, 14, interval), 13}
+    for (text, tokens, ends, logprobs), ref in zip(asyncio.run(main()), offline, strict=True):
+        assert text == ref.outputs[0].text and tokens == ref.outputs[0].token_ids and logprobs == 13
+        assert set(ends) <= marks and ends[-1] == 13, ends
+
+
 def test_abort_frees_blocks_within_a_step(folder):
     async def main():
         llm_engine = make_engine(folder)

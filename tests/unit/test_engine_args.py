@@ -28,6 +28,7 @@ def cli_args(*argv: str) -> EngineArgs:
         (["--max-model-len", "2048"], {"max_model_len": 2048.0}),
         (["--no-prefix-caching"], {"enable_prefix_caching": "false"}),
         (["--cpu-activations", "int8"], {"cpu_activations": "int8"}),
+        (["--stream-interval", "8"], {"stream_interval": "8"}),
         (
             ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
             {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
@@ -59,6 +60,7 @@ def test_speculative_config_from_json_text() -> None:
         ({"kv_cache_dtype": "int4"}, "kv_cache_dtype must be 'auto' or one of"),
         ({"cpu_activations": "int4"}, "cpu_activations must be one of auto, int16, int8; got 'int4'"),
         ({"max_num_seq": 4}, "LLM: unknown engine option(s) ['max_num_seq']"),
+        ({"stream_interval": 0}, "stream_interval must be >= 1; got 0"),
     ],
 )
 def test_llm_names_a_bad_option_before_loading(options: dict, message: str) -> None:

@@ -136,6 +136,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     g.add_argument(
+        "--stream-interval", type=int, default=1,
+        help="send a stream's tokens every N (the first at once, and the last): the same text, "
+        "fewer SSE events, less server work per token at large batches (default 1: every token)",
+    )  # fmt: skip
+    g.add_argument(
         "--admission-policy",
         default="optimistic",
         choices=["optimistic", "reserve"],
@@ -220,6 +225,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "scheduling_policy": args.scheduling_policy,
         "admission_policy": args.admission_policy,
         "batching_mode": args.batching_mode,
+        "stream_interval": args.stream_interval,
         "model_impl": args.model_impl,
         "mmproj": args.mmproj,
         "do_pan_and_scan": args.do_pan_and_scan,

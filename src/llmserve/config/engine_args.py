@@ -64,6 +64,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     admission_policy: str = "optimistic"
     batching_mode: str = "continuous"
+    stream_interval: int = 1
     speculative_config: SpeculativeConfig | None = None
     enable_lora: bool = False
     max_loras: int = 4
@@ -136,6 +137,7 @@ class EngineArgs:
             policy=self.scheduling_policy,  # type: ignore[arg-type]
             admission=self.admission_policy,  # type: ignore[arg-type]
             mode=self.batching_mode,  # type: ignore[arg-type]
+            stream_interval=self.stream_interval,
         )
         return model, cache, scheduler, self.speculative_config
 

@@ -45,6 +45,12 @@ class SchedulerConfig:
     members are computed as padding), and the next is admitted only then. `static-ragged`: the
     same without the prompt padding (prompts of different lengths batched as they are)."""
 
+    stream_interval: int = 1
+    """A streamed request's output goes out every this many tokens (vLLM's and SGLang's option):
+    its first token at once, then whenever this many more have come, and its end. 1: every step.
+    Larger values change no token or text, only how they are grouped into deltas (SSE events), and
+    cut the per-token work of building outputs and events at large batches."""
+
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1; got {self.max_num_batched_tokens}")
@@ -56,6 +62,8 @@ class SchedulerConfig:
             raise ValueError(f"admission must be 'optimistic' or 'reserve'; got {self.admission!r}")
         if self.mode not in ("continuous", "static", "static-ragged"):
             raise ValueError(f"mode must be 'continuous', 'static' or 'static-ragged'; got {self.mode!r}")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1; got {self.stream_interval}")
 
     @property
     def token_budget(self) -> int:

@@ -222,7 +222,7 @@ class LLMEngine:
             )
         if self.runner.device.type == "cuda" and not self.is_encoder:
             self.runner.warm_up_sampler()
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler_config.stream_interval)
         self.last_stats: SchedulerStats | None = None
         self.log_stats = log_stats
         self._stats = IterationStats(time.monotonic())

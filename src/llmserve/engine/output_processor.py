@@ -39,11 +39,14 @@ class _Child:
     times: SequenceTimes
     num_sent_tokens: int = 0
     """Delta mode: output tokens already handed out."""
+    finish_sent: bool = False
+    """Delta mode: its finish went out."""
 
     def delta(self) -> CompletionOutput:
         """A new `CompletionOutput` holding only what changed since the last delta (delta mode)."""
         c, sent = self.completion, self.num_sent_tokens
         self.num_sent_tokens = len(c.token_ids)
+        self.finish_sent = c.finished
         text = "" if self.detokenizer is None else self.detokenizer.get_next_output_text(c.finished, True)
         return CompletionOutput(
             index=c.index,
@@ -77,6 +80,16 @@ class _RequestState:
     prompt_logprobs_sent: bool = False
     embedding: list[float] | None = None
 
+    def due(self, interval: int) -> bool:
+        """Whether a delta goes out this step under a stream interval of `interval` tokens: a
+        sample's first tokens, `interval` new ones, or its finish."""
+        for child in self.children.values():
+            c, sent = child.completion, child.num_sent_tokens
+            new = len(c.token_ids) - sent
+            if (new and (sent == 0 or new >= interval)) or (c.finished and not child.finish_sent):
+                return True
+        return False
+
     def to_output(self, finished: bool) -> RequestOutput:
         prompt_logprobs = self.prompt_logprobs
         if self.delta:
@@ -107,8 +120,10 @@ class _RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, stream_interval: int = 1) -> None:
+        """`stream_interval`: a delta request's output every this many tokens (SchedulerConfig)."""
         self.tokenizer = tokenizer
+        self.stream_interval = stream_interval
         self._requests: dict[str, _RequestState] = {}
         self._parent_of: dict[str, str] = {}  # child id -> request id
 
@@ -221,8 +236,10 @@ class OutputProcessor:
                 del self._requests[request_id]
                 for cid in state.child_order:
                     self._parent_of.pop(cid, None)
-            elif state.final_only:
-                continue
+            elif state.final_only or (
+                self.stream_interval > 1 and state.delta and not state.due(self.stream_interval)
+            ):
+                continue  # no output this step: only the final one, or the stream interval's next
             results.append(state.to_output(finished))
         return results, to_abort
 
