@@ -564,3 +564,31 @@ def test_a_whole_response_reads_one_output_and_a_stream_every_step(
     # (how many deltas a stream reads depends on the load: a reader behind gets them merged)
     assert [final_only for final_only, _ in reads] == [True, False, True, False, True, True, True, False]
     assert [n for final_only, n in reads if final_only] == [1] * 5
+
+
+def test_a_stream_interval_sends_tokens_in_groups_and_the_same_text(tiny_model_dir: Path) -> None:
+    """A model served with `stream_interval` 4: a streamed completion's chunks carry its first
+    token, then four at a time (fewer when a reader behind gets them merged: more, never fewer),
+    and together the text of the same request answered whole."""
+    from fastapi.testclient import TestClient
+
+    from llmserve.config import ServerConfig
+    from llmserve.config.models import ModelSpec
+    from llmserve.server.app import build_app
+
+    spec = ModelSpec(MODEL_NAME, str(tiny_model_dir), options={"stream_interval": 4})
+    body = {
+        "model": MODEL_NAME,
+        "prompt": PROMPTS[1],
+        "max_tokens": 9,
+        "ignore_eos": True,
+        "logprobs": 0,
+        **GREEDY,
+    }
+    with TestClient(build_app([spec], ServerConfig())) as client:
+        whole = client.post("/v1/completions", json=body).json()["choices"][0]
+        lines = client.post("/v1/completions", json={**body, "stream": True}).text.splitlines()
+    chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    counts = [len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks if c["choices"][0]["logprobs"]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["text"]
+    assert sum(counts) == 9 and counts[0] in (1, 5, 9) and all(n >= 4 for n in counts[1:]), counts
