@@ -89,7 +89,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         await self._admit(context)
         try:
             req = completion_request(request)
-            async with self._answer(req) as (slot, pieces):
+            async with self._answer(req, whole=True) as (slot, pieces):
                 answer = await gather(pieces)
             return infer_response(slot.name, request.id, answer.content, answer.end)
         except (APIError, EngineDeadError, RequestAbortedError) as e:
@@ -101,7 +101,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         await self._admit(context)
         try:
             req = completion_request(request)
-            async with self._answer(req) as (slot, pieces):
+            async with self._answer(req, whole=False) as (slot, pieces):
                 async for piece in pieces:
                     if piece.content or piece.end is not None:
                         yield infer_response(slot.name, request.id, piece.content, piece.end)
@@ -124,7 +124,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             try:
                 stream = stream_flag(request)
                 req = completion_request(request)
-                async with self._answer(req) as (slot, pieces):
+                async with self._answer(req, whole=not stream) as (slot, pieces):
                     if stream:
                         async for piece in pieces:
                             if piece.content or piece.end is not None:
@@ -160,17 +160,20 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                 task.cancel()
 
     @asynccontextmanager
-    async def _answer(self, req: CompletionRequest) -> AsyncIterator[tuple[ModelSlot, AsyncIterator[Piece]]]:
+    async def _answer(
+        self, req: CompletionRequest, whole: bool
+    ) -> AsyncIterator[tuple[ModelSlot, AsyncIterator[Piece]]]:
         """The model `req` names, leased while its answer streams; leaving the block closes the
         pieces at once (`aclosing`), so a cancelled call aborts its engine request then, not when
-        the generator is collected."""
+        the generator is collected. `whole`: the answer is sent in one response (a native engine
+        then builds its output once, finished)."""
         async with (
             self.state.models.lease(req.model) as slot,
-            aclosing(await self._pieces(slot, req)) as pieces,
+            aclosing(await self._pieces(slot, req, whole)) as pieces,
         ):
             yield slot, pieces
 
-    async def _pieces(self, slot: ModelSlot, req: CompletionRequest) -> AsyncIterator[Piece]:
+    async def _pieces(self, slot: ModelSlot, req: CompletionRequest, whole: bool) -> AsyncIterator[Piece]:
         """The answer to `req` as pieces: a native engine's (checked and queued here, so a bad
         value or a full queue fails before the first response) or a remote upstream's."""
         assert isinstance(req.prompt, str), "text_input is one string"
@@ -181,7 +184,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         assert ctx is not None, "a leased local model is loaded"
         check_caps(ctx, req, None, "logprobs")
         params = sampling_params(req, req.max_tokens, None, None)
-        answer = await start_answer(ctx, req.prompt, params, "grpc", split=False)
+        answer = await start_answer(ctx, req.prompt, params, "grpc", split=False, final_only=whole)
         return answer.pieces
 
     # -- admission and errors -----------------------------------------------------------------------
