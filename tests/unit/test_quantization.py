@@ -256,6 +256,21 @@ def test_matmul_jobs_run_once_and_a_slow_threads_run_is_taken_over(n, parts, thr
         cpu_kernels._ext.job_runs_trial(-1, 1, 1, 0)
 
 
+@pytest.mark.skipif(cpu_kernels._ext is None, reason="the C++ kernels are not built")
+@pytest.mark.parametrize(("threads", "team"), [(2, 1), (2, 3), (1, 2), (4, 2)])
+def test_matmul_jobs_run_once_in_a_team_of_another_size(threads, team):
+    """A matmul planned for `threads` threads but run by a region of another size (a nested one,
+    whose team is one thread) splits its jobs statically over the team it has: each job of each
+    part once, every thread of the team given its share."""
+    n, parts = 37, 3
+    runs_of, by_thread = cpu_kernels._ext.job_runs_trial(n, parts, threads, 0, team)
+    assert runs_of == [1] * (n * parts)
+    assert len(by_thread) == team and sum(by_thread) == n * parts
+    assert all(abs(k - n * parts / team) <= parts for k in by_thread)
+    with pytest.raises(ValueError, match="team=0"):
+        cpu_kernels._ext.job_runs_trial(n, parts, threads, 0, 0)
+
+
 # -- GGUF blocks ------------------------------------------------------------------------------------
 
 

@@ -456,7 +456,7 @@ PyMethodDef kMethods[] = {
     {"comm_broadcast", py_comm_broadcast, METH_VARARGS, "comm_broadcast(comm, data | None): rank 0's bytes"},
     {"comm_abort", py_comm_abort, METH_O, "comm_abort(comm): fail every rank's collectives"},
     {"job_runs_trial", py_job_runs_trial, METH_VARARGS,
-     "job_runs_trial(n, parts, threads, slow_us): (runs of each job, jobs of each thread), a thread slowed"},
+     "job_runs_trial(n, parts, threads, slow_us[, team]): (runs of each job, jobs of each thread), a thread slowed"},
     {"isa", py_isa, METH_NOARGS, "the kernel set in use: 'avx512_vnni', 'avx2' or 'none'"},
     {"best_isa", py_best_isa, METH_NOARGS, "the best kernel set this CPU runs"},
     {"set_isa", py_set_isa, METH_O, "use the named kernel set (no better than best_isa())"},

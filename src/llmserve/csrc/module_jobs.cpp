@@ -11,22 +11,25 @@
 
 namespace llmserve {
 
-// job_runs_trial(n, parts, threads, slow_us): JobRuns' jobs run by a region of `threads` threads whose
+// job_runs_trial(n, parts, threads, slow_us[, team]): JobRuns' jobs, planned for `threads` threads, run
+// by a region of `team` threads (default: `threads`; another size takes JobRuns' static split) whose
 // first spins slow_us microseconds a job: (how many times each job of each part ran, part-major; how
 // many jobs each thread ran). The tests: every job once, and the slow thread's run taken over.
 PyObject* py_job_runs_trial(PyObject*, PyObject* args) {
-  long long n, parts, threads, slow_us;
-  if (!PyArg_ParseTuple(args, "LLLL", &n, &parts, &threads, &slow_us)) return nullptr;
-  if (n < 0 || n >= (1LL << 31) || parts < 1 || threads < 1 || slow_us < 0) {
-    PyErr_Format(PyExc_ValueError, "job_runs_trial: bad n=%lld, parts=%lld, threads=%lld or slow_us=%lld", n,
-                 parts, threads, slow_us);
+  long long n, parts, threads, slow_us, team = -1;
+  if (!PyArg_ParseTuple(args, "LLLL|L", &n, &parts, &threads, &slow_us, &team)) return nullptr;
+  if (team < 0) team = threads;
+  if (n < 0 || n >= (1LL << 31) || parts < 1 || threads < 1 || slow_us < 0 || team < 1 || team > 256) {
+    PyErr_Format(PyExc_ValueError,
+                 "job_runs_trial: bad n=%lld, parts=%lld, threads=%lld, slow_us=%lld or team=%lld", n, parts,
+                 threads, slow_us, team);
     return nullptr;
   }
   std::vector<std::atomic<int>> runs_of(n * parts);
-  std::vector<long long> by_thread(threads, 0);
+  std::vector<long long> by_thread(team, 0);
   Py_BEGIN_ALLOW_THREADS
   const JobRuns runs(n, parts, threads);
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(team)
   {
     const int me = omp_get_thread_num();
     long long mine = 0;
@@ -41,10 +44,10 @@ PyObject* py_job_runs_trial(PyObject*, PyObject* args) {
     by_thread[me] = mine;
   }
   Py_END_ALLOW_THREADS
-  PyObject *counts = PyList_New(n * parts), *threads_list = PyList_New(threads);
+  PyObject *counts = PyList_New(n * parts), *threads_list = PyList_New(team);
   if (!counts || !threads_list) return Py_XDECREF(counts), Py_XDECREF(threads_list), nullptr;
   for (long long i = 0; i < n * parts; ++i) PyList_SET_ITEM(counts, i, PyLong_FromLong(runs_of[i].load()));
-  for (long long i = 0; i < threads; ++i) PyList_SET_ITEM(threads_list, i, PyLong_FromLongLong(by_thread[i]));
+  for (long long i = 0; i < team; ++i) PyList_SET_ITEM(threads_list, i, PyLong_FromLongLong(by_thread[i]));
   return Py_BuildValue("(NN)", counts, threads_list);
 }
 
