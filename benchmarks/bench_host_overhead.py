@@ -36,13 +36,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 
 REPO = Path(__file__).resolve().parent.parent
-LENGTHS = ["--input-len", "24", "--output-len", "200"]
+INPUT_LEN, OUTPUT_LEN = 24, 200
+LENGTHS = ["--input-len", str(INPUT_LEN), "--output-len", str(OUTPUT_LEN)]
 CLI = "import sys; from llmserve.cli.main import main; sys.exit(main())"
 
 
@@ -108,8 +109,7 @@ def served_whole(src: Path, model: Path, concurrency: int, extra: list[str]) -> 
     import aiohttp
 
     rng = random.Random(0)
-    lengths = dict(zip(LENGTHS[::2], map(int, LENGTHS[1::2]), strict=True))
-    body = {"model": str(model), "max_tokens": lengths["--output-len"], "ignore_eos": True, "temperature": 0}
+    body = {"model": str(model), "max_tokens": OUTPUT_LEN, "ignore_eos": True, "temperature": 0}
 
     async def run(port: int, count: int) -> tuple[int, float]:
         limit = asyncio.Semaphore(concurrency)
@@ -119,7 +119,7 @@ def served_whole(src: Path, model: Path, concurrency: int, extra: list[str]) -> 
         ) as session:  # fmt: skip
 
             async def one() -> int:
-                prompt = [rng.randrange(10, 500) for _ in range(lengths["--input-len"])]
+                prompt = [rng.randrange(10, 500) for _ in range(INPUT_LEN)]
                 async with limit, session.post("/v1/completions", json={**body, "prompt": prompt}) as r:
                     r.raise_for_status()
                     return (await r.json())["usage"]["completion_tokens"]
@@ -158,19 +158,21 @@ def main() -> int:
         from tests.models.tiny import make_tiny_model
 
         make_tiny_model("llama", model)
-        levels = [("offline", None)] + [(f"served c={c}", c) for c in args.concurrency]
-        levels += [(f"whole c={c}", -c) for c in args.whole]
+        results = Path(tmp) / "results"
+        # each level: (name, its output tok/s from a src folder and the server's extra flags)
+        levels: list[tuple[str, Callable[[Path, list[str]], float]]] = [
+            ("offline", lambda src, _: offline(src, model))
+        ]
+        levels += [(f"served c={c}", lambda src, extra, c=c: served(src, model, c, results, extra))
+                   for c in args.concurrency]  # fmt: skip
+        levels += [
+            (f"whole c={c}", lambda src, extra, c=c: served_whole(src, model, c, extra)) for c in args.whole
+        ]
         figures: dict[str, list[list[float]]] = {name: [[], []] for name, _ in levels}
         for pair in range(args.pairs):
-            for name, c in levels:
+            for name, measure in levels:
                 for side, src in enumerate((args.base, args.new)):
-                    extra = args.new_serve_args.split() if side == 1 else []
-                    if c is None:
-                        tok_s = offline(src, model)
-                    elif c < 0:
-                        tok_s = served_whole(src, model, -c, extra)
-                    else:
-                        tok_s = served(src, model, c, Path(tmp) / "results", extra)
+                    tok_s = measure(src, args.new_serve_args.split() if side == 1 else [])
                     figures[name][side].append(tok_s)
                     print(f"pair {pair + 1} {name} {'base' if side == 0 else 'new'}: {tok_s:,.0f} output tok/s",
                           flush=True)  # fmt: skip
