@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from llmserve.engine.llm import LLM
-    from llmserve.outputs import CompletionOutput, EmbeddingOutput, RequestOutput
+    from llmserve.outputs import CompletionOutput, EmbeddingOutput, RequestOutput, ScoreOutput
     from llmserve.pooling_params import PoolingParams
     from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -22,6 +22,7 @@ _LAZY = {
     "RequestOutput": "llmserve.outputs",
     "CompletionOutput": "llmserve.outputs",
     "EmbeddingOutput": "llmserve.outputs",
+    "ScoreOutput": "llmserve.outputs",
     "PoolingParams": "llmserve.pooling_params",
 }
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "PoolingParams",
     "RequestOutput",
     "SamplingParams",
+    "ScoreOutput",
     "StructuredOutputsParams",
     "__version__",
 ]

@@ -66,3 +66,18 @@ class EmbeddingOutput:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+
+@dataclass(slots=True)
+class ScoreOutput:
+    """One text pair's score (`LLM.score`): a cross-encoder's output for the pair, or the cosine
+    similarity of the two texts' embeddings (engine/scoring.py)."""
+
+    score: float
+    prompt_token_ids: list[int]
+    """The tokens the model read for this pair: a cross-encoder's one input, or the two texts'
+    inputs back to back."""
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)

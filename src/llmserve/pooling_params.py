@@ -30,6 +30,11 @@ class PoolingParams:
     """Scale the vector to unit L2 norm (the cosine-ready form every embedding API returns)."""
     dimensions: int | None = None
     """Keep only the first `dimensions` values (Matryoshka truncation); None: all of them."""
+    second_segment: int | None = None
+    """Where a text pair's second text starts in the prompt (a cross-encoder's `[CLS] a [SEP] b
+    [SEP]`: BERT token type 1 from there on); None: the prompt is one segment. Set by the engine's
+    score inputs (`LLMEngine.process_score_inputs`), as vLLM carries token types in its pooling
+    parameters."""
 
     def __post_init__(self) -> None:
         if self.pooling not in POOLING_TYPES:
@@ -40,6 +45,14 @@ class PoolingParams:
             not isinstance(self.dimensions, int) or isinstance(self.dimensions, bool) or self.dimensions < 1
         ):
             raise ParameterError(f"dimensions must be an integer >= 1; got {self.dimensions!r}", "dimensions")
+        if self.second_segment is not None and (
+            not isinstance(self.second_segment, int)
+            or isinstance(self.second_segment, bool)
+            or self.second_segment < 1
+        ):
+            raise ParameterError(
+                f"second_segment must be an integer >= 1; got {self.second_segment!r}", "input"
+            )
 
     def validate_for_model(self, hidden_size: int) -> None:
         if self.dimensions is not None and self.dimensions > hidden_size:

@@ -21,11 +21,12 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from llmserve.config.engine_args import EngineArgs
-from llmserve.engine.llm_engine import LLMEngine
+from llmserve.engine.llm_engine import LLMEngine, ProcessedPrompt
+from llmserve.engine.scoring import cosine, pair_texts
 from llmserve.errors import ParameterError
 from llmserve.lora import LoRARequest
 from llmserve.multimodal.qwen_vl_video import videos_of
-from llmserve.outputs import EmbeddingOutput, RequestOutput
+from llmserve.outputs import EmbeddingOutput, RequestOutput, ScoreOutput
 from llmserve.pooling_params import PoolingParams
 from llmserve.sampling_params import SamplingParams
 
@@ -205,20 +206,58 @@ class LLM:
         `normalize_embeddings`). Prompts take the forms `generate` takes."""
         if _is_single_prompt(prompts):
             prompts = [prompts]  # type: ignore[list-item]
+        inputs = []
+        for i, p in enumerate(prompts):  # type: ignore[arg-type]
+            try:  # every prompt checked before any is queued
+                inputs.append(self.engine.process_embedding_inputs(_text_or_ids(p, i), pooling_params))
+            except ValueError as e:
+                raise ParameterError(f"prompt {i}: {e}", param=getattr(e, "param", None)) from None
+        return self._pooled(inputs, "Embedding", use_tqdm)
+
+    def score(
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        use_tqdm: bool = True,
+    ) -> list[ScoreOutput]:
+        """Scores of text pairs (vLLM's `LLM.score`): one `text_1` against each `text_2`, or the
+        two lists side by side. A cross-encoder (reranker) scores each pair as one input; any
+        other model gives the cosine similarity of the two texts' embeddings
+        (engine/scoring.py)."""
+        pairs = pair_texts(text_1, text_2)
         engine = self.engine
-        ids = [f"offline-{next(self._ids)}" for _ in prompts]  # type: ignore[union-attr]
-        try:
-            for i, (req_id, p) in enumerate(zip(ids, prompts, strict=True)):  # type: ignore[arg-type]
-                engine.add_request(
-                    req_id,
-                    engine.process_embedding_inputs(_text_or_ids(p, i), pooling_params),
-                    final_only=True,
-                )
-        except ValueError as e:
-            engine.abort_request(ids)
-            raise ParameterError(f"prompt {i}: {e}", param=getattr(e, "param", None)) from None
+        if engine.is_cross_encoder:
+            inputs = []
+            for i, (a, b) in enumerate(pairs):
+                try:
+                    inputs.append(engine.process_score_inputs(a, b))
+                except ValueError as e:
+                    raise ParameterError(f"pair {i}: {e}", param=getattr(e, "param", None)) from None
+            outs = self._pooled(inputs, "Scoring", use_tqdm)
+            return [ScoreOutput(o.embedding[0], o.prompt_token_ids) for o in outs]
+        texts = list(dict.fromkeys(t for pair in pairs for t in pair))  # each text embedded once
+        pooling = dataclasses.replace(engine.default_pooling, normalize=True, dimensions=None)
+        inputs = []
+        for t in texts:
+            try:
+                inputs.append(engine.process_embedding_inputs(t, pooling))
+            except ValueError as e:
+                raise ParameterError(f"text {t[:40]!r}: {e}", param=getattr(e, "param", None)) from None
+        by_text = dict(zip(texts, self._pooled(inputs, "Scoring", use_tqdm), strict=True))
+        return [
+            ScoreOutput(cosine(by_text[a].embedding, by_text[b].embedding),
+                        by_text[a].prompt_token_ids + by_text[b].prompt_token_ids)
+            for a, b in pairs
+        ]  # fmt: skip
+
+    def _pooled(self, inputs: list[ProcessedPrompt], desc: str, use_tqdm: bool) -> list[EmbeddingOutput]:
+        """Run checked pooling inputs (embeddings, scores) to the end; their outputs in order."""
+        engine = self.engine
+        ids = [f"offline-{next(self._ids)}" for _ in inputs]
+        for req_id, processed in zip(ids, inputs, strict=True):
+            engine.add_request(req_id, processed, final_only=True)
         results: dict[str, EmbeddingOutput] = {}
-        with tqdm(total=len(ids), desc="Embedding", unit="prompt", disable=not use_tqdm) as bar:
+        with tqdm(total=len(ids), desc=desc, unit="prompt", disable=not use_tqdm) as bar:
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.finished:

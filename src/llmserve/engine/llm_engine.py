@@ -136,6 +136,16 @@ class LLMEngine:
 
         self.is_encoder = getattr(self.loaded.model, "is_encoder", False)
         """An encoder-only model (BERT): embeddings only, each sequence run whole, no KV cache."""
+        self.is_cross_encoder = hasattr(self.loaded.model, "score_head")
+        """A cross-encoder (reranker): it scores text pairs (`process_score_inputs`), and its
+        pooled output is that score, not an embedding."""
+        if self.is_cross_encoder:
+            if model_config.pooling not in ("auto", "cls"):
+                raise ValueError(
+                    f"{type(self.loaded.model).__name__} scores from its [CLS] token: pooling must be "
+                    f"'auto' or 'cls'; got {model_config.pooling!r}"
+                )
+            self.default_pooling = PoolingParams("cls", normalize=False)
         if self.is_encoder:
             self._check_encoder(speculative_config, lora_config)
         k = speculative_config.num_speculative_tokens if speculative_config is not None else 0
@@ -326,6 +336,11 @@ class LLMEngine:
 
     def embedding_only_message(self, api: str = "text generation") -> str:
         """Why an encoder model refuses a generation request (vLLM: "does not support ... API")."""
+        if self.is_cross_encoder:
+            return (
+                f"model {self.loaded.source.name!r} ({type(self.loaded.model).__name__}) is a cross-encoder: it does "
+                f"not support {api}; send text pairs to /v1/score or /v1/rerank (LLM.score)"
+            )
         return (
             f"model {self.loaded.source.name!r} ({type(self.loaded.model).__name__}) is an embedding model: it does "
             f"not support {api}; send its inputs to /v1/embeddings (LLM.embed)"
@@ -340,7 +355,42 @@ class LLMEngine:
             raise ParameterError(
                 "embeddings need the native model implementation and continuous batching", param="input"
             )
+        if self.is_cross_encoder:
+            raise ParameterError(self.scores_only_message(), param="model")
         text, ids = self.encode_prompt(prompt)
+        return self._pooled_prompt(text, ids, pooling or self.default_pooling)
+
+    def scores_only_message(self) -> str:
+        """Why a cross-encoder refuses embedding requests."""
+        return (
+            f"model {self.loaded.source.name!r} ({type(self.loaded.model).__name__}) is a cross-encoder: it scores "
+            "text pairs; send them to /v1/score or /v1/rerank (LLM.score), not /v1/embeddings"
+        )
+
+    def process_score_inputs(self, text_1: str, text_2: str) -> ProcessedPrompt:
+        """A cross-encoder's input: the pair encoded as its tokenizer encodes pairs (BERT's
+        `[CLS] text_1 [SEP] text_2 [SEP]`, token type 1 from `text_2` on); raises ValueError,
+        changes nothing. Safe to call from another thread than `step()`'s."""
+        if not self.is_cross_encoder:
+            raise ParameterError(
+                f"model {self.loaded.source.name!r} is not a cross-encoder: score its texts' embeddings instead",
+                param="model",
+            )
+        if self.scheduler_config.is_static:
+            raise ParameterError("scores need continuous batching", param="model")
+        encoding = self.tokenizer.backend.encode(text_1, text_2, add_special_tokens=True)
+        ids, types = list(encoding.ids), list(encoding.type_ids)
+        second = next((i for i, t in enumerate(types) if t == 1), None)
+        if second is None:
+            raise ParameterError(
+                f"model {self.loaded.source.name!r}: its tokenizer does not mark a pair's second text "
+                "(no token type 1), so it cannot encode text pairs",
+                param="model",
+            )
+        pooling = dataclasses.replace(self.default_pooling, second_segment=second)
+        return self._pooled_prompt(None, ids, pooling)
+
+    def _pooled_prompt(self, text: str | None, ids: list[int], pooling: PoolingParams) -> ProcessedPrompt:
         if not ids:
             raise ParameterError("the input is empty after tokenization", param="input")
         if len(ids) > self.max_model_len:
@@ -348,7 +398,6 @@ class LLMEngine:
                 f"input of {len(ids)} tokens exceeds the model's context of {self.max_model_len} tokens",
                 param="input",
             )
-        pooling = pooling or self.default_pooling
         pooling.validate_for_model(self.hidden_size)
         return ProcessedPrompt(text, ids, _EMBEDDING_SAMPLING, 0, pooling)
 

@@ -46,6 +46,6 @@ class EncoderForwardRunner:
         seq_lens = [e.seq_len for e in batch]
         ids = torch.tensor([t for e in batch for t in e.new_token_ids], dtype=torch.int64)
         positions = torch.cat([torch.arange(n, dtype=torch.int64) for n in seq_lens])
-        md = EncoderMetadata.build(seq_lens, self.device)
+        md = EncoderMetadata.build(seq_lens, self.device, [e.second_segment for e in batch])
         hidden = self.model(ids.to(self.device), positions.to(self.device), md)
         return ForwardOutput(hidden, None)

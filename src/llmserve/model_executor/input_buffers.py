@@ -55,6 +55,9 @@ class SequenceBatchEntry:
     rope_positions: np.ndarray | None = None
     """[3, len(new_token_ids)] M-RoPE positions of its new tokens (None: its sequence positions
     on all three axes, what a request without images has)."""
+    second_segment: int | None = None
+    """An encoder's text pair: the position where its second text starts (token type 1 from
+    there on, `PoolingParams.second_segment`); None: one segment."""
 
 
 @dataclass(frozen=True, slots=True)

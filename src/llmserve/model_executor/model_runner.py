@@ -234,6 +234,10 @@ class ModelRunner:
                                    state.lora_id, rows, spans, state.rope_slice(start, end))
             )  # fmt: skip
             if state.pooler is not None:  # an embedding request: pooled, never sampled
+                if state.pooler.params.second_segment is not None:  # a text pair (an encoder's)
+                    batch[-1] = dataclasses.replace(
+                        batch[-1], second_segment=state.pooler.params.second_segment
+                    )
                 pooled.append((state, row, n, start))
                 state.num_computed_tokens = end
                 row += n
@@ -281,9 +285,8 @@ class ModelRunner:
                 self._verify(logits[len(sample_rows) :], verifiers, out)
         return out
 
-    @staticmethod
     def _pool(
-        hidden: torch.Tensor, pooled: list[tuple[CachedRequestState, int, int, int]]
+        self, hidden: torch.Tensor, pooled: list[tuple[CachedRequestState, int, int, int]]
     ) -> dict[str, list[float]]:
         """Feed each embedding request's rows to its accumulator; the vectors of those whose
         prompt is now fully computed."""
@@ -295,7 +298,8 @@ class ModelRunner:
                 done.append(state)
         if not done:
             return {}
-        vectors = finish([s.pooler for s in done])  # type: ignore[misc]
+        head = getattr(self.runner.model, "score_head", None)  # a cross-encoder scores its pooled rows
+        vectors = finish([s.pooler for s in done], head)  # type: ignore[misc]
         return {s.req_id: v for s, v in zip(done, vectors, strict=True)}
 
     def _verify(

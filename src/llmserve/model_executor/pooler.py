@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,11 +58,17 @@ class PoolingState:
         return self.value / self.count if self.params.pooling == "mean" else self.value
 
 
-def finish(states: list[PoolingState]) -> list[list[float]]:
-    """The finished requests' vectors: pooled, cut to `dimensions`, normalised; one host copy."""
+def finish(
+    states: list[PoolingState], score_head: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> list[list[float]]:
+    """The finished requests' vectors: pooled, cut to `dimensions`, normalised; one host copy.
+    `score_head`: a cross-encoder's head ([B, H] pooled rows -> [B, labels] scores), applied to
+    the pooled rows together before they are cut or normalised."""
+    pooled = [state.vector() for state in states]
+    if score_head is not None:
+        pooled = list(score_head(torch.stack(pooled)).float().unbind(0))
     rows: list[torch.Tensor] = []
-    for state in states:
-        v = state.vector()
+    for state, v in zip(states, pooled, strict=True):
         if state.params.dimensions is not None:
             v = v[: state.params.dimensions]
         if state.params.normalize:

@@ -1,21 +1,32 @@
-"""BERT (HF `BertModel`): an encoder-only model, served for embeddings only.
+"""BERT (HF `BertModel`, `BertForSequenceClassification`): encoder-only models, served for
+embeddings and, as cross-encoders (rerankers), for scores of text pairs.
 
-    x = LayerNorm(word(ids) + position(positions) + token_type(0))
+    x = LayerNorm(word(ids) + position(positions) + token_type(segment))
     for each layer (post-LayerNorm):
         x = LayerNorm(x + dense(attn(q, k, v)))      bidirectional: each token sees its whole sequence
         x = LayerNorm(x + out(gelu(intermediate(x))))
     -> hidden [T, H], the `last_hidden_state` that sentence-transformers pools
 
-Every input is one segment (token type 0), as sentence-transformers encodes a sentence. There is
-no KV cache and no LM head: the engine runs BERT through `EncoderForwardRunner`
-(model_executor/encoder_runner.py), which hands the model each sequence whole, and refuses
-generation requests. Checkpoint names are HF's (`encoder.layer.0.attention.self.query.weight`);
-query, key and value load into one fused `qkv` layer; `pooler.*` (the next-sentence head's
-dense + tanh, which sentence embeddings do not read) is skipped.
+A sentence is one segment (token type 0), as sentence-transformers encodes it; a text pair
+(`[CLS] a [SEP] b [SEP]`, a cross-encoder's input) has type 1 from its second text on
+(`EncoderMetadata.token_types`). There is no KV cache and no LM head: the engine runs BERT through
+`EncoderForwardRunner` (model_executor/encoder_runner.py), which hands the model each sequence
+whole, and refuses generation requests. Checkpoint names are HF's
+(`encoder.layer.0.attention.self.query.weight`); query, key and value load into one fused `qkv`
+layer. `BertModel` skips `pooler.*` (the next-sentence head's dense + tanh, which sentence
+embeddings do not read); `BertForSequenceClassification` reads it (its checkpoint names start
+with `bert.`) and its one-label `classifier`:
+
+    score = activation(classifier(tanh(pooler(hidden[CLS]))))
+
+with sentence-transformers' `CrossEncoder` activation: the config's
+`sentence_transformers.activation_fn` (Sigmoid or Identity), else Sigmoid, as CrossEncoder
+defaults to for one label.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -39,9 +50,13 @@ class BertEmbeddings(nn.Module):
         self.token_type_embeddings = PositionEmbedding(config.type_vocab_size, H)
         self.LayerNorm = LayerNorm(H, config.layer_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
+    def forward(  # [T] -> [T, H]
+        self, input_ids: torch.Tensor, positions: torch.Tensor, token_types: torch.Tensor | None = None
+    ) -> torch.Tensor:
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions)
-        return self.LayerNorm(x + self.token_type_embeddings.weight[0])  # one segment: type 0
+        if token_types is None:  # one segment: type 0
+            return self.LayerNorm(x + self.token_type_embeddings.weight[0])
+        return self.LayerNorm(x + self.token_type_embeddings(token_types))
 
 
 class BertSelfAttention(nn.Module):
@@ -138,7 +153,7 @@ class BertModel(CausalLM):
         positions: torch.Tensor,  # [T], from 0 in each sequence
         md: EncoderMetadata,
     ) -> torch.Tensor:  # [T, H]
-        x = self.embeddings(input_ids, positions)
+        x = self.embeddings(input_ids, positions, md.token_types)
         for layer in self.encoder.layer:
             x = layer(x, md)
         return x
@@ -158,3 +173,62 @@ class BertModel(CausalLM):
                 module.use_onednn()
             elif isinstance(module, VocabEmbedding):
                 module.use_rows()
+
+
+# sentence-transformers' CrossEncoder activations (the config's class paths) this model applies
+_ACTIVATIONS = {"Sigmoid": torch.sigmoid, "Identity": lambda x: x}
+
+
+def cross_encoder_activation(config: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The activation sentence-transformers' `CrossEncoder` applies to a one-label model's logit."""
+    st = getattr(config, "sentence_transformers", None)
+    path = st.get("activation_fn") if isinstance(st, dict) else None
+    path = path or getattr(config, "sbert_ce_default_activation_function", None)  # before v4
+    if path is None:
+        return torch.sigmoid
+    name = str(path).rpartition(".")[2]
+    if name not in _ACTIVATIONS:
+        raise ValueError(
+            f"BERT cross-encoder: activation_fn {path!r} is not supported (only Sigmoid and Identity)"
+        )
+    return _ACTIVATIONS[name]
+
+
+class BertForSequenceClassification(BertModel):
+    """HF `BertForSequenceClassification` with one label: a cross-encoder (reranker) that scores
+    a text pair from its [CLS] state (`score_head`). Its pooling is the [CLS] token's, never
+    normalised (the engine's default for a model with a `score_head`)."""
+
+    ignored_weights: ClassVar[tuple[str, ...]] = ("embeddings.position_ids",)
+
+    def __init__(self, config: Any, backend: AttentionBackend | None = None) -> None:
+        num_labels = getattr(config, "num_labels", None)
+        if num_labels != 1:
+            raise ValueError(
+                f"BertForSequenceClassification with num_labels={num_labels} is not supported: only "
+                "one-label cross-encoders (rerankers), which score text pairs"
+            )
+        super().__init__(config, backend)
+        H = config.hidden_size
+        self.pooler = BertPooler(H)
+        self.classifier = Linear(H, 1, bias=True)
+        self.activation = cross_encoder_activation(config)
+
+    def map_weight_name(self, name: str) -> str | None:
+        return name.removeprefix("bert.")
+
+    def score_head(self, cls_rows: torch.Tensor) -> torch.Tensor:
+        """[B, H] [CLS] states -> [B, 1] scores (float32)."""
+        x = cls_rows.to(self.pooler.dense.weight.dtype)  # pooled rows come in float32
+        return self.activation(self.classifier(self.pooler(x)).float())
+
+
+class BertPooler(nn.Module):
+    """HF's BertPooler: `tanh(dense(x))` on the [CLS] state."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.dense = Linear(hidden_size, hidden_size, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.dense(x))

@@ -25,6 +25,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3VLMoeForConditionalGeneration": ("qwen3_vl", "Qwen3VLMoeForConditionalGeneration"),
     "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),
     "BertModel": ("bert", "BertModel"),
+    "BertForSequenceClassification": ("bert", "BertForSequenceClassification"),
 }
 
 

@@ -32,9 +32,16 @@ class EncoderMetadata:
     max_len: int  # L
     pad_index: torch.Tensor  # [T] int64: flat row -> b * L + i
     key_mask: torch.Tensor  # [B, 1, 1, L] bool: True where the key is a real token
+    token_types: torch.Tensor | None = None
+    """[T] int64: each token's segment (BERT's token type: 1 from the second text of a pair on);
+    None when every sequence is one segment (type 0)."""
 
     @staticmethod
-    def build(seq_lens: Sequence[int], device: torch.device) -> EncoderMetadata:
+    def build(
+        seq_lens: Sequence[int], device: torch.device, second_segments: Sequence[int | None] = ()
+    ) -> EncoderMetadata:
+        """`second_segments`: per sequence, the position where its second segment starts (a text
+        pair's second text), or None for one segment; empty: every sequence is one segment."""
         assert seq_lens and min(seq_lens) >= 1, f"empty sequence in an encoder batch: {seq_lens}"
         B, L = len(seq_lens), max(seq_lens)
         lens = torch.tensor(seq_lens, dtype=torch.int64)
@@ -43,7 +50,14 @@ class EncoderMetadata:
             [torch.arange(n, dtype=torch.int64) + o for n, o in zip(seq_lens, offsets.tolist(), strict=True)]
         )
         key_mask = (torch.arange(L)[None, :] < lens[:, None]).view(B, 1, 1, L)
-        return EncoderMetadata(B, L, pad_index.to(device), key_mask.to(device))
+        token_types = None
+        if any(s is not None for s in second_segments):
+            assert len(second_segments) == B, "one second-segment start per sequence"
+            token_types = torch.cat([
+                (torch.arange(n) >= (n if s is None else s)).to(torch.int64)
+                for n, s in zip(seq_lens, second_segments, strict=True)
+            ]).to(device)  # fmt: skip
+        return EncoderMetadata(B, L, pad_index.to(device), key_mask.to(device), token_types)
 
 
 def bidirectional_attention(

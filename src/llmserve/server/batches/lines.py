@@ -1,7 +1,8 @@
 """One batch line: read (`parse_lines`), run through the online endpoint's own serving code
 (`run_line`), and written in OpenAI's batch output format (`result_line`). The server's batch
 runner and the offline `llmserve run-batch` share these, so a line's body is exactly what
-`POST /v1/chat/completions`, `/v1/completions` or `/v1/embeddings` answers for the same request.
+`POST /v1/chat/completions`, `/v1/completions`, `/v1/embeddings`, `/v1/score` or `/v1/rerank`
+answers for the same request.
 
 An input line:  {"custom_id": "...", "method": "POST", "url": "/v1/chat/completions", "body": {...}}
 An output line: {"id": "batch_req_...", "custom_id": "...",
@@ -27,6 +28,7 @@ from llmserve.server.models import ModelManager
 from llmserve.server.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, parse
 from llmserve.server.serving import ChatServing, CompletionServing, ServingContext
 from llmserve.server.serving.embeddings import create_embeddings
+from llmserve.server.serving.scores import RerankRequest, ScoreRequest, create_rerank, create_score
 
 logger = logging.getLogger("llmserve.server")
 
@@ -52,6 +54,8 @@ ENDPOINTS = {
         CompletionRequest, lambda ctx, req, raw: CompletionServing(ctx).create(req, raw)
     ),
     "/v1/embeddings": Endpoint(EmbeddingRequest, create_embeddings),
+    "/v1/score": Endpoint(ScoreRequest, create_score),
+    "/v1/rerank": Endpoint(RerankRequest, create_rerank),
 }
 RETRY_STATUSES = frozenset({429, 503})
 """A line refused for now (full queue, model loading) is tried again, not written as failed."""

@@ -85,7 +85,15 @@ async def embed(
             raise APIError(400, f"{where}: {e}", param="input") from None
 
     processed = await asyncio.to_thread(lambda: [process(i, x) for i, x in enumerate(inputs)])
-    streams = start_requests(ctx, processed, 0, "embd")
+    return processed, await run_pooled(ctx, raw, processed, "embd")
+
+
+async def run_pooled(
+    ctx: ServingContext, raw: Request, processed: list[ProcessedPrompt], prefix: str
+) -> list[list[float]]:
+    """Queue checked pooling inputs (embeddings, a cross-encoder's pairs) as one API request's,
+    all or none, and return their vectors in order; a client gone first aborts them."""
+    streams = start_requests(ctx, processed, 0, prefix)
 
     async def collect() -> list[list[float]]:
         vectors: list[list[float] | None] = [None] * len(streams)
@@ -97,10 +105,10 @@ async def embed(
             raise
         except Exception as e:
             raise engine_error(e) from None
-        assert all(v is not None for v in vectors), "an embedding request finished without its vector"
+        assert all(v is not None for v in vectors), "a pooling request finished without its vector"
         return vectors  # type: ignore[return-value]
 
-    return processed, await run_unless_disconnected(raw, collect, streams)
+    return await run_unless_disconnected(raw, collect, streams)
 
 
 def _openai_inputs(req: EmbeddingRequest) -> list[str | list[int]]:

@@ -1,0 +1,145 @@
+"""Scores of text pairs over HTTP: vLLM's `POST /v1/score` and the rerank API that vLLM,
+llama-server, Jina and Cohere share (`POST /v1/rerank`, also at `/rerank` and `/v2/rerank`).
+
+    score    text_1: a string or strings, text_2: a string or strings; one text_1 meets every
+             text_2, or the two lists pair side by side -> data[i].score per pair, in order
+    rerank   query and documents (strings, or Jina's {"text": ...} objects), top_n (0 or none:
+             all), return_documents (default true) -> results, most relevant first, each with its
+             document's index and relevance_score
+
+Both run on the engine's pooling path (engine/scoring.py): a cross-encoder (reranker) reads each
+pair as one input and its head gives the score; any other model embeds each distinct text once
+and a pair scores the cosine similarity of its two embeddings. Every input of an API request is
+queued at once, or none (429); a text too long for the context is a 400 naming it. usage counts
+the tokens the model read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from pydantic import StrictBool, StrictInt, StrictStr
+from starlette.requests import Request
+
+from llmserve.engine.llm_engine import ProcessedPrompt
+from llmserve.engine.scoring import cosine, pair_texts
+from llmserve.server.errors import APIError
+from llmserve.server.protocol import _Request
+from llmserve.server.serving.context import ServingContext
+from llmserve.server.serving.embeddings import run_pooled
+
+
+class ScoreRequest(_Request):
+    """`POST /v1/score` (vLLM's)."""
+
+    model: StrictStr | None = None
+    text_1: StrictStr | list[StrictStr]
+    text_2: StrictStr | list[StrictStr]
+    user: StrictStr | None = None
+
+
+class RerankDocument(_Request):
+    text: StrictStr
+
+
+class RerankRequest(_Request):
+    """`POST /v1/rerank` (vLLM's, after Jina's and Cohere's)."""
+
+    model: StrictStr | None = None
+    query: StrictStr
+    documents: list[StrictStr | RerankDocument]
+    top_n: StrictInt | None = None
+    """How many results to return, most relevant first; 0 or none: all."""
+    return_documents: StrictBool = True
+    user: StrictStr | None = None
+
+
+async def score_pairs(
+    ctx: ServingContext, raw: Request, pairs: list[tuple[str, str]], names: tuple[str, str]
+) -> tuple[list[float], int]:
+    """Each pair's score, in order, and the prompt tokens read; `names`: the request's fields for
+    a pair's first and second text, which an error names."""
+    engine = ctx.engine.engine
+    if len(pairs) > ctx.config.max_prompts:
+        raise APIError(
+            400, f"{len(pairs)} pairs to score; at most {ctx.config.max_prompts} are allowed", param=names[1]
+        )
+    if engine.is_cross_encoder:
+
+        def process_pairs() -> list[ProcessedPrompt]:
+            out = []
+            for i, (a, b) in enumerate(pairs):
+                try:
+                    out.append(engine.process_score_inputs(a, b))
+                except ValueError as e:
+                    raise APIError(
+                        400, f"pair {i} ({names[0]}, {names[1]}[{i}]): {e}", param=names[1]
+                    ) from None
+            return out
+
+        processed = await asyncio.to_thread(process_pairs)
+        vectors = await run_pooled(ctx, raw, processed, "score")
+        return [v[0] for v in vectors], sum(len(p.token_ids) for p in processed)
+    texts = list(dict.fromkeys(t for pair in pairs for t in pair))  # each distinct text embedded once
+    pooling = dataclasses.replace(engine.default_pooling, normalize=True, dimensions=None)
+
+    def process_texts() -> list[ProcessedPrompt]:
+        out = []
+        for t in texts:
+            try:
+                out.append(engine.process_embedding_inputs(t, pooling))
+            except ValueError as e:
+                field = names[0] if any(a == t for a, _ in pairs) else names[1]
+                raise APIError(400, f"{field}: text {t[:40]!r}: {e}", param=field) from None
+        return out
+
+    processed = await asyncio.to_thread(process_texts)
+    vectors = dict(zip(texts, await run_pooled(ctx, raw, processed, "score"), strict=True))
+    return [cosine(vectors[a], vectors[b]) for a, b in pairs], sum(len(p.token_ids) for p in processed)
+
+
+async def create_score(ctx: ServingContext, req: ScoreRequest, raw: Request) -> JSONResponse:
+    """`POST /v1/score` on a native model."""
+    try:
+        pairs = pair_texts(req.text_1, req.text_2)
+    except ValueError as e:
+        raise APIError(400, str(e), param=getattr(e, "param", None)) from None
+    scores, num_tokens = await score_pairs(ctx, raw, pairs, ("text_1", "text_2"))
+    return JSONResponse({
+        "id": f"score-{uuid.uuid4().hex}",
+        "object": "list",
+        "created": int(time.time()),
+        "model": ctx.model_name,
+        "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
+        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0},
+    })  # fmt: skip
+
+
+async def create_rerank(ctx: ServingContext, req: RerankRequest, raw: Request) -> JSONResponse:
+    """`POST /v1/rerank` on a native model."""
+    if not req.documents:
+        raise APIError(400, "documents must not be empty", param="documents")
+    if req.top_n is not None and req.top_n < 0:
+        raise APIError(400, f"top_n must be >= 0 (0: all documents); got {req.top_n}", param="top_n")
+    docs = [d if isinstance(d, str) else d.text for d in req.documents]
+    scores, num_tokens = await score_pairs(ctx, raw, [(req.query, d) for d in docs], ("query", "documents"))
+    order = sorted(range(len(docs)), key=lambda i: -scores[i])  # stable: ties keep the documents' order
+    if req.top_n:
+        order = order[: req.top_n]
+    results = []
+    for i in order:
+        result: dict[str, Any] = {"index": i, "relevance_score": scores[i]}
+        if req.return_documents:
+            result["document"] = {"text": docs[i]}
+        results.append(result)
+    return JSONResponse({
+        "id": f"rerank-{uuid.uuid4().hex}",
+        "model": ctx.model_name,
+        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
+        "results": results,
+    })  # fmt: skip

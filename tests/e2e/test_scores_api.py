@@ -1,0 +1,203 @@
+"""`/v1/score` and `/v1/rerank` (and their other paths) on an app in this process serving two
+tiny BERTs: a cross-encoder, whose scores are compared with transformers' (sigmoid of the
+one-label logit), and a sentence-transformers embedding model (mean pooling), whose scores are the
+cosine of transformers' pooled hidden states; the response shapes vLLM gives; bad requests as
+OpenAI-shaped 400s while the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from tests.models.test_cross_encoder import CONFIG, save_cross_encoder, write_tokenizer
+
+pytestmark = pytest.mark.e2e
+
+QUERY = "w3 w17 w5"
+DOCS = ["w3 w4", "w17 w90 w91 w92 w93", "w5", "w60 w3 w17 w5 w61"]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, tuple[Path, torch.nn.Module]]:
+    ce = tmp_path_factory.mktemp("cross-encoder")
+    ce_model = save_cross_encoder(ce)
+    emb = tmp_path_factory.mktemp("bi-encoder")
+    torch.manual_seed(3)
+    emb_model = transformers.BertModel(transformers.BertConfig(**CONFIG)).eval()
+    emb_model.save_pretrained(emb)
+    write_tokenizer(emb)
+    # sentence-transformers' files: mean pooling, then Normalize
+    (emb / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]))  # fmt: skip
+    (emb / "1_Pooling").mkdir()
+    (emb / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    return {"ce": (ce, ce_model), "emb": (emb, emb_model)}
+
+
+@pytest.fixture(scope="module")
+def client(folders) -> Iterator:
+    from fastapi.testclient import TestClient
+
+    from llmserve.config import ServerConfig
+    from llmserve.config.models import ModelSpec
+    from llmserve.server.app import build_app
+
+    specs = [ModelSpec("ce", str(folders["ce"][0])), ModelSpec("emb", str(folders["emb"][0]))]
+    with TestClient(build_app(specs, ServerConfig())) as c:
+        yield c
+
+
+def cross_encoder_scores(folders, pairs: list[tuple[str, str]]) -> list[float]:
+    folder, hf = folders["ce"]
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    enc = tok([a for a, _ in pairs], [b for _, b in pairs], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        return hf(**enc).logits[:, 0].sigmoid().tolist()
+
+
+def cosine_scores(folders, pairs: list[tuple[str, str]]) -> list[float]:
+    folder, hf = folders["emb"]
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+
+    def vector(text: str) -> torch.Tensor:
+        with torch.no_grad():
+            return hf(**tok(text, return_tensors="pt")).last_hidden_state[0].mean(0)
+
+    return [torch.nn.functional.cosine_similarity(vector(a), vector(b), dim=0).item() for a, b in pairs]
+
+
+def num_tokens(folders, model: str, texts: list[str | tuple[str, str]]) -> int:
+    tok = transformers.AutoTokenizer.from_pretrained(folders[model][0])
+    return sum(len(tok(*t)["input_ids"]) if isinstance(t, tuple) else len(tok(t)["input_ids"]) for t in texts)
+
+
+@pytest.mark.parametrize("path", ["/v1/score", "/score"])
+@pytest.mark.parametrize("model", ["ce", "emb"])
+def test_score_one_against_many(client, folders, path, model):
+    body = client.post(path, json={"model": model, "text_1": QUERY, "text_2": DOCS}).json()
+    pairs = [(QUERY, d) for d in DOCS]
+    ref = cross_encoder_scores(folders, pairs) if model == "ce" else cosine_scores(folders, pairs)
+    assert body["object"] == "list" and body["model"] == model and body["id"].startswith("score-")
+    assert [d["index"] for d in body["data"]] == [0, 1, 2, 3]
+    assert all(d["object"] == "score" for d in body["data"])
+    assert [d["score"] for d in body["data"]] == pytest.approx(ref, abs=1e-5)
+    # what the model read: each pair once (cross-encoder), or each distinct text once
+    expected = num_tokens(folders, model, pairs if model == "ce" else [QUERY, *DOCS])
+    assert body["usage"] == {"prompt_tokens": expected, "total_tokens": expected, "completion_tokens": 0}
+
+
+def test_score_side_by_side(client, folders):
+    text_1, text_2 = ["w1 w2", "w7"], ["w2 w1", "w8 w9"]
+    body = client.post("/v1/score", json={"model": "ce", "text_1": text_1, "text_2": text_2}).json()
+    ref = cross_encoder_scores(folders, list(zip(text_1, text_2, strict=True)))
+    assert [d["score"] for d in body["data"]] == pytest.approx(ref, abs=1e-5)
+
+
+@pytest.mark.parametrize("path", ["/v1/rerank", "/rerank", "/v2/rerank"])
+@pytest.mark.parametrize("model", ["ce", "emb"])
+def test_rerank_orders_documents_by_relevance(client, folders, path, model):
+    pairs = [(QUERY, d) for d in DOCS]
+    ref = cross_encoder_scores(folders, pairs) if model == "ce" else cosine_scores(folders, pairs)
+    order = sorted(range(len(DOCS)), key=lambda i: -ref[i])
+    body = client.post(path, json={"model": model, "query": QUERY, "documents": DOCS, "top_n": 3}).json()
+    assert body["id"].startswith("rerank-") and body["model"] == model
+    assert [r["index"] for r in body["results"]] == order[:3]
+    assert [r["relevance_score"] for r in body["results"]] == pytest.approx(
+        [ref[i] for i in order[:3]], abs=1e-5
+    )
+    assert [r["document"] for r in body["results"]] == [{"text": DOCS[i]} for i in order[:3]]
+    assert body["usage"]["total_tokens"] == num_tokens(
+        folders, model, pairs if model == "ce" else [QUERY, *DOCS]
+    )
+
+
+def test_rerank_takes_document_objects_and_can_leave_the_documents_out(client, folders):
+    docs = [{"text": d} for d in DOCS[:2]]
+    body = client.post(
+        "/v1/rerank", json={"model": "ce", "query": QUERY, "documents": docs, "return_documents": False}
+    ).json()
+    assert sorted(r["index"] for r in body["results"]) == [0, 1]  # top_n absent: all of them
+    assert all("document" not in r for r in body["results"])
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "match"),
+    [
+        (
+            "/v1/score",
+            {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]},
+            "text_2",
+            "text_1 has 2 texts and text_2 3",
+        ),
+        ("/v1/score", {"text_1": [], "text_2": "c"}, "text_1", "text_1 must not be empty"),
+        ("/v1/score", {"text_1": "a", "text_2": 3}, "text_2", "text_2"),
+        (
+            "/v1/score",
+            {"text_1": "a", "text_2": ["w1", " ".join(["w9"] * 70)]},
+            "text_2",
+            r"pair 1 .*exceeds",
+        ),
+        ("/v1/rerank", {"query": "a", "documents": []}, "documents", "documents must not be empty"),
+        ("/v1/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n", "top_n must be >= 0"),
+        ("/v1/rerank", {"documents": ["b"]}, "query", "query"),
+    ],
+)
+def test_bad_requests_are_400s_and_the_server_keeps_serving(client, path, body, param, match):
+    r = client.post(path, json={"model": "ce", **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert __import__("re").search(match, error["message"]), error["message"]
+    assert client.post("/v1/score", json={"model": "ce", "text_1": "w1", "text_2": "w2"}).status_code == 200
+
+
+def test_a_cross_encoder_refuses_embeddings_and_chat_with_the_route_to_use(client):
+    r = client.post("/v1/embeddings", json={"model": "ce", "input": "w1"})
+    assert r.status_code == 400 and "/v1/rerank" in r.json()["error"]["message"]
+    r = client.post("/v1/completions", json={"model": "ce", "prompt": "w1", "max_tokens": 2})
+    assert r.status_code == 400 and "cross-encoder" in r.json()["error"]["message"]
+
+
+def test_run_batch_scores_and_reranks_as_the_server_does(client, folders, tmp_path):
+    """`llmserve run-batch` with /v1/score and /v1/rerank lines: each line's body is the served one
+    (ids and timestamps aside), and a bad line is that line's own 400."""
+    import subprocess
+    import sys
+
+    lines = [
+        {"custom_id": "s", "url": "/v1/score", "body": {"model": "ce", "text_1": QUERY, "text_2": DOCS}},
+        {"custom_id": "r", "url": "/v1/rerank", "body": {"model": "ce", "query": QUERY, "documents": DOCS}},
+        {"custom_id": "bad", "url": "/v1/rerank", "body": {"model": "ce", "query": QUERY, "documents": []}},
+    ]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    cmd = [sys.executable, "-m", "llmserve.cli.main", "--log-level", "WARNING", "run-batch",
+           "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), "--model", str(folders["ce"][0]),
+           "--served-model-name", "ce"]  # fmt: skip
+    subprocess.run(cmd, check=True, timeout=300, capture_output=True)
+    out = {
+        x["custom_id"]: x["response"]
+        for x in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())
+    }
+
+    def comparable(body: dict) -> dict:
+        return {k: v for k, v in body.items() if k not in ("id", "created")}
+
+    for line in lines[:2]:
+        served = client.post(line["url"], json=line["body"]).json()
+        assert out[line["custom_id"]]["status_code"] == 200
+        got = comparable(out[line["custom_id"]]["body"])
+        assert got.keys() == comparable(served).keys()
+        for key in ("usage", "model"):
+            assert got[key] == served[key]
+    scores = [d["score"] for d in out["s"]["body"]["data"]]
+    assert scores == pytest.approx(cross_encoder_scores(folders, [(QUERY, d) for d in DOCS]), abs=1e-5)
+    assert [r["index"] for r in out["r"]["body"]["results"]] == sorted(range(4), key=lambda i: -scores[i])
+    assert out["bad"]["status_code"] == 400 and out["bad"]["body"]["error"]["param"] == "documents"

