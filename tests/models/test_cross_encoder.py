@@ -194,3 +194,94 @@ def test_the_readmes_score_example_gives_sentence_transformers_cosines():
     )
     ref = torch.nn.functional.cosine_similarity(q, d).tolist()
     assert [o.score for o in outs] == pytest.approx(ref, abs=1e-4)
+
+
+# -- the RoBERTa family (RobertaModel, XLMRobertaModel and their sequence classifiers) ------------
+
+ROBERTA = dict(
+    vocab_size=120, hidden_size=48, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
+    max_position_embeddings=40, type_vocab_size=1, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+    initializer_range=0.2,
+)  # fmt: skip
+
+
+def write_roberta_tokenizer(folder: Path) -> None:
+    """A WordPiece vocabulary with RoBERTa's special tokens and templates: `<s> a </s>` and the
+    pair `<s> a </s></s> b </s>`, one token type."""
+    vocab = ["<s>", "<pad>", "</s>", "<unk>"] + [f"w{i}" for i in range(ROBERTA["vocab_size"] - 4)]
+    tok = tokenizers.Tokenizer(models.WordPiece({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>", special_tokens=[("<s>", 0), ("</s>", 2)]
+    )
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", cls_token="<s>", eos_token="</s>", sep_token="</s>",
+        pad_token="<pad>", unk_token="<unk>",
+    ).save_pretrained(folder)  # fmt: skip
+
+
+@pytest.mark.parametrize("config_class", [transformers.RobertaConfig, transformers.XLMRobertaConfig])
+def test_roberta_hidden_states_match_transformers(tmp_path, config_class):
+    """RoBERTa's positions count from pad_token_id + 1 in each sequence of a flat batch (a padding
+    token inside a sequence keeps position pad_token_id, as in HF); the context is the position
+    table less that offset; a text is wrapped as `<s> text </s>`."""
+    from llmserve.config import ModelConfig
+    from llmserve.layers.attention.encoder import EncoderMetadata
+    from llmserve.model_executor.model_loader import load_model
+
+    torch.manual_seed(4)
+    model_class = transformers.AutoModel.from_config(config_class(**ROBERTA)).__class__
+    hf = model_class(config_class(**ROBERTA)).eval()
+    hf.save_pretrained(tmp_path)
+    write_roberta_tokenizer(tmp_path)
+    prompts = [[0, 7, 8, 2], [0, 5, 1, 9, 10, 2], list(range(3, 40)), [0, 60, 2]]
+    loaded = load_model(ModelConfig(str(tmp_path), device="cpu", show_progress=False))
+    lens = [len(p) for p in prompts]
+    with torch.no_grad():
+        hidden = loaded.model(
+            torch.tensor([t for p in prompts for t in p]),
+            torch.cat([torch.arange(n) for n in lens]),
+            EncoderMetadata.build(lens, torch.device("cpu")),
+        )
+        start = 0
+        for p in prompts:
+            ref = hf(torch.tensor([p]), attention_mask=torch.ones(1, len(p))).last_hidden_state[0]
+            torch.testing.assert_close(hidden[start : start + len(p)], ref, rtol=1e-4, atol=1e-4)
+            start += len(p)
+    llm = LLM(str(tmp_path), show_progress=False, device="cpu")
+    assert llm.engine.max_model_len == ROBERTA["max_position_embeddings"] - 2
+    (out,) = llm.embed("w3 w9", use_tqdm=False)
+    assert out.prompt_token_ids == transformers.AutoTokenizer.from_pretrained(tmp_path)("w3 w9")["input_ids"]
+    assert out.prompt_token_ids[0] == 0 and out.prompt_token_ids[-1] == 2
+
+
+@pytest.mark.parametrize(
+    "config_class",
+    [transformers.RobertaConfig, transformers.XLMRobertaConfig],
+    ids=["roberta", "xlm-roberta"],
+)
+def test_roberta_cross_encoders_match_transformers_and_sentence_transformers(tmp_path, config_class):
+    """The BGE rerankers' architecture (XLMRobertaForSequenceClassification): `<s> a </s></s> b </s>`,
+    the classification head on <s>, sigmoid."""
+    torch.manual_seed(5)
+    config = config_class(**ROBERTA, num_labels=1)
+    hf = transformers.AutoModelForSequenceClassification.from_config(config).eval()
+    hf.save_pretrained(tmp_path)
+    write_roberta_tokenizer(tmp_path)
+    llm = LLM(str(tmp_path), show_progress=False, device="cpu")
+    outs = llm.score(QUERY, DOCS, use_tqdm=False)
+    pairs = [(QUERY, d) for d in DOCS]
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    enc = tok([a for a, _ in pairs], [b for _, b in pairs], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        ref = hf(**enc).logits[:, 0].sigmoid()
+    torch.testing.assert_close(torch.tensor([o.score for o in outs]), ref, rtol=1e-5, atol=1e-5)
+    assert outs[0].prompt_token_ids == tok(*pairs[0])["input_ids"]
+    if importlib.util.find_spec("sentence_transformers") is not None:
+        from sentence_transformers import CrossEncoder
+
+        st = CrossEncoder(str(tmp_path), device="cpu").predict(pairs)
+        torch.testing.assert_close(
+            torch.tensor([o.score for o in outs]), torch.tensor(st), rtol=1e-5, atol=1e-5
+        )

@@ -381,7 +381,7 @@ class LLMEngine:
         encoding = self.tokenizer.backend.encode(text_1, text_2, add_special_tokens=True)
         ids, types = list(encoding.ids), list(encoding.type_ids)
         second = next((i for i, t in enumerate(types) if t == 1), None)
-        if second is None:
+        if second is None and getattr(self.loaded.model, "uses_token_types", True):
             raise ParameterError(
                 f"model {self.loaded.source.name!r}: its tokenizer does not mark a pair's second text "
                 "(no token type 1), so it cannot encode text pairs",

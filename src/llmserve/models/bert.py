@@ -1,5 +1,6 @@
-"""BERT (HF `BertModel`, `BertForSequenceClassification`): encoder-only models, served for
-embeddings and, as cross-encoders (rerankers), for scores of text pairs.
+"""BERT and RoBERTa encoders (HF `BertModel`, `RobertaModel`, `XLMRobertaModel` and their
+one-label `...ForSequenceClassification`): served for embeddings and, as cross-encoders
+(rerankers), for scores of text pairs.
 
     x = LayerNorm(word(ids) + position(positions) + token_type(segment))
     for each layer (post-LayerNorm):
@@ -7,17 +8,20 @@ embeddings and, as cross-encoders (rerankers), for scores of text pairs.
         x = LayerNorm(x + out(gelu(intermediate(x))))
     -> hidden [T, H], the `last_hidden_state` that sentence-transformers pools
 
-A sentence is one segment (token type 0), as sentence-transformers encodes it; a text pair
+A sentence is one segment (token type 0), as sentence-transformers encodes it; a BERT text pair
 (`[CLS] a [SEP] b [SEP]`, a cross-encoder's input) has type 1 from its second text on
-(`EncoderMetadata.token_types`). There is no KV cache and no LM head: the engine runs BERT through
-`EncoderForwardRunner` (model_executor/encoder_runner.py), which hands the model each sequence
-whole, and refuses generation requests. Checkpoint names are HF's
+(`EncoderMetadata.token_types`). RoBERTa differs only in its positions, which count from
+`pad_token_id + 1` (`roberta_positions`), and its one token type (its pairs are
+`<s> a </s></s> b </s>`). There is no KV cache and no LM head: the engine runs these models
+through `EncoderForwardRunner` (model_executor/encoder_runner.py), which hands the model each
+sequence whole, and refuses generation requests. Checkpoint names are HF's
 (`encoder.layer.0.attention.self.query.weight`); query, key and value load into one fused `qkv`
-layer. `BertModel` skips `pooler.*` (the next-sentence head's dense + tanh, which sentence
-embeddings do not read); `BertForSequenceClassification` reads it (its checkpoint names start
-with `bert.`) and its one-label `classifier`:
+layer. The embedding models skip `pooler.*` (the next-sentence head's dense + tanh, which sentence
+embeddings do not read). A cross-encoder (`CrossEncoder`; its checkpoint names start with `bert.`
+or `roberta.`) scores from its first token's state:
 
-    score = activation(classifier(tanh(pooler(hidden[CLS]))))
+    BERT      score = activation(classifier(tanh(pooler.dense(hidden[CLS]))))
+    RoBERTa   score = activation(classifier.out_proj(tanh(classifier.dense(hidden[<s>]))))
 
 with sentence-transformers' `CrossEncoder` activation: the config's
 `sentence_transformers.activation_fn` (Sigmoid or Identity), else Sigmoid, as CrossEncoder
@@ -41,9 +45,24 @@ from llmserve.layers.vocab_embedding import PositionEmbedding, VocabEmbedding
 from llmserve.models.base import CausalLM, KVCacheShape
 
 
+def roberta_positions(input_ids: torch.Tensor, positions: torch.Tensor, padding_idx: int) -> torch.Tensor:
+    """RoBERTa's position ids for a flat batch (`positions` from 0 in each sequence): each
+    sequence's real tokens count up from `padding_idx + 1`, and a padding token sits at
+    `padding_idx`, as HF's `create_position_ids_from_input_ids` numbers them."""
+    real = (input_ids != padding_idx).to(torch.int64)
+    count = torch.cumsum(real, 0)
+    starts = (
+        torch.arange(input_ids.shape[0], device=input_ids.device) - positions
+    )  # each token's sequence start
+    before = count[starts] - real[starts]  # real tokens before that sequence
+    return (count - before) * real + padding_idx
+
+
 class BertEmbeddings(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, padding_idx: int | None = None) -> None:
+        """`padding_idx`: RoBERTa's position numbering (`roberta_positions`); None: BERT's, from 0."""
         super().__init__()
+        self.padding_idx = padding_idx
         H = config.hidden_size
         self.word_embeddings = VocabEmbedding(config.vocab_size, H)
         self.position_embeddings = PositionEmbedding(config.max_position_embeddings, H)
@@ -53,6 +72,8 @@ class BertEmbeddings(nn.Module):
     def forward(  # [T] -> [T, H]
         self, input_ids: torch.Tensor, positions: torch.Tensor, token_types: torch.Tensor | None = None
     ) -> torch.Tensor:
+        if self.padding_idx is not None:
+            positions = roberta_positions(input_ids, positions, self.padding_idx)
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions)
         if token_types is None:  # one segment: type 0
             return self.LayerNorm(x + self.token_type_embeddings.weight[0])
@@ -134,6 +155,8 @@ class BertModel(CausalLM):
         "value": ("qkv", 2),
     }
     ignored_weights: ClassVar[tuple[str, ...]] = ("pooler.", "embeddings.position_ids")
+    roberta_positions: ClassVar[bool] = False
+    """RoBERTa's position ids (from `pad_token_id + 1`, `roberta_positions`)."""
 
     def __init__(self, config: Any, backend: AttentionBackend | None = None) -> None:
         """`backend` (the paged attention backend the loader offers every model) is unused: an
@@ -144,8 +167,10 @@ class BertModel(CausalLM):
             raise ValueError(f"BERT: position_embedding_type {kind!r} is not supported (only 'absolute')")
         if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
             raise ValueError("BERT as a decoder (is_decoder, add_cross_attention) is not supported")
-        self.embeddings = BertEmbeddings(config)
+        self.embeddings = BertEmbeddings(config, config.pad_token_id if self.roberta_positions else None)
         self.encoder = BertEncoder(config)
+        self.uses_token_types = config.type_vocab_size > 1
+        """Whether a text pair's second text gets token type 1 (BERT); RoBERTa has one type."""
 
     def forward(  # type: ignore[override]
         self,
@@ -175,6 +200,13 @@ class BertModel(CausalLM):
                 module.use_rows()
 
 
+class RobertaModel(BertModel):
+    """HF `RobertaModel` and `XLMRobertaModel` (e.g. BGE-M3, multilingual-E5): BERT's layers with
+    RoBERTa's position ids and one token type."""
+
+    roberta_positions = True
+
+
 # sentence-transformers' CrossEncoder activations (the config's class paths) this model applies
 _ACTIVATIONS = {"Sigmoid": torch.sigmoid, "Identity": lambda x: x}
 
@@ -189,42 +221,45 @@ def cross_encoder_activation(config: Any) -> Callable[[torch.Tensor], torch.Tens
     name = str(path).rpartition(".")[2]
     if name not in _ACTIVATIONS:
         raise ValueError(
-            f"BERT cross-encoder: activation_fn {path!r} is not supported (only Sigmoid and Identity)"
+            f"cross-encoder: activation_fn {path!r} is not supported (only Sigmoid and Identity)"
         )
     return _ACTIVATIONS[name]
 
 
-class BertForSequenceClassification(BertModel):
-    """HF `BertForSequenceClassification` with one label: a cross-encoder (reranker) that scores
-    a text pair from its [CLS] state (`score_head`). Its pooling is the [CLS] token's, never
-    normalised (the engine's default for a model with a `score_head`)."""
+class CrossEncoder(BertModel):
+    """A one-label sequence classifier over the encoder: a cross-encoder (reranker) that scores a
+    text pair from its first token's state (`score_head`). Its pooling is that token's ([CLS],
+    <s>), never normalised (the engine's default for a model with a `score_head`)."""
 
+    checkpoint_prefix: ClassVar[str] = ""
+    """What the checkpoint puts before the encoder's names (`bert.`, `roberta.`)."""
     ignored_weights: ClassVar[tuple[str, ...]] = ("embeddings.position_ids",)
 
     def __init__(self, config: Any, backend: AttentionBackend | None = None) -> None:
         num_labels = getattr(config, "num_labels", None)
         if num_labels != 1:
             raise ValueError(
-                f"BertForSequenceClassification with num_labels={num_labels} is not supported: only "
-                "one-label cross-encoders (rerankers), which score text pairs"
+                f"{type(self).__name__} with num_labels={num_labels} is not supported: only one-label "
+                "cross-encoders (rerankers), which score text pairs"
             )
         super().__init__(config, backend)
-        H = config.hidden_size
-        self.pooler = BertPooler(H)
-        self.classifier = Linear(H, 1, bias=True)
         self.activation = cross_encoder_activation(config)
 
     def map_weight_name(self, name: str) -> str | None:
-        return name.removeprefix("bert.")
+        return name.removeprefix(self.checkpoint_prefix)
+
+    def classify(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, H] first-token states -> [B, 1] logits."""
+        raise NotImplementedError
 
     def score_head(self, cls_rows: torch.Tensor) -> torch.Tensor:
-        """[B, H] [CLS] states -> [B, 1] scores (float32)."""
-        x = cls_rows.to(self.pooler.dense.weight.dtype)  # pooled rows come in float32
-        return self.activation(self.classifier(self.pooler(x)).float())
+        """[B, H] first-token states (pooled in float32) -> [B, 1] scores (float32)."""
+        dtype = next(self.parameters()).dtype
+        return self.activation(self.classify(cls_rows.to(dtype)).float())
 
 
-class BertPooler(nn.Module):
-    """HF's BertPooler: `tanh(dense(x))` on the [CLS] state."""
+class DenseTanh(nn.Module):
+    """`tanh(dense(x))`: HF's BertPooler (`pooler.dense`), and the first half of RoBERTa's head."""
 
     def __init__(self, hidden_size: int) -> None:
         super().__init__()
@@ -232,3 +267,44 @@ class BertPooler(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.dense(x))
+
+
+class BertForSequenceClassification(CrossEncoder):
+    """HF `BertForSequenceClassification` (one label): `classifier(pooler(x))`."""
+
+    checkpoint_prefix = "bert."
+
+    def __init__(self, config: Any, backend: AttentionBackend | None = None) -> None:
+        super().__init__(config, backend)
+        self.pooler = DenseTanh(config.hidden_size)
+        self.classifier = Linear(config.hidden_size, 1, bias=True)
+
+    def classify(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.pooler(x))
+
+
+class RobertaClassificationHead(nn.Module):
+    """HF's RobertaClassificationHead: `out_proj(tanh(dense(x)))`."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.dense = Linear(hidden_size, hidden_size, bias=True)
+        self.out_proj = Linear(hidden_size, 1, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(torch.tanh(self.dense(x)))
+
+
+class RobertaForSequenceClassification(CrossEncoder):
+    """HF `RobertaForSequenceClassification` and `XLMRobertaForSequenceClassification` (one
+    label; e.g. the BGE rerankers): RoBERTa's encoder, then its classification head on <s>."""
+
+    checkpoint_prefix = "roberta."
+    roberta_positions = True
+
+    def __init__(self, config: Any, backend: AttentionBackend | None = None) -> None:
+        super().__init__(config, backend)
+        self.classifier = RobertaClassificationHead(config.hidden_size)
+
+    def classify(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(x)

@@ -136,6 +136,7 @@ def load_hf_tokenizer(folder: Path, name: str) -> Tokenizer:
         chat_template=_chat_template(folder, config),
         # e.g. Llama 3 Instruct: [<|end_of_text|>, <|eom_id|>, <|eot_id|>]; Gemma 3: [<eos>, <end_of_turn>]
         extra_eos_token_ids=_ids(generation.get("eos_token_id")),
-        wraps_cls_sep=bos_id is None
+        # BERT's [CLS] (no BOS), or RoBERTa's <s> (its BOS and CLS) ... </s>
+        wraps_cls_sep=(bos_id is None or bos_id == special_id("cls_token"))
         and _wraps_cls_sep(backend, special_id("cls_token"), special_id("sep_token")),
     )

@@ -172,6 +172,8 @@ def _max_model_len(config: ModelConfig, hf_config: Any, source: ModelSource) -> 
     limit = int(
         getattr(hf_config, "max_position_embeddings", 0) or getattr(hf_config, "n_positions", 0) or 2048
     )
+    if getattr(hf_config, "model_type", "") in ("roberta", "xlm-roberta"):
+        limit -= hf_config.pad_token_id + 1  # its positions count from pad_token_id + 1 (models/bert.py)
     if config.max_model_len is None:
         trained = hf_folder.sentence_max_seq_length(source.path) if source.kind == "hf" else None
         return min(limit, trained) if trained is not None else limit
