@@ -135,6 +135,36 @@ def test_bert_embeddings_match_transformers(tmp_path) -> None:
             torch.testing.assert_close(torch.tensor(out.embedding), ref, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("arch", ["bert", "xlm-roberta"])
+def test_cross_encoder_scores_match_transformers(tmp_path, arch) -> None:
+    """A cross-encoder on CUDA (not yet run on a GPU): token types (BERT) or RoBERTa's positions,
+    the head on the first token, a batch of pairs of different lengths, against transformers on
+    the CPU."""
+    import transformers
+
+    from tests.models.test_cross_encoder import (
+        DOCS,
+        QUERY,
+        ROBERTA,
+        hf_logits,
+        save_cross_encoder,
+        write_roberta_tokenizer,
+    )  # fmt: skip
+
+    if arch == "bert":
+        hf = save_cross_encoder(tmp_path)
+    else:
+        torch.manual_seed(5)
+        config = transformers.XLMRobertaConfig(**ROBERTA, num_labels=1)
+        hf = transformers.AutoModelForSequenceClassification.from_config(config).eval()
+        hf.save_pretrained(tmp_path)
+        write_roberta_tokenizer(tmp_path)
+    llm = LLM(str(tmp_path), device="cuda", dtype="float32", show_progress=False)
+    outs = llm.score(QUERY, DOCS, use_tqdm=False)
+    ref = hf_logits(tmp_path, hf, [(QUERY, d) for d in DOCS]).sigmoid()
+    torch.testing.assert_close(torch.tensor([o.score for o in outs]), ref, rtol=1e-3, atol=1e-3)
+
+
 def test_lora_adapters_match_peft(tmp_path) -> None:
     """Two PEFT adapters and the base in one batch on CUDA (the Triton LoRA kernels): each greedy
     continuation equals PEFT's generate on the CPU, and the adapters change it."""
