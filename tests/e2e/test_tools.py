@@ -87,6 +87,40 @@ def test_forced_calls_stream(so_server: ServerProcess) -> None:
         jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
 
 
+@pytest.mark.parametrize("parallel", [False, True])
+def test_streamed_calls_are_the_unstreamed_ones_sent_as_they_are_written(
+    so_server: ServerProcess, parallel
+) -> None:
+    """The same greedy request, streamed and not: the streamed calls (joined by index) are the
+    unstreamed ones, name and arguments; each call opens in one chunk (id, type, name) and its
+    arguments come in several chunks before the reply's last one. A call that max_tokens cuts was
+    streamed in part: the unstreamed reply drops it, and the stream ends with `length`."""
+    client = so_server.client()
+    body = dict(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                parallel_tool_calls=parallel, temperature=0, max_tokens=160)  # fmt: skip
+    whole = client.chat.completions.create(**body).choices[0]
+    chunks = list(client.chat.completions.create(**body, stream=True))
+    _, calls, finish = streamed_reply(chunks)
+    unstreamed = [
+        {"name": c.function.name, "arguments": c.function.arguments} for c in whole.message.tool_calls
+    ]
+    assert whole.finish_reason == "tool_calls" and calls[: len(unstreamed)] == unstreamed
+    if parallel:  # the tiny model calls until max_tokens cuts a call: sent in part, the stream says `length`
+        assert len(calls) == len(unstreamed) + 1 and finish == "length"
+        with pytest.raises(ValueError):
+            json.loads(calls[-1]["arguments"])
+    else:
+        assert len(calls) == len(unstreamed) == 1 and finish == "tool_calls"
+    deltas = [
+        (i, d) for i, chunk in enumerate(chunks) for c in chunk.choices for d in c.delta.tool_calls or []
+    ]
+    opened = [(i, d) for i, d in deltas if d.id is not None]
+    assert len(opened) == len(calls) and all(d.type == "function" and d.function.name for _, d in opened)
+    last = max(i for i, chunk in enumerate(chunks) if chunk.choices and chunk.choices[0].finish_reason)
+    argument_chunks = {i for i, d in deltas if d.id is None and d.function.arguments}
+    assert len([i for i in argument_chunks if i < last]) >= 3, "the arguments did not stream"
+
+
 def test_none_never_calls_and_hides_the_tools(so_server: ServerProcess) -> None:
     client = so_server.client()
     plain = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=8, temperature=0)
@@ -242,15 +276,19 @@ def _auto_round_trip(server: ServerProcess, fmt: str) -> None:
             assert r.choices[0].finish_reason == "stop" and message.content == text and not message.tool_calls
         stream = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice="auto",
                                                 max_tokens=80, extra_body=extra, stream=True)  # fmt: skip
-        streamed, names, finish = "", [], None
+        streamed, names, arguments, finish = "", [], "", None
         for chunk in stream:
             for c in chunk.choices:
                 streamed += c.delta.content or ""
-                names += [d.function.name for d in c.delta.tool_calls or []]
+                names += [
+                    d.function.name for d in c.delta.tool_calls or [] if d.id is not None
+                ]  # a call opens
+                arguments += "".join(d.function.arguments or "" for d in c.delta.tool_calls or [])
                 finish = c.finish_reason or finish
         assert (streamed, names, finish) == (
             (content or "", ["add"], "tool_calls") if calls else (text, [], "stop")
         )
+        assert arguments == (message.tool_calls[0].function.arguments if calls else "")
 
 
 def test_auto_calls_round_trip_hermes(so_server: ServerProcess) -> None:

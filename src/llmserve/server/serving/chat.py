@@ -28,6 +28,7 @@ from llmserve.server.serving.inputs import (
 from llmserve.server.serving.outputs import Choice
 from llmserve.server.serving.reasoning import prompt_opens_thinking, split_reasoning, uses_think_tags
 from llmserve.server.serving.streaming import ChoiceBuilder, respond
+from llmserve.server.serving.tool_stream import CallDelta
 from llmserve.server.serving.tools import (
     FORMATS,
     ToolFormat,
@@ -306,28 +307,34 @@ class _ChatChoices(ChoiceBuilder):
         logprobs = (
             self._logprobs(c.token_ids, c.logprobs or []) if self.req.logprobs and c.token_ids else None
         )
-        text, reasoning, finish_reason, calls = c.text, "", c.finish_reason, []
-        if self.splitters is not None:  # reasoning split off, tool calls held back until the choice ends
-            reasoning, text = self.splitters[index].feed(c.text)
+        text, reasoning, finish_reason = c.text, "", c.finish_reason
+        deltas: list[CallDelta] = []
+        if self.splitters is not None:  # reasoning split off, tool calls streamed as they are written
+            splitter = self.splitters[index]
+            reasoning, text = splitter.feed(c.text)
             if c.finished:
-                more_reasoning, more_text, calls = self.splitters[index].finish(
-                    cut=c.finish_reason == "length"
-                )
+                more_reasoning, more_text, calls = splitter.finish(cut=c.finish_reason == "length")
                 reasoning, text = reasoning + more_reasoning, text + more_text
-                finish_reason = finish_reason_with_calls(finish_reason, calls)
-        if not text and not reasoning and logprobs is None and not c.finished:
+                deltas = splitter.final_call_deltas(calls)
+                if not splitter.streamed_unfinished:  # a call sent in part and cut: `length`
+                    finish_reason = finish_reason_with_calls(finish_reason, calls)
+            else:
+                deltas = splitter.call_deltas()
+        if not text and not reasoning and logprobs is None and not c.finished and not deltas:
             return []
         out = []
         if reasoning:
             out.append(_delta(index, {"reasoning_content": reasoning}, logprobs))
             logprobs = None
-            if not text and not c.finished:
+            if not text and not c.finished and not deltas:
                 return out
-        if calls:
+        if deltas:
             if text or logprobs is not None:
                 out.append(_delta(index, {"content": text}, logprobs))
             text, logprobs = "", None
-            out.append(_delta(index, {"tool_calls": [call.to_dict(i) for i, call in enumerate(calls)]}))
+            out.append(_delta(index, {"tool_calls": [d.to_dict() for d in deltas]}))
+            if not c.finished:
+                return out
         last = _delta(index, {"content": text} if text or not (c.finished or reasoning) else {}, logprobs)
         return [*out, {**last, "finish_reason": finish_reason, "stop_reason": c.stop_reason}]
 

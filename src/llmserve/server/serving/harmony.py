@@ -37,6 +37,7 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING, Any, Protocol
 
 from llmserve.server.serving.reasoning import ReasoningStreamSplitter
+from llmserve.server.serving.tool_stream import CallDelta
 from llmserve.server.serving.tools import (
     _COMPACT,
     ToolCall,
@@ -44,6 +45,7 @@ from llmserve.server.serving.tools import (
     ToolStreamSplitter,
     _lark_literal,
     partial_suffix,
+    whole_call_deltas,
 )
 
 if TYPE_CHECKING:
@@ -99,6 +101,14 @@ class HarmonySplitter:
         self._wrote = {"reasoning": False, "content": False}
         self._sep = False  # a newline owed before this body's first text (an earlier message of its kind)
         self._seen_marker = False
+
+    def call_deltas(self) -> list[CallDelta]:
+        return []  # harmony's calls go out whole at the end
+
+    def final_call_deltas(self, calls: list[ToolCall]) -> list[CallDelta]:
+        return whole_call_deltas(calls)
+
+    streamed_unfinished = False
 
     def feed(self, text: str) -> tuple[str, str]:
         """(reasoning, content) safe to send now."""
@@ -240,11 +250,20 @@ HARMONY = HarmonyFormat()
 
 
 class ReplySplitter(Protocol):
-    """A streamed reply split as it comes: (reasoning, content) now, the calls at the end."""
+    """A streamed reply split as it comes: (reasoning, content) now, the calls at the end; and
+    for a stream, the calls' deltas as they are written (`call_deltas`) and the rest of them once
+    the calls are parsed (`final_call_deltas`)."""
 
     def feed(self, text: str) -> tuple[str, str]: ...
 
     def finish(self, cut: bool = False) -> tuple[str, str, list[ToolCall]]: ...
+
+    def call_deltas(self) -> list[CallDelta]: ...
+
+    def final_call_deltas(self, calls: list[ToolCall]) -> list[CallDelta]: ...
+
+    @property
+    def streamed_unfinished(self) -> bool: ...
 
 
 class _ThinkThenTools:
@@ -258,6 +277,16 @@ class _ThinkThenTools:
     def feed(self, text: str) -> tuple[str, str]:
         reasoning, text = self.thinker.feed(text) if self.thinker is not None else ("", text)
         return reasoning, self.tools.feed(text) if self.tools is not None else text
+
+    def call_deltas(self) -> list[CallDelta]:
+        return self.tools.call_deltas() if self.tools is not None else []
+
+    def final_call_deltas(self, calls: list[ToolCall]) -> list[CallDelta]:
+        return self.tools.final_call_deltas(calls) if self.tools is not None else []
+
+    @property
+    def streamed_unfinished(self) -> bool:
+        return self.tools is not None and self.tools.streamed_unfinished
 
     def finish(self, cut: bool = False) -> tuple[str, str, list[ToolCall]]:
         reasoning, text = self.thinker.finish() if self.thinker is not None else ("", "")

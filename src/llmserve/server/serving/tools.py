@@ -21,12 +21,14 @@
   parameters schema), so even a tiny model returns a call whose arguments validate;
 - `parallel_tool_calls` false: exactly one call under a grammar;
 - the reply: `tool_calls` with `finish_reason: "tool_calls"`, the text around them as content.
-  Streamed, content goes out as it comes until a call may be starting; the calls follow as one
-  `tool_calls` delta when the choice ends;
+  Streamed, content goes out as it comes until a call may be starting; from there each call
+  streams as it is written (`ToolStreamSplitter.call_deltas`, tool_stream.py), and what could not
+  stream goes out whole when the choice ends;
 - a reply cut short by `max_tokens` (`cut`): the calls written in full before the cut are
   returned, with `finish_reason: "tool_calls"` (as vLLM reports whenever it parsed calls); the
   unfinished one, or the start of its marker, is dropped, never returned as content. With no
-  call finished the reason stays `length`.
+  call finished the reason stays `length`; a stream that sent part of the cut call ends with
+  `length` too.
 """
 
 from __future__ import annotations
@@ -34,13 +36,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
 from llmserve.server.errors import APIError
+from llmserve.server.serving.tool_stream import CallDelta, CallStreamer, Seek, new_call_id
 
+SeekStatus = Literal["found", "wait", "stop"]
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "openai")
 
 # JSON inside a grammar comes compact, as for response_format: no free whitespace to loop on
@@ -55,7 +58,7 @@ class ToolCall:
     """The arguments as JSON text (OpenAI's `function.arguments`)."""
 
     def to_dict(self, index: int | None = None) -> dict[str, Any]:
-        out: dict[str, Any] = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+        out: dict[str, Any] = {"id": new_call_id(), "type": "function",
                                "function": {"name": self.name, "arguments": self.arguments}}  # fmt: skip
         if index is not None:
             out["index"] = index
@@ -97,6 +100,13 @@ def partial_suffix(text: str, tag: str) -> int:
     return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-k:])), 0)
 
 
+def _skip(text: str, at: int, chars: str) -> int:
+    """The first index from `at` whose character is not in `chars` (len(text) if none)."""
+    while at < len(text) and text[at] in chars:
+        at += 1
+    return at
+
+
 def _complete_items(array: str) -> list[Any]:
     """The items of a JSON array cut short (`[{...}, {..`), up to its last complete one."""
     items: list[Any] = []
@@ -125,6 +135,9 @@ class ToolFormat:
     whole_reply = False
     """The format structures every reply, tools or not (harmony's channels): its markers are kept
     even when the request has no tools."""
+    stream_seek: Seek | None = None
+    """Where the next call object starts in a reply's held-back text, for streaming calls as
+    they are written (tool_stream.py); None: the calls go out whole when the reply ends."""
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
         raise NotImplementedError
@@ -153,6 +166,15 @@ class HermesFormat(ToolFormat):
         "To call one, reply with one block per call and nothing after it:\n"
         f'{OPEN}\n{{"name": <function name>, "arguments": <arguments as a JSON object>}}\n{CLOSE}'
     )
+
+    def stream_seek(self, held: str, pos: int, first: bool) -> tuple[SeekStatus, int]:
+        at = held.find(self.OPEN, pos)
+        if at < 0:
+            return "wait", max(pos, len(held) - len(self.OPEN) + 1)  # a marker may be starting
+        i = _skip(held, at + len(self.OPEN), " \t\r\n")
+        if i == len(held):
+            return "wait", at
+        return ("found", i) if held[i] == "{" else ("wait", i)  # not a call object: the next block
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
         repeat = ' ("\\n" call)*' if parallel else ""
@@ -216,6 +238,16 @@ class Llama3JsonFormat(ToolFormat):
     """How a call object starts (the grammar writes `name` first): a cut reply's unfinished tail
     that starts so is a call, any other is content (`{"answer": ...` cut short)."""
 
+    def stream_seek(self, held: str, pos: int, first: bool) -> tuple[SeekStatus, int]:
+        i = _skip(held, pos, " \t\r\n" if first else " \t\r\n;")
+        if first and held.startswith(self.PYTHON_TAG, i):
+            i = _skip(held, i + len(self.PYTHON_TAG), " \t\r\n")
+        elif first and self.PYTHON_TAG.startswith(held[i:]):
+            return "wait", pos  # the tag may be coming (or nothing yet)
+        if i == len(held):
+            return "wait", pos
+        return ("found", i) if held[i] == "{" else ("stop", i)
+
     def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
         repeat = ' ("; " call)*' if parallel else ""
         return f"start: call{repeat}\ncall: %json {json.dumps(_call_schemas(tools, 'parameters'))}"
@@ -264,6 +296,23 @@ class MistralFormat(ToolFormat):
         f"To call functions, reply with {MARKER} and a JSON array of calls, nothing after it:\n"
         f'{MARKER}[{{"name": <function name>, "arguments": <arguments as a JSON object>}}]'
     )
+
+    def stream_seek(self, held: str, pos: int, first: bool) -> tuple[SeekStatus, int]:
+        i = pos
+        if first:  # [TOOL_CALLS] then the array's "["; v11's name[ARGS]{...} goes out whole
+            at = held.find(self.MARKER, pos)
+            if at < 0:
+                return "wait", pos
+            i = _skip(held, at + len(self.MARKER), " \t\r\n")
+            if i == len(held):
+                return "wait", pos
+            if held[i] != "[":
+                return "stop", i
+            i += 1
+        i = _skip(held, i, " \t\r\n,")
+        if i == len(held):
+            return "wait", pos
+        return ("found", i) if held[i] == "{" else ("stop", i)
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
         repeat = ' (", " call)*' if parallel else ""
@@ -422,24 +471,30 @@ def template_mentions_tools(template: str | None) -> bool:
 class ToolStreamSplitter:
     """Streams a choice's text as content until calls may be starting (the format's marker, or
     one of its leading prefixes at the start of the reply); from there on the text is held back,
-    and `finish` parses it into calls (and any content left over)."""
+    its calls stream as deltas as they are written (`call_deltas`, for a format with a
+    `stream_seek`), and `finish` parses it into calls (and any content left over), whose deltas
+    not yet sent `final_call_deltas` gives."""
 
     def __init__(self, fmt: ToolFormat | None = None) -> None:
         self.fmt = fmt or FORMATS["hermes"]
         self._held = ""
         self._in_calls = False
         self._decided = not self.fmt.leading  # leading formats: until the reply's start is known
+        seek = self.fmt.stream_seek
+        self._streamer = CallStreamer(seek) if seek is not None else None
 
     def feed(self, text: str) -> str:
         """The part of `text` that is safe to stream as content now."""
         if self._in_calls:
             self._held += text
+            self._scan()
             return ""
         buf = self._held + text
         if not self._decided:
             head = buf.lstrip()
             if any(head.startswith(p) for p in self.fmt.leading):
                 self._in_calls, self._held = True, buf
+                self._scan()
                 return ""
             if not head or any(p.startswith(head) for p in self.fmt.leading):
                 self._held = buf  # not decided yet
@@ -452,10 +507,32 @@ class ToolStreamSplitter:
         at = buf.find(marker)
         if at >= 0:
             self._in_calls, self._held = True, buf[at:]
+            self._scan()
             return buf[:at]
         keep = partial_suffix(buf, marker)
         self._held = buf[len(buf) - keep :]
         return buf[: len(buf) - keep]
+
+    def _scan(self) -> None:
+        if self._streamer is not None:
+            self._streamer.scan(self._held)
+
+    def call_deltas(self) -> list[CallDelta]:
+        """The calls' deltas written since the last call (their openings, argument pieces)."""
+        return self._streamer.take() if self._streamer is not None else []
+
+    def final_call_deltas(self, calls: list[ToolCall]) -> list[CallDelta]:
+        """The deltas that complete the calls once the reply is parsed (`finish`'s calls): what
+        was not streamed of them (tool_stream.py)."""
+        if self._streamer is None:
+            return whole_call_deltas(calls)
+        return self._streamer.finish(calls)
+
+    @property
+    def streamed_unfinished(self) -> bool:
+        """After `final_call_deltas`: a call went out in part and the reply does not complete it
+        (max_tokens cut it); the stream then ends with `length`, never `tool_calls`."""
+        return self._streamer is not None and self._streamer.unmatched > 0
 
     def finish(self, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
         """Content still held back and the calls found in it. `cut`: max_tokens ended the reply
@@ -464,6 +541,11 @@ class ToolStreamSplitter:
         # held back outside the calls is a marker's (or leading prefix's) start: no calls in it,
         # and parse keeps it as content unless the reply was cut there
         return self.fmt.parse(held, cut)
+
+
+def whole_call_deltas(calls: list[ToolCall]) -> list[CallDelta]:
+    """Each call as one delta (a format that does not stream its calls)."""
+    return [CallDelta(i, call.arguments, new_call_id(), call.name) for i, call in enumerate(calls)]
 
 
 def finish_reason_with_calls(finish_reason: str | None, calls: list[ToolCall]) -> str | None:
