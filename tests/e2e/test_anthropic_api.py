@@ -215,26 +215,40 @@ def test_tool_use_round_trip(client: anthropic.Anthropic) -> None:
 
 
 def test_tool_use_streamed(client: anthropic.Anthropic) -> None:
-    """`any` forces a call; it streams as a tool_use block with an input_json_delta. Sampled (this
-    endpoint takes no seed): about 1 draw in 40 is still inside its call at 100 tokens (`add`'s
-    schema allows any properties, so its arguments have no end) and calls stream whole, so an
-    unfinished one is dropped: no block at all. Such a draw must end at max_tokens with no
-    content, and the next one is used."""
+    """`any` forces a call; it streams as a tool_use block whose input comes in input_json_deltas
+    as the model writes it. Sampled (this endpoint takes no seed): about 1 draw in 40 is still
+    inside its call at 100 tokens (`add`'s schema allows any properties, so its arguments have no
+    end); its block opened and took part of the input, and the message ends at max_tokens. The
+    next draw is used then."""
     for _ in range(3):
         events, final = streamed(client, max_tokens=100, messages=USER, tools=TOOLS, extra_body={"temperature": 1.0, "top_k": 50},
                                  tool_choice={"type": "any", "disable_parallel_tool_use": True})  # fmt: skip
         check_order(events)
         starts = [e.content_block for e in events if e.type == "content_block_start"]
-        if starts:
+        if final.stop_reason != "max_tokens":
             break
-        assert final.stop_reason == "max_tokens" and not final.content
-    assert starts[-1].type == "tool_use" and starts[-1].input == {}
+        assert [b.type for b in starts] in ([], ["tool_use"])  # a cut call: sent in part
+    assert [b.type for b in starts] == ["tool_use"] and starts[-1].input == {}
     deltas = [
         e.delta for e in events if e.type == "content_block_delta" and e.delta.type == "input_json_delta"
     ]
     (call,) = tool_uses(final)
-    assert json.loads("".join(d.partial_json for d in deltas)) == call.input
+    assert len(deltas) > 1 and json.loads("".join(d.partial_json for d in deltas)) == call.input
     assert final.stop_reason == "tool_use" and events[-2].delta.stop_reason == "tool_use"
+
+
+def test_tool_use_streamed_is_the_whole_message(client: anthropic.Anthropic) -> None:
+    """Greedy, the streamed tool_use block's input is the whole message's."""
+    body = dict(model=MODEL_NAME, max_tokens=100, messages=USER, tools=TOOLS, **GREEDY,
+                tool_choice={"type": "tool", "name": "get_weather"})  # fmt: skip
+    whole = client.messages.create(**body)
+    events, final = streamed(client, **{k: v for k, v in body.items() if k != "model"})
+    (call,), (streamed_call,) = tool_uses(whole), tool_uses(final)
+    assert (streamed_call.name, streamed_call.input) == (call.name, call.input)
+    assert final.stop_reason == whole.stop_reason == "tool_use"
+    starts = [i for i, e in enumerate(events) if e.type == "content_block_start"]
+    deltas = [i for i, e in enumerate(events) if e.type == "content_block_delta"]
+    assert len(deltas) > 1 and min(deltas) > starts[-1]
 
 
 def test_thinking_blocks(client: anthropic.Anthropic) -> None:

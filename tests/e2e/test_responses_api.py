@@ -223,6 +223,11 @@ def test_function_call_streamed(client: openai.OpenAI) -> None:
     deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
     (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert "".join(deltas) == done.arguments == call.arguments and events[-1].type == "response.completed"
+    # the arguments streamed as the model wrote them, and are the whole response's
+    whole = client.responses.create(model=MODEL_NAME, input=USER, tools=TOOLS, tool_choice="required",
+                                    parallel_tool_calls=False, max_output_tokens=100, temperature=0)  # fmt: skip
+    (whole_call,) = function_calls(whole)
+    assert len(deltas) > 1 and (call.name, call.arguments) == (whole_call.name, whole_call.arguments)
 
 
 def test_stored_responses(client: openai.OpenAI, server: ServerProcess) -> None:

@@ -19,8 +19,11 @@ deltas and closes before the next one opens:
     event: message_delta         {"delta": {"stop_reason", "stop_sequence"}, "usage": {"output_tokens": M}}
     event: message_stop
 
-Tool calls come whole when the answer ends (the pieces hold them back until they parse), so a
-call's input goes out as one `input_json_delta`. Thinking blocks carry an empty `signature`: the
+A tool call's block opens as soon as the model has written the call's name, and its input
+streams as `input_json_delta`s while the model writes it (the pieces' call deltas,
+tool_stream.py: they join to the JSON of the whole message's `input`); a call that cannot stream
+comes whole when the answer ends, as one delta. A call that max_tokens cuts after its block
+opened ends the message with `max_tokens`. Thinking blocks carry an empty `signature`: the
 thinking is the model's own text, and there is nothing to verify when it comes back.
 """
 
@@ -54,6 +57,8 @@ def stop_reason(end: End | None, has_calls: bool, stop_sequences: list[str]) -> 
     `stop_sequence` with the string when one of the request's stop_sequences ended it; else
     `end_turn` (the model's end-of-turn token)."""
     reason = end.reason if end is not None else None
+    if end is not None and end.call_cut:  # a call streamed in part, then cut
+        return "max_tokens", None
     if (has_calls and reason in ("stop", "length")) or reason == "tool_calls":  # tool_calls: from a remote
         return "tool_use", None
     if reason == "length":
@@ -102,6 +107,7 @@ class MessageEvents:
         self.index = -1
         self.open: str | None = None  # the type of the block that is open
         self.has_calls = False
+        self._call_blocks: dict[int, int] = {}  # a call's delta index -> its block's index
 
     def opening(self) -> list[str]:
         """message_start (content empty, the prompt's size as input_tokens), then a ping."""
@@ -119,11 +125,19 @@ class MessageEvents:
         if piece.content:
             out += self._block({"type": "text", "text": ""})
             out.append(self._delta({"type": "text_delta", "text": piece.content}))
-        for call in piece.tool_calls:
-            block = tool_use_block(call)
-            out += self._block({**block, "input": {}}, always_new=True)
-            out.append(self._delta({"type": "input_json_delta", "partial_json": json.dumps(block["input"])}))
-            self.has_calls = True
+        for d in piece.call_deltas:
+            if d.id is not None:  # a call opens: its own tool_use block
+                block = {
+                    "type": "tool_use",
+                    "id": f"toolu_{uuid.uuid4().hex[:24]}",
+                    "name": d.name,
+                    "input": {},
+                }
+                out += self._block(block, always_new=True)
+                self._call_blocks[d.index] = self.index
+            if d.arguments and self.open == "tool_use" and self._call_blocks.get(d.index) == self.index:
+                out.append(self._delta({"type": "input_json_delta", "partial_json": d.arguments}))
+        self.has_calls = self.has_calls or bool(piece.tool_calls)
         if piece.end is not None:
             out += self._close()
             reason, sequence = stop_reason(piece.end, self.has_calls, self.stop_sequences)

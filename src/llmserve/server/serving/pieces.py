@@ -1,17 +1,20 @@
 """One answer, whichever engine gives it: the second APIs (Ollama's, Anthropic's, OpenAI's
 Responses) see a reply as a stream of `Piece`s and render those in their own shapes.
 
-    native model   engine outputs -> <think> split off, tool calls held back and parsed at the end
+    native model   engine outputs -> <think> split off, tool calls streamed as written (deltas) and
+                   parsed at the end
     remote model   the OpenAI chat request the API's request means, sent upstream; its stream
                    events (content, reasoning_content, tool_call fragments) -> the same pieces
 
-Each piece carries new text, new thinking, the tool calls (all at once, when the answer ends) and,
-on the last one, how the answer ended (`End`). The chat template, the tool formats and the
+Each piece carries new text, new thinking, the tool calls (parsed, all at once, when the answer
+ends), the calls' deltas as the model writes them (what the APIs' streams send; a remote model's
+calls come whole at the end) and, on the last one, how the answer ended (`End`). The chat template, the tool formats and the
 reasoning splitter are the ones /v1/chat/completions uses; this module only routes their output.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator
@@ -26,7 +29,8 @@ from llmserve.server.serving.harmony import ReplySplitter, reply_splitter
 from llmserve.server.serving.inputs import process_prompt, start_requests
 from llmserve.server.serving.reasoning import prompt_opens_thinking, uses_think_tags
 from llmserve.server.serving.streaming import merged
-from llmserve.server.serving.tools import ToolCall, ToolFormat
+from llmserve.server.serving.tool_stream import CallDelta
+from llmserve.server.serving.tools import ToolCall, ToolFormat, whole_call_deltas
 
 if TYPE_CHECKING:
     from llmserve.server.remote import RemoteModel
@@ -45,17 +49,22 @@ class End:
     """The prompt and output tokens (native models, when asked: Ollama's /api/generate)."""
     stop_reason: int | str | None = None
     """The stop string (or stop token id) that ended it, as the engine reports it."""
+    call_cut: bool = False
+    """A stream sent part of a call that max_tokens then cut (the whole answer drops it): the
+    stream ends as cut short, never as calling tools."""
 
 
 @dataclass(slots=True)
 class Piece:
-    """One step of an answer: new text, new thinking, the tool calls (all at once, at the end) and,
-    on the last piece, how it ended."""
+    """One step of an answer: new text, new thinking, the tool calls (all at once, parsed, at the
+    end), the calls' deltas as they are written (what a stream sends: tool_stream.py) and, on the
+    last piece, how it ended."""
 
     content: str = ""
     thinking: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
     end: End | None = None
+    call_deltas: list[CallDelta] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -76,6 +85,11 @@ async def gather(pieces: AsyncIterator[Piece]) -> Piece:
         answer.thinking += piece.thinking
         answer.tool_calls += piece.tool_calls
         answer.end = piece.end or answer.end
+    # whole, each parsed call is one delta (a call that a stream sent in part and max_tokens cut is
+    # not among them)
+    answer.call_deltas = whole_call_deltas(answer.tool_calls)
+    if answer.end is not None and answer.end.call_cut:
+        answer.end = dataclasses.replace(answer.end, call_cut=False)
     return answer
 
 
@@ -128,15 +142,18 @@ async def _engine_pieces(ctx: ServingContext, streams: list[RequestStream], prom
         if out.finished:  # no cut call as text
             more_thinking, more_text, calls = splitter.finish(cut=c.finish_reason == "length")
             thinking, text = thinking + more_thinking, text + more_text
-        if text or thinking or calls:
-            yield Piece(text, thinking, calls)
+            deltas = splitter.final_call_deltas(calls)
+        else:
+            deltas = splitter.call_deltas()
+        if text or thinking or calls or deltas:
+            yield Piece(text, thinking, calls, call_deltas=deltas)
         if out.finished:
             now, m = time.monotonic(), out.metrics
             first = (m.first_token_time if m else None) or now
             scheduled = (m.first_scheduled_time or m.arrival_time) if m else first
             yield Piece(end=End(
                 c.finish_reason, len(prompt_ids), len(tokens), max(0.0, first - scheduled), max(0.0, now - first),
-                prompt_ids + tokens if context else None, c.stop_reason,
+                prompt_ids + tokens if context else None, c.stop_reason, splitter.streamed_unfinished,
             ))  # fmt: skip
 
 
@@ -216,6 +233,7 @@ async def relay_pieces(remote: RemoteModel, path: str, body: dict[str, Any]) -> 
             if text or thinking:
                 yield Piece(text, thinking)
     if calls:
-        yield Piece(tool_calls=[ToolCall(c["name"], c["arguments"]) for c in calls.values()])
+        found = [ToolCall(c["name"], c["arguments"]) for c in calls.values()]
+        yield Piece(tool_calls=found, call_deltas=whole_call_deltas(found))
     n_prompt, n_out = int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
     yield Piece(end=End(reason, n_prompt, n_out, stop_reason=stop_reason))

@@ -20,8 +20,11 @@ event carries `sequence_number` (0, 1, 2, ...):
     response.function_call_arguments.delta, .done, response.output_item.done
     response.completed (or response.incomplete: max_output_tokens cut it)   {"response": {...}}
 
-Tool calls come whole when the answer ends (the pieces hold them back until they parse), so a
-call's arguments go out as one delta. An error after the stream began is an `error` event, then
+A function call's item opens as soon as the model has written the call's name, and its
+arguments stream as `response.function_call_arguments.delta`s while the model writes them (the
+pieces' call deltas, tool_stream.py); a call that cannot stream comes whole when the answer ends,
+as one delta. A call that max_output_tokens cuts after its item opened closes `incomplete`, and
+so does the response. An error after the stream began is an `error` event, then
 `response.failed`.
 """
 
@@ -61,6 +64,7 @@ class ResponseEvents:
         self.seq = 0
         self.open: dict[str, Any] | None = None  # the item being written
         self.text = ""  # the open item's text (reasoning or output_text)
+        self._call_index = -1  # the open function_call item's call (its deltas' index)
 
     @property
     def output(self) -> list[dict[str, Any]]:
@@ -85,22 +89,25 @@ class ResponseEvents:
                 "message", {"role": "assistant", "status": "in_progress", "content": []}, "output_text"
             )
             out.append(self._delta("response.output_text.delta", piece.content, logprobs=[]))
-        for call in piece.tool_calls:
-            out += self._close()
-            item = {"id": new_id("fc"), "type": "function_call", "call_id": new_id("call"), "name": call.name,
-                    "arguments": call.arguments, "status": "completed"}  # fmt: skip
-            where = {"item_id": item["id"], "output_index": len(self.output)}
-            self.output.append(item)
-            out.append(self.event("response.output_item.added", {
-                "output_index": where["output_index"], "item": {**item, "arguments": "", "status": "in_progress"}}))  # fmt: skip
-            out.append(
-                self.event("response.function_call_arguments.delta", {**where, "delta": call.arguments})
-            )
-            out.append(self.event("response.function_call_arguments.done",
-                                  {**where, "arguments": call.arguments, "name": call.name}))  # fmt: skip
-            out.append(
-                self.event("response.output_item.done", {"output_index": where["output_index"], "item": item})
-            )
+        for d in piece.call_deltas:
+            if d.id is not None:  # a call opens: its own function_call item
+                out += self._close()
+                self.open = {"id": new_id("fc"), "type": "function_call", "call_id": new_id("call"),
+                             "name": d.name, "arguments": "", "status": "in_progress"}  # fmt: skip
+                self._call_index = d.index
+                self.output.append(self.open)
+                out.append(self.event("response.output_item.added", {
+                    "output_index": len(self.output) - 1, "item": dict(self.open)}))  # fmt: skip
+            call = self.open
+            if (
+                d.arguments
+                and call is not None
+                and call["type"] == "function_call"
+                and self._call_index == d.index
+            ):
+                call["arguments"] += d.arguments
+                out.append(self.event("response.function_call_arguments.delta", {
+                    "item_id": call["id"], "output_index": len(self.output) - 1, "delta": d.arguments}))  # fmt: skip
         if piece.end is not None:
             out += self._finish(piece.end)
         return out
@@ -110,7 +117,7 @@ class ResponseEvents:
         an answer that made no call (a whole call before the cut counts as done, as chat's
         finish_reason "tool_calls" does)."""
         calls = any(item["type"] == "function_call" for item in self.output)
-        cut = end.reason == "length" and not calls
+        cut = (end.reason == "length" and not calls) or end.call_cut  # call_cut: a call sent in part
         out = self._close("incomplete" if cut else "completed")
         self.response["status"] = "incomplete" if cut else "completed"
         self.response["incomplete_details"] = {"reason": "max_output_tokens"} if cut else None
@@ -163,6 +170,12 @@ class ResponseEvents:
         if self.open is None:
             return []
         item, self.open = self.open, None
+        if item["type"] == "function_call":
+            item["status"] = status
+            where = {"item_id": item["id"], "output_index": self.output.index(item)}
+            return [self.event("response.function_call_arguments.done",
+                               {**where, "arguments": item["arguments"], "name": item["name"]}),
+                    self.event("response.output_item.done", {"output_index": where["output_index"], "item": item})]  # fmt: skip
         is_text = item["type"] == "message"
         part = self._part("output_text" if is_text else "reasoning_text", self.text)
         item["content"] = [part]
