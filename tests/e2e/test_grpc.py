@@ -254,3 +254,38 @@ def test_cancelled_stream_infer_frees_its_requests(grpc_server) -> None:
     while (s := _stats(proc))["num_active_requests"] or s["kv_blocks_used"]:
         assert time.monotonic() < deadline, s
         time.sleep(0.05)
+
+
+def test_whole_answers_read_one_output_and_streams_every_step(tiny_model_dir: Path, monkeypatch) -> None:
+    """ModelInfer and a ModelStreamInfer request without `stream` are answered whole: the engine is
+    asked for their final output only (`final_only`); a streamed request reads every step's delta.
+    The app and its gRPC server in this process, the engine's adds recorded."""
+    from fastapi.testclient import TestClient
+
+    from llmserve.config import ServerConfig
+    from llmserve.config.models import ModelSpec
+    from llmserve.engine.async_engine import AsyncEngine
+    from llmserve.server.app import build_app
+
+    asked: list[bool] = []
+    add = AsyncEngine.add_request
+
+    def recorded_add(self, *args, **kwargs):
+        asked.append(kwargs.get("final_only", False))
+        return add(self, *args, **kwargs)
+
+    monkeypatch.setattr(AsyncEngine, "add_request", recorded_add)
+    port = free_port()
+    app = build_app([ModelSpec(MODEL_NAME, str(tiny_model_dir))], ServerConfig(grpc_port=port))
+    with TestClient(app), grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        whole = text_of(stub.ModelInfer(infer_request(max_tokens=5, temperature=0.0)))
+        assert asked == [True] and whole
+        for stream, final_only in ((False, True), (True, False)):
+            asked.clear()
+            request = infer_request(max_tokens=5, temperature=0.0, stream=stream)
+            responses = list(stub.ModelStreamInfer(iter([request])))
+            assert asked == [final_only]
+            assert "".join(text_of(r.infer_response) for r in responses) == whole
+            # whole: one response; streamed: a token each, then the end
+            assert (len(responses) == 1) if final_only else (len(responses) >= 5)
