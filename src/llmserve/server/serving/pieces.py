@@ -8,8 +8,9 @@ Responses) see a reply as a stream of `Piece`s and render those in their own sha
 
 Each piece carries new text, new thinking, the tool calls (parsed, all at once, when the answer
 ends), the calls' deltas as the model writes them (what the APIs' streams send; a remote model's
-calls come whole at the end) and, on the last one, how the answer ended (`End`). The chat template, the tool formats and the
-reasoning splitter are the ones /v1/chat/completions uses; this module only routes their output.
+calls come whole at the end) and, on the last one, how the answer ended (`End`). The chat
+template, the tool formats and the reasoning splitter are the ones /v1/chat/completions uses; this
+module only routes their output.
 """
 
 from __future__ import annotations
