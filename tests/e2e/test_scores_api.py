@@ -159,6 +159,41 @@ def test_bad_requests_are_400s_and_the_server_keeps_serving(client, path, body, 
     assert client.post("/v1/score", json={"model": "ce", "text_1": "w1", "text_2": "w2"}).status_code == 200
 
 
+@pytest.mark.parametrize("model", ["ce", "emb"])
+def test_truncate_prompt_tokens_cuts_what_the_context_cannot_hold(client, folders, model):
+    """A document over the context is a 400 unless truncate_prompt_tokens cuts it (-1: the
+    context; k: k tokens), and scores what transformers scores for the truncated inputs; a bad
+    value is a 400 naming the field."""
+    long_doc = " ".join(f"w{10 + i % 90}" for i in range(100))
+    body = {"model": model, "query": QUERY, "documents": [long_doc, DOCS[0]]}
+    r = client.post("/v1/rerank", json=body)
+    assert r.status_code == 400 and "exceeds" in r.json()["error"]["message"]
+    for k in (-1, 20):
+        got = client.post("/v1/rerank", json={**body, "truncate_prompt_tokens": k}).json()
+        limit = 64 if k == -1 else k
+        folder, hf = folders[model]
+        tok = transformers.AutoTokenizer.from_pretrained(folder)
+        with torch.no_grad():
+            if model == "ce":
+                enc = tok([QUERY] * 2, [long_doc, DOCS[0]], truncation="longest_first", max_length=limit,
+                          padding=True, return_tensors="pt")  # fmt: skip
+                ref = hf(**enc).logits[:, 0].sigmoid().tolist()
+            else:
+                vectors = [hf(**tok(t, truncation=True, max_length=limit, return_tensors="pt")).last_hidden_state[0].mean(0)
+                           for t in (QUERY, long_doc, DOCS[0])]  # fmt: skip
+                ref = [
+                    torch.nn.functional.cosine_similarity(vectors[0], v, dim=0).item() for v in vectors[1:]
+                ]
+        assert {r["index"]: r["relevance_score"] for r in got["results"]} == pytest.approx(
+            dict(enumerate(ref)), abs=1e-5
+        )
+    for bad in (0, -5):
+        r = client.post(
+            "/v1/score", json={"model": model, "text_1": "w1", "text_2": "w2", "truncate_prompt_tokens": bad}
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
 def test_a_cross_encoder_refuses_embeddings_and_chat_with_the_route_to_use(client):
     r = client.post("/v1/embeddings", json={"model": "ce", "input": "w1"})
     assert r.status_code == 400 and "/v1/rerank" in r.json()["error"]["message"]

@@ -285,3 +285,52 @@ def test_roberta_cross_encoders_match_transformers_and_sentence_transformers(tmp
         torch.testing.assert_close(
             torch.tensor([o.score for o in outs]), torch.tensor(st), rtol=1e-5, atol=1e-5
         )
+
+
+def test_truncation_cuts_the_longer_text_first_as_transformers_does(cross_encoder):
+    """`truncate_prompt_tokens`: a pair keeps at most that many tokens, the longer text losing a
+    token at a time (transformers' `longest_first`, what sentence-transformers' CrossEncoder
+    does); -1 is the context (a pair longer than the 64 positions is cut to them); 0 and -2 are
+    ValueErrors naming the field."""
+    folder, hf = cross_encoder
+    llm = LLM(str(folder), show_progress=False, device="cpu")
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    long_doc = " ".join(f"w{10 + i % 90}" for i in range(100))
+    pairs = [(QUERY, long_doc), (" ".join(["w7"] * 30), " ".join(["w8"] * 20)), (QUERY, "w1")]
+    for k in (12, 40):
+        outs = llm.score(
+            [a for a, _ in pairs], [b for _, b in pairs], use_tqdm=False, truncate_prompt_tokens=k
+        )
+        enc = tok([a for a, _ in pairs], [b for _, b in pairs], truncation="longest_first", max_length=k,
+                  padding=True, return_tensors="pt")  # fmt: skip
+        for out, row, mask in zip(outs, enc["input_ids"], enc["attention_mask"], strict=True):
+            assert out.prompt_token_ids == row[mask.bool()].tolist()
+        with torch.no_grad():
+            ref = hf(**enc).logits[:, 0].sigmoid()
+        torch.testing.assert_close(torch.tensor([o.score for o in outs]), ref, rtol=1e-5, atol=1e-5)
+    (whole,) = llm.score(QUERY, long_doc, use_tqdm=False, truncate_prompt_tokens=-1)
+    assert whole.num_prompt_tokens == CONFIG["max_position_embeddings"]
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens must be -1"):
+            llm.score(QUERY, "w1", use_tqdm=False, truncate_prompt_tokens=bad)
+
+
+def test_an_embedding_models_texts_are_truncated_as_sentence_transformers_does(tmp_path):
+    torch.manual_seed(6)
+    hf = transformers.BertModel(transformers.BertConfig(**CONFIG)).eval()
+    hf.save_pretrained(tmp_path)
+    write_tokenizer(tmp_path)
+    llm = LLM(str(tmp_path), show_progress=False, device="cpu", pooling="mean")
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    a, b = " ".join(f"w{i}" for i in range(10, 60)), "w3 w4"
+    (out,) = llm.score(a, b, use_tqdm=False, truncate_prompt_tokens=16)
+
+    def vector(text: str) -> torch.Tensor:
+        with torch.no_grad():
+            enc = tok(text, truncation=True, max_length=16, return_tensors="pt")
+            return hf(**enc).last_hidden_state[0].mean(0)
+
+    assert out.score == pytest.approx(
+        torch.nn.functional.cosine_similarity(vector(a), vector(b), dim=0).item(), abs=1e-5
+    )
+    assert out.num_prompt_tokens == 16 + len(tok(b)["input_ids"])

@@ -219,18 +219,21 @@ class LLM:
         text_1: str | Sequence[str],
         text_2: str | Sequence[str],
         use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
     ) -> list[ScoreOutput]:
         """Scores of text pairs (vLLM's `LLM.score`): one `text_1` against each `text_2`, or the
         two lists side by side. A cross-encoder (reranker) scores each pair as one input; any
         other model gives the cosine similarity of the two texts' embeddings
-        (engine/scoring.py)."""
+        (engine/scoring.py). `truncate_prompt_tokens` (vLLM's): inputs keep at most this many
+        tokens (-1: the context; a pair loses tokens from its longer text first); None: an input
+        over the context is a ValueError."""
         pairs = pair_texts(text_1, text_2)
         engine = self.engine
         if engine.is_cross_encoder:
             inputs = []
             for i, (a, b) in enumerate(pairs):
                 try:
-                    inputs.append(engine.process_score_inputs(a, b))
+                    inputs.append(engine.process_score_inputs(a, b, truncate_prompt_tokens))
                 except ValueError as e:
                     raise ParameterError(f"pair {i}: {e}", param=getattr(e, "param", None)) from None
             outs = self._pooled(inputs, "Scoring", use_tqdm)
@@ -240,7 +243,8 @@ class LLM:
         inputs = []
         for t in texts:
             try:
-                inputs.append(engine.process_embedding_inputs(t, pooling))
+                x = t if truncate_prompt_tokens is None else engine.truncated_ids(t, truncate_prompt_tokens)
+                inputs.append(engine.process_embedding_inputs(x, pooling))
             except ValueError as e:
                 raise ParameterError(f"text {t[:40]!r}: {e}", param=getattr(e, "param", None)) from None
         by_text = dict(zip(texts, self._pooled(inputs, "Scoring", use_tqdm), strict=True))

@@ -367,10 +367,13 @@ class LLMEngine:
             "text pairs; send them to /v1/score or /v1/rerank (LLM.score), not /v1/embeddings"
         )
 
-    def process_score_inputs(self, text_1: str, text_2: str) -> ProcessedPrompt:
+    def process_score_inputs(self, text_1: str, text_2: str, truncate: int | None = None) -> ProcessedPrompt:
         """A cross-encoder's input: the pair encoded as its tokenizer encodes pairs (BERT's
         `[CLS] text_1 [SEP] text_2 [SEP]`, token type 1 from `text_2` on); raises ValueError,
-        changes nothing. Safe to call from another thread than `step()`'s."""
+        changes nothing. `truncate`: at most this many tokens (-1: the context), the longer text
+        cut a token at a time (HF's `longest_first`, as sentence-transformers' CrossEncoder
+        truncates); None: a pair over the context is an error. Safe to call from another thread
+        than `step()`'s."""
         if not self.is_cross_encoder:
             raise ParameterError(
                 f"model {self.loaded.source.name!r} is not a cross-encoder: score its texts' embeddings instead",
@@ -378,7 +381,23 @@ class LLMEngine:
             )
         if self.scheduler_config.is_static:
             raise ParameterError("scores need continuous batching", param="model")
-        encoding = self.tokenizer.backend.encode(text_1, text_2, add_special_tokens=True)
+        backend = self.tokenizer.backend
+        if truncate is None:
+            encoding = backend.encode(text_1, text_2, add_special_tokens=True)
+        else:
+            limit = self.truncation_limit(truncate)
+            first, second = (backend.encode(t, add_special_tokens=False) for t in (text_1, text_2))
+            budget = limit - backend.num_special_tokens_to_add(True)
+            if budget < 2:
+                raise ParameterError(
+                    f"truncate_prompt_tokens {truncate} leaves no room for a pair", "truncate_prompt_tokens"
+                )
+            n1, n2 = len(first.ids), len(second.ids)
+            while n1 + n2 > budget:  # longest_first: a token off the longer text (the second on a tie)
+                n1, n2 = (n1 - 1, n2) if n1 > n2 else (n1, n2 - 1)
+            first.truncate(n1)
+            second.truncate(n2)
+            encoding = backend.post_process(first, second, add_special_tokens=True)
         ids, types = list(encoding.ids), list(encoding.type_ids)
         second = next((i for i, t in enumerate(types) if t == 1), None)
         if second is None and getattr(self.loaded.model, "uses_token_types", True):
@@ -389,6 +408,26 @@ class LLMEngine:
             )
         pooling = dataclasses.replace(self.default_pooling, second_segment=second)
         return self._pooled_prompt(None, ids, pooling)
+
+    def truncation_limit(self, truncate: int) -> int:
+        """The most tokens an input keeps under `truncate_prompt_tokens` (vLLM's: k >= 1, or -1
+        for the model's context); ValueError otherwise."""
+        if isinstance(truncate, bool) or not isinstance(truncate, int) or truncate == 0 or truncate < -1:
+            raise ParameterError(
+                f"truncate_prompt_tokens must be -1 (the context) or >= 1; got {truncate!r}",
+                "truncate_prompt_tokens",
+            )
+        return self.max_model_len if truncate == -1 else min(truncate, self.max_model_len)
+
+    def truncated_ids(self, text: str, truncate: int) -> list[int]:
+        """`text`'s tokens, its first ones kept under `truncate_prompt_tokens`; an encoder's
+        closing [SEP] (or </s>) stays last, as sentence-transformers truncates."""
+        limit = self.truncation_limit(truncate)
+        ids = self.tokenizer.encode(text)
+        kept = ids[:limit]
+        if len(ids) > limit and self.tokenizer.wraps_cls_sep:
+            kept[-1] = ids[-1]
+        return kept
 
     def _pooled_prompt(self, text: str | None, ids: list[int], pooling: PoolingParams) -> ProcessedPrompt:
         if not ids:

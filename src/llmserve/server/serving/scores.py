@@ -10,8 +10,9 @@ llama-server, Jina and Cohere share (`POST /v1/rerank`, also at `/rerank` and `/
 Both run on the engine's pooling path (engine/scoring.py): a cross-encoder (reranker) reads each
 pair as one input and its head gives the score; any other model embeds each distinct text once
 and a pair scores the cosine similarity of its two embeddings. Every input of an API request is
-queued at once, or none (429); a text too long for the context is a 400 naming it. usage counts
-the tokens the model read.
+queued at once, or none (429); a text too long for the context is a 400 naming it, unless
+`truncate_prompt_tokens` (vLLM's; -1: the context) cuts it (a pair loses tokens from its longer
+text first, as sentence-transformers truncates). usage counts the tokens the model read.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ class ScoreRequest(_Request):
     model: StrictStr | None = None
     text_1: StrictStr | list[StrictStr]
     text_2: StrictStr | list[StrictStr]
+    truncate_prompt_tokens: StrictInt | None = None
+    """vLLM's: inputs keep at most this many tokens (-1: the context); none: too long is a 400."""
     user: StrictStr | None = None
 
 
@@ -56,15 +59,25 @@ class RerankRequest(_Request):
     top_n: StrictInt | None = None
     """How many results to return, most relevant first; 0 or none: all."""
     return_documents: StrictBool = True
+    truncate_prompt_tokens: StrictInt | None = None
     user: StrictStr | None = None
 
 
 async def score_pairs(
-    ctx: ServingContext, raw: Request, pairs: list[tuple[str, str]], names: tuple[str, str]
+    ctx: ServingContext,
+    raw: Request,
+    pairs: list[tuple[str, str]],
+    names: tuple[str, str],
+    truncate: int | None,
 ) -> tuple[list[float], int]:
     """Each pair's score, in order, and the prompt tokens read; `names`: the request's fields for
-    a pair's first and second text, which an error names."""
+    a pair's first and second text, which an error names; `truncate`: truncate_prompt_tokens."""
     engine = ctx.engine.engine
+    if truncate is not None:
+        try:
+            engine.truncation_limit(truncate)
+        except ValueError as e:
+            raise APIError(400, str(e), param="truncate_prompt_tokens") from None
     if len(pairs) > ctx.config.max_prompts:
         raise APIError(
             400, f"{len(pairs)} pairs to score; at most {ctx.config.max_prompts} are allowed", param=names[1]
@@ -75,11 +88,11 @@ async def score_pairs(
             out = []
             for i, (a, b) in enumerate(pairs):
                 try:
-                    out.append(engine.process_score_inputs(a, b))
+                    out.append(engine.process_score_inputs(a, b, truncate))
                 except ValueError as e:
-                    raise APIError(
-                        400, f"pair {i} ({names[0]}, {names[1]}[{i}]): {e}", param=names[1]
-                    ) from None
+                    own = getattr(e, "param", None)
+                    param = own if own == "truncate_prompt_tokens" else names[1]
+                    raise APIError(400, f"pair {i} ({names[0]}, {names[1]}[{i}]): {e}", param=param) from None
             return out
 
         processed = await asyncio.to_thread(process_pairs)
@@ -92,7 +105,8 @@ async def score_pairs(
         out = []
         for t in texts:
             try:
-                out.append(engine.process_embedding_inputs(t, pooling))
+                x = t if truncate is None else engine.truncated_ids(t, truncate)
+                out.append(engine.process_embedding_inputs(x, pooling))
             except ValueError as e:
                 field = names[0] if any(a == t for a, _ in pairs) else names[1]
                 raise APIError(400, f"{field}: text {t[:40]!r}: {e}", param=field) from None
@@ -109,7 +123,7 @@ async def create_score(ctx: ServingContext, req: ScoreRequest, raw: Request) -> 
         pairs = pair_texts(req.text_1, req.text_2)
     except ValueError as e:
         raise APIError(400, str(e), param=getattr(e, "param", None)) from None
-    scores, num_tokens = await score_pairs(ctx, raw, pairs, ("text_1", "text_2"))
+    scores, num_tokens = await score_pairs(ctx, raw, pairs, ("text_1", "text_2"), req.truncate_prompt_tokens)
     return JSONResponse({
         "id": f"score-{uuid.uuid4().hex}",
         "object": "list",
@@ -127,7 +141,10 @@ async def create_rerank(ctx: ServingContext, req: RerankRequest, raw: Request) -
     if req.top_n is not None and req.top_n < 0:
         raise APIError(400, f"top_n must be >= 0 (0: all documents); got {req.top_n}", param="top_n")
     docs = [d if isinstance(d, str) else d.text for d in req.documents]
-    scores, num_tokens = await score_pairs(ctx, raw, [(req.query, d) for d in docs], ("query", "documents"))
+    pairs = [(req.query, d) for d in docs]
+    scores, num_tokens = await score_pairs(
+        ctx, raw, pairs, ("query", "documents"), req.truncate_prompt_tokens
+    )
     order = sorted(range(len(docs)), key=lambda i: -scores[i])  # stable: ties keep the documents' order
     if req.top_n:
         order = order[: req.top_n]
