@@ -168,6 +168,36 @@ def test_streamed_in_any_two_pieces_equals_whole(text, cut) -> None:
     assert _streamed(list(text), cut) == want
 
 
+@pytest.mark.parametrize(
+    "text", [CALL, MODEL_CALL, PREAMBLE, MODEL_CALL + MODEL_CALL.replace("Paris", "Oslo")]
+)
+def test_calls_stream_as_deltas_that_join_to_the_parsed_calls(text) -> None:
+    """Fed a character at a time: each call opens (id, name) when its header is read, its body
+    goes out while it is written, and the deltas join to the parsed calls' arguments; a call cut
+    after it opened is unfinished (the stream then ends as cut)."""
+    _, _, calls = parse_harmony(text)
+    splitter, steps = HarmonySplitter(), []
+    for ch in text:
+        splitter.feed(ch)
+        steps.append(splitter.call_deltas())
+    _, _, found = splitter.finish()
+    steps.append(splitter.final_call_deltas(found))
+    joined: dict[int, list[str]] = {}
+    for d in (d for step in steps for d in step):
+        entry = joined.setdefault(d.index, [d.name, ""])
+        assert (d.id is not None) == (entry[1] == "" and d.arguments == "")  # opened once, empty
+        entry[1] += d.arguments
+    assert [tuple(v) for _, v in sorted(joined.items())] == [(c.name, c.arguments) for c in calls]
+    assert not splitter.streamed_unfinished
+    assert sum(1 for step in steps[:-1] for d in step if d.arguments) > 5  # the body streamed
+    cut = HarmonySplitter()
+    cut.feed(MODEL_CALL[: MODEL_CALL.index('"Paris"') + 3])
+    deltas = cut.call_deltas()
+    assert deltas[0].name == "get_weather" and "".join(d.arguments for d in deltas) == '{"city": "Pa'
+    _, _, found = cut.finish(cut=True)
+    assert found == [] and cut.final_call_deltas(found) == [] and cut.streamed_unfinished
+
+
 def test_reasoning_streams_before_the_reply_ends() -> None:
     splitter = HarmonySplitter()
     assert splitter.feed("<|channel|>analysis<|mess") == ("", "")

@@ -37,7 +37,7 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING, Any, Protocol
 
 from llmserve.server.serving.reasoning import ReasoningStreamSplitter
-from llmserve.server.serving.tool_stream import CallDelta
+from llmserve.server.serving.tool_stream import CallDelta, StreamedCalls
 from llmserve.server.serving.tools import (
     _COMPACT,
     ToolCall,
@@ -45,7 +45,6 @@ from llmserve.server.serving.tools import (
     ToolStreamSplitter,
     _lark_literal,
     partial_suffix,
-    whole_call_deltas,
 )
 
 if TYPE_CHECKING:
@@ -88,9 +87,11 @@ def _kind(header: str, calls: bool) -> tuple[str, str]:
 
 
 class HarmonySplitter:
-    """Routes a harmony reply's text, as it streams, to reasoning and content; calls are held back
-    and given whole by `finish` (the text of the whole reply fed at once splits the same way as
-    fed in any pieces: `parse_harmony` is this class fed once)."""
+    """Routes a harmony reply's text, as it streams, to reasoning and content; calls are given
+    whole by `finish`, and as deltas while they are written (`call_deltas`: a call opens once
+    its header is read, then its body goes out as it comes, without the whitespace around it that
+    the parsed call strips). The text of the whole reply fed at once splits the same way as fed
+    in any pieces: `parse_harmony` is this class fed once."""
 
     def __init__(self, calls: bool = True) -> None:
         self.calls_on = calls
@@ -101,14 +102,18 @@ class HarmonySplitter:
         self._wrote = {"reasoning": False, "content": False}
         self._sep = False  # a newline owed before this body's first text (an earlier message of its kind)
         self._seen_marker = False
+        self._streamed = StreamedCalls()
+        self._args_sent = 0  # characters of the open call's stripped body sent
 
     def call_deltas(self) -> list[CallDelta]:
-        return []  # harmony's calls go out whole at the end
+        return self._streamed.take()
 
     def final_call_deltas(self, calls: list[ToolCall]) -> list[CallDelta]:
-        return whole_call_deltas(calls)
+        return self._streamed.finish(calls)
 
-    streamed_unfinished = False
+    @property
+    def streamed_unfinished(self) -> bool:
+        return self._streamed.unmatched > 0
 
     def feed(self, text: str) -> tuple[str, str]:
         """(reasoning, content) safe to send now."""
@@ -159,10 +164,16 @@ class HarmonySplitter:
         self._kind, self._name = _kind(header, self.calls_on)
         self._args, self._state = "", "body"
         self._sep = self._kind != "call" and self._wrote[self._kind]
+        if self._kind == "call":
+            self._streamed.open(self._name)
+            self._args_sent = 0
 
     def _write(self, out: dict[str, str], text: str) -> None:
         if self._kind == "call":
             self._args += text
+            body = self._args.strip()  # what the parsed call holds; trailing space waits for more
+            self._streamed.add(body[self._args_sent :])
+            self._args_sent = len(body)
             return
         if not text:
             return

@@ -6,6 +6,7 @@ waiting for the whole reply.
     hermes       <tool_call>{"name": "f", "arguments": {...}}</tool_call> ...
     llama3_json  [<|python_tag|>]{"name": "f", "parameters": {...}}; {...}
     mistral      [TOOL_CALLS][{"name": "f", "arguments": {...}}, {...}]
+    (gpt-oss's harmony calls stream from `HarmonySplitter`, through `StreamedCalls` below)
 
 `CallStreamer` reads the text a `ToolStreamSplitter` holds back once calls may have started. It
 finds each call object where the format puts one (`seek`), and once the object's head reads
@@ -215,6 +216,58 @@ class _Streamed:
     sent: str  # the arguments sent so far
 
 
+class StreamedCalls:
+    """The calls a stream has opened and what it sent of each: the deltas to send next, and at
+    the end the ones that complete the parsed calls (shared by `CallStreamer` and harmony's)."""
+
+    def __init__(self) -> None:
+        self._streamed: list[_Streamed] = []
+        self._pending: list[CallDelta] = []
+        self.unmatched = 0
+        """After `finish`: streamed calls that no parsed call completes (cut by max_tokens, or a
+        reply that did not parse after all)."""
+
+    def open(self, name: str) -> None:
+        """A call opens (its index, a new id and its name go out)."""
+        call = _Streamed(len(self._streamed), name, "")
+        self._streamed.append(call)
+        self._pending.append(CallDelta(call.index, "", new_call_id(), name))
+
+    def add(self, text: str) -> None:
+        """More of the open call's arguments."""
+        if text:
+            self._streamed[-1].sent += text
+            self._pending.append(CallDelta(self._streamed[-1].index, text))
+
+    def take(self) -> list[CallDelta]:
+        """The deltas found since the last call."""
+        pending, self._pending = self._pending, []
+        return pending
+
+    def finish(self, calls: list[Any]) -> list[CallDelta]:
+        """The deltas that complete the stream, given the reply's parsed calls (`ToolCall`s):
+        the rest of each streamed call's arguments, then each call never streamed, whole."""
+        out = self.take()
+        next_index = len(self._streamed)
+        j = 0
+        self.unmatched = len(self._streamed)
+        for call in calls:
+            match = next(
+                (k for k in range(j, len(self._streamed))
+                 if self._streamed[k].name == call.name and call.arguments.startswith(self._streamed[k].sent)),
+                None,
+            )  # fmt: skip
+            if match is None:
+                out.append(CallDelta(next_index, call.arguments, new_call_id(), call.name))
+                next_index += 1
+                continue
+            streamed, j = self._streamed[match], match + 1
+            self.unmatched -= 1
+            if len(call.arguments) > len(streamed.sent):
+                out.append(CallDelta(streamed.index, call.arguments[len(streamed.sent) :]))
+        return out
+
+
 class CallStreamer:
     """The calls of one streamed reply as deltas, as its held-back text grows (module docstring)."""
 
@@ -226,11 +279,7 @@ class CallStreamer:
         self._object_start = 0
         self._args: CanonicalJson | None = None
         self._end: _ObjectEnd | None = None
-        self._streamed: list[_Streamed] = []
-        self._pending: list[CallDelta] = []
-        self.unmatched = 0
-        """After `finish`: streamed calls that no parsed call completes (cut by max_tokens, or a
-        reply that did not parse after all)."""
+        self.calls = StreamedCalls()
 
     def scan(self, held: str) -> None:
         """Read what `held` (the text held back since calls may have started; it only grows)
@@ -252,16 +301,14 @@ class CallStreamer:
                 if not self._read_head(held):
                     return
             elif state == "args":
-                assert self._args is not None and self._streamed
+                assert self._args is not None
                 try:
                     text, used = self._args.feed(held[self._pos :])
                 except ValueError:  # not JSON after all: the end's parse decides what it was
                     self._state = "stopped"
                     return
                 self._advance(held, used)
-                if text:
-                    self._streamed[-1].sent += text
-                    self._pending.append(CallDelta(self._streamed[-1].index, text))
+                self.calls.add(text)
                 if not self._args.done:
                     return
                 self._state = "object"
@@ -287,9 +334,7 @@ class CallStreamer:
         if head[m.end()] != "{" or name is None:  # arguments as a JSON string: whole at the end
             self._state = "stopped"
             return False
-        call = _Streamed(len(self._streamed), name, "")
-        self._streamed.append(call)
-        self._pending.append(CallDelta(call.index, "", new_call_id(), name))
+        self.calls.open(name)
         self._args = CanonicalJson()
         self._advance(held, self._object_start + m.end() - self._pos)
         self._state = "args"
@@ -328,31 +373,3 @@ class CallStreamer:
         assert self._end is not None
         self._end.feed(held[self._pos : self._pos + n])
         self._pos += n
-
-    def take(self) -> list[CallDelta]:
-        """The deltas found since the last call."""
-        pending, self._pending = self._pending, []
-        return pending
-
-    def finish(self, calls: list[Any]) -> list[CallDelta]:
-        """The deltas that complete the stream, given the reply's parsed calls (`ToolCall`s):
-        the rest of each streamed call's arguments, then each call never streamed, whole."""
-        out = self.take()
-        next_index = len(self._streamed)
-        j = 0
-        self.unmatched = len(self._streamed)
-        for call in calls:
-            match = next(
-                (k for k in range(j, len(self._streamed))
-                 if self._streamed[k].name == call.name and call.arguments.startswith(self._streamed[k].sent)),
-                None,
-            )  # fmt: skip
-            if match is None:
-                out.append(CallDelta(next_index, call.arguments, new_call_id(), call.name))
-                next_index += 1
-                continue
-            streamed, j = self._streamed[match], match + 1
-            self.unmatched -= 1
-            if len(call.arguments) > len(streamed.sent):
-                out.append(CallDelta(streamed.index, call.arguments[len(streamed.sent) :]))
-        return out

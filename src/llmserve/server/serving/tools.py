@@ -519,20 +519,20 @@ class ToolStreamSplitter:
 
     def call_deltas(self) -> list[CallDelta]:
         """The calls' deltas written since the last call (their openings, argument pieces)."""
-        return self._streamer.take() if self._streamer is not None else []
+        return self._streamer.calls.take() if self._streamer is not None else []
 
     def final_call_deltas(self, calls: list[ToolCall]) -> list[CallDelta]:
         """The deltas that complete the calls once the reply is parsed (`finish`'s calls): what
         was not streamed of them (tool_stream.py)."""
         if self._streamer is None:
             return whole_call_deltas(calls)
-        return self._streamer.finish(calls)
+        return self._streamer.calls.finish(calls)
 
     @property
     def streamed_unfinished(self) -> bool:
         """After `final_call_deltas`: a call went out in part and the reply does not complete it
         (max_tokens cut it); the stream then ends with `length`, never `tool_calls`."""
-        return self._streamer is not None and self._streamer.unmatched > 0
+        return self._streamer is not None and self._streamer.calls.unmatched > 0
 
     def finish(self, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
         """Content still held back and the calls found in it. `cut`: max_tokens ended the reply
