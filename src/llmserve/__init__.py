@@ -11,7 +11,13 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from llmserve.engine.llm import LLM
-    from llmserve.outputs import CompletionOutput, EmbeddingOutput, RequestOutput, ScoreOutput
+    from llmserve.outputs import (
+        ClassificationOutput,
+        CompletionOutput,
+        EmbeddingOutput,
+        RequestOutput,
+        ScoreOutput,
+    )
     from llmserve.pooling_params import PoolingParams
     from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -23,10 +29,12 @@ _LAZY = {
     "CompletionOutput": "llmserve.outputs",
     "EmbeddingOutput": "llmserve.outputs",
     "ScoreOutput": "llmserve.outputs",
+    "ClassificationOutput": "llmserve.outputs",
     "PoolingParams": "llmserve.pooling_params",
 }
 __all__ = [
     "LLM",
+    "ClassificationOutput",
     "CompletionOutput",
     "EmbeddingOutput",
     "PoolingParams",

@@ -81,3 +81,18 @@ class ScoreOutput:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+
+@dataclass(slots=True)
+class ClassificationOutput:
+    """One text's classification (`LLM.classify`): each label's probability (softmax over the
+    labels; a sigmoid each for a multi-label model, or a one-label model's score) and the most
+    likely label."""
+
+    probs: list[float]
+    label: str
+    prompt_token_ids: list[int]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)

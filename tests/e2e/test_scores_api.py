@@ -39,7 +39,12 @@ def folders(tmp_path_factory) -> dict[str, tuple[Path, torch.nn.Module]]:
     ]))  # fmt: skip
     (emb / "1_Pooling").mkdir()
     (emb / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
-    return {"ce": (ce, ce_model), "emb": (emb, emb_model)}
+    cls = tmp_path_factory.mktemp("classifier")
+    labels = {0: "negative", 1: "neutral", 2: "positive"}
+    cls_model = save_cross_encoder(
+        cls, seed=9, num_labels=3, id2label=labels, label2id={v: k for k, v in labels.items()}
+    )
+    return {"ce": (ce, ce_model), "emb": (emb, emb_model), "cls": (cls, cls_model)}
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +55,7 @@ def client(folders) -> Iterator:
     from llmserve.config.models import ModelSpec
     from llmserve.server.app import build_app
 
-    specs = [ModelSpec("ce", str(folders["ce"][0])), ModelSpec("emb", str(folders["emb"][0]))]
+    specs = [ModelSpec(name, str(folders[name][0])) for name in ("ce", "emb", "cls")]
     with TestClient(build_app(specs, ServerConfig())) as c:
         yield c
 
@@ -192,6 +197,39 @@ def test_truncate_prompt_tokens_cuts_what_the_context_cannot_hold(client, folder
             "/v1/score", json={"model": model, "text_1": "w1", "text_2": "w2", "truncate_prompt_tokens": bad}
         )
         assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+@pytest.mark.parametrize("path", ["/classify", "/v1/classify"])
+def test_classify_gives_each_inputs_label_probabilities(client, folders, path):
+    """vLLM's /classify on a three-label classifier: softmax probabilities as transformers gives
+    them, the label id2label names for the largest, texts and token ids alike; usage counts the
+    tokens; a model that is no classifier, and a bad input, are 400s."""
+    folder, hf = folders["cls"]
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    texts = ["w3 w17 w5", "w60 w61 w62"]
+    body = client.post(path, json={"model": "cls", "input": [*texts, texts[0]]}).json()
+    assert body["object"] == "list" and body["id"].startswith("classify-") and body["model"] == "cls"
+    with torch.no_grad():
+        ref = hf(**tok(texts, return_tensors="pt", padding=True)).logits.softmax(-1).tolist()
+    ref.append(ref[0])
+    assert [d["index"] for d in body["data"]] == [0, 1, 2] and all(
+        d["num_classes"] == 3 for d in body["data"]
+    )
+    for d, r in zip(body["data"], ref, strict=True):
+        assert d["probs"] == pytest.approx(r, abs=1e-5)
+        assert d["label"] == ["negative", "neutral", "positive"][max(range(3), key=r.__getitem__)]
+    n = 2 * len(tok(texts[0])["input_ids"]) + len(tok(texts[1])["input_ids"])
+    assert body["usage"] == {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0}
+    single = client.post(path, json={"model": "cls", "input": texts[1]}).json()
+    assert single["data"][0]["probs"] == pytest.approx(ref[1], abs=1e-5)
+    ids = client.post(path, json={"model": "cls", "input": [tok(texts[0])["input_ids"]]}).json()
+    assert ids["data"][0]["probs"] == pytest.approx(ref[0], abs=1e-5)
+    for bad, param in (({"model": "emb", "input": "w1"}, "model"), ({"model": "cls", "input": []}, "input"),
+                       ({"model": "cls", "input": [[10**6]]}, "input")):  # fmt: skip
+        r = client.post(path, json=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = client.post("/v1/score", json={"model": "cls", "text_1": "w1", "text_2": "w2"})
+    assert r.status_code == 400 and "/classify" in r.json()["error"]["message"]
 
 
 def test_a_cross_encoder_refuses_embeddings_and_chat_with_the_route_to_use(client):

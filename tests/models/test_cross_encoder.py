@@ -120,10 +120,54 @@ def test_identity_activation_from_the_config_gives_the_logit(tmp_path):
         LLM(str(tmp_path), show_progress=False, device="cpu")
 
 
-def test_a_classifier_of_several_labels_is_refused(tmp_path):
-    save_cross_encoder(tmp_path, num_labels=3)
-    with pytest.raises(ValueError, match="num_labels=3"):
-        LLM(str(tmp_path), show_progress=False, device="cpu")
+LABELS = {0: "negative", 1: "neutral", 2: "positive"}
+
+
+@pytest.mark.parametrize("multi_label", [False, True], ids=["softmax", "multi-label"])
+def test_a_classifier_of_several_labels_matches_transformers(tmp_path, multi_label):
+    """`LLM.classify` on a three-label BERT classifier: softmax over the labels (a sigmoid each for
+    `multi_label_classification`, as transformers' pipeline reads it), the label the config's
+    id2label names for the largest; a classifier of several labels scores no pairs and gives no
+    embeddings, and a one-label one classifies too."""
+    extra = {"problem_type": "multi_label_classification"} if multi_label else {}
+    hf = save_cross_encoder(tmp_path, seed=7, num_labels=3, id2label=LABELS,
+                            label2id={v: k for k, v in LABELS.items()}, **extra)  # fmt: skip
+    llm = LLM(str(tmp_path), show_progress=False, device="cpu")
+    texts = ["w3 w17 w5", "w60 w61", "w1 " * 20]
+    outs = llm.classify(texts, use_tqdm=False)
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    with torch.no_grad():
+        logits = hf(**tok(texts, return_tensors="pt", padding=True)).logits
+    ref = logits.sigmoid() if multi_label else logits.softmax(-1)
+    torch.testing.assert_close(torch.tensor([o.probs for o in outs]), ref, rtol=1e-5, atol=1e-5)
+    assert [o.label for o in outs] == [LABELS[int(i)] for i in ref.argmax(-1)]
+    assert outs[0].prompt_token_ids == tok(texts[0])["input_ids"]
+    pipe = transformers.pipeline("text-classification", model=str(tmp_path), device="cpu", top_k=None)
+    for out, text in zip(outs, texts, strict=True):
+        by_label = {r["label"]: r["score"] for r in pipe([text])[0]}
+        assert by_label == pytest.approx(dict(zip(LABELS.values(), out.probs, strict=True)), abs=1e-5)
+    with pytest.raises(ValueError, match="classifier of 3 labels"):
+        llm.score("w1", "w2", use_tqdm=False)
+    with pytest.raises(ValueError, match="classifier of 3 labels.*/classify"):
+        llm.embed("w1", use_tqdm=False)
+
+
+def test_a_cross_encoder_classifies_single_texts_too(cross_encoder):
+    folder, hf = cross_encoder
+    llm = LLM(str(folder), show_progress=False, device="cpu")
+    (out,) = llm.classify("w3 w17", use_tqdm=False)
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    with torch.no_grad():
+        ref = hf(**tok("w3 w17", return_tensors="pt")).logits[0, 0].sigmoid().item()
+    assert out.probs == pytest.approx([ref], abs=1e-6) and out.label == "LABEL_0"
+
+
+def test_an_embedding_model_has_nothing_to_classify(tmp_path):
+    torch.manual_seed(8)
+    transformers.BertModel(transformers.BertConfig(**CONFIG)).save_pretrained(tmp_path)
+    write_tokenizer(tmp_path)
+    with pytest.raises(ValueError, match="not a sequence classifier"):
+        LLM(str(tmp_path), show_progress=False, device="cpu").classify("w1", use_tqdm=False)
 
 
 def test_a_cross_encoder_refuses_embeddings_and_generation(cross_encoder):

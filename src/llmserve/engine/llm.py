@@ -26,7 +26,7 @@ from llmserve.engine.scoring import cosine, pair_texts
 from llmserve.errors import ParameterError
 from llmserve.lora import LoRARequest
 from llmserve.multimodal.qwen_vl_video import videos_of
-from llmserve.outputs import EmbeddingOutput, RequestOutput, ScoreOutput
+from llmserve.outputs import ClassificationOutput, EmbeddingOutput, RequestOutput, ScoreOutput
 from llmserve.pooling_params import PoolingParams
 from llmserve.sampling_params import SamplingParams
 
@@ -229,7 +229,7 @@ class LLM:
         over the context is a ValueError."""
         pairs = pair_texts(text_1, text_2)
         engine = self.engine
-        if engine.is_cross_encoder:
+        if engine.is_classifier:
             inputs = []
             for i, (a, b) in enumerate(pairs):
                 try:
@@ -252,6 +252,30 @@ class LLM:
             ScoreOutput(cosine(by_text[a].embedding, by_text[b].embedding),
                         by_text[a].prompt_token_ids + by_text[b].prompt_token_ids)
             for a, b in pairs
+        ]  # fmt: skip
+
+    def classify(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ClassificationOutput]:
+        """Each prompt's label probabilities and most likely label (vLLM's `LLM.classify`), from a
+        sequence classifier (`...ForSequenceClassification`); prompts take the forms `generate`
+        takes, `truncate_prompt_tokens` as in `score`."""
+        if _is_single_prompt(prompts):
+            prompts = [prompts]  # type: ignore[list-item]
+        engine, inputs = self.engine, []
+        for i, p in enumerate(prompts):  # type: ignore[arg-type]
+            try:
+                inputs.append(engine.process_classify_inputs(_text_or_ids(p, i), truncate_prompt_tokens))
+            except ValueError as e:
+                raise ParameterError(f"prompt {i}: {e}", param=getattr(e, "param", None)) from None
+        labels = engine.classifier_labels
+        return [
+            ClassificationOutput(o.embedding, labels[max(range(len(o.embedding)), key=o.embedding.__getitem__)],
+                                 o.prompt_token_ids)
+            for o in self._pooled(inputs, "Classifying", use_tqdm)
         ]  # fmt: skip
 
     def _pooled(self, inputs: list[ProcessedPrompt], desc: str, use_tqdm: bool) -> list[EmbeddingOutput]:

@@ -136,10 +136,14 @@ class LLMEngine:
 
         self.is_encoder = getattr(self.loaded.model, "is_encoder", False)
         """An encoder-only model (BERT): embeddings only, each sequence run whole, no KV cache."""
-        self.is_cross_encoder = hasattr(self.loaded.model, "score_head")
-        """A cross-encoder (reranker): it scores text pairs (`process_score_inputs`), and its
-        pooled output is that score, not an embedding."""
-        if self.is_cross_encoder:
+        self.is_classifier = hasattr(self.loaded.model, "score_head")
+        """A sequence classifier (models/bert.py `CrossEncoder`): its pooled output is its head's
+        scores or label probabilities, not an embedding (`process_classify_inputs`)."""
+        self.classifier_labels: list[str] = list(getattr(self.loaded.model, "labels", []))
+        self.is_cross_encoder = self.is_classifier and len(self.classifier_labels) == 1
+        """A one-label classifier: a cross-encoder (reranker) that scores text pairs
+        (`process_score_inputs`)."""
+        if self.is_classifier:
             if model_config.pooling not in ("auto", "cls"):
                 raise ValueError(
                     f"{type(self.loaded.model).__name__} scores from its [CLS] token: pooling must be "
@@ -336,11 +340,8 @@ class LLMEngine:
 
     def embedding_only_message(self, api: str = "text generation") -> str:
         """Why an encoder model refuses a generation request (vLLM: "does not support ... API")."""
-        if self.is_cross_encoder:
-            return (
-                f"model {self.loaded.source.name!r} ({type(self.loaded.model).__name__}) is a cross-encoder: it does "
-                f"not support {api}; send text pairs to /v1/score or /v1/rerank (LLM.score)"
-            )
+        if self.is_classifier:
+            return f"model {self.loaded.source.name!r} ({type(self.loaded.model).__name__}) {self._classifier_routes(api)}"
         return (
             f"model {self.loaded.source.name!r} ({type(self.loaded.model).__name__}) is an embedding model: it does "
             f"not support {api}; send its inputs to /v1/embeddings (LLM.embed)"
@@ -355,17 +356,43 @@ class LLMEngine:
             raise ParameterError(
                 "embeddings need the native model implementation and continuous batching", param="input"
             )
-        if self.is_cross_encoder:
-            raise ParameterError(self.scores_only_message(), param="model")
+        if self.is_classifier:
+            raise ParameterError(self.embedding_only_message("embeddings"), param="model")
         text, ids = self.encode_prompt(prompt)
         return self._pooled_prompt(text, ids, pooling or self.default_pooling)
 
-    def scores_only_message(self) -> str:
-        """Why a cross-encoder refuses embedding requests."""
+    def _classifier_routes(self, api: str) -> str:
+        if self.is_cross_encoder:
+            return (
+                f"is a cross-encoder: it does not support {api}; send text pairs to /v1/score or /v1/rerank "
+                "(LLM.score), or texts to /classify (LLM.classify)"
+            )
         return (
-            f"model {self.loaded.source.name!r} ({type(self.loaded.model).__name__}) is a cross-encoder: it scores "
-            "text pairs; send them to /v1/score or /v1/rerank (LLM.score), not /v1/embeddings"
+            f"is a classifier of {len(self.classifier_labels)} labels: it does not support {api}; send texts to "
+            "/classify (LLM.classify)"
         )
+
+    def process_classify_inputs(
+        self, prompt: str | Sequence[int], truncate: int | None = None
+    ) -> ProcessedPrompt:
+        """A classifier's input: one text (or its token ids), wrapped as the tokenizer wraps a
+        text (`[CLS] text [SEP]`); `truncate` as in `process_score_inputs`. Raises ValueError,
+        changes nothing. Safe to call from another thread than `step()`'s."""
+        if not self.is_classifier:
+            raise ParameterError(
+                f"model {self.loaded.source.name!r} ({type(self.loaded.model).__name__}) is not a sequence "
+                "classifier: it has no labels to classify into",
+                param="model",
+            )
+        if self.scheduler_config.is_static:
+            raise ParameterError("classification needs continuous batching", param="model")
+        if truncate is not None and isinstance(prompt, str):
+            text, ids = prompt, self.truncated_ids(prompt, truncate)
+        else:
+            text, ids = self.encode_prompt(prompt)
+            if truncate is not None:
+                ids = ids[: self.truncation_limit(truncate)]
+        return self._pooled_prompt(text, ids, self.default_pooling)
 
     def process_score_inputs(self, text_1: str, text_2: str, truncate: int | None = None) -> ProcessedPrompt:
         """A cross-encoder's input: the pair encoded as its tokenizer encodes pairs (BERT's
@@ -375,10 +402,12 @@ class LLMEngine:
         truncates); None: a pair over the context is an error. Safe to call from another thread
         than `step()`'s."""
         if not self.is_cross_encoder:
-            raise ParameterError(
-                f"model {self.loaded.source.name!r} is not a cross-encoder: score its texts' embeddings instead",
-                param="model",
+            why = (
+                f"a classifier of {len(self.classifier_labels)} labels (send texts to /classify)"
+                if self.is_classifier
+                else "not a cross-encoder: score its texts' embeddings instead"
             )
+            raise ParameterError(f"model {self.loaded.source.name!r} is {why}", param="model")
         if self.scheduler_config.is_static:
             raise ParameterError("scores need continuous batching", param="model")
         backend = self.tokenizer.backend

@@ -1,6 +1,6 @@
 """BERT and RoBERTa encoders (HF `BertModel`, `RobertaModel`, `XLMRobertaModel` and their
-one-label `...ForSequenceClassification`): served for embeddings and, as cross-encoders
-(rerankers), for scores of text pairs.
+`...ForSequenceClassification`): served for embeddings, as cross-encoders (rerankers: one label)
+for scores of text pairs, and as classifiers of texts.
 
     x = LayerNorm(word(ids) + position(positions) + token_type(segment))
     for each layer (post-LayerNorm):
@@ -23,9 +23,9 @@ or `roberta.`) scores from its first token's state:
     BERT      score = activation(classifier(tanh(pooler.dense(hidden[CLS]))))
     RoBERTa   score = activation(classifier.out_proj(tanh(classifier.dense(hidden[<s>]))))
 
-with sentence-transformers' `CrossEncoder` activation: the config's
+with, for one label, sentence-transformers' `CrossEncoder` activation: the config's
 `sentence_transformers.activation_fn` (Sigmoid or Identity), else Sigmoid, as CrossEncoder
-defaults to for one label.
+defaults to; for several, softmax over the labels (a sigmoid each for `multi_label_classification`).
 """
 
 from __future__ import annotations
@@ -227,9 +227,13 @@ def cross_encoder_activation(config: Any) -> Callable[[torch.Tensor], torch.Tens
 
 
 class CrossEncoder(BertModel):
-    """A one-label sequence classifier over the encoder: a cross-encoder (reranker) that scores a
-    text pair from its first token's state (`score_head`). Its pooling is that token's ([CLS],
-    <s>), never normalised (the engine's default for a model with a `score_head`)."""
+    """A sequence classifier over the encoder, from its first token's state ([CLS], <s>):
+    `score_head` gives its output per input. With one label it is a cross-encoder (reranker)
+    that scores text pairs; with several, a classifier of texts (`/classify`): softmax over the
+    labels, or a sigmoid per label when the config's `problem_type` is
+    `multi_label_classification` (as transformers' text-classification pipeline reads them). Its
+    pooling is the first token's, never normalised (the engine's default for a model with a
+    `score_head`)."""
 
     checkpoint_prefix: ClassVar[str] = ""
     """What the checkpoint puts before the encoder's names (`bert.`, `roberta.`)."""
@@ -237,23 +241,30 @@ class CrossEncoder(BertModel):
 
     def __init__(self, config: Any, backend: AttentionBackend | None = None) -> None:
         num_labels = getattr(config, "num_labels", None)
-        if num_labels != 1:
-            raise ValueError(
-                f"{type(self).__name__} with num_labels={num_labels} is not supported: only one-label "
-                "cross-encoders (rerankers), which score text pairs"
-            )
+        if not isinstance(num_labels, int) or num_labels < 1:
+            raise ValueError(f"{type(self).__name__}: num_labels must be >= 1; got {num_labels!r}")
         super().__init__(config, backend)
-        self.activation = cross_encoder_activation(config)
+        self.num_labels = num_labels
+        id2label = getattr(config, "id2label", None) or {}
+        self.labels = [str(id2label.get(i, id2label.get(str(i), f"LABEL_{i}"))) for i in range(num_labels)]
+        """Each output's label (the config's `id2label`)."""
+        if num_labels == 1:
+            self.activation = cross_encoder_activation(config)
+        elif getattr(config, "problem_type", None) == "multi_label_classification":
+            self.activation = torch.sigmoid
+        else:
+            self.activation = lambda x: torch.softmax(x, dim=-1)
 
     def map_weight_name(self, name: str) -> str | None:
         return name.removeprefix(self.checkpoint_prefix)
 
     def classify(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, H] first-token states -> [B, 1] logits."""
+        """[B, H] first-token states -> [B, num_labels] logits."""
         raise NotImplementedError
 
     def score_head(self, cls_rows: torch.Tensor) -> torch.Tensor:
-        """[B, H] first-token states (pooled in float32) -> [B, 1] scores (float32)."""
+        """[B, H] first-token states (pooled in float32) -> [B, num_labels] scores or
+        probabilities (float32)."""
         dtype = next(self.parameters()).dtype
         return self.activation(self.classify(cls_rows.to(dtype)).float())
 
@@ -270,14 +281,14 @@ class DenseTanh(nn.Module):
 
 
 class BertForSequenceClassification(CrossEncoder):
-    """HF `BertForSequenceClassification` (one label): `classifier(pooler(x))`."""
+    """HF `BertForSequenceClassification`: `classifier(pooler(x))`."""
 
     checkpoint_prefix = "bert."
 
     def __init__(self, config: Any, backend: AttentionBackend | None = None) -> None:
         super().__init__(config, backend)
         self.pooler = DenseTanh(config.hidden_size)
-        self.classifier = Linear(config.hidden_size, 1, bias=True)
+        self.classifier = Linear(config.hidden_size, self.num_labels, bias=True)
 
     def classify(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.pooler(x))
@@ -286,25 +297,25 @@ class BertForSequenceClassification(CrossEncoder):
 class RobertaClassificationHead(nn.Module):
     """HF's RobertaClassificationHead: `out_proj(tanh(dense(x)))`."""
 
-    def __init__(self, hidden_size: int) -> None:
+    def __init__(self, hidden_size: int, num_labels: int) -> None:
         super().__init__()
         self.dense = Linear(hidden_size, hidden_size, bias=True)
-        self.out_proj = Linear(hidden_size, 1, bias=True)
+        self.out_proj = Linear(hidden_size, num_labels, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out_proj(torch.tanh(self.dense(x)))
 
 
 class RobertaForSequenceClassification(CrossEncoder):
-    """HF `RobertaForSequenceClassification` and `XLMRobertaForSequenceClassification` (one
-    label; e.g. the BGE rerankers): RoBERTa's encoder, then its classification head on <s>."""
+    """HF `RobertaForSequenceClassification` and `XLMRobertaForSequenceClassification` (with one
+    label, e.g. the BGE rerankers): RoBERTa's encoder, then its classification head on <s>."""
 
     checkpoint_prefix = "roberta."
     roberta_positions = True
 
     def __init__(self, config: Any, backend: AttentionBackend | None = None) -> None:
         super().__init__(config, backend)
-        self.classifier = RobertaClassificationHead(config.hidden_size)
+        self.classifier = RobertaClassificationHead(config.hidden_size, self.num_labels)
 
     def classify(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(x)

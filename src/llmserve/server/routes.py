@@ -1,7 +1,7 @@
 """The HTTP routes, thin: each hands its parsed request to the serving layer (server/serving/).
 
     openai     /v1/models, /v1/models/{model}, /v1/completions, /v1/chat/completions, /v1/embeddings,
-               /v1/score and /v1/rerank (vLLM's; also /score, /rerank, /v2/rerank),
+               /v1/score and /v1/rerank (vLLM's; also /score, /rerank, /v2/rerank), /classify (vLLM's; also /v1/classify),
                /v1/load_lora_adapter, /v1/unload_lora_adapter (vLLM's, with --allow-runtime-lora-updating)
     tokenizer  /tokenize, /detokenize, /tokenizer_info                    (vLLM's extras)
     ops        /health, /livez, /version, /stats, and /metrics when enabled
@@ -57,7 +57,14 @@ from llmserve.server.serving.embeddings import (
 from llmserve.server.serving.ollama import OllamaServing, ollama_error
 from llmserve.server.serving.ollama_models import OllamaModels
 from llmserve.server.serving.responses import ResponsesServing
-from llmserve.server.serving.scores import RerankRequest, ScoreRequest, create_rerank, create_score
+from llmserve.server.serving.scores import (
+    ClassifyRequest,
+    RerankRequest,
+    ScoreRequest,
+    create_classification,
+    create_rerank,
+    create_score,
+)
 from llmserve.server.state import ServerState, server_state
 
 State = Annotated[ServerState, Depends(server_state)]
@@ -166,6 +173,16 @@ async def rerank(req: RerankRequest, raw: Request, models: Models) -> Any:
         req.model,
         remote=lambda remote: remote.proxy(raw, "/rerank"),
         native=lambda ctx: create_rerank(ctx, req, raw),
+    )
+
+
+@openai.post("/classify")
+@openai.post("/v1/classify")
+async def classify(req: ClassifyRequest, raw: Request, models: Models) -> Any:
+    return await models.serve(
+        req.model,
+        remote=lambda remote: remote.proxy(raw, "/classify"),
+        native=lambda ctx: create_classification(ctx, req, raw),
     )
 
 

@@ -1,5 +1,6 @@
 """Scores of text pairs over HTTP: vLLM's `POST /v1/score` and the rerank API that vLLM,
-llama-server, Jina and Cohere share (`POST /v1/rerank`, also at `/rerank` and `/v2/rerank`).
+llama-server, Jina and Cohere share (`POST /v1/rerank`, also at `/rerank` and `/v2/rerank`); and
+vLLM's `POST /classify` (also `/v1/classify`), a sequence classifier's labels for texts.
 
     score    text_1: a string or strings, text_2: a string or strings; one text_1 meets every
              text_2, or the two lists pair side by side -> data[i].score per pair, in order
@@ -30,7 +31,7 @@ from starlette.requests import Request
 from llmserve.engine.llm_engine import ProcessedPrompt
 from llmserve.engine.scoring import cosine, pair_texts
 from llmserve.server.errors import APIError
-from llmserve.server.protocol import _Request
+from llmserve.server.protocol import TokenIds, _Request
 from llmserve.server.serving.context import ServingContext
 from llmserve.server.serving.embeddings import run_pooled
 
@@ -43,6 +44,15 @@ class ScoreRequest(_Request):
     text_2: StrictStr | list[StrictStr]
     truncate_prompt_tokens: StrictInt | None = None
     """vLLM's: inputs keep at most this many tokens (-1: the context); none: too long is a 400."""
+    user: StrictStr | None = None
+
+
+class ClassifyRequest(_Request):
+    """`POST /classify` (vLLM's): one input or several, as text or token ids."""
+
+    model: StrictStr | None = None
+    input: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
+    truncate_prompt_tokens: StrictInt | None = None
     user: StrictStr | None = None
 
 
@@ -82,7 +92,7 @@ async def score_pairs(
         raise APIError(
             400, f"{len(pairs)} pairs to score; at most {ctx.config.max_prompts} are allowed", param=names[1]
         )
-    if engine.is_cross_encoder:
+    if engine.is_classifier:
 
         def process_pairs() -> list[ProcessedPrompt]:
             out = []
@@ -159,4 +169,40 @@ async def create_rerank(ctx: ServingContext, req: RerankRequest, raw: Request) -
         "model": ctx.model_name,
         "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
         "results": results,
+    })  # fmt: skip
+
+
+async def create_classification(ctx: ServingContext, req: ClassifyRequest, raw: Request) -> JSONResponse:
+    """`POST /classify` on a native model: each input's label probabilities and its label."""
+    engine = ctx.engine.engine
+    x = req.input
+    inputs = [x] if isinstance(x, str) or (x and all(isinstance(t, int) for t in x)) else list(x)
+    if not inputs:
+        raise APIError(400, "input must not be empty", param="input")
+    if len(inputs) > ctx.config.max_prompts:
+        raise APIError(
+            400, f"input has {len(inputs)} entries; at most {ctx.config.max_prompts} are allowed", "input"
+        )
+
+    def process() -> list[ProcessedPrompt]:
+        out = []
+        for i, item in enumerate(inputs):
+            try:
+                out.append(engine.process_classify_inputs(item, req.truncate_prompt_tokens))  # type: ignore[arg-type]
+            except ValueError as e:
+                own = getattr(e, "param", None)
+                where = f"input[{i}]" if len(inputs) > 1 else "input"
+                param = own if own in ("model", "truncate_prompt_tokens") else "input"
+                raise APIError(400, f"{where}: {e}", param=param) from None
+        return out
+
+    processed = await asyncio.to_thread(process)
+    vectors = await run_pooled(ctx, raw, processed, "classify")
+    labels = engine.classifier_labels
+    num_tokens = sum(len(p.token_ids) for p in processed)
+    data = [{"index": i, "label": labels[max(range(len(v)), key=v.__getitem__)], "probs": v, "num_classes": len(v)}
+            for i, v in enumerate(vectors)]  # fmt: skip
+    return JSONResponse({
+        "id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": ctx.model_name,
+        "data": data, "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0},
     })  # fmt: skip
