@@ -131,6 +131,7 @@ class LLMEngine:
             model_config.pooling,
             model_config.normalize_embeddings,
             source.path if source.kind == "hf" else None,
+            getattr(self.loaded.hf_config, "gguf_pooling", None),
         )
         """Embedding requests' pooling when they name none (config/model.py `pooling`)."""
 

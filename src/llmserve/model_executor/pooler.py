@@ -112,11 +112,14 @@ def model_pooling(folder: Path | None) -> tuple[PoolingType, bool] | None:
     return mode, normalize
 
 
-def default_pooling_params(pooling: str, normalize: bool | None, folder: Path | None) -> PoolingParams:
+def default_pooling_params(
+    pooling: str, normalize: bool | None, folder: Path | None, gguf_pooling: str | None = None
+) -> PoolingParams:
     """The engine's pooling for embedding requests (`ModelConfig.pooling` and
-    `normalize_embeddings`): the user's choice, else the model's sentence-transformers config,
-    else last-token pooling, normalised (vLLM's defaults for a decoder LM run as an embedder)."""
-    own = model_pooling(folder)
+    `normalize_embeddings`): the user's choice, else the model's sentence-transformers config (or
+    a GGUF file's `pooling_type`, normalised as llama-server's embeddings are), else last-token
+    pooling, normalised (vLLM's defaults for a decoder LM run as an embedder)."""
+    own = model_pooling(folder) or ((gguf_pooling, True) if gguf_pooling in ("last", "mean", "cls") else None)
     if pooling == "auto":
         pooling = own[0] if own is not None else "last"
     if normalize is None:

@@ -2,7 +2,7 @@
 
 Owns: turning llama.cpp's `tokenizer.ggml.*` keys into a `tokenizers.Tokenizer` that splits text
 the way llama.cpp does for that file, plus the special-token facts (BOS, end-of-generation ids).
-Two vocabulary kinds, chosen by `tokenizer.ggml.model` in `_BUILDERS`:
+Three vocabulary kinds, chosen by `tokenizer.ggml.model` in `_BUILDERS`:
 
   gpt2   byte-level BPE (SmolLM2, Llama 3, Qwen2): vocab + merges as stored; the regexes that cut
          text into words before BPE come from `BPE_PRE_TOKENIZERS`, keyed by `tokenizer.ggml.pre`.
@@ -10,6 +10,8 @@ Two vocabulary kinds, chosen by `tokenizer.ggml.model` in `_BUILDERS`:
          llama.cpp merges the adjacent pair whose joined text is the highest-scoring token, so we
          derive one merge per (left, right) split of every token, ranked by that token's score;
          spaces become "▁", characters outside the vocabulary fall back to `<0xNN>` byte tokens.
+  bert   BERT's WordPiece (all-MiniLM, BGE, mxbai-embed-large): the converter's "phantom space"
+         spelling undone, BERT's normalizer and pre-tokenizer, `[CLS] text [SEP]` (`_wordpiece`).
 
 Does not know: weights, or what the model does with the ids.
 """
@@ -22,7 +24,7 @@ from enum import IntEnum
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
 from llmserve.tokenizer.gguf_metadata import read_gguf_metadata
@@ -235,10 +237,48 @@ def _sentencepiece_bpe(vocab: GGUFVocab) -> tuple[BackendTokenizer, bool]:
     return backend, True  # llama.cpp adds BOS to sentencepiece vocabularies unless told otherwise
 
 
+def _wordpiece(vocab: GGUFVocab) -> tuple[BackendTokenizer, bool]:
+    """BERT's WordPiece (llama.cpp's `bert` vocabulary). llama.cpp's converter stores it with a
+    "phantom space": a word-start piece gains a leading "▁", a continuation loses its "##"
+    (control tokens stay as they are); undone here, the HF tokenizer's vocabulary comes back.
+    Text is lower-cased (and accents stripped) unless the file says otherwise
+    (`tokenizer.ggml.normalizer.lowercase`; llama.cpp lower-cases every WordPiece vocabulary), cut
+    at spaces and punctuation as BERT's pre-tokenizer cuts it, and wrapped as `[CLS] text [SEP]`
+    (a pair as `[CLS] a [SEP] b [SEP]`, b's token type 1)."""
+    pieces: dict[str, int] = {}
+    for i, (token, ttype) in enumerate(zip(vocab.tokens, vocab.token_types, strict=True)):
+        if ttype == TokenType.CONTROL:
+            piece = token
+        elif token.startswith(_SPIECE_SPACE):
+            piece = token[1:]
+        else:
+            piece = "##" + token
+        pieces.setdefault(piece, i)
+    unk_id = vocab.token_id("unknown_token_id")
+    unk = vocab.tokens[unk_id] if unk_id is not None else "[UNK]"
+    backend = BackendTokenizer(models.WordPiece(pieces, unk_token=unk, continuing_subword_prefix="##"))
+    lowercase = bool(vocab.meta.get("tokenizer.ggml.normalizer.lowercase", True))
+    backend.normalizer = normalizers.BertNormalizer(lowercase=lowercase)
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.decoder = decoders.WordPiece(prefix="##")
+    cls_id = vocab.token_id("cls_token_id") or vocab.token_id("bos_token_id")
+    sep_id = vocab.token_id("seperator_token_id") or vocab.token_id("eos_token_id")  # llama.cpp's spelling
+    if cls_id is None or sep_id is None:
+        raise ValueError(f"GGUF file {vocab.path}: a bert vocabulary without its [CLS] and [SEP] ids")
+    cls, sep = vocab.tokens[cls_id], vocab.tokens[sep_id]
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{cls} $A {sep}",
+        pair=f"{cls} $A {sep} $B:1 {sep}:1",
+        special_tokens=[(cls, cls_id), (sep, sep_id)],
+    )
+    return backend, False
+
+
 # tokenizer.ggml.model -> builder returning (backend, default for add_bos_token)
 _BUILDERS: dict[str, Callable[[GGUFVocab], tuple[BackendTokenizer, bool]]] = {
     "gpt2": _byte_level_bpe,
     "llama": _sentencepiece_bpe,
+    "bert": _wordpiece,
 }
 
 
@@ -283,13 +323,15 @@ def load_gguf_tokenizer(path: Path, name: str) -> Tokenizer:
         )
     backend, default_add_bos = builder(vocab)
     _add_special_tokens(backend, vocab)
+    wraps_cls_sep = vocab.model == "bert"  # [CLS] ... [SEP] by the post-processor, not a BOS rule
     return Tokenizer(
         backend,
         name=name,
-        bos_token_id=vocab.token_id("bos_token_id"),
+        bos_token_id=None if wraps_cls_sep else vocab.token_id("bos_token_id"),
         eos_token_id=vocab.token_id("eos_token_id"),
         pad_token_id=vocab.token_id("padding_token_id"),
         add_bos_token=bool(vocab.meta.get("tokenizer.ggml.add_bos_token", default_add_bos)),
         chat_template=vocab.meta.get("tokenizer.chat_template"),
         extra_eos_token_ids=_end_of_generation_ids(vocab),
+        wraps_cls_sep=wraps_cls_sep,
     )

@@ -253,6 +253,35 @@ def gpt2_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
     )
 
 
+# llama.cpp's `pooling_type` values that mean a pooling llmserve has (0: none, 4: rank)
+_GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}
+
+
+def bert_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
+    """A BERT encoder (llama.cpp's `bert`: all-MiniLM, BGE, mxbai-embed-large as Ollama ships
+    them). `gguf_pooling` carries the file's `pooling_type` to the engine's default pooling."""
+    if ckpt.has_tensor("cls.weight") or ckpt.has_tensor("cls.output.weight"):
+        raise ModelLoadError(
+            f"{ckpt.parts[0]}: a BERT classifier or reranker (its `cls` head) in GGUF is not supported; "
+            "serve its HF folder"
+        )
+    config = transformers.BertConfig(
+        architectures=[ckpt.hf_architecture],
+        vocab_size=ckpt.vocab_size(),
+        pad_token_id=ckpt.field("tokenizer.ggml.padding_token_id", 0),
+        hidden_size=ckpt.require("embedding_length"),
+        num_hidden_layers=ckpt.require("block_count"),
+        num_attention_heads=ckpt.require("attention.head_count"),
+        intermediate_size=ckpt.require("feed_forward_length"),
+        max_position_embeddings=ckpt.require("context_length"),
+        type_vocab_size=int(ckpt.field("tokenizer.ggml.token_type_count", 2)),
+        layer_norm_eps=ckpt.require("attention.layer_norm_epsilon"),
+        hidden_act="gelu",
+    )
+    config.gguf_pooling = _GGUF_POOLING.get(ckpt.arch_field("pooling_type"))
+    return config
+
+
 def clip_vision_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
     """A vision projector file (llama.cpp's mmproj, `clip.vision.*` keys) -> its vision tower's
     config, by `clip.projector_type` (gguf_clip.PROJECTORS); the projector's own sizes (pooling,

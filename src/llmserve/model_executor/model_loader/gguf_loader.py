@@ -7,6 +7,7 @@ converter changed so each tensor equals the HF original:
     llama   attn_q / attn_k rows permuted for ggml's interleaved RoPE  -> un-permute
     gemma3  every RMSNorm weight stored as (w + 1)                     -> subtract 1
     gpt2    Conv1D weights stored transposed ([out, in])               -> transpose back to [in, out]
+    bert    (an encoder: all-MiniLM, BGE, mxbai-embed-large) nothing changed; the pooler dropped
     clip    (Qwen2-VL's, Qwen2.5-VL's projectors) one HF tensor written as several:
             the fused qkv as attn_q, attn_k, attn_v                    -> concatenated again
             the Conv3d patch kernel [C, 3, T, P, P] as T 2-D kernels   -> stacked on axis 2
@@ -191,6 +192,22 @@ _GPT2_NAMES = {
 }
 
 
+_BERT_NAMES = {
+    "token_embd": "embeddings.word_embeddings",
+    "position_embd": "embeddings.position_embeddings",
+    "token_types": "embeddings.token_type_embeddings",
+    "token_embd_norm": "embeddings.LayerNorm",
+    "blk.{bid}.attn_q": "encoder.layer.{bid}.attention.self.query",
+    "blk.{bid}.attn_k": "encoder.layer.{bid}.attention.self.key",
+    "blk.{bid}.attn_v": "encoder.layer.{bid}.attention.self.value",
+    "blk.{bid}.attn_output": "encoder.layer.{bid}.attention.output.dense",
+    "blk.{bid}.attn_output_norm": "encoder.layer.{bid}.attention.output.LayerNorm",
+    "blk.{bid}.ffn_up": "encoder.layer.{bid}.intermediate.dense",
+    "blk.{bid}.ffn_down": "encoder.layer.{bid}.output.dense",
+    "blk.{bid}.layer_output_norm": "encoder.layer.{bid}.output.LayerNorm",
+}
+
+
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Invert llama.cpp's `permute`: within each head, rows (x0, x1, ..., y0, y1, ...) became
     (x0, y0, x1, y1, ...) so that ggml's RoPE rotates adjacent pairs. Works for weights and biases."""
@@ -256,6 +273,7 @@ _ARCHS: dict[str, _ArchSpec] = {
     "gemma3": _ArchSpec("Gemma3ForCausalLM", _GEMMA3_NAMES, _GEMMA3_FIXES, gguf_config.gemma3_config),
     "gpt2": _ArchSpec("GPT2LMHeadModel", _GPT2_NAMES, _GPT2_FIXES, gguf_config.gpt2_config),
     "gpt-oss": _ArchSpec("GptOssForCausalLM", _GPT_OSS_NAMES, {}, gguf_config.gpt_oss_config),
+    "bert": _ArchSpec("BertModel", _BERT_NAMES, {}, gguf_config.bert_config),
 }
 
 
