@@ -235,6 +235,7 @@ def test_classify_gives_each_inputs_label_probabilities(client, folders, path):
 def test_a_cross_encoder_refuses_embeddings_and_chat_with_the_route_to_use(client):
     r = client.post("/v1/embeddings", json={"model": "ce", "input": "w1"})
     assert r.status_code == 400 and "/v1/rerank" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "model"
     r = client.post("/v1/completions", json={"model": "ce", "prompt": "w1", "max_tokens": 2})
     assert r.status_code == 400 and "cross-encoder" in r.json()["error"]["message"]
 

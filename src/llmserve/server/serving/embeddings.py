@@ -62,6 +62,8 @@ async def embed(
 ) -> tuple[list[ProcessedPrompt], list[list[float]]]:
     """Every input's embedding, in order (400 naming the input that cannot be embedded)."""
     cfg, engine = ctx.config, ctx.engine.engine
+    if engine.is_classifier:  # a cross-encoder or classifier: its pooled output is no embedding
+        raise APIError(400, engine.embedding_only_message("embeddings"), param="model")
     if len(inputs) > cfg.max_prompts:
         raise APIError(
             400, f"input has {len(inputs)} entries; at most {cfg.max_prompts} are allowed", param="input"
