@@ -60,6 +60,19 @@ def test_log_line_every_interval_while_busy_and_once_when_idle(caplog: pytest.Lo
     assert len(caplog.records) == 2
 
 
+def test_a_busy_period_of_one_step_is_measured_from_its_start(caplog: pytest.LogCaptureFixture) -> None:
+    """An embedding request pooled in the step that started the busy period: its rate is over
+    that step's time, not over no time at all (it read 4e9 tok/s before)."""
+    clock = Clock()
+    stat_logger = LoggingStatLogger(interval=5.0, clock=clock)
+    caplog.set_level(logging.INFO, logger="llmserve")
+    stats = step(0, 0, prompt=4)
+    stats.step_seconds = 0.25
+    stat_logger.record(stats)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.endswith("prompt 16.0 tok/s, generation 0.0 tok/s")
+
+
 def sample(logger: PrometheusStatLogger, name: str, **labels: str) -> float:
     body, _ = logger.exposition()
     for family in text_string_to_metric_families(body.decode()):

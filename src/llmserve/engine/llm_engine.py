@@ -619,6 +619,7 @@ class LLMEngine:
             )
         stats = self._stats
         stats.timestamp = time.monotonic()
+        stats.step_seconds = time.perf_counter() - step_started
         outputs, stopped = self.output_processor.process_outputs(core_outputs, stats)
         if stopped:  # stop strings found by the detokenizer end those requests in the scheduler too
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)

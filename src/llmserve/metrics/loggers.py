@@ -42,8 +42,8 @@ class LoggingStatLogger:
 
     def record(self, stats: IterationStats) -> None:
         now = self._clock()
-        if self._idle:  # measure a busy period from its start, not from the last line before it
-            self._last_log, self._idle = now, False
+        if self._idle:  # measure a busy period from its first step's start, not from the last line
+            self._last_log, self._idle = now - stats.step_seconds, False
         self._prompt_tokens += stats.num_prompt_tokens
         self._generation_tokens += stats.num_generation_tokens
         self._active |= bool(stats.num_prompt_tokens or stats.num_generation_tokens or stats.finished)

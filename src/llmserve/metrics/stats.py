@@ -136,6 +136,8 @@ class IterationStats:
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
+    step_seconds: float = 0.0
+    """How long the step took, scheduling to outputs (0: no step, or not measured)."""
 
     @property
     def is_empty(self) -> bool:
