@@ -154,7 +154,8 @@ async def _engine_pieces(ctx: ServingContext, streams: list[RequestStream], prom
             scheduled = (m.first_scheduled_time or m.arrival_time) if m else first
             yield Piece(end=End(
                 c.finish_reason, len(prompt_ids), len(tokens), max(0.0, first - scheduled), max(0.0, now - first),
-                prompt_ids + tokens if context else None, c.stop_reason, splitter.streamed_unfinished,
+                prompt_ids + tokens if context else None, c.stop_reason,
+                splitter.streamed_unfinished and c.finish_reason == "length",
             ))  # fmt: skip
 
 
