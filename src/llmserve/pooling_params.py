@@ -33,7 +33,7 @@ class PoolingParams:
     second_segment: int | None = None
     """Where a text pair's second text starts in the prompt (a cross-encoder's `[CLS] a [SEP] b
     [SEP]`: BERT token type 1 from there on); None: the prompt is one segment. Set by the engine's
-    score inputs (`LLMEngine.process_score_inputs`), as vLLM carries token types in its pooling
+    score inputs (`engine/scoring.py pair_input`), as vLLM carries token types in its pooling
     parameters."""
 
     def __post_init__(self) -> None:

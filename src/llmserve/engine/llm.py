@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from llmserve.config.engine_args import EngineArgs
 from llmserve.engine.llm_engine import LLMEngine, ProcessedPrompt
-from llmserve.engine.scoring import cosine, pair_texts
+from llmserve.engine.scoring import classify_input, pair_texts, plan_scores
 from llmserve.errors import ParameterError
 from llmserve.lora import LoRARequest
 from llmserve.multimodal.qwen_vl_video import videos_of
@@ -227,32 +227,10 @@ class LLM:
         (engine/scoring.py). `truncate_prompt_tokens` (vLLM's): inputs keep at most this many
         tokens (-1: the context; a pair loses tokens from its longer text first); None: an input
         over the context is a ValueError."""
-        pairs = pair_texts(text_1, text_2)
-        engine = self.engine
-        if engine.is_classifier:
-            inputs = []
-            for i, (a, b) in enumerate(pairs):
-                try:
-                    inputs.append(engine.process_score_inputs(a, b, truncate_prompt_tokens))
-                except ValueError as e:
-                    raise ParameterError(f"pair {i}: {e}", param=getattr(e, "param", None)) from None
-            outs = self._pooled(inputs, "Scoring", use_tqdm)
-            return [ScoreOutput(o.embedding[0], o.prompt_token_ids) for o in outs]
-        texts = list(dict.fromkeys(t for pair in pairs for t in pair))  # each text embedded once
-        pooling = dataclasses.replace(engine.default_pooling, normalize=True, dimensions=None)
-        inputs = []
-        for t in texts:
-            try:
-                x = t if truncate_prompt_tokens is None else engine.truncated_ids(t, truncate_prompt_tokens)
-                inputs.append(engine.process_embedding_inputs(x, pooling))
-            except ValueError as e:
-                raise ParameterError(f"text {t[:40]!r}: {e}", param=getattr(e, "param", None)) from None
-        by_text = dict(zip(texts, self._pooled(inputs, "Scoring", use_tqdm), strict=True))
-        return [
-            ScoreOutput(cosine(by_text[a].embedding, by_text[b].embedding),
-                        by_text[a].prompt_token_ids + by_text[b].prompt_token_ids)
-            for a, b in pairs
-        ]  # fmt: skip
+        plan = plan_scores(self.engine, pair_texts(text_1, text_2), truncate_prompt_tokens)
+        outs = self._pooled(plan.inputs, "Scoring", use_tqdm)
+        scores = plan.scores([o.embedding for o in outs])
+        return [ScoreOutput(x, ids) for x, ids in zip(scores, plan.pair_token_ids(), strict=True)]
 
     def classify(
         self,
@@ -268,7 +246,7 @@ class LLM:
         engine, inputs = self.engine, []
         for i, p in enumerate(prompts):  # type: ignore[arg-type]
             try:
-                inputs.append(engine.process_classify_inputs(_text_or_ids(p, i), truncate_prompt_tokens))
+                inputs.append(classify_input(engine, _text_or_ids(p, i), truncate_prompt_tokens))
             except ValueError as e:
                 raise ParameterError(f"prompt {i}: {e}", param=getattr(e, "param", None)) from None
         labels = engine.classifier_labels

@@ -139,11 +139,10 @@ class LLMEngine:
         """An encoder-only model (BERT): embeddings only, each sequence run whole, no KV cache."""
         self.is_classifier = hasattr(self.loaded.model, "score_head")
         """A sequence classifier (models/bert.py `CrossEncoder`): its pooled output is its head's
-        scores or label probabilities, not an embedding (`process_classify_inputs`)."""
+        scores or label probabilities, not an embedding (engine/scoring.py)."""
         self.classifier_labels: list[str] = list(getattr(self.loaded.model, "labels", []))
         self.is_cross_encoder = self.is_classifier and len(self.classifier_labels) == 1
-        """A one-label classifier: a cross-encoder (reranker) that scores text pairs
-        (`process_score_inputs`)."""
+        """A one-label classifier: a cross-encoder (reranker) that scores text pairs."""
         if self.is_classifier:
             if model_config.pooling not in ("auto", "cls"):
                 raise ValueError(
@@ -340,13 +339,20 @@ class LLMEngine:
         return ProcessedPrompt(text, ids, params, max_tokens, mm_inputs=mm_inputs)
 
     def embedding_only_message(self, api: str = "text generation") -> str:
-        """Why an encoder model refuses a generation request (vLLM: "does not support ... API")."""
-        if self.is_classifier:
-            return f"model {self.loaded.source.name!r} ({type(self.loaded.model).__name__}) {self._classifier_routes(api)}"
-        return (
-            f"model {self.loaded.source.name!r} ({type(self.loaded.model).__name__}) is an embedding model: it does "
-            f"not support {api}; send its inputs to /v1/embeddings (LLM.embed)"
-        )
+        """Why an encoder model refuses a request of `api` (vLLM: "does not support ... API"), and
+        the routes it serves: a classifier's (engine/scoring.py), or embeddings."""
+        if self.is_cross_encoder:
+            routes = "text pairs to /v1/score or /v1/rerank (LLM.score), or texts to /classify (LLM.classify)"
+            kind = "a cross-encoder"
+        elif self.is_classifier:
+            routes, kind = (
+                "texts to /classify (LLM.classify)",
+                f"a classifier of {len(self.classifier_labels)} labels",
+            )
+        else:
+            routes, kind = "its inputs to /v1/embeddings (LLM.embed)", "an embedding model"
+        name = f"{self.loaded.source.name!r} ({type(self.loaded.model).__name__})"
+        return f"model {name} is {kind}: it does not support {api}; send {routes}"
 
     def process_embedding_inputs(
         self, prompt: str | Sequence[int], pooling: PoolingParams | None = None
@@ -360,106 +366,10 @@ class LLMEngine:
         if self.is_classifier:
             raise ParameterError(self.embedding_only_message("embeddings"), param="model")
         text, ids = self.encode_prompt(prompt)
-        return self._pooled_prompt(text, ids, pooling or self.default_pooling)
+        return self.pooled_prompt(text, ids, pooling or self.default_pooling)
 
-    def _classifier_routes(self, api: str) -> str:
-        if self.is_cross_encoder:
-            return (
-                f"is a cross-encoder: it does not support {api}; send text pairs to /v1/score or /v1/rerank "
-                "(LLM.score), or texts to /classify (LLM.classify)"
-            )
-        return (
-            f"is a classifier of {len(self.classifier_labels)} labels: it does not support {api}; send texts to "
-            "/classify (LLM.classify)"
-        )
-
-    def process_classify_inputs(
-        self, prompt: str | Sequence[int], truncate: int | None = None
-    ) -> ProcessedPrompt:
-        """A classifier's input: one text (or its token ids), wrapped as the tokenizer wraps a
-        text (`[CLS] text [SEP]`); `truncate` as in `process_score_inputs`. Raises ValueError,
-        changes nothing. Safe to call from another thread than `step()`'s."""
-        if not self.is_classifier:
-            raise ParameterError(
-                f"model {self.loaded.source.name!r} ({type(self.loaded.model).__name__}) is not a sequence "
-                "classifier: it has no labels to classify into",
-                param="model",
-            )
-        if self.scheduler_config.is_static:
-            raise ParameterError("classification needs continuous batching", param="model")
-        if truncate is not None and isinstance(prompt, str):
-            text, ids = prompt, self.truncated_ids(prompt, truncate)
-        else:
-            text, ids = self.encode_prompt(prompt)
-            if truncate is not None:
-                ids = ids[: self.truncation_limit(truncate)]
-        return self._pooled_prompt(text, ids, self.default_pooling)
-
-    def process_score_inputs(self, text_1: str, text_2: str, truncate: int | None = None) -> ProcessedPrompt:
-        """A cross-encoder's input: the pair encoded as its tokenizer encodes pairs (BERT's
-        `[CLS] text_1 [SEP] text_2 [SEP]`, token type 1 from `text_2` on); raises ValueError,
-        changes nothing. `truncate`: at most this many tokens (-1: the context), the longer text
-        cut a token at a time (HF's `longest_first`, as sentence-transformers' CrossEncoder
-        truncates); None: a pair over the context is an error. Safe to call from another thread
-        than `step()`'s."""
-        if not self.is_cross_encoder:
-            why = (
-                f"a classifier of {len(self.classifier_labels)} labels (send texts to /classify)"
-                if self.is_classifier
-                else "not a cross-encoder: score its texts' embeddings instead"
-            )
-            raise ParameterError(f"model {self.loaded.source.name!r} is {why}", param="model")
-        if self.scheduler_config.is_static:
-            raise ParameterError("scores need continuous batching", param="model")
-        backend = self.tokenizer.backend
-        if truncate is None:
-            encoding = backend.encode(text_1, text_2, add_special_tokens=True)
-        else:
-            limit = self.truncation_limit(truncate)
-            first, second = (backend.encode(t, add_special_tokens=False) for t in (text_1, text_2))
-            budget = limit - backend.num_special_tokens_to_add(True)
-            if budget < 2:
-                raise ParameterError(
-                    f"truncate_prompt_tokens {truncate} leaves no room for a pair", "truncate_prompt_tokens"
-                )
-            n1, n2 = len(first.ids), len(second.ids)
-            while n1 + n2 > budget:  # longest_first: a token off the longer text (the second on a tie)
-                n1, n2 = (n1 - 1, n2) if n1 > n2 else (n1, n2 - 1)
-            first.truncate(n1)
-            second.truncate(n2)
-            encoding = backend.post_process(first, second, add_special_tokens=True)
-        ids, types = list(encoding.ids), list(encoding.type_ids)
-        second = next((i for i, t in enumerate(types) if t == 1), None)
-        if second is None and getattr(self.loaded.model, "uses_token_types", True):
-            raise ParameterError(
-                f"model {self.loaded.source.name!r}: its tokenizer does not mark a pair's second text "
-                "(no token type 1), so it cannot encode text pairs",
-                param="model",
-            )
-        pooling = dataclasses.replace(self.default_pooling, second_segment=second)
-        return self._pooled_prompt(None, ids, pooling)
-
-    def truncation_limit(self, truncate: int) -> int:
-        """The most tokens an input keeps under `truncate_prompt_tokens` (vLLM's: k >= 1, or -1
-        for the model's context); ValueError otherwise."""
-        if isinstance(truncate, bool) or not isinstance(truncate, int) or truncate == 0 or truncate < -1:
-            raise ParameterError(
-                f"truncate_prompt_tokens must be -1 (the context) or >= 1; got {truncate!r}",
-                "truncate_prompt_tokens",
-            )
-        return self.max_model_len if truncate == -1 else min(truncate, self.max_model_len)
-
-    def truncated_ids(self, text: str, truncate: int) -> list[int]:
-        """`text`'s tokens, its first ones kept under `truncate_prompt_tokens`; an encoder's
-        closing [SEP] (or </s>) stays last, as sentence-transformers truncates."""
-        limit = self.truncation_limit(truncate)
-        ids = self.tokenizer.encode(text)
-        kept = ids[:limit]
-        if len(ids) > limit and self.tokenizer.wraps_cls_sep:
-            kept[-1] = ids[-1]
-        return kept
-
-    def _pooled_prompt(self, text: str | None, ids: list[int], pooling: PoolingParams) -> ProcessedPrompt:
+    def pooled_prompt(self, text: str | None, ids: list[int], pooling: PoolingParams) -> ProcessedPrompt:
+        """A pooling input (embedding, score, classification) checked against the context."""
         if not ids:
             raise ParameterError("the input is empty after tokenization", param="input")
         if len(ids) > self.max_model_len:

@@ -19,7 +19,6 @@ text first, as sentence-transformers truncates). usage counts the tokens the mod
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 import uuid
 from typing import Any
@@ -29,7 +28,7 @@ from pydantic import StrictBool, StrictInt, StrictStr
 from starlette.requests import Request
 
 from llmserve.engine.llm_engine import ProcessedPrompt
-from llmserve.engine.scoring import cosine, pair_texts
+from llmserve.engine.scoring import classify_input, pair_texts, plan_scores
 from llmserve.server.errors import APIError
 from llmserve.server.protocol import TokenIds, _Request
 from llmserve.server.serving.context import ServingContext
@@ -82,49 +81,16 @@ async def score_pairs(
 ) -> tuple[list[float], int]:
     """Each pair's score, in order, and the prompt tokens read; `names`: the request's fields for
     a pair's first and second text, which an error names; `truncate`: truncate_prompt_tokens."""
-    engine = ctx.engine.engine
-    if truncate is not None:
-        try:
-            engine.truncation_limit(truncate)
-        except ValueError as e:
-            raise APIError(400, str(e), param="truncate_prompt_tokens") from None
     if len(pairs) > ctx.config.max_prompts:
         raise APIError(
             400, f"{len(pairs)} pairs to score; at most {ctx.config.max_prompts} are allowed", param=names[1]
         )
-    if engine.is_classifier:
-
-        def process_pairs() -> list[ProcessedPrompt]:
-            out = []
-            for i, (a, b) in enumerate(pairs):
-                try:
-                    out.append(engine.process_score_inputs(a, b, truncate))
-                except ValueError as e:
-                    own = getattr(e, "param", None)
-                    param = own if own == "truncate_prompt_tokens" else names[1]
-                    raise APIError(400, f"pair {i} ({names[0]}, {names[1]}[{i}]): {e}", param=param) from None
-            return out
-
-        processed = await asyncio.to_thread(process_pairs)
-        vectors = await run_pooled(ctx, raw, processed, "score")
-        return [v[0] for v in vectors], sum(len(p.token_ids) for p in processed)
-    texts = list(dict.fromkeys(t for pair in pairs for t in pair))  # each distinct text embedded once
-    pooling = dataclasses.replace(engine.default_pooling, normalize=True, dimensions=None)
-
-    def process_texts() -> list[ProcessedPrompt]:
-        out = []
-        for t in texts:
-            try:
-                x = t if truncate is None else engine.truncated_ids(t, truncate)
-                out.append(engine.process_embedding_inputs(x, pooling))
-            except ValueError as e:
-                field = names[0] if any(a == t for a, _ in pairs) else names[1]
-                raise APIError(400, f"{field}: text {t[:40]!r}: {e}", param=field) from None
-        return out
-
-    processed = await asyncio.to_thread(process_texts)
-    vectors = dict(zip(texts, await run_pooled(ctx, raw, processed, "score"), strict=True))
-    return [cosine(vectors[a], vectors[b]) for a, b in pairs], sum(len(p.token_ids) for p in processed)
+    try:
+        plan = await asyncio.to_thread(plan_scores, ctx.engine.engine, pairs, truncate, names)
+    except ValueError as e:
+        raise APIError(400, str(e), param=getattr(e, "param", None)) from None
+    vectors = await run_pooled(ctx, raw, plan.inputs, "score")
+    return plan.scores(vectors), plan.num_tokens
 
 
 async def create_score(ctx: ServingContext, req: ScoreRequest, raw: Request) -> JSONResponse:
@@ -188,7 +154,7 @@ async def create_classification(ctx: ServingContext, req: ClassifyRequest, raw: 
         out = []
         for i, item in enumerate(inputs):
             try:
-                out.append(engine.process_classify_inputs(item, req.truncate_prompt_tokens))  # type: ignore[arg-type]
+                out.append(classify_input(engine, item, req.truncate_prompt_tokens))  # type: ignore[arg-type]
             except ValueError as e:
                 own = getattr(e, "param", None)
                 where = f"input[{i}]" if len(inputs) > 1 else "input"
