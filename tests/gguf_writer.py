@@ -5,6 +5,7 @@ HF -> GGUF name map, and the converter's changes are re-done here from llama.cpp
 
     llama   q_proj / k_proj rows permuted per head: (x0..x_{h-1}, y0..y_{h-1}) -> (x0, y0, x1, y1, ...)
     gemma3  every `*norm.weight` stored as (w + 1)
+    phi3    nothing permuted (GPT-NeoX rotation); LongRoPE's factor sets written as tensors
     gpt2    Conv1D weights ([in, out] in HF) stored transposed; the causal-mask buffers dropped
     gpt-oss the stacked [experts, in, out] gate_up split (interleaved columns) into gate and up
             stacks [experts, out, in], down transposed likewise, biases split the same way;
@@ -17,6 +18,7 @@ Also ggml's reference dequantization of one block per type, written from ggml's 
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -142,6 +144,8 @@ def hf_metadata(arch: str, config: Any) -> Callable[[GGUFWriter], None]:
                 w.add_rope_dimension_count(head_dim)
             if arch in ("gemma3", "gpt-oss"):
                 w.add_sliding_window(config.sliding_window)
+            if arch == "phi3":  # llama.cpp's Phi3MiniModel.set_gguf_parameters
+                _phi3_metadata(w, config)
             if arch == "gpt-oss":  # llama.cpp's GptOssModel.set_gguf_parameters
                 w.add_expert_feed_forward_length(config.intermediate_size)
                 w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
@@ -154,6 +158,33 @@ def hf_metadata(arch: str, config: Any) -> Callable[[GGUFWriter], None]:
         w.add_eos_token_id(2)
 
     return write
+
+
+def _phi3_metadata(w: GGUFWriter, config: Any) -> None:
+    """Phi-3's rotary dims (a fraction of the hidden size, per head), original context, a window of
+    0 for none, and LongRoPE's attention factor (its factor sets are tensors: `phi3_rope_tensors`)."""
+    rope = config.rope_parameters
+    rotary = int(rope.get("partial_rotary_factor", 1.0) * config.hidden_size) // config.num_attention_heads
+    w.add_rope_dimension_count(rotary)
+    original = rope.get("original_max_position_embeddings") or config.original_max_position_embeddings
+    w.add_rope_scaling_orig_ctx_len(original)
+    w.add_sliding_window(config.sliding_window or 0)
+    if rope.get("long_factor"):
+        scale = config.max_position_embeddings / original
+        w.add_rope_scaling_attn_factors(
+            math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+        )
+
+
+def phi3_rope_tensors(config: Any) -> dict[str, np.ndarray]:
+    """LongRoPE's factor sets as the converter writes them (none for a model without)."""
+    rope = config.rope_parameters
+    if not rope.get("long_factor"):
+        return {}
+    return {
+        "rope_factors_long.weight": np.asarray(rope["long_factor"], np.float32),
+        "rope_factors_short.weight": np.asarray(rope["short_factor"], np.float32),
+    }
 
 
 def _moe_metadata(w: GGUFWriter, config: Any) -> None:
@@ -277,6 +308,8 @@ def write_hf_model(
 ) -> list[Path]:
     """A tiny HF model as llama.cpp would convert it (F32 storage)."""
     tensors = convert_state_dict(arch, config, state_dict)
+    if arch == "phi3":
+        tensors |= phi3_rope_tensors(config)
     return write_gguf(path, arch, dict(tensors), hf_metadata(arch, config), num_parts)
 
 

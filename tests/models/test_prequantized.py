@@ -1,4 +1,5 @@
-"""Pre-quantized HF checkpoints end to end: tiny Llama and Qwen2 (with biases) models quantized in
+"""Pre-quantized HF checkpoints end to end: tiny Llama, Qwen2 (with biases) and Phi-3 (q, k, v and
+gate, up quantized fused, as its checkpoints store them) models quantized in
 the test with each format's own packing rules (prequant_writer.py: GPTQ sym / asym, v1 / v2, with
 and without act-order; AWQ; FP8 per tensor / per channel), loaded by llmserve with the default
 `quantization auto`, against transformers running the dequantized float model; `none` and `int8`;
@@ -70,6 +71,23 @@ CASES = {
     "gptq-act-sym-qwen2": Case(
         "qwen2", *_gptq(32, True, True, True), EXACT, "gptq (4-bit, group 32, act-order) -> q4"
     ),
+    "gptq-act-sym-phi3": Case(
+        "phi3", *_gptq(128, True, True, True), EXACT, "gptq (4-bit, group 128, act-order) -> q4"
+    ),
+    "awq-phi3": Case(
+        "phi3",
+        {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "gemm"},
+        lambda p, w: pw.awq(w, 64),
+        ROUNDED,
+        "awq (4-bit, group 64, asymmetric) -> q4",
+    ),
+    "fp8-tensor-phi3": Case(
+        "phi3",
+        {"quant_method": "fp8", "activation_scheme": "static"},
+        lambda p, w: pw.fp8(w, per_channel=False, scale_dtype=torch.float32),
+        1e-4,
+        "fp8 (e4m3) -> fp8",
+    ),
     "awq-llama": Case(
         "llama",
         {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
@@ -125,6 +143,11 @@ def _tiny_hf(arch: str, folder: Path) -> transformers.PreTrainedModel:
         config = transformers.LlamaConfig(
             **common, hidden_size=256, intermediate_size=512, tie_word_embeddings=False
         )
+    elif arch == "phi3":  # q, k, v and gate, up quantized as the fused tensors the checkpoint holds
+        config = transformers.Phi3Config(
+            **common, hidden_size=256, intermediate_size=512, tie_word_embeddings=False,
+            bos_token_id=None, eos_token_id=0, pad_token_id=None,
+        )  # fmt: skip
     else:
         config = transformers.Qwen2Config(
             **common, hidden_size=128, intermediate_size=256, tie_word_embeddings=True
@@ -220,9 +243,11 @@ def test_exact_formats_hold_the_dequantized_weights(pair):
         if isinstance(m, Linear):
             names = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
             leaf = path.rsplit(".", 1)[1]
-            expected = torch.cat(
-                [state[f"{path.rsplit('.', 1)[0]}.{n}.weight"] for n in names.get(leaf, [leaf])]
-            )
+            parent = path.rsplit(".", 1)[0]
+            if f"{path}.weight" in state:  # stored fused (Phi-3)
+                expected = state[f"{path}.weight"]
+            else:
+                expected = torch.cat([state[f"{parent}.{n}.weight"] for n in names.get(leaf, [leaf])])
             assert torch.equal(m.logical_weight(), expected), path
 
 

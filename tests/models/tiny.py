@@ -60,6 +60,15 @@ def _gemma3() -> transformers.PretrainedConfig:
     )
 
 
+def _phi3() -> transformers.PretrainedConfig:
+    # Phi-4-mini's partial rotary factor (a quarter of each head unrotated here) and Phi-3-mini-4k's
+    # window on every layer; q, k, v and gate, up stored fused.
+    return transformers.Phi3Config(
+        **_LLAMA_LIKE, partial_rotary_factor=0.75, sliding_window=16, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=0, pad_token_id=None,
+    )  # fmt: skip
+
+
 def _gpt2() -> transformers.PretrainedConfig:
     return transformers.GPT2Config(
         vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=256, initializer_range=0.15
@@ -107,6 +116,7 @@ TINY_CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
     "qwen2": _qwen2,
     "qwen3": _qwen3,
     "gemma3": _gemma3,
+    "phi3": _phi3,
     "gpt2": _gpt2,
     "mixtral": _mixtral,
     "qwen2-moe": _qwen2_moe,

@@ -49,6 +49,21 @@ TINY: dict[str, Callable[[], Any]] = {
         **_DECODER, num_hidden_layers=7, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16,
         sliding_window=8, max_position_embeddings=128,
     ),
+    # fused qkv and gate_up; 3/4 of each head rotated (Phi-4-mini); a window on every layer
+    "phi3": lambda: transformers.Phi3Config(
+        **_DECODER, num_hidden_layers=2, num_key_value_heads=2, partial_rotary_factor=0.75,
+        sliding_window=8, max_position_embeddings=128, original_max_position_embeddings=128,
+        tie_word_embeddings=False, pad_token_id=None,
+    ),
+    # LongRoPE (Phi-3-mini-128k, Phi-3.5-mini): factor sets as tensors, no window, tied embeddings
+    "phi3-longrope": lambda: transformers.Phi3Config(
+        **_DECODER, num_hidden_layers=2, num_key_value_heads=2, max_position_embeddings=128,
+        original_max_position_embeddings=32, tie_word_embeddings=True, pad_token_id=None,
+        rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.25, 1.5, 2.0],
+            "long_factor": [1.5, 3.0, 6.0, 12.0],
+        },
+    ),
     "gpt2": lambda: transformers.GPT2Config(
         vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4, bos_token_id=1, eos_token_id=2
     ),
@@ -66,7 +81,7 @@ TINY: dict[str, Callable[[], Any]] = {
         num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True, tie_word_embeddings=False,
     ),
 }  # fmt: skip
-GGUF_ARCH = {"mixtral": "llama"}
+GGUF_ARCH = {"mixtral": "llama", "phi3-longrope": "phi3"}
 """Test labels whose llama.cpp architecture name differs."""
 CONFIG_KEYS = (
     "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -75,7 +90,7 @@ CONFIG_KEYS = (
     "sliding_window", "query_pre_attn_scalar", "hidden_activation", "n_embd", "n_layer", "n_head",
     "n_positions", "layer_norm_epsilon", "num_local_experts", "num_experts", "num_experts_per_tok",
     "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
-    "mlp_only_layers",
+    "mlp_only_layers", "partial_rotary_factor", "original_max_position_embeddings",
 )  # fmt: skip
 
 
@@ -311,7 +326,7 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
     for call in (ckpt.hf_config, lambda: ckpt.iter_weights(torch.float32)):
         with pytest.raises(
             UnsupportedArchitectureError,
-            match=rf"{path}.*'mamba'.*gemma3, gpt-oss, gpt2, llama, qwen2, qwen2moe, qwen2vl, qwen3, qwen3moe",
+            match=rf"{path}.*'mamba'.*gemma3, gpt-oss, gpt2, llama, phi3, qwen2, qwen2moe, qwen2vl, qwen3, qwen3moe",
         ):
             call()
 

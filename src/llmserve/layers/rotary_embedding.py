@@ -2,8 +2,8 @@
 half of each head's rotary dims pairs with the second half.
 
 Frequencies follow the HF `rope_parameters` (transformers >= 5) or `rope_theta` + `rope_scaling`
-(earlier versions): `default`, `linear`, `llama3`, `yarn` (its attention factor scales the table, as
-HF scales cos and sin). The cos/sin table is a buffer built with the
+(earlier versions): `default`, `linear`, `llama3`, `yarn` and `longrope` (their attention factors
+scale the table, as HF scales cos and sin). The cos/sin table is a buffer built with the
 module, on the device the model is built on (so nothing is created on another device at the first
 forward), and indexed by position at each forward: by `cos_sin` once per forward for backends
 that take rotated q and k, or inside the cache-write kernel of a backend that rotates q and k as it
@@ -12,6 +12,7 @@ writes K/V (`RotaryInputs` carries either to the attention layer).
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -19,7 +20,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any]:
@@ -31,12 +32,65 @@ def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any
         if "rope_theta" in params:
             out = dict(params)
             out.setdefault("rope_type", out.pop("type", "default"))
-            return out
+            return _longrope_defaults(config, out)
     # transformers < 5: rope_theta plus an optional rope_scaling dict.
     out = dict(getattr(config, "rope_scaling", None) or {})
     out["rope_type"] = out.pop("type", out.get("rope_type", "default"))
     out["rope_theta"] = getattr(config, "rope_theta", 10000.0)
-    return out
+    return _longrope_defaults(config, out)
+
+
+def _longrope_defaults(config: Any, params: dict[str, Any]) -> dict[str, Any]:
+    """LongRoPE's settings completed from the config, as transformers completes them: the original
+    context (a config attribute in older files), and `factor` = max_position_embeddings / it."""
+    if params["rope_type"] == "su":  # LongRoPE's first name (Phi-3's first configs)
+        params["rope_type"] = "longrope"
+    if params["rope_type"] != "longrope":
+        return params
+    original = params.get("original_max_position_embeddings") or getattr(
+        config, "original_max_position_embeddings", None
+    )
+    if original is None:
+        raise ValueError("rope_type longrope needs original_max_position_embeddings")
+    params["original_max_position_embeddings"] = int(original)
+    if params.get("factor") is None:
+        params["factor"] = config.max_position_embeddings / int(original)
+    return params
+
+
+def rope_for_context(config: Any, max_model_len: int) -> Any:
+    """`config`, or for LongRoPE a copy that says which of its two factor sets to use.
+
+    LongRoPE (Phi-3, Phi-3.5, Phi-4-mini) divides each frequency by a per-dimension factor: the
+    short set keeps the context the model was trained at, the long set stretches it to
+    `max_position_embeddings`. transformers picks the set per forward by the largest position in
+    it, so a sequence that crosses the original context attends over keys cached with the short
+    set from queries rotated with the long one, and a batch's choice depends on its neighbours.
+    llmserve picks once, by the context it serves, as llama.cpp and vLLM do: the long set when
+    `max_model_len` exceeds the original context. Serving a short context (`--max-model-len 4096`
+    on Phi-3-mini-128k) keeps the short set, which the model prefers for short prompts."""
+    params = rope_parameters(config)
+    if params["rope_type"] != "longrope":
+        return config
+    params["use_long_factor"] = max_model_len > params["original_max_position_embeddings"]
+    config = copy.deepcopy(config)
+    config.rope_parameters = params
+    return config
+
+
+def longrope_note(config: Any) -> str:
+    """For the load report: which LongRoPE factor set `rope_for_context` chose, or ""."""
+    params = getattr(config, "rope_parameters", None)
+    if (
+        not isinstance(params, dict)
+        or params.get("rope_type") != "longrope"
+        or "use_long_factor" not in params
+    ):
+        return ""
+    original = params["original_max_position_embeddings"]
+    if params["use_long_factor"]:
+        return f"; LongRoPE long factors (max_model_len over the original context of {original})"
+    return f"; LongRoPE short factors (max_model_len within the original context of {original})"
 
 
 def _inv_freq(rotary_dim: int, params: dict[str, Any]) -> torch.Tensor:
@@ -62,6 +116,13 @@ def _inv_freq(rotary_dim: int, params: dict[str, Any]) -> torch.Tensor:
         return torch.where(medium, smoothed, scaled)
     if rope_type == "yarn":
         return _yarn_inv_freq(inv_freq, rotary_dim, params)
+    if rope_type == "longrope":  # one factor per frequency (rope_for_context picks the set)
+        factors = params["long_factor" if params.get("use_long_factor") else "short_factor"]
+        if len(factors) != rotary_dim // 2:
+            raise ValueError(f"longrope: {len(factors)} factors for {rotary_dim // 2} rotary frequencies")
+        # as transformers writes it (1 / (f * base^(2i/d)), not the default's 1 / base^(2i/d) / f)
+        ext = torch.tensor(factors, dtype=torch.float32, device="cpu")
+        return 1.0 / (ext * base ** (steps.float() / rotary_dim))
     raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(_SUPPORTED_ROPE_TYPES)}")
 
 
@@ -88,11 +149,16 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, rotary_dim: int, params: dict[str, An
 
 
 def _attention_factor(params: dict[str, Any]) -> float:
-    """The factor YaRN scales cos and sin by (1 for the other types)."""
-    if (params.get("rope_type") or "default") != "yarn":
+    """The factor YaRN and LongRoPE scale cos and sin by (1 for the other types)."""
+    rope_type = params.get("rope_type") or "default"
+    if rope_type not in ("yarn", "longrope"):
         return 1.0
     if params.get("attention_factor") is not None:
         return float(params["attention_factor"])
+    if rope_type == "longrope":  # both factor sets: sqrt(1 + ln(factor) / ln(original context))
+        factor = float(params["factor"])
+        original = float(params["original_max_position_embeddings"])
+        return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
 
     def mscale(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0

@@ -70,6 +70,13 @@ class CausalLM(nn.Module):
     """Position ids per token its forward takes: 3 for M-RoPE (positions [3, T], layers/mrope.py,
     with `rope_positions` giving a prompt's), else 1 (positions [T])."""
 
+    @classmethod
+    def checkpoint_splits(cls, config: Any) -> dict[str, tuple[tuple[str, int], ...]]:
+        """Fused tensors the checkpoint stores whole and the model loads as parts: a sub-name
+        (`self_attn.qkv_proj`) -> its parts' sub-names and numbers of rows, in order
+        (model_loader/fused_tensors.py cuts them as they stream in). Phi-3's; none by default."""
+        return {}
+
     backbone_name: ClassVar[str] = "model"
     """The attribute holding the decoder stack (its name is the checkpoint's prefix)."""
     lm_head: LMHead

@@ -108,6 +108,12 @@ class QuantizedRows:
         sc = None if self.scales is None else self.scales[index]
         return QuantizedRows(self.fmt, self.q[index], self.d[index], m, self.in_features, sc)
 
+    def row_range(self, start: int, end: int) -> QuantizedRows:
+        """Rows start..end-1 (a part of a fused matrix stored whole, e.g. Phi-3's qkv)."""
+        m = None if self.m is None else self.m[start:end]
+        sc = None if self.scales is None else self.scales[start:end]
+        return QuantizedRows(self.fmt, self.q[start:end], self.d[start:end], m, self.in_features, sc)
+
     @staticmethod
     def concat(parts: list[QuantizedRows]) -> QuantizedRows | None:
         """The parts' rows one after another (a fused layer's shards stored apart), or None

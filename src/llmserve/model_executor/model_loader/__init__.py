@@ -38,8 +38,10 @@ from llmserve.layers.quantization import (
     weight_groups,
 )
 from llmserve.layers.quantization.formats import KERNEL_CODES
+from llmserve.layers.rotary_embedding import longrope_note, rope_for_context
 from llmserve.model_executor.device import DeviceProfile, build_profile, resolve_device
 from llmserve.model_executor.model_loader import hf_folder
+from llmserve.model_executor.model_loader.fused_tensors import split_fused
 from llmserve.model_executor.model_loader.hf_quant_config import (
     Target,
     read_checkpoint_quantization,
@@ -127,6 +129,8 @@ class LoadedModel:
             )
         if self.moe:
             text += f"; {self.moe}"
+        if self.model_impl == "native":
+            text += longrope_note(self.model.config)
         if self.gguf_types:
             text += f"; GGUF types: {self.gguf_types}"
         if self.offloader is not None:
@@ -269,6 +273,7 @@ def load_model(config: ModelConfig, shard: TPShard | None = None) -> LoadedModel
         # kernel reads stacked copies it would not move: offloaded experts run the dense path
         profile = dataclasses.replace(profile, moe_kernel="dense")  # (offloading is CUDA only)
     max_model_len = _max_model_len(config, hf_config, source)
+    model_hf_config = rope_for_context(model_hf_config, max_model_len)  # LongRoPE's factor set
     linear_kernel = resolve_cpu_gemm(config.cpu_gemm, profile, dtype)
 
     # Parameters are created with torch.empty (no initialisation pass) directly on the target
@@ -294,7 +299,10 @@ def load_model(config: ModelConfig, shard: TPShard | None = None) -> LoadedModel
     )
     cut = None if shard is None else functools.partial(sharding.shard_tensor, model, shard=shard)
     with bar:
-        model.load_weights(_tracked(weights(dtype, keep_quantized, cut), bar))
+        stream = weights(dtype, keep_quantized, cut)
+        splits = model_cls.checkpoint_splits(hf_config)
+        stream = _tracked(stream, bar)  # (the bar counts the checkpoint's tensors, not their parts)
+        model.load_weights(split_fused(stream, splits) if splits else stream)
     model.eval()
     if shard is not None:
         sharding.parallelize(model, shard, int(hf_config.vocab_size))

@@ -241,6 +241,34 @@ def gpt_oss_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
     )
 
 
+def phi3_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
+    """Phi-3, Phi-3.5-mini, Phi-4 and Phi-4-mini. `rope.dimension_count` is the rotary part of a
+    head (Phi-4-mini's 3/4), not the head; the 128k models' LongRoPE factor sets are the tensors
+    `rope_factors_long` / `_short`; a `sliding_window` of 0 means none (the converter's Phi-4)."""
+    kw = _decoder_kwargs(ckpt)
+    head_dim = ckpt.arch_field("attention.key_length") or kw["hidden_size"] // kw["num_attention_heads"]
+    rotary_dims = ckpt.arch_field("rope.dimension_count") or head_dim
+    original = ckpt.arch_field("rope.scaling.original_context_length") or kw["max_position_embeddings"]
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": ckpt.arch_field("rope.freq_base", 10000.0)}
+    if ckpt.has_tensor("rope_factors_long.weight"):
+        # the attention factor is transformers' (from max_position / original, as the converter's)
+        rope |= {
+            "rope_type": "longrope",
+            "long_factor": [float(f) for f in ckpt.tensor_data("rope_factors_long.weight").reshape(-1)],
+            "short_factor": [float(f) for f in ckpt.tensor_data("rope_factors_short.weight").reshape(-1)],
+            "original_max_position_embeddings": original,
+        }
+    if rotary_dims != head_dim:
+        rope["partial_rotary_factor"] = rotary_dims / head_dim
+    return transformers.Phi3Config(
+        **(kw | {"head_dim": head_dim}),
+        **_rope_kwargs(rope),
+        partial_rotary_factor=rotary_dims / head_dim,
+        original_max_position_embeddings=original,
+        sliding_window=ckpt.arch_field("attention.sliding_window") or None,
+    )
+
+
 def gpt2_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
     return transformers.GPT2Config(
         **_common_kwargs(ckpt),

@@ -54,8 +54,9 @@ SUPPORTED_TENSOR_TYPES: tuple[GGMLQuantizationType, ...] = (
     _Q.F32, _Q.F16, _Q.BF16, _Q.Q8_0, _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K,
     _Q.Q2_K, _Q.Q3_K, _Q.IQ4_NL, _Q.IQ4_XS, _Q.MXFP4,
 )  # fmt: skip
-# llama.cpp-only tensors with no HF counterpart (rope_freqs is folded into the config instead).
-_NON_HF_TENSORS = ("rope_freqs", "blk.{bid}.attn_rot_embd")
+# llama.cpp-only tensors with no HF counterpart (rope_freqs and Phi-3's rope_factors_* are folded
+# into the config instead).
+_NON_HF_TENSORS = ("rope_freqs", "rope_factors_long", "rope_factors_short", "blk.{bid}.attn_rot_embd")
 _BLOCK_RE = re.compile(r"^(v\.)?blk\.(\d+)\.(.+)$")  # a vision projector's blocks are `v.blk.N.*`
 
 
@@ -178,6 +179,14 @@ _GEMMA3_NAMES = _QWEN3_NAMES | {
     "blk.{bid}.ffn_norm": "model.layers.{bid}.pre_feedforward_layernorm",
     "blk.{bid}.post_ffw_norm": "model.layers.{bid}.post_feedforward_layernorm",
 }
+# Phi-3: q, k and v in one `attn_qkv` (some files keep them apart), gate and up in one `ffn_up`
+# (gate rows first), as transformers stores them; its rotation is GPT-NeoX's, so nothing permuted.
+_PHI3_NAMES = {
+    k: v for k, v in _LLAMA_NAMES.items() if k not in _MIXTRAL_EXPERT_NAMES and k != "blk.{bid}.ffn_gate"
+} | {
+    "blk.{bid}.attn_qkv": "model.layers.{bid}.self_attn.qkv_proj",
+    "blk.{bid}.ffn_up": "model.layers.{bid}.mlp.gate_up_proj",
+}
 _GPT2_NAMES = {
     "token_embd": "transformer.wte",
     "position_embd": "transformer.wpe",
@@ -271,6 +280,7 @@ _ARCHS: dict[str, _ArchSpec] = {
     # three axes, which is plain RoPE; with a projector (gguf_mmproj.py) the VL model
     "qwen2vl": _ArchSpec("Qwen2ForCausalLM", _LLAMA_NAMES, {}, gguf_config.qwen2_config),
     "gemma3": _ArchSpec("Gemma3ForCausalLM", _GEMMA3_NAMES, _GEMMA3_FIXES, gguf_config.gemma3_config),
+    "phi3": _ArchSpec("Phi3ForCausalLM", _PHI3_NAMES, {}, gguf_config.phi3_config),
     "gpt2": _ArchSpec("GPT2LMHeadModel", _GPT2_NAMES, _GPT2_FIXES, gguf_config.gpt2_config),
     "gpt-oss": _ArchSpec("GptOssForCausalLM", _GPT_OSS_NAMES, {}, gguf_config.gpt_oss_config),
     "bert": _ArchSpec("BertModel", _BERT_NAMES, {}, gguf_config.bert_config),

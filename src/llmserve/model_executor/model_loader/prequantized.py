@@ -118,7 +118,10 @@ class PrequantizedCheckpoint:
                     f"{prefix}: quantized in the checkpoint, but llmserve reads pre-quantized linear "
                     f"layers only (this is {type(module).__name__})"
                 )
-            shards.setdefault(route[0], set()).add(route[2])
+            whole = prefix.rpartition(".")[2] == route[0].rpartition(".")[2]  # stored fused (Phi-3)
+            shards.setdefault(route[0], set()).update(
+                range(len(module.output_sizes)) if whole else {route[2]}
+            )
         for path, got in shards.items():
             n = len(model.get_submodule(path).output_sizes)
             if len(got) != n:
