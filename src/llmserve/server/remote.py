@@ -75,8 +75,14 @@ class RemoteModel:
         except (httpx.HTTPError, ValueError, AttributeError):
             return None
 
+    def at_root(self, path: str) -> str:
+        """`path` at the upstream server's root, not under its OpenAI base (`.../v1`): where vLLM
+        serves the routes it keeps outside /v1, such as `/classify`."""
+        return self.base_url.removesuffix("/v1") + path
+
     async def proxy(self, raw: Request, path: str) -> Response:
-        """Send the client's request to the upstream's `path` (e.g. "/chat/completions")."""
+        """Send the client's request to the upstream's `path` (e.g. "/chat/completions", under the
+        base URL; an absolute URL from `at_root` as it is)."""
         try:
             body = json.loads(await raw.body())
         except ValueError as e:

@@ -181,7 +181,7 @@ async def rerank(req: RerankRequest, raw: Request, models: Models) -> Any:
 async def classify(req: ClassifyRequest, raw: Request, models: Models) -> Any:
     return await models.serve(
         req.model,
-        remote=lambda remote: remote.proxy(raw, "/classify"),
+        remote=lambda remote: remote.proxy(raw, remote.at_root("/classify")),  # vLLM's: not under /v1
         native=lambda ctx: create_classification(ctx, req, raw),
     )
 
