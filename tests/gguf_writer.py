@@ -4,6 +4,7 @@ Independent of the loader under test: GGUF tensor names come from the gguf packa
 HF -> GGUF name map, and the converter's changes are re-done here from llama.cpp's description:
 
     llama   q_proj / k_proj rows permuted per head: (x0..x_{h-1}, y0..y_{h-1}) -> (x0, y0, x1, y1, ...)
+            (smollm3 likewise: llama.cpp's SmolLM3Model is its LlamaModel)
     gemma3  every `*norm.weight` stored as (w + 1)
     phi3    nothing permuted (GPT-NeoX rotation); LongRoPE's factor sets written as tensors
     gpt2    Conv1D weights ([in, out] in HF) stored transposed; the causal-mask buffers dropped
@@ -97,9 +98,9 @@ def convert_state_dict(arch: str, config: Any, state_dict: dict[str, torch.Tenso
                 continue
             if name.endswith((".c_attn.weight", ".c_proj.weight", ".c_fc.weight")):
                 w = w.T
-        if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+        if arch in ("llama", "smollm3") and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = _permute(w, config.num_attention_heads)
-        if arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+        if arch in ("llama", "smollm3") and name.endswith(("k_proj.weight", "k_proj.bias")):
             w = _permute(w, config.num_key_value_heads)
         if arch == "gemma3" and name.endswith("norm.weight"):
             w = w + 1
@@ -139,7 +140,7 @@ def hf_metadata(arch: str, config: Any) -> Callable[[GGUFWriter], None]:
             ):
                 w.add_key_length(head_dim)
                 w.add_value_length(head_dim)
-            if arch == "llama":  # LlamaModel also writes these
+            if arch in ("llama", "smollm3"):  # LlamaModel (and SmolLM3Model, its subclass) also writes these
                 w.add_vocab_size(config.vocab_size)
                 w.add_rope_dimension_count(head_dim)
             if arch in ("gemma3", "gpt-oss"):

@@ -69,6 +69,15 @@ def _phi3() -> transformers.PretrainedConfig:
     )  # fmt: skip
 
 
+def _smollm3() -> transformers.PretrainedConfig:
+    # the second layer without RoPE (NoPE), as every fourth of SmolLM3's (two layers, not four: the
+    # 16-bit cache tests' bounds are for two layers' rounding)
+    return transformers.SmolLM3Config(
+        **_LLAMA_LIKE, no_rope_layers=[1, 0], tie_word_embeddings=True, bos_token_id=None,
+        eos_token_id=0, pad_token_id=None,
+    )  # fmt: skip
+
+
 def _gpt2() -> transformers.PretrainedConfig:
     return transformers.GPT2Config(
         vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=256, initializer_range=0.15
@@ -117,6 +126,7 @@ TINY_CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
     "qwen3": _qwen3,
     "gemma3": _gemma3,
     "phi3": _phi3,
+    "smollm3": _smollm3,
     "gpt2": _gpt2,
     "mixtral": _mixtral,
     "qwen2-moe": _qwen2_moe,

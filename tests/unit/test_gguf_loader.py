@@ -64,6 +64,11 @@ TINY: dict[str, Callable[[], Any]] = {
             "long_factor": [1.5, 3.0, 6.0, 12.0],
         },
     ),
+    # Llama's layout and Q/K permutation; every fourth layer without RoPE (llama.cpp: always 4)
+    "smollm3": lambda: transformers.SmolLM3Config(
+        **_DECODER, num_hidden_layers=4, num_key_value_heads=2, max_position_embeddings=128,
+        tie_word_embeddings=True, pad_token_id=None,
+    ),
     "gpt2": lambda: transformers.GPT2Config(
         vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4, bos_token_id=1, eos_token_id=2
     ),
@@ -90,7 +95,7 @@ CONFIG_KEYS = (
     "sliding_window", "query_pre_attn_scalar", "hidden_activation", "n_embd", "n_layer", "n_head",
     "n_positions", "layer_norm_epsilon", "num_local_experts", "num_experts", "num_experts_per_tok",
     "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
-    "mlp_only_layers", "partial_rotary_factor", "original_max_position_embeddings",
+    "mlp_only_layers", "partial_rotary_factor", "original_max_position_embeddings", "no_rope_layers",
 )  # fmt: skip
 
 
@@ -326,7 +331,7 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
     for call in (ckpt.hf_config, lambda: ckpt.iter_weights(torch.float32)):
         with pytest.raises(
             UnsupportedArchitectureError,
-            match=rf"{path}.*'mamba'.*gemma3, gpt-oss, gpt2, llama, phi3, qwen2, qwen2moe, qwen2vl, qwen3, qwen3moe",
+            match=rf"{path}.*'mamba'.*gemma3, gpt-oss, gpt2, llama, phi3, qwen2, qwen2moe, qwen2vl, qwen3, qwen3moe, smollm3",
         ):
             call()
 

@@ -7,7 +7,7 @@
 // costs as much again. Here a layer is:
 //
 //   res += mlp_out  (layer > 0);  h = rms_norm(res) * w_in               residual stream in place
-//   qkv = h @ Wqkv.T (+ b);  per head: [rms_norm(q), rms_norm(k)];  rope(q), rope(k)
+//   qkv = h @ Wqkv.T (+ b);  per head: [rms_norm(q), rms_norm(k)];  rope(q), rope(k) (a NoPE layer: none)
 //   cache[slot] = k, v                                                  paged [2, Hkv, blocks, bs, D]
 //   attn[t, hq] = softmax(scale * q . K[visible]) V[visible]            GQA: hq reads KV head hq / G;
 //                                                                       visible: causal, windowed
@@ -478,7 +478,7 @@ void Decoder::forward(const float* x, int64_t M, const int64_t* positions, const
           float* v = qkv_ + m * qkv_n + hd * D;
           const float* nw = hd < Hq ? L.q_norm : L.k_norm;
           if (nw) rms_norm(v, nw, eps, D, v);
-          rope(v, cs, rot);
+          if (L.rope) rope(v, cs, rot);
         }
         // 3. this token's K and V into their cache slot (all of the batch's before any token
         //    attends: the tokens of a prompt chunk see each other there)

@@ -71,6 +71,7 @@ struct Layer {
   void* kv_cache = nullptr;  // [2, Hkv, num_blocks, block_size, row] of the cache type (int8 rows: D + 2 ceil(D/32) bytes);
                              // K and V of two types: [Hkv, num_blocks, block_size, row_k], V's half at v_offset
   int64_t window = 0;        // sliding window, 0 = full attention
+  int64_t rope = 1;          // 0: q and k not rotated (a NoPE layer, SmolLM3's every fourth)
   Moe moe;
 };
 

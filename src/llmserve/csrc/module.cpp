@@ -175,11 +175,11 @@ bool parse_moe(PyObject* t, Moe* moe) {
   return true;
 }
 
-// (input_norm, qkv, q_norm, k_norm, o, post_norm, gate_up, down, kv_cache, window, moe); a MoE
-// layer's gate_up and down are None
+// (input_norm, qkv, q_norm, k_norm, o, post_norm, gate_up, down, kv_cache, window, moe, rope); a MoE
+// layer's gate_up and down are None; rope 0: a layer without positions (NoPE)
 bool parse_layer(PyObject* t, Layer* L) {
-  if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 11) {
-    PyErr_SetString(PyExc_TypeError, "a layer is a tuple of 11 entries");
+  if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 12) {
+    PyErr_SetString(PyExc_TypeError, "a layer is a tuple of 12 entries");
     return false;
   }
   PyObject* moe = PyTuple_GET_ITEM(t, 10);
@@ -189,7 +189,7 @@ bool parse_layer(PyObject* t, Layer* L) {
          parse_linear(PyTuple_GET_ITEM(t, 4), &L->o) && item_ptr(t, 5, const_cast<float**>(&L->post_norm)) &&
          (!dense || parse_linear(PyTuple_GET_ITEM(t, 6), &L->gate_up)) &&
          (!dense || parse_linear(PyTuple_GET_ITEM(t, 7), &L->down)) && item_ptr(t, 8, &L->kv_cache) &&
-         item_ll(t, 9, &L->window) && parse_moe(moe, &L->moe);
+         item_ll(t, 9, &L->window) && parse_moe(moe, &L->moe) && item_ll(t, 11, &L->rope);
 }
 
 void free_decoder(PyObject* capsule) {

@@ -1,4 +1,4 @@
-"""Llama family (Llama 2/3, Mistral, SmolLM; Qwen2/Qwen3 subclass it).
+"""Llama family (Llama 2/3, Mistral, SmolLM, SmolLM3; Qwen2/Qwen3 subclass it).
 
 x = embed(ids)
 for each layer:
@@ -58,6 +58,13 @@ def dense_mlp(config: Any, layer_idx: int) -> nn.Module:
     )
 
 
+def uses_rope(config: Any, layer_idx: int) -> bool:
+    """Whether layer `layer_idx` rotates q and k: SmolLM3's `no_rope_layers` (1: RoPE, 0: none,
+    every fourth layer) leaves some without positions (NoPE); every layer of the others rotates."""
+    flags = getattr(config, "no_rope_layers", None)
+    return True if flags is None else bool(flags[layer_idx])
+
+
 def head_dim_of(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
@@ -83,6 +90,7 @@ class LlamaAttention(nn.Module):
             D,
         )
         self.q_size, self.kv_size = self.num_heads * D, self.num_kv_heads * D
+        self.use_rope = uses_rope(config, layer_idx)
         self.qkv_proj = Linear(H, [self.q_size, self.kv_size, self.kv_size], bias=arch.qkv_bias)
         self.o_proj = Linear(self.q_size, H, bias=arch.o_bias)
         # Qwen3 normalises each head's q and k before RoPE.
@@ -109,6 +117,8 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
         qk_size = self.q_size + self.kv_size
         q, k, v = qkv[:, : self.q_size], qkv[:, self.q_size : qk_size], qkv[:, qk_size:]
+        if not self.use_rope:  # a NoPE layer (SmolLM3): q and k as projected
+            return self.o_proj(self.attn(q, k, v, kv_cache, md))
         if self.q_norm is not None:  # Qwen3: per head, before RoPE
             q = self.q_norm(q.view(T, self.num_heads, self.head_dim))
             k = self.k_norm(k.view(T, self.num_kv_heads, self.head_dim))
@@ -192,6 +202,7 @@ class LlamaModel(nn.Module):
                 gate_up=None if isinstance(layer.mlp, SparseMoE) else layer.mlp.gate_up_proj,
                 down=None if isinstance(layer.mlp, SparseMoE) else layer.mlp.down_proj,
                 sliding_window=layer.self_attn.attn.params.sliding_window,
+                rope=layer.self_attn.use_rope,
                 moe=layer.mlp if isinstance(layer.mlp, SparseMoE) else None,
             )
             for layer in self.layers

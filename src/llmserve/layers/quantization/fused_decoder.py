@@ -42,6 +42,8 @@ class DecoderLayerSpec:
     gate_up: Linear | None  # [gate | up] rows; None where `moe` is the MLP
     down: Linear | None
     sliding_window: int | None
+    rope: bool = True
+    """Whether the layer rotates q and k (False: a NoPE layer, SmolLM3's every fourth)."""
     moe: SparseMoE | None = None
     """A mixture-of-experts MLP (run by csrc/decoder_moe.cpp) instead of gate_up / down."""
 
@@ -204,6 +206,7 @@ class FusedDecoder:
                     kv[0].data_ptr(),
                     int(layer.sliding_window or 0),
                     _moe(layer.moe),
+                    int(layer.rope),
                 )
             )
         self.capsule: object

@@ -241,6 +241,14 @@ def gpt_oss_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
     )
 
 
+def smollm3_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
+    """SmolLM3: Llama with every fourth layer unrotated (NoPE); llama.cpp writes no key for it and
+    hard-codes the interval of 4, as transformers' config defaults it."""
+    return transformers.SmolLM3Config(
+        **_decoder_kwargs(ckpt), **_rope_kwargs(_rope(ckpt)), no_rope_layer_interval=4
+    )
+
+
 def phi3_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
     """Phi-3, Phi-3.5-mini, Phi-4 and Phi-4-mini. `rope.dimension_count` is the rotary part of a
     head (Phi-4-mini's 3/4), not the head; the 128k models' LongRoPE factor sets are the tensors
