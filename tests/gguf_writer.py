@@ -4,7 +4,7 @@ Independent of the loader under test: GGUF tensor names come from the gguf packa
 HF -> GGUF name map, and the converter's changes are re-done here from llama.cpp's description:
 
     llama   q_proj / k_proj rows permuted per head: (x0..x_{h-1}, y0..y_{h-1}) -> (x0, y0, x1, y1, ...)
-            (smollm3 likewise: llama.cpp's SmolLM3Model is its LlamaModel)
+            (smollm3 and granite likewise: llama.cpp converts them with LlamaModel subclasses)
     gemma3  every `*norm.weight` stored as (w + 1)
     phi3    nothing permuted (GPT-NeoX rotation); LongRoPE's factor sets written as tensors
     gpt2    Conv1D weights ([in, out] in HF) stored transposed; the causal-mask buffers dropped
@@ -30,6 +30,9 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf import GGMLQuantizationType as Q
+
+_LLAMA_CONVERTED = ("llama", "smollm3", "granite")
+"""Architectures llama.cpp converts with its LlamaModel (or a subclass): q / k permuted."""
 
 # (array, type): the array is float32 (written as F32 / F16) or already-quantized uint8 blocks.
 GGUFTensor = tuple[np.ndarray, GGMLQuantizationType]
@@ -98,9 +101,9 @@ def convert_state_dict(arch: str, config: Any, state_dict: dict[str, torch.Tenso
                 continue
             if name.endswith((".c_attn.weight", ".c_proj.weight", ".c_fc.weight")):
                 w = w.T
-        if arch in ("llama", "smollm3") and name.endswith(("q_proj.weight", "q_proj.bias")):
+        if arch in _LLAMA_CONVERTED and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = _permute(w, config.num_attention_heads)
-        if arch in ("llama", "smollm3") and name.endswith(("k_proj.weight", "k_proj.bias")):
+        if arch in _LLAMA_CONVERTED and name.endswith(("k_proj.weight", "k_proj.bias")):
             w = _permute(w, config.num_key_value_heads)
         if arch == "gemma3" and name.endswith("norm.weight"):
             w = w + 1
@@ -140,13 +143,18 @@ def hf_metadata(arch: str, config: Any) -> Callable[[GGUFWriter], None]:
             ):
                 w.add_key_length(head_dim)
                 w.add_value_length(head_dim)
-            if arch in ("llama", "smollm3"):  # LlamaModel (and SmolLM3Model, its subclass) also writes these
+            if arch in _LLAMA_CONVERTED:  # LlamaModel (and its subclasses) also writes these
                 w.add_vocab_size(config.vocab_size)
                 w.add_rope_dimension_count(head_dim)
             if arch in ("gemma3", "gpt-oss"):
                 w.add_sliding_window(config.sliding_window)
             if arch == "phi3":  # llama.cpp's Phi3MiniModel.set_gguf_parameters
                 _phi3_metadata(w, config)
+            if arch == "granite":  # GraniteModel.set_gguf_parameters: the multipliers as "scales"
+                w.add_attention_scale(config.attention_multiplier)
+                w.add_embedding_scale(config.embedding_multiplier)
+                w.add_residual_scale(config.residual_multiplier)
+                w.add_logit_scale(config.logits_scaling)
             if arch == "gpt-oss":  # llama.cpp's GptOssModel.set_gguf_parameters
                 w.add_expert_feed_forward_length(config.intermediate_size)
                 w.add_rope_scaling_type(gguf.RopeScalingType.YARN)

@@ -28,7 +28,16 @@ from tests.models.tiny import TINY_CONFIGS, hf_greedy, make_tiny_model
 _ORDER = ["avx512_vnni", "avx2", "torch"]
 KERNEL_SETS = _ORDER[_ORDER.index(cpu_kernels.best_kernels()) :]  # every kernel set this CPU runs
 PROMPTS = [[5, 17, 99, 3], [200, 1, 1, 45, 67, 300, 12, 9, 8, 7, 6, 5, 4, 3, 2, 11, 400, 401, 402, 25], [42]]
-LLAMA_FAMILY = ["llama", "llama3-rope-tied", "mistral-sliding", "qwen2", "qwen3", "phi3", "smollm3"]
+LLAMA_FAMILY = [
+    "llama",
+    "llama3-rope-tied",
+    "mistral-sliding",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "smollm3",
+    "granite",
+]
 MOE = ["mixtral", "qwen2-moe", "qwen3-moe"]  # the fused decoder runs their experts too
 _LINEAR = re.compile(r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|c_attn|c_proj|c_fc)\.weight$")
 # transformers keeps a MoE layer's experts stacked in memory: [experts, out, in] (gate rows, then up)

@@ -78,6 +78,14 @@ def _smollm3() -> transformers.PretrainedConfig:
     )  # fmt: skip
 
 
+def _granite() -> transformers.PretrainedConfig:
+    # Granite 3.1-8B's multipliers (attention 1/128 there is 1/64 here, not 1/sqrt(head_dim))
+    return transformers.GraniteConfig(
+        **_LLAMA_LIKE, embedding_multiplier=12.0, attention_multiplier=1 / 64, residual_multiplier=0.22,
+        logits_scaling=8.0, tie_word_embeddings=True, bos_token_id=None, eos_token_id=0, pad_token_id=None,
+    )  # fmt: skip
+
+
 def _gpt2() -> transformers.PretrainedConfig:
     return transformers.GPT2Config(
         vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=256, initializer_range=0.15
@@ -127,6 +135,7 @@ TINY_CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
     "gemma3": _gemma3,
     "phi3": _phi3,
     "smollm3": _smollm3,
+    "granite": _granite,
     "gpt2": _gpt2,
     "mixtral": _mixtral,
     "qwen2-moe": _qwen2_moe,

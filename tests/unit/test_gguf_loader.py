@@ -69,6 +69,12 @@ TINY: dict[str, Callable[[], Any]] = {
         **_DECODER, num_hidden_layers=4, num_key_value_heads=2, max_position_embeddings=128,
         tie_word_embeddings=True, pad_token_id=None,
     ),
+    # Llama's layout and Q/K permutation, and the four multipliers
+    "granite": lambda: transformers.GraniteConfig(
+        **_DECODER, num_hidden_layers=2, num_key_value_heads=2, max_position_embeddings=128,
+        embedding_multiplier=12.0, attention_multiplier=0.0078125, residual_multiplier=0.25,
+        logits_scaling=8.0, tie_word_embeddings=True, pad_token_id=None,
+    ),
     "gpt2": lambda: transformers.GPT2Config(
         vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4, bos_token_id=1, eos_token_id=2
     ),
@@ -96,6 +102,7 @@ CONFIG_KEYS = (
     "n_positions", "layer_norm_epsilon", "num_local_experts", "num_experts", "num_experts_per_tok",
     "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
     "mlp_only_layers", "partial_rotary_factor", "original_max_position_embeddings", "no_rope_layers",
+    "embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling",
 )  # fmt: skip
 
 
@@ -331,7 +338,7 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
     for call in (ckpt.hf_config, lambda: ckpt.iter_weights(torch.float32)):
         with pytest.raises(
             UnsupportedArchitectureError,
-            match=rf"{path}.*'mamba'.*gemma3, gpt-oss, gpt2, llama, phi3, qwen2, qwen2moe, qwen2vl, qwen3, qwen3moe, smollm3",
+            match=rf"{path}.*'mamba'.*gemma3, gpt-oss, gpt2, granite, llama, phi3, qwen2, qwen2moe, qwen2vl, qwen3, qwen3moe, smollm3",
         ):
             call()
 

@@ -444,6 +444,7 @@ void Decoder::forward(const float* x, int64_t M, const int64_t* positions, const
   const int64_t qkv_n = (Hq + 2 * Hkv) * D, G = Hq / Hkv;
   float *res_ = res.data(), *h_ = h.data(), *qkv_ = qkv.data(), *attn_ = attn.data();
   float *gu_ = gate_up.data(), *act_ = act.data();
+  const float rs = residual_scale;  // 1 but for Granite: rs * o is then o, bit for bit
   std::memcpy(res_, x, M * H * 4);
 
   for (size_t l = 0; l < layers.size(); ++l) {
@@ -455,7 +456,7 @@ void Decoder::forward(const float* x, int64_t M, const int64_t* positions, const
       if (l > 0) {
         const float* mo = h_ + m * H;
 #pragma omp simd
-        for (int64_t i = 0; i < H; ++i) r[i] += mo[i];
+        for (int64_t i = 0; i < H; ++i) r[i] += rs * mo[i];
       }
       rms_norm(r, L.input_norm, eps, H, h_ + m * H);
     }
@@ -553,7 +554,7 @@ void Decoder::forward(const float* x, int64_t M, const int64_t* positions, const
         float* r = res_ + m * H;
         const float* o = h_ + m * H;
 #pragma omp simd
-        for (int64_t i = 0; i < H; ++i) r[i] += o[i];
+        for (int64_t i = 0; i < H; ++i) r[i] += rs * o[i];
         rms_norm(r, L.post_norm, eps, H, h_ + m * H);
       }
     }
@@ -585,7 +586,7 @@ void Decoder::forward(const float* x, int64_t M, const int64_t* positions, const
     float* r = res_ + m * H;
     const float* mo = h_ + m * H;
 #pragma omp simd
-    for (int64_t i = 0; i < H; ++i) r[i] += mo[i];
+    for (int64_t i = 0; i < H; ++i) r[i] += rs * mo[i];
     rms_norm(r, final_norm, eps, H, out + m * H);
   }
 }

@@ -91,6 +91,7 @@ struct Decoder {
   int64_t H = 0, Hq = 0, Hkv = 0, D = 0, rot = 0, I = 0;
   int64_t num_blocks = 0, block_size = 0, max_position = 0;
   float eps = 1e-6f, scale = 1.0f;
+  float residual_scale = 1.0f;   // r in residual += r * sublayer output (Granite; 1: r o == o exactly)
   int cache_type = kCacheF32;    // K's type
   int v_cache_type = kCacheF32;  // V's: the same, unless K and V are kept apart (`--kv-cache-dtype int8,float16`)
   int64_t v_offset = 0;          // bytes from a layer's kv_cache to its V half (Hkv x K's head bytes when one type)

@@ -198,7 +198,9 @@ void free_decoder(PyObject* capsule) {
 
 // decoder_new(config, layers, cos_sin, final_norm[, comm]) -> capsule
 // config = (H, Hq, Hkv, D, rot, I, num_blocks, block_size, max_position, eps, scale, cache_type,
-//           v_cache_type, v_offset): K's cache type, V's, and the bytes from a layer's cache to its V half;
+//           v_cache_type, v_offset, residual_scale): K's cache type, V's, the bytes from a layer's cache
+//           to its V half, and what each sublayer's output is multiplied by as it joins the residual
+//           stream (Granite's residual_multiplier; 1 for the others);
 // comm: a tensor-parallel rank's group (its layers are shards), or None
 PyObject* py_decoder_new(PyObject*, PyObject* args) {
   PyObject *config, *layers, *cos_sin, *final_norm, *comm = Py_None;
@@ -207,8 +209,8 @@ PyObject* py_decoder_new(PyObject*, PyObject* args) {
     return nullptr;
   ShmComm* group = nullptr;
   if (comm != Py_None && !(group = comm_of(comm))) return nullptr;
-  if (PyTuple_GET_SIZE(config) != 14) {
-    PyErr_SetString(PyExc_TypeError, "config is a tuple of 14 entries");
+  if (PyTuple_GET_SIZE(config) != 15) {
+    PyErr_SetString(PyExc_TypeError, "config is a tuple of 15 entries");
     return nullptr;
   }
   auto dec = new Decoder();
@@ -218,7 +220,8 @@ PyObject* py_decoder_new(PyObject*, PyObject* args) {
             item_ll(config, 6, &dec->num_blocks) && item_ll(config, 7, &dec->block_size) &&
             item_ll(config, 8, &dec->max_position) && item_float(config, 9, &dec->eps) &&
             item_float(config, 10, &dec->scale) && item_ll(config, 11, &cache_type) &&
-            item_ll(config, 12, &v_cache_type) && item_ll(config, 13, &dec->v_offset);
+            item_ll(config, 12, &v_cache_type) && item_ll(config, 13, &dec->v_offset) &&
+            item_float(config, 14, &dec->residual_scale);
   dec->cos_sin = static_cast<const float*>(PyLong_AsVoidPtr(cos_sin));
   dec->final_norm = static_cast<const float*>(PyLong_AsVoidPtr(final_norm));
   ok = ok && !PyErr_Occurred();

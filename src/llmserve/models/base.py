@@ -98,8 +98,9 @@ class CausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
-        """The token embeddings the decoder stack starts from."""
-        return getattr(self, self.backbone_name).embed_tokens(input_ids)
+        """The token embeddings the decoder stack starts from (scaled where the stack scales them)."""
+        backbone = getattr(self, self.backbone_name)
+        return backbone.embed(input_ids) if hasattr(backbone, "embed") else backbone.embed_tokens(input_ids)
 
     def decoder_spec(self) -> DecoderSpec | None:
         """The stack as the fused CPU decoder takes it (`layers/quantization/fused_decoder.py`),

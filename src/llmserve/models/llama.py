@@ -100,7 +100,7 @@ class LlamaAttention(nn.Module):
             self.num_heads,
             D,
             self.num_kv_heads,
-            scale=D**-0.5,
+            scale=getattr(config, "attention_multiplier", None) or D**-0.5,  # Granite sets its own
             backend=backend,
             sliding_window=sliding_window_of(config, layer_idx),
             sinks=arch.sinks,
@@ -140,6 +140,8 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, layer_idx, backend, arch)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = build_mlp(config, layer_idx)
+        self.residual_multiplier = float(getattr(config, "residual_multiplier", 1.0))
+        """Granite scales each sublayer's output before it joins the residual stream (1: the others)."""
 
     def forward(self, x, residual, rotary, kv_cache, md) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it); the caller adds the two (the
@@ -149,8 +151,11 @@ class LlamaDecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, rotary, kv_cache, md)
+        if self.residual_multiplier != 1.0:
+            h = h * self.residual_multiplier
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        h = self.mlp(h)
+        return (h if self.residual_multiplier == 1.0 else h * self.residual_multiplier), residual
 
 
 class LlamaModel(nn.Module):
@@ -164,6 +169,7 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, i, backend, arch, build_mlp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.embedding_multiplier = float(getattr(config, "embedding_multiplier", 1.0))  # Granite's
         D = head_dim_of(config)
         rotary_dim = int(D * getattr(config, "partial_rotary_factor", 1.0))
         self.rotary_emb = RotaryEmbedding(
@@ -176,7 +182,7 @@ class LlamaModel(nn.Module):
         """`inputs_embeds` [T, H]: the stack's input instead of `input_ids`' embeddings (images'
         rows in place, qwen2_5_vl.py); `positions` [T], or [3, T] under M-RoPE. `deepstack`
         [k, T, H]: added to the hidden states after each of the first k layers (Qwen3-VL)."""
-        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         in_backend = self.layers[0].self_attn.attn.rope_in_backend
         rotary = RotaryInputs.make(self.rotary_emb, positions, x.dtype, in_backend)  # shared by every layer
         residual = None
@@ -186,6 +192,10 @@ class LlamaModel(nn.Module):
                 # the stream whole (as transformers sums it), then the layer's deep vectors
                 x, residual = x + residual + deepstack[i], None
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
+        x = self.embed_tokens(input_ids)
+        return x if self.embedding_multiplier == 1.0 else x * self.embedding_multiplier
 
     def decoder_spec(self) -> DecoderSpec:
         """The stack for the fused CPU decoder (each layer's MLP dense or a mixture of experts)."""
@@ -219,6 +229,7 @@ class LlamaModel(nn.Module):
             scale=attn0.attn.params.scale,
             eps=c.rms_norm_eps,
             activation=getattr(c, "hidden_act", "silu"),
+            residual_scale=self.layers[0].residual_multiplier,
         )
 
 

@@ -63,6 +63,8 @@ class DecoderSpec:
     scale: float
     eps: float
     activation: str
+    residual_scale: float = 1.0
+    """What each sublayer's output is multiplied by as it joins the residual stream (Granite)."""
 
 
 LORA_LINEARS = ("qkv", "o", "gate_up", "down")
@@ -226,6 +228,7 @@ class FusedDecoder:
             _CACHE_TYPES[k0.dtype],
             _CACHE_TYPES[v0.dtype],
             _v_offset(kv_caches[0]),
+            float(spec.residual_scale),
         )
         self._comm = comm  # kept alive with the decoder, which holds its address
         self.capsule = cpu_kernels.decoder_new(

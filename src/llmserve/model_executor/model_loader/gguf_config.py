@@ -241,6 +241,19 @@ def gpt_oss_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
     )
 
 
+def granite_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
+    """Granite 3.x dense: Llama's keys and its four multipliers, which llama.cpp calls scales."""
+    return transformers.GraniteConfig(
+        **_decoder_kwargs(ckpt),
+        **_rope_kwargs(_rope(ckpt)),
+        embedding_multiplier=ckpt.arch_field("embedding_scale", 1.0),
+        residual_multiplier=ckpt.arch_field("residual_scale", 1.0),
+        attention_multiplier=ckpt.arch_field("attention.scale", 1.0),
+        logits_scaling=ckpt.arch_field("logit_scale", 1.0),
+        attention_bias=ckpt.has_tensor("blk.0.attn_q.bias"),
+    )
+
+
 def smollm3_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
     """SmolLM3: Llama with every fourth layer unrotated (NoPE); llama.cpp writes no key for it and
     hard-codes the interval of 4, as transformers' config defaults it."""

@@ -282,6 +282,7 @@ _ARCHS: dict[str, _ArchSpec] = {
     "gemma3": _ArchSpec("Gemma3ForCausalLM", _GEMMA3_NAMES, _GEMMA3_FIXES, gguf_config.gemma3_config),
     "phi3": _ArchSpec("Phi3ForCausalLM", _PHI3_NAMES, {}, gguf_config.phi3_config),
     "smollm3": _ArchSpec("SmolLM3ForCausalLM", _LLAMA_NAMES, _LLAMA_FIXES, gguf_config.smollm3_config),
+    "granite": _ArchSpec("GraniteForCausalLM", _LLAMA_NAMES, _LLAMA_FIXES, gguf_config.granite_config),
     "gpt2": _ArchSpec("GPT2LMHeadModel", _GPT2_NAMES, _GPT2_FIXES, gguf_config.gpt2_config),
     "gpt-oss": _ArchSpec("GptOssForCausalLM", _GPT_OSS_NAMES, {}, gguf_config.gpt_oss_config),
     "bert": _ArchSpec("BertModel", _BERT_NAMES, {}, gguf_config.bert_config),
