@@ -86,6 +86,12 @@ def _granite() -> transformers.PretrainedConfig:
     )  # fmt: skip
 
 
+def _olmo2() -> transformers.PretrainedConfig:
+    return transformers.Olmo2Config(
+        **_LLAMA_LIKE, tie_word_embeddings=False, bos_token_id=None, eos_token_id=0, pad_token_id=None
+    )
+
+
 def _gpt2() -> transformers.PretrainedConfig:
     return transformers.GPT2Config(
         vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=256, initializer_range=0.15
@@ -136,6 +142,7 @@ TINY_CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
     "phi3": _phi3,
     "smollm3": _smollm3,
     "granite": _granite,
+    "olmo2": _olmo2,
     "gpt2": _gpt2,
     "mixtral": _mixtral,
     "qwen2-moe": _qwen2_moe,

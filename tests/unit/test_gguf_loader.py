@@ -75,6 +75,11 @@ TINY: dict[str, Callable[[], Any]] = {
         embedding_multiplier=12.0, attention_multiplier=0.0078125, residual_multiplier=0.25,
         logits_scaling=8.0, tie_word_embeddings=True, pad_token_id=None,
     ),
+    # norms after the sublayers; q and k normalised over all heads; nothing permuted
+    "olmo2": lambda: transformers.Olmo2Config(
+        **_DECODER, num_hidden_layers=2, num_key_value_heads=2, max_position_embeddings=128,
+        tie_word_embeddings=False, pad_token_id=None,
+    ),
     "gpt2": lambda: transformers.GPT2Config(
         vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4, bos_token_id=1, eos_token_id=2
     ),
@@ -338,7 +343,7 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
     for call in (ckpt.hf_config, lambda: ckpt.iter_weights(torch.float32)):
         with pytest.raises(
             UnsupportedArchitectureError,
-            match=rf"{path}.*'mamba'.*gemma3, gpt-oss, gpt2, granite, llama, phi3, qwen2, qwen2moe, qwen2vl, qwen3, qwen3moe, smollm3",
+            match=rf"{path}.*'mamba'.*gemma3, gpt-oss, gpt2, granite, llama, olmo2, phi3, qwen2, qwen2moe, qwen2vl, qwen3, qwen3moe, smollm3",
         ):
             call()
 

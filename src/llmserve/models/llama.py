@@ -159,6 +159,9 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    layer_cls: type[nn.Module] = LlamaDecoderLayer
+    """The decoder layer (olmo2.py's post-norm layer; same signature, same (output, residual))."""
+
     def __init__(
         self, config: Any, backend: AttentionBackend, arch: ArchFlags, build_mlp: MLPBuilder = dense_mlp
     ):
@@ -166,7 +169,7 @@ class LlamaModel(nn.Module):
         self.config = config
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, backend, arch, build_mlp) for i in range(config.num_hidden_layers)
+            self.layer_cls(config, i, backend, arch, build_mlp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.embedding_multiplier = float(getattr(config, "embedding_multiplier", 1.0))  # Granite's
@@ -235,6 +238,7 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(CausalLM):
     stacked_params = QKV_GATE_UP_STACKING
+    backbone_cls: type[LlamaModel] = LlamaModel
 
     @classmethod
     def build_mlp(cls, config: Any, layer_idx: int) -> nn.Module:
@@ -248,7 +252,7 @@ class LlamaForCausalLM(CausalLM):
 
     def __init__(self, config: Any, backend: AttentionBackend) -> None:
         super().__init__(config)
-        self.model = LlamaModel(config, backend, self.arch_flags(config), self.build_mlp)
+        self.model = self.backbone_cls(config, backend, self.arch_flags(config), self.build_mlp)
         tied = getattr(config, "tie_word_embeddings", False)
         self.lm_head = LMHead(
             config.vocab_size, config.hidden_size, self.model.embed_tokens if tied else None

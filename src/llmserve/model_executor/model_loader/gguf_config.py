@@ -254,6 +254,19 @@ def granite_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
     )
 
 
+def olmo2_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
+    """OLMo 2 (a file with a sliding window is OLMo 3's, whose per-layer RoPE is not read: refused)."""
+    if ckpt.arch_field("attention.sliding_window"):
+        raise ModelLoadError(
+            f"{ckpt.parts[0]}: an OLMo 3 file (sliding-window layers); llmserve reads OLMo 2's"
+        )
+    return transformers.Olmo2Config(
+        **_decoder_kwargs(ckpt),
+        **_rope_kwargs(_rope(ckpt)),
+        attention_bias=ckpt.has_tensor("blk.0.attn_q.bias"),
+    )
+
+
 def smollm3_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
     """SmolLM3: Llama with every fourth layer unrotated (NoPE); llama.cpp writes no key for it and
     hard-codes the interval of 4, as transformers' config defaults it."""

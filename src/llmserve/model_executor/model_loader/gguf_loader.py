@@ -187,6 +187,15 @@ _PHI3_NAMES = {
     "blk.{bid}.attn_qkv": "model.layers.{bid}.self_attn.qkv_proj",
     "blk.{bid}.ffn_up": "model.layers.{bid}.mlp.gate_up_proj",
 }
+# OLMo 2: norms after the attention and the MLP, none before; q and k normalised over all heads
+_OLMO2_NAMES = {
+    k: v
+    for k, v in _QWEN3_NAMES.items()
+    if k not in _MIXTRAL_EXPERT_NAMES and k not in ("blk.{bid}.attn_norm", "blk.{bid}.ffn_norm")
+} | {
+    "blk.{bid}.post_attention_norm": "model.layers.{bid}.post_attention_layernorm",
+    "blk.{bid}.post_ffw_norm": "model.layers.{bid}.post_feedforward_layernorm",
+}
 _GPT2_NAMES = {
     "token_embd": "transformer.wte",
     "position_embd": "transformer.wpe",
@@ -283,6 +292,7 @@ _ARCHS: dict[str, _ArchSpec] = {
     "phi3": _ArchSpec("Phi3ForCausalLM", _PHI3_NAMES, {}, gguf_config.phi3_config),
     "smollm3": _ArchSpec("SmolLM3ForCausalLM", _LLAMA_NAMES, _LLAMA_FIXES, gguf_config.smollm3_config),
     "granite": _ArchSpec("GraniteForCausalLM", _LLAMA_NAMES, _LLAMA_FIXES, gguf_config.granite_config),
+    "olmo2": _ArchSpec("Olmo2ForCausalLM", _OLMO2_NAMES, {}, gguf_config.olmo2_config),
     "gpt2": _ArchSpec("GPT2LMHeadModel", _GPT2_NAMES, _GPT2_FIXES, gguf_config.gpt2_config),
     "gpt-oss": _ArchSpec("GptOssForCausalLM", _GPT_OSS_NAMES, {}, gguf_config.gpt_oss_config),
     "bert": _ArchSpec("BertModel", _BERT_NAMES, {}, gguf_config.bert_config),
