@@ -5,7 +5,7 @@ HF -> GGUF name map, and the converter's changes are re-done here from llama.cpp
 
     llama   q_proj / k_proj rows permuted per head: (x0..x_{h-1}, y0..y_{h-1}) -> (x0, y0, x1, y1, ...)
             (smollm3 and granite likewise: llama.cpp converts them with LlamaModel subclasses)
-    gemma3  every `*norm.weight` stored as (w + 1)
+    gemma2, gemma3  every `*norm.weight` stored as (w + 1)
     phi3    nothing permuted (GPT-NeoX rotation); LongRoPE's factor sets written as tensors
     gpt2    Conv1D weights ([in, out] in HF) stored transposed; the causal-mask buffers dropped
     gpt-oss the stacked [experts, in, out] gate_up split (interleaved columns) into gate and up
@@ -105,7 +105,7 @@ def convert_state_dict(arch: str, config: Any, state_dict: dict[str, torch.Tenso
             w = _permute(w, config.num_attention_heads)
         if arch in _LLAMA_CONVERTED and name.endswith(("k_proj.weight", "k_proj.bias")):
             w = _permute(w, config.num_key_value_heads)
-        if arch == "gemma3" and name.endswith("norm.weight"):
+        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             w = w + 1
         if name.endswith("shared_expert_gate.weight"):  # llama.cpp's tensor is a vector, {n_embd}
             w = w.reshape(-1)
@@ -138,7 +138,7 @@ def hf_metadata(arch: str, config: Any) -> Callable[[GGUFWriter], None]:
             w.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
             head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
             if (
-                arch in ("qwen3", "gemma3", "gpt-oss")
+                arch in ("qwen3", "gemma2", "gemma3", "gpt-oss")
                 or head_dim != config.hidden_size // config.num_attention_heads
             ):
                 w.add_key_length(head_dim)
@@ -146,8 +146,11 @@ def hf_metadata(arch: str, config: Any) -> Callable[[GGUFWriter], None]:
             if arch in _LLAMA_CONVERTED:  # LlamaModel (and its subclasses) also writes these
                 w.add_vocab_size(config.vocab_size)
                 w.add_rope_dimension_count(head_dim)
-            if arch in ("gemma3", "gpt-oss"):
+            if arch in ("gemma2", "gemma3", "gpt-oss"):
                 w.add_sliding_window(config.sliding_window)
+            if arch == "gemma2":  # Gemma2Model.set_gguf_parameters
+                w.add_attn_logit_softcapping(config.attn_logit_softcapping)
+                w.add_final_logit_softcapping(config.final_logit_softcapping)
             if arch == "phi3":  # llama.cpp's Phi3MiniModel.set_gguf_parameters
                 _phi3_metadata(w, config)
             if arch == "granite":  # GraniteModel.set_gguf_parameters: the multipliers as "scales"

@@ -92,6 +92,14 @@ def _olmo2() -> transformers.PretrainedConfig:
     )
 
 
+def _gemma2() -> transformers.PretrainedConfig:
+    # soft caps low enough to bend this random model's scores and logits (Gemma 2's: 50 and 30)
+    return transformers.Gemma2Config(
+        **_LLAMA_LIKE, head_dim=32, sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+        final_logit_softcapping=5.0,
+    )  # fmt: skip
+
+
 def _gpt2() -> transformers.PretrainedConfig:
     return transformers.GPT2Config(
         vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=256, initializer_range=0.15
@@ -143,6 +151,7 @@ TINY_CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
     "smollm3": _smollm3,
     "granite": _granite,
     "olmo2": _olmo2,
+    "gemma2": _gemma2,
     "gpt2": _gpt2,
     "mixtral": _mixtral,
     "qwen2-moe": _qwen2_moe,

@@ -81,6 +81,21 @@ def test_cpu_matches_torch_on_mixed_batches(block_size, num_heads, num_kv_heads,
     assert set(cpu_paged._paged_decode.signatures) == compiled
 
 
+@pytest.mark.parametrize("sliding_window", [None, 20])
+def test_softcap_matches_torch(sliding_window):
+    """Gemma 2's soft cap (c * tanh(scale * q.k / c) before the softmax), at a cap of 0.5 that
+    bends every score: the kernel's decodes equal the reference's, and differ from no cap."""
+    params = AttentionParams(6, 2, 64, 64**-0.5, sliding_window, softcap=0.5)
+    out, ref, cache, cache_ref, md = _run_both(params, (QUERY_LENS, SEQ_LENS), 64, 16, seed=4)
+    assert md.derived[("cpu_decode", 2, sliding_window or 0)] is not None
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(cache, cache_ref)
+    uncapped = _run_both(
+        AttentionParams(6, 2, 64, 64**-0.5, sliding_window), (QUERY_LENS, SEQ_LENS), 64, 16, seed=4
+    )
+    assert not torch.allclose(uncapped[0], out, atol=1e-3)
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("sliding_window", [None, 20])
 @pytest.mark.parametrize("block_size", [16, 8])

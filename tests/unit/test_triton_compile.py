@@ -47,17 +47,17 @@ def _attention_variants() -> None:
 
     np2 = triton.next_power_of_2
     part = {"part_acc_ptr": "fp32", "part_ml_ptr": "fp32", "seq_lens_ptr": "i32", "q_start_ptr": "i32"}
-    # (dtype, head_dim, group, splits, window, block table dtype, sinks)
-    for dt, D, group, splits, window, table, sinks in [
-        ("bf16", 64, 4, 16, True, "i64", True),
-        ("fp16", 80, 2, 1, False, "i32", True),
-        ("fp32", 128, 1, 4, False, "i64", False),
+    # (dtype, head_dim, group, splits, window, block table dtype, sinks, softcap)
+    for dt, D, group, splits, window, table, sinks, softcap in [
+        ("bf16", 64, 4, 16, True, "i64", True, False),
+        ("fp16", 80, 2, 1, False, "i32", True, True),
+        ("fp32", 128, 1, 4, False, "i64", False, True),
     ]:
-        types = {"*": dt, "table_ptr": table, "scale_log2": "fp32", **part}
+        types = {"*": dt, "table_ptr": table, "scale_log2": "fp32", "softcap": "fp32", **part}
         d_pad = max(16, np2(D))
         block_n, num_warps, num_stages = K._decode_tiles(d_pad)
         common = dict(HEAD_DIM=D, D_PAD=d_pad, BLOCK_N=block_n, HAS_WINDOW=window, HAS_SINKS=sinks)
-        flags = dict(BLOCK_SIZE=16, GROUP=group, IEEE=dt == "fp32", UPCAST=False)
+        flags = dict(BLOCK_SIZE=16, GROUP=group, IEEE=dt == "fp32", UPCAST=False, SOFTCAP=softcap)
         _compile(
             K._decode_kernel,
             types,

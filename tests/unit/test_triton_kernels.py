@@ -68,6 +68,7 @@ class Case:
     num_kv_heads: int = 2
     table_dtype: torch.dtype = torch.int64
     sinks: bool = False  # learned per-head sink logits (gpt-oss)
+    softcap: float | None = None  # Gemma 2's attention logit soft cap
 
 
 CASES = {
@@ -103,6 +104,10 @@ CASES = {
     ),
     "prefill-sinks-window16-g4-bf16": Case(PREFILL, group=4, window=16, dtype=BF16, sinks=True),
     "mixed-sinks-g2-f32": Case(MIXED, sinks=True),
+    # a cap of 2 on scores of about N(0, 1): tanh bends most of them, a missing cap fails by far
+    "decode-softcap-split4-window20-g2-f32": Case(LONG_DECODE, window=20, splits=4, softcap=2.0),
+    "mixed-softcap-g4-bf16": Case(MIXED, group=4, dtype=BF16, softcap=2.0),
+    "prefill-softcap-window16-g2-f16": Case(PREFILL, window=16, dtype=F16, softcap=2.0),
 }
 
 
@@ -137,7 +142,9 @@ def make_batch(case: Case, seed: int = 0) -> Batch:
 
     positions = torch.cat([torch.arange(s - q, s) for q, s in case.seqs]).to(DEVICE)
     return Batch(
-        params=AttentionParams(H, H_kv, D, D**-0.5, case.window, randn(H) * 3 if case.sinks else None),
+        params=AttentionParams(
+            H, H_kv, D, D**-0.5, case.window, randn(H) * 3 if case.sinks else None, case.softcap
+        ),
         metadata=md,
         q=randn(T, H, D),
         k=randn(T, H_kv, D),

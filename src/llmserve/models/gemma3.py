@@ -1,4 +1,6 @@
-"""Gemma 3 text models (Gemma3ForCausalLM: 270M, 1B, and the text half of the larger ones).
+"""Gemma 3 text models (Gemma3ForCausalLM: 270M, 1B, and the text half of the larger ones), and
+Gemma 2 (Gemma2ForCausalLM: 2B, 9B, 27B), the same stack without q/k norms, with one RoPE for
+both layer types and its attention scores soft-capped (c * tanh(s / c), `attn_logit_softcapping`).
 
     x = embed(ids) * sqrt(hidden)                  the scale rounded to the activation dtype, as HF does
     for each layer (sliding or full attention, each type with its own RoPE base):
@@ -52,9 +54,15 @@ def gemma3_rope_parameters(config: Any, layer_type: str) -> dict[str, Any]:
     params = getattr(config, "rope_parameters", None)
     if isinstance(params, dict) and layer_type in params:
         return rope_parameters(config, layer_type)
+    if is_gemma2(config):  # one RoPE for both layer types
+        return rope_parameters(config)
     if layer_type == SLIDING:
         return {"rope_type": "default", "rope_theta": float(getattr(config, "rope_local_base_freq", 10000.0))}
     return rope_parameters(config)
+
+
+def is_gemma2(config: Any) -> bool:
+    return getattr(config, "model_type", "") == "gemma2"
 
 
 class Gemma3Attention(nn.Module):
@@ -70,10 +78,12 @@ class Gemma3Attention(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         self.qkv_proj = Linear(H, [self.q_size, self.kv_size, self.kv_size], bias=bias)
         self.o_proj = Linear(self.q_size, H, bias=bias)
-        self.q_norm = RMSNorm(D, config.rms_norm_eps, weight_offset=1.0)
-        self.k_norm = RMSNorm(D, config.rms_norm_eps, weight_offset=1.0)
-        # `attn_logit_softcapping` is deliberately not passed: transformers' Gemma 3 attention never
-        # applies it (Gemma 2 did; Gemma 3 replaced it with q/k norms), and we match its logits.
+        gemma2 = is_gemma2(config)
+        self.q_norm = None if gemma2 else RMSNorm(D, config.rms_norm_eps, weight_offset=1.0)
+        self.k_norm = None if gemma2 else RMSNorm(D, config.rms_norm_eps, weight_offset=1.0)
+        # Gemma 2 soft-caps its attention scores; Gemma 3 replaced that with q/k norms, and its
+        # config's `attn_logit_softcapping` is never applied by transformers (nor here).
+        softcap = getattr(config, "attn_logit_softcapping", None) if gemma2 else None
         window = getattr(config, "sliding_window", None)
         self.attn = Attention(
             self.num_heads,
@@ -82,6 +92,7 @@ class Gemma3Attention(nn.Module):
             scale=float(config.query_pre_attn_scalar) ** -0.5,
             backend=backend,
             sliding_window=int(window) if layer_type == SLIDING and window else None,
+            softcap=float(softcap) if softcap else None,
         )
 
     def forward(
@@ -96,8 +107,9 @@ class Gemma3Attention(nn.Module):
         q = qkv[:, : self.q_size].view(T, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(T, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :]
-        # norm per head, then the attention layer rotates (or its backend does, writing K/V)
-        out = self.attn(self.q_norm(q), self.k_norm(k), v, kv_cache, md, rotary)
+        if self.q_norm is not None:  # norm per head (Gemma 3), then the attention layer rotates
+            q, k = self.q_norm(q), self.k_norm(k)  # (or its backend does, writing K/V)
+        out = self.attn(q, k, v, kv_cache, md, rotary)
         return self.o_proj(out)
 
 
@@ -201,3 +213,8 @@ class Gemma3ForCausalLM(CausalLM):
                 name = "model." + name.removeprefix(prefix)
                 break
         return super().map_weight_name(name)
+
+
+class Gemma2ForCausalLM(Gemma3ForCausalLM):
+    """Gemma 2: `is_gemma2` configs build the variant (no q/k norms, soft-capped attention scores,
+    one RoPE); the final logits are soft-capped as Gemma 3's may be (`final_logit_softcapping`)."""

@@ -34,6 +34,8 @@ class AttentionParams:
     """[num_heads] learned sink logits (gpt-oss): one more term exp(sink) in each query's softmax
     denominator, a key with no value, so a head can attend to nothing. Not part of the geometry:
     layers that differ only in their sinks share their per-forward metadata."""
+    softcap: float | None = None
+    """Gemma 2's attention logit soft cap c: scores become c * tanh(scale * q.k / c) (None: none)."""
 
 
 class AttentionBackend(Protocol):

@@ -207,10 +207,13 @@ def _accumulate_rows(s, col, vb, t, n, out):  # type: ignore[no-untyped-def]
 
 
 @jit(fastmath=FASTMATH, boundscheck=False, nogil=True)
-def _attend_one(q, k, v, table, seq_len, window, scale, sinks, out, next_k, next_table, next_first, next_end):  # type: ignore[no-untyped-def]
+def _attend_one(
+    q, k, v, table, seq_len, window, scale, softcap, sinks, out, next_k, next_table, next_first, next_end
+):  # type: ignore[no-untyped-def]
     """One work item: the query heads q [G, D] that share KV head k, v [num_blocks, block_size, D]
     over the last `window` positions (all when 0) of a `seq_len` context whose block ids are
-    `table`; into out [G, D]. `sinks`: the heads' sink logits [G], or [0] for none. Blocks are
+    `table`; into out [G, D]. `softcap`: Gemma 2's cap c on the scaled scores (0: none). `sinks`:
+    the heads' sink logits [G], or [0] for none. Blocks are
     read in the order K blocks, V blocks, then the next work item's K blocks (`next_*`), and
     prefetched _AHEAD blocks down that stream."""
     G, D = q.shape
@@ -235,18 +238,26 @@ def _attend_one(q, k, v, table, seq_len, window, scale, sinks, out, next_k, next
             _prefetch_rows(ahead_flat, ahead, t, row)
             _score_rows(q, kb, t, min(_ROWS, t1 - t), s, i * bs + t - start)
 
-    # 2. probabilities in place: exp(scale * (s - max)) / sum
+    # 2. probabilities in place: exp(scale * (s - max)) / sum; a soft cap c first replaces the
+    #    scores by c * tanh(scale * s / c), which the softmax then takes unscaled
+    sc = np.float32(scale)
+    if softcap > 0:
+        cap = np.float32(softcap)
+        for g in range(G):
+            for t in range(s.shape[1]):
+                s[g, t] = cap * np.float32(math.tanh(sc * s[g, t] / cap))
+        sc = np.float32(1.0)
     for g in range(G):
         m = np.float32(-3.0e38)
         for t in range(s.shape[1]):
             m = max(m, s[g, t])
         total = np.float32(0.0)
         for t in range(s.shape[1]):
-            p = _exp_nonpositive(np.float32(scale) * (s[g, t] - m))
+            p = _exp_nonpositive(sc * (s[g, t] - m))
             s[g, t] = p
             total += p
         if sinks.shape[0] > 0:  # exp(sink - max) joins the denominator; an overflow means ~0 out
-            total += np.float32(math.exp(sinks[g] - np.float32(scale) * m))
+            total += np.float32(math.exp(sinks[g] - sc * m))
         inv = np.float32(1.0) / total
         for t in range(s.shape[1]):
             s[g, t] *= inv
@@ -267,7 +278,7 @@ def _attend_one(q, k, v, table, seq_len, window, scale, sinks, out, next_k, next
 
 
 @jit(parallel=True, boundscheck=False)
-def _paged_decode(query, k_cache, v_cache, block_tables, decodes, bounds, scale, window, sinks, out):  # type: ignore[no-untyped-def]
+def _paged_decode(query, k_cache, v_cache, block_tables, decodes, bounds, scale, softcap, window, sinks, out):  # type: ignore[no-untyped-def]
     """query, out: [T, H_kv, G, D]; k_cache, v_cache: [H_kv, num_blocks, block_size, D];
     sinks: [H_kv, G] sink logits, or [H_kv, 0] for a layer without them;
     decodes: [B, 3] (sequence index, batch row, seq_len). Work item i is (decode i // H_kv,
@@ -287,6 +298,7 @@ def _paged_decode(query, k_cache, v_cache, block_tables, decodes, bounds, scale,
                 decodes[b, 2],
                 window,
                 scale,
+                softcap,
                 sinks[h],
                 out[row, h],
                 k_cache[nh],
@@ -425,6 +437,7 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
             work.decodes,
             work.bounds,
             float(params.scale),
+            float(params.softcap or 0.0),
             window,
             sinks,
             out.numpy().reshape(T, H_kv, H // H_kv, D),
@@ -445,7 +458,7 @@ def _warm_up(kv_cache_dtype: torch.dtype | KVDtypes = torch.float32) -> None:
     k, v = (_cache_view(torch.zeros((1, 1, 1, 16), dtype=d)) for d in (dtypes.k, dtypes.v))
     decodes, bounds = np.array([[0, 0, 1]], np.int64), np.array([0, 1], np.int64)
     sinks = np.zeros((1, 0), np.float32)
-    _paged_decode(q, k, v, np.zeros((1, 1), np.int64), decodes, bounds, 1.0, 0, sinks, np.empty_like(q))
+    _paged_decode(q, k, v, np.zeros((1, 1), np.int64), decodes, bounds, 1.0, 0.0, 0, sinks, np.empty_like(q))
 
 
 @register_attention_backend("cpu")

@@ -25,14 +25,18 @@ class Attention(nn.Module):
         backend: AttentionBackend,
         sliding_window: int | None = None,
         sinks: bool = False,
+        softcap: float | None = None,
     ) -> None:
         """`sinks`: the layer has learned per-head sink logits (gpt-oss), a parameter of this
-        module that the backend reads through `params.sinks`."""
+        module that the backend reads through `params.sinks`. `softcap`: Gemma 2's cap on the
+        scaled attention scores."""
         super().__init__()
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.sinks = nn.Parameter(torch.empty(num_heads), requires_grad=False) if sinks else None
-        self.params = AttentionParams(num_heads, num_kv_heads, head_dim, scale, sliding_window, self.sinks)
+        self.params = AttentionParams(
+            num_heads, num_kv_heads, head_dim, scale, sliding_window, self.sinks, softcap
+        )
         self.backend = backend
 
     @property

@@ -9,7 +9,9 @@
      sliding window.
 
 A layer with sink logits (gpt-oss, `AttentionParams.sinks`) adds each head's sink as one more
-column of its softmax, then drops it; its prefills run in plain matmuls (SDPA has no such term).
+column of its softmax, then drops it; a layer with a soft cap (Gemma 2, `AttentionParams.softcap`)
+passes its scaled scores through c * tanh(s / c) first. Their prefills run in plain matmuls
+(SDPA has neither term).
 
 Gathers index dim 0 of a flat [H_kv * num_blocks, block_size, D] view: indexing any other dim
 of a multi-GiB cache tensor is an order of magnitude slower in torch.
@@ -94,9 +96,16 @@ def _attend_one_query(
     """
     H, H_kv, D = params.num_heads, params.num_kv_heads, params.head_dim
     q = q.reshape(H_kv, H // H_kv, D)  # [H_kv, group, D]
-    scores = torch.bmm(q, k.transpose(1, 2)).mul_(params.scale)  # [H_kv, group, s_len]
+    scores = _capped(torch.bmm(q, k.transpose(1, 2)).mul_(params.scale), params)  # [H_kv, group, s_len]
     probs = _softmax(scores, _sinks(params, H_kv, H // H_kv, 1)).to(q.dtype)
     return torch.bmm(probs, v).view(H, 1, D)
+
+
+def _capped(scores: torch.Tensor, params: AttentionParams) -> torch.Tensor:
+    """Scaled scores through the layer's soft cap c * tanh(s / c) (in place), as they are without."""
+    if params.softcap is None:
+        return scores
+    return scores.div_(params.softcap).tanh_().mul_(params.softcap)
 
 
 def _sinks(params: AttentionParams, *shape: int) -> torch.Tensor | None:
@@ -113,19 +122,19 @@ def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
     return torch.softmax(torch.cat([scores, column], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
 
 
-def _attend_with_sinks(
+def _attend_plain(
     params: AttentionParams,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     mask: torch.Tensor | str | None,
 ) -> torch.Tensor:
-    """`_attend` for a layer with sinks, in plain matmuls (SDPA has no sink term):
+    """`_attend` for a layer with sinks or a soft cap, in plain matmuls (SDPA has neither term):
     q [H, q_len, D], k/v [H_kv, s_len, D] -> [H, q_len, D]."""
     H, H_kv, D = params.num_heads, params.num_kv_heads, params.head_dim
     G, q_len, s_len = H // H_kv, q.shape[1], k.shape[1]
     scores = torch.bmm(q.reshape(H_kv, G * q_len, D), k.transpose(1, 2)).mul_(params.scale)
-    scores = scores.view(H_kv, G, q_len, s_len)
+    scores = _capped(scores, params).view(H_kv, G, q_len, s_len)
     if isinstance(mask, str):  # CAUSAL: q_len == s_len
         mask = torch.ones(q_len, s_len, dtype=torch.bool, device=q.device).tril_()
     if mask is not None:
@@ -144,8 +153,8 @@ def _attend(
     """q: [H, q_len, D], k/v: [H_kv, s_len, D] -> [H, q_len, D]."""
     if mask is None and q.shape[1] == 1:
         return _attend_one_query(params, q, k, v)
-    if params.sinks is not None:
-        return _attend_with_sinks(params, q, k, v, mask)
+    if params.sinks is not None or params.softcap is not None:
+        return _attend_plain(params, q, k, v, mask)
     causal = isinstance(mask, str)
     # 4-D inputs: on CPU only those reach SDPA's flash kernel (3x faster than the 3-D math path).
     return F.scaled_dot_product_attention(
@@ -319,7 +328,7 @@ def _decode_batch(
     )
     k, v = k.reshape(H_kv, B, -1, D), v.reshape(H_kv, B, -1, D)  # [H_kv, B, S, D]
     q = query.index_select(0, plan.rows).view(B, H_kv, H // H_kv, D).transpose(0, 1)  # [H_kv, B, g, D]
-    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(params.scale)  # [H_kv, B, g, S]
+    scores = _capped(torch.matmul(q, k.transpose(-1, -2)).mul_(params.scale), params)  # [H_kv, B, g, S]
     scores += plan.bias.to(scores.dtype)[None, :, None, :]
     probs = _softmax(scores, _sinks(params, H_kv, 1, H // H_kv, 1)).to(q.dtype)
     out = torch.matmul(probs, v)  # [H_kv, B, g, D]

@@ -143,7 +143,15 @@ class TritonAttentionBackend:
         tables, scale, window = metadata.block_tables, params.scale, params.sliding_window
         if max_query_len > 1:
             out = self._kernels.varlen_paged_attention(
-                query, kv_cache, tables, seq_lens, query_start_loc, scale, window, sinks=params.sinks
+                query,
+                kv_cache,
+                tables,
+                seq_lens,
+                query_start_loc,
+                scale,
+                window,
+                sinks=params.sinks,
+                softcap=params.softcap,
             )
             # Sequences with images (their tokens attend both ways, which the kernel's causal mask
             # does not do) rerun on the torch reference, reading the K/V just written: prefill
@@ -166,6 +174,7 @@ class TritonAttentionBackend:
             num_splits=splits,
             workspace=workspace,
             sinks=params.sinks,
+            softcap=params.softcap,
         )
 
     def _splits(self, num_seqs: int, num_kv_heads: int, device: torch.device) -> int:

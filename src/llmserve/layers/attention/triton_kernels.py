@@ -78,13 +78,14 @@ MAX_DECODE_SPLITS = 16
 @triton.jit
 def _attend_tiles(
     acc, m_i, l_i, q, q_pos, k_base, v_base, table_row, kv_lo, kv_hi, window, stride_blk, stride_row,
-    scale_log2, BLOCK_SIZE: tl.constexpr, MASK_PER_ROW: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    scale_log2, softcap, BLOCK_SIZE: tl.constexpr, MASK_PER_ROW: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """Online softmax of the rows `q` [M, D_PAD] over keys [kv_lo, kv_hi) of one sequence.
 
-    1. gather the tile's block ids, load K [BLOCK_N, D] and score s = q K^T (base-2 logits);
+    1. gather the tile's block ids, load K [BLOCK_N, D] and score s = q K^T (base-2 logits;
+       SOFTCAP: Gemma 2's c * tanh(s / c) on the natural-log scores first);
     2. mask keys past kv_hi and, per row (MASK_PER_ROW), keys after q_pos or out of the window;
     3. rescale the running (acc, m, l) by exp2(m_old - m_new) and add this tile's p V.
     A row that has seen no visible key keeps m = -inf; m_safe keeps its exp2 finite (0).
@@ -101,6 +102,9 @@ def _attend_tiles(
         kv_mask = t_ok[:, None] & d_ok[None, :]
         k = cast(tl.load(k_base + kv_offs, mask=kv_mask, other=0.0), q.dtype)
         s = dot(q, tl.trans(k), IEEE, UPCAST) * scale_log2  # [M, BLOCK_N]
+        if SOFTCAP:  # tanh(x) = 2 / (1 + e^-2x) - 1, which saturates to +-1 without overflow
+            x = s * (1.0 / 1.4426950408889634) / softcap
+            s = (2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0) * (softcap * 1.4426950408889634)
         visible = t_ok[None, :]
         if MASK_PER_ROW:
             visible = visible & (t[None, :] <= q_pos[:, None])
@@ -147,10 +151,10 @@ def _split_range(seq_len, window, HAS_WINDOW: tl.constexpr, NUM_SPLITS: tl.const
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     q_ptr, cache_ptr, table_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr, sinks_ptr, scale_log2,
-    window, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_kv, stride_kvh, stride_blk,
+    softcap, window, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_kv, stride_kvh, stride_blk,
     stride_row, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, G_PAD: tl.constexpr,
     D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_SINKS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_SINKS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -180,8 +184,8 @@ def _decode_kernel(
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, g, k_base, k_base + stride_kv, table_ptr + seq.to(tl.int64) * stride_bt,
-        start, end, window, stride_blk, stride_row, scale_log2,
-        BLOCK_SIZE, False, False, HEAD_DIM, D_PAD, BLOCK_N, IEEE, UPCAST,
+        start, end, window, stride_blk, stride_row, scale_log2, softcap,
+        BLOCK_SIZE, False, False, HEAD_DIM, D_PAD, BLOCK_N, IEEE, UPCAST, SOFTCAP,
     )  # fmt: skip
     if NUM_SPLITS == 1:
         l_i = _with_sinks(l_i, m_i, sinks_ptr, heads, g_ok, HAS_SINKS)
@@ -238,11 +242,11 @@ def _merge_kernel(
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _varlen_kernel(
     q_ptr, cache_ptr, table_ptr, seq_lens_ptr, q_start_ptr, out_ptr, sinks_ptr,
-    scale_log2, window, num_seqs,
+    scale_log2, softcap, window, num_seqs,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_kv, stride_kvh, stride_blk, stride_row,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, G_PAD: tl.constexpr,
     D_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_SINKS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_SINKS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -291,8 +295,8 @@ def _varlen_kernel(
     l_i = tl.zeros([BLOCK_Q * G_PAD], dtype=tl.float32)
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, q_pos, k_base, k_base + stride_kv, table_ptr + seq.to(tl.int64) * stride_bt,
-        kv_lo, kv_hi, window, stride_blk, stride_row, scale_log2,
-        BLOCK_SIZE, True, HAS_WINDOW, HEAD_DIM, D_PAD, BLOCK_N, IEEE, UPCAST,
+        kv_lo, kv_hi, window, stride_blk, stride_row, scale_log2, softcap,
+        BLOCK_SIZE, True, HAS_WINDOW, HEAD_DIM, D_PAD, BLOCK_N, IEEE, UPCAST, SOFTCAP,
     )  # fmt: skip
     l_i = _with_sinks(l_i, m_i, sinks_ptr, heads, row_ok, HAS_SINKS)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -351,6 +355,7 @@ def paged_decode_attention(
     workspace: torch.Tensor | None = None,  # float32, >= decode_workspace_numel(...)
     out: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,  # [H] sink logits (gpt-oss)
+    softcap: float | None = None,  # Gemma 2's cap on the scaled scores
 ) -> torch.Tensor:  # [num_seqs, H, D]
     """Attention of each sequence's one new token over its paged context (split-K when
     num_splits > 1: the decode kernel, then `_merge_kernel`)."""
@@ -371,11 +376,12 @@ def paged_decode_attention(
     window = sliding_window or 0
     _decode_kernel[(num_seqs, H_kv, num_splits)](
         query, kv_cache, block_tables, seq_lens, out, part_acc, part_ml, query if sinks is None else sinks,
-        scale * LOG2E, window,
+        scale * LOG2E, softcap or 1.0, window,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), *_cache_args(kv_cache, block_tables),
         BLOCK_SIZE=kv_cache.shape[3], GROUP=group, HEAD_DIM=D, G_PAD=max(16, triton.next_power_of_2(group)),
         D_PAD=d_pad, BLOCK_N=block_n, NUM_SPLITS=num_splits, HAS_WINDOW=window > 0, HAS_SINKS=sinks is not None,
         IEEE=query.dtype == torch.float32, UPCAST=UPCAST_BF16 and query.dtype == torch.bfloat16,
+        SOFTCAP=softcap is not None,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
@@ -398,6 +404,7 @@ def varlen_paged_attention(
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,  # [H] sink logits (gpt-oss)
+    softcap: float | None = None,  # Gemma 2's cap on the scaled scores
 ) -> torch.Tensor:  # [T, H, D]
     """Causal attention (aligned to each context's end) for any mix of prefill chunks and decodes."""
     _, H_kv, D, group = _check(query, kv_cache)
@@ -409,11 +416,12 @@ def varlen_paged_attention(
     window = sliding_window or 0
     _varlen_kernel[(T // block_q + num_seqs, H_kv)](
         query, kv_cache, block_tables, seq_lens, query_start_loc, out, query if sinks is None else sinks,
-        scale * LOG2E, window, num_seqs,
+        scale * LOG2E, softcap or 1.0, window, num_seqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), *_cache_args(kv_cache, block_tables),
         BLOCK_SIZE=kv_cache.shape[3], GROUP=group, HEAD_DIM=D, G_PAD=g_pad, D_PAD=d_pad,
         BLOCK_Q=block_q, BLOCK_N=block_n, HAS_WINDOW=window > 0, HAS_SINKS=sinks is not None,
         IEEE=query.dtype == torch.float32, UPCAST=UPCAST_BF16 and query.dtype == torch.bfloat16,
+        SOFTCAP=softcap is not None,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

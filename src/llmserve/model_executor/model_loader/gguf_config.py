@@ -219,6 +219,25 @@ def gemma3_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
     )
 
 
+def gemma2_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
+    """Gemma 2, with llama.cpp's rules for what the GGUF leaves out: every other layer sliding
+    (the first one), a window of 4096, and queries scaled by 1/sqrt(head_dim) except in 27B (46
+    layers), which uses hidden / heads (Google's gemma_pytorch config)."""
+    kw = _decoder_kwargs(ckpt)
+    n_layer = kw["num_hidden_layers"]
+    scalar = kw["hidden_size"] // kw["num_attention_heads"] if n_layer == 46 else kw["head_dim"]
+    return transformers.Gemma2Config(
+        **kw,
+        **_rope_kwargs(_rope(ckpt)),
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layer)],
+        sliding_window=ckpt.arch_field("attention.sliding_window", 4096),
+        query_pre_attn_scalar=scalar,
+        hidden_activation="gelu_pytorch_tanh",
+        attn_logit_softcapping=ckpt.arch_field("attn_logit_softcapping"),
+        final_logit_softcapping=ckpt.arch_field("final_logit_softcapping"),
+    )
+
+
 def gpt_oss_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
     """gpt-oss. llama.cpp hard-codes the rest, and so do we: sliding attention on even layers, the
     clamped SwiGLU's alpha 1.702 and limit 7, and YaRN without truncating its ramp's ends (as

@@ -13,7 +13,8 @@ converter changed so each tensor equals the HF original:
             the Conv3d patch kernel [C, 3, T, P, P] as T 2-D kernels   -> stacked on axis 2
             (`v.patch_embd.weight`, `v.patch_embd.weight.1`)
 
-The vision projector's tables (architecture `clip`, by `clip.projector_type`) are gguf_clip.py's.
+The per-architecture name tables and fixes are gguf_names.py's; the vision projector's (architecture
+`clip`, by `clip.projector_type`) gguf_clip.py's.
 
 Does not know models, devices or tokenizers (the GGUF vocabulary is the tokenizer's business).
 """
@@ -38,7 +39,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
 from gguf.quants import dequantize
 
 from llmserve.layers.quantization.formats import QuantizedRows
-from llmserve.model_executor.model_loader import gguf_clip, gguf_config
+from llmserve.model_executor.model_loader import gguf_clip, gguf_config, gguf_names
 from llmserve.model_executor.model_loader.errors import (
     ModelLoadError,
     ModelNotFoundError,
@@ -114,145 +115,6 @@ def _open(path: Path) -> GGUFReader:
         raise ModelLoadError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
 
 
-# -- per-architecture tables ----------------------------------------------------------------------
-
-_LLAMA_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-    "blk.{bid}.attn_norm": "model.layers.{bid}.input_layernorm",
-    "blk.{bid}.attn_q": "model.layers.{bid}.self_attn.q_proj",
-    "blk.{bid}.attn_k": "model.layers.{bid}.self_attn.k_proj",
-    "blk.{bid}.attn_v": "model.layers.{bid}.self_attn.v_proj",
-    "blk.{bid}.attn_output": "model.layers.{bid}.self_attn.o_proj",
-    "blk.{bid}.ffn_norm": "model.layers.{bid}.post_attention_layernorm",
-    "blk.{bid}.ffn_gate": "model.layers.{bid}.mlp.gate_proj",
-    "blk.{bid}.ffn_up": "model.layers.{bid}.mlp.up_proj",
-    "blk.{bid}.ffn_down": "model.layers.{bid}.mlp.down_proj",
-}
-# Mixture-of-experts layers. A `*_exps` tensor stacks every expert ([experts, out, in]); it becomes
-# one HF tensor per expert ({xid}). llama.cpp writes Mixtral as `llama`, with Mixtral's HF names.
-_MIXTRAL_EXPERT_NAMES = {
-    "blk.{bid}.ffn_gate_inp": "model.layers.{bid}.block_sparse_moe.gate",
-    "blk.{bid}.ffn_gate_exps": "model.layers.{bid}.block_sparse_moe.experts.{xid}.w1",
-    "blk.{bid}.ffn_down_exps": "model.layers.{bid}.block_sparse_moe.experts.{xid}.w2",
-    "blk.{bid}.ffn_up_exps": "model.layers.{bid}.block_sparse_moe.experts.{xid}.w3",
-}
-_LLAMA_NAMES |= _MIXTRAL_EXPERT_NAMES
-_QWEN_EXPERT_NAMES = {
-    "blk.{bid}.ffn_gate_inp": "model.layers.{bid}.mlp.gate",
-    "blk.{bid}.ffn_gate_exps": "model.layers.{bid}.mlp.experts.{xid}.gate_proj",
-    "blk.{bid}.ffn_up_exps": "model.layers.{bid}.mlp.experts.{xid}.up_proj",
-    "blk.{bid}.ffn_down_exps": "model.layers.{bid}.mlp.experts.{xid}.down_proj",
-    "blk.{bid}.ffn_gate_shexp": "model.layers.{bid}.mlp.shared_expert.gate_proj",
-    "blk.{bid}.ffn_up_shexp": "model.layers.{bid}.mlp.shared_expert.up_proj",
-    "blk.{bid}.ffn_down_shexp": "model.layers.{bid}.mlp.shared_expert.down_proj",
-    "blk.{bid}.ffn_gate_inp_shexp": "model.layers.{bid}.mlp.shared_expert_gate",
-}
-_QWEN3_NAMES = _LLAMA_NAMES | {
-    "blk.{bid}.attn_q_norm": "model.layers.{bid}.self_attn.q_norm",
-    "blk.{bid}.attn_k_norm": "model.layers.{bid}.self_attn.k_norm",
-}
-# Gemma 3 has four norms per layer; GGUF's ffn_norm is the *pre*-feedforward one.
-_QWEN2MOE_NAMES = {
-    k: v for k, v in _LLAMA_NAMES.items() if k not in _MIXTRAL_EXPERT_NAMES
-} | _QWEN_EXPERT_NAMES
-_QWEN3MOE_NAMES = {
-    k: v for k, v in _QWEN3_NAMES.items() if k not in _MIXTRAL_EXPERT_NAMES
-} | _QWEN_EXPERT_NAMES
-# gpt-oss: llama.cpp splits transformers' interleaved gate_up into gate and up, stores each stack
-# [experts, out, in] (biases [experts, out]), and calls the MLP's input norm post_attention_norm.
-_GPT_OSS_NAMES = {
-    k: v
-    for k, v in _LLAMA_NAMES.items()
-    if k not in _MIXTRAL_EXPERT_NAMES and not k.startswith("blk.{bid}.ffn")
-} | {
-    "blk.{bid}.post_attention_norm": "model.layers.{bid}.post_attention_layernorm",
-    "blk.{bid}.attn_sinks": "model.layers.{bid}.self_attn.sinks",
-    "blk.{bid}.ffn_gate_inp": "model.layers.{bid}.mlp.router",
-    "blk.{bid}.ffn_gate_exps": "model.layers.{bid}.mlp.experts.{xid}.gate_proj",
-    "blk.{bid}.ffn_up_exps": "model.layers.{bid}.mlp.experts.{xid}.up_proj",
-    "blk.{bid}.ffn_down_exps": "model.layers.{bid}.mlp.experts.{xid}.down_proj",
-}
-_GEMMA3_NAMES = _QWEN3_NAMES | {
-    "blk.{bid}.post_attention_norm": "model.layers.{bid}.post_attention_layernorm",
-    "blk.{bid}.ffn_norm": "model.layers.{bid}.pre_feedforward_layernorm",
-    "blk.{bid}.post_ffw_norm": "model.layers.{bid}.post_feedforward_layernorm",
-}
-# Phi-3: q, k and v in one `attn_qkv` (some files keep them apart), gate and up in one `ffn_up`
-# (gate rows first), as transformers stores them; its rotation is GPT-NeoX's, so nothing permuted.
-_PHI3_NAMES = {
-    k: v for k, v in _LLAMA_NAMES.items() if k not in _MIXTRAL_EXPERT_NAMES and k != "blk.{bid}.ffn_gate"
-} | {
-    "blk.{bid}.attn_qkv": "model.layers.{bid}.self_attn.qkv_proj",
-    "blk.{bid}.ffn_up": "model.layers.{bid}.mlp.gate_up_proj",
-}
-# OLMo 2: norms after the attention and the MLP, none before; q and k normalised over all heads
-_OLMO2_NAMES = {
-    k: v
-    for k, v in _QWEN3_NAMES.items()
-    if k not in _MIXTRAL_EXPERT_NAMES and k not in ("blk.{bid}.attn_norm", "blk.{bid}.ffn_norm")
-} | {
-    "blk.{bid}.post_attention_norm": "model.layers.{bid}.post_attention_layernorm",
-    "blk.{bid}.post_ffw_norm": "model.layers.{bid}.post_feedforward_layernorm",
-}
-_GPT2_NAMES = {
-    "token_embd": "transformer.wte",
-    "position_embd": "transformer.wpe",
-    "output_norm": "transformer.ln_f",
-    "output": "lm_head",
-    "blk.{bid}.attn_norm": "transformer.h.{bid}.ln_1",
-    "blk.{bid}.attn_qkv": "transformer.h.{bid}.attn.c_attn",
-    "blk.{bid}.attn_output": "transformer.h.{bid}.attn.c_proj",
-    "blk.{bid}.ffn_norm": "transformer.h.{bid}.ln_2",
-    "blk.{bid}.ffn_up": "transformer.h.{bid}.mlp.c_fc",
-    "blk.{bid}.ffn_down": "transformer.h.{bid}.mlp.c_proj",
-}
-
-
-_BERT_NAMES = {
-    "token_embd": "embeddings.word_embeddings",
-    "position_embd": "embeddings.position_embeddings",
-    "token_types": "embeddings.token_type_embeddings",
-    "token_embd_norm": "embeddings.LayerNorm",
-    "blk.{bid}.attn_q": "encoder.layer.{bid}.attention.self.query",
-    "blk.{bid}.attn_k": "encoder.layer.{bid}.attention.self.key",
-    "blk.{bid}.attn_v": "encoder.layer.{bid}.attention.self.value",
-    "blk.{bid}.attn_output": "encoder.layer.{bid}.attention.output.dense",
-    "blk.{bid}.attn_output_norm": "encoder.layer.{bid}.attention.output.LayerNorm",
-    "blk.{bid}.ffn_up": "encoder.layer.{bid}.intermediate.dense",
-    "blk.{bid}.ffn_down": "encoder.layer.{bid}.output.dense",
-    "blk.{bid}.layer_output_norm": "encoder.layer.{bid}.output.LayerNorm",
-}
-
-
-def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Invert llama.cpp's `permute`: within each head, rows (x0, x1, ..., y0, y1, ...) became
-    (x0, y0, x1, y1, ...) so that ggml's RoPE rotates adjacent pairs. Works for weights and biases."""
-    rows = w.shape[0]
-    if rows % (2 * n_head):
-        raise ModelLoadError(f"cannot un-permute a tensor of {rows} rows for {n_head} heads")
-    # [n_head, half, 2, ...] (GGUF) -> [n_head, 2, half, ...] (HF)
-    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
-_LLAMA_FIXES: dict[str, Fix] = {
-    "blk.{bid}.attn_q": lambda w, c: _unpermute(w, c.require("attention.head_count")),
-    "blk.{bid}.attn_k": lambda w, c: _unpermute(
-        w, c.arch_field("attention.head_count_kv") or c.require("attention.head_count")
-    ),
-}
-# Qwen2-MoE's shared-expert gate, nn.Linear(hidden, 1) in HF, is stored as a vector.
-_QWEN2MOE_FIXES: dict[str, Fix] = {"blk.{bid}.ffn_gate_inp_shexp": lambda w, c: w.reshape(1, -1)}
-# Gemma's RMSNorm multiplies by (1 + w); llama.cpp stores 1 + w.
-_GEMMA3_FIXES: dict[str, Fix] = {key: lambda w, c: w - 1.0 for key in _GEMMA3_NAMES if key.endswith("norm")}
-# HF's Conv1D keeps [in, out]; llama.cpp stores the nn.Linear layout [out, in]. Biases stay as they are.
-_GPT2_FIXES: dict[str, Fix] = {
-    f"blk.{{bid}}.{n}": lambda w, c: w.T.contiguous() if w.dim() == 2 else w
-    for n in ("attn_qkv", "attn_output", "ffn_up", "ffn_down")
-}
-
-
 def row_order(fix: Fix, num_rows: int, metadata: Any) -> torch.Tensor | None:
     """The rows' new order when `fix` only reorders rows (llama's q/k), else None: a fix that
     turns a column of row numbers into a permutation of them is a row reordering. `metadata`:
@@ -278,24 +140,40 @@ class _ArchSpec:
 
 
 _ARCHS: dict[str, _ArchSpec] = {
-    "llama": _ArchSpec("LlamaForCausalLM", _LLAMA_NAMES, _LLAMA_FIXES, gguf_config.llama_config),
-    "qwen2": _ArchSpec("Qwen2ForCausalLM", _LLAMA_NAMES, {}, gguf_config.qwen2_config),
-    "qwen3": _ArchSpec("Qwen3ForCausalLM", _QWEN3_NAMES, {}, gguf_config.qwen3_config),
-    "qwen2moe": _ArchSpec(
-        "Qwen2MoeForCausalLM", _QWEN2MOE_NAMES, _QWEN2MOE_FIXES, gguf_config.qwen2moe_config
+    "llama": _ArchSpec(
+        "LlamaForCausalLM", gguf_names.LLAMA_NAMES, gguf_names.LLAMA_FIXES, gguf_config.llama_config
     ),
-    "qwen3moe": _ArchSpec("Qwen3MoeForCausalLM", _QWEN3MOE_NAMES, {}, gguf_config.qwen3moe_config),
+    "qwen2": _ArchSpec("Qwen2ForCausalLM", gguf_names.LLAMA_NAMES, {}, gguf_config.qwen2_config),
+    "qwen3": _ArchSpec("Qwen3ForCausalLM", gguf_names.QWEN3_NAMES, {}, gguf_config.qwen3_config),
+    "qwen2moe": _ArchSpec(
+        "Qwen2MoeForCausalLM",
+        gguf_names.QWEN2MOE_NAMES,
+        gguf_names.QWEN2MOE_FIXES,
+        gguf_config.qwen2moe_config,
+    ),
+    "qwen3moe": _ArchSpec("Qwen3MoeForCausalLM", gguf_names.QWEN3MOE_NAMES, {}, gguf_config.qwen3moe_config),
     # Qwen2-VL's and Qwen2.5-VL's language model (M-RoPE): alone, text positions are equal on the
     # three axes, which is plain RoPE; with a projector (gguf_mmproj.py) the VL model
-    "qwen2vl": _ArchSpec("Qwen2ForCausalLM", _LLAMA_NAMES, {}, gguf_config.qwen2_config),
-    "gemma3": _ArchSpec("Gemma3ForCausalLM", _GEMMA3_NAMES, _GEMMA3_FIXES, gguf_config.gemma3_config),
-    "phi3": _ArchSpec("Phi3ForCausalLM", _PHI3_NAMES, {}, gguf_config.phi3_config),
-    "smollm3": _ArchSpec("SmolLM3ForCausalLM", _LLAMA_NAMES, _LLAMA_FIXES, gguf_config.smollm3_config),
-    "granite": _ArchSpec("GraniteForCausalLM", _LLAMA_NAMES, _LLAMA_FIXES, gguf_config.granite_config),
-    "olmo2": _ArchSpec("Olmo2ForCausalLM", _OLMO2_NAMES, {}, gguf_config.olmo2_config),
-    "gpt2": _ArchSpec("GPT2LMHeadModel", _GPT2_NAMES, _GPT2_FIXES, gguf_config.gpt2_config),
-    "gpt-oss": _ArchSpec("GptOssForCausalLM", _GPT_OSS_NAMES, {}, gguf_config.gpt_oss_config),
-    "bert": _ArchSpec("BertModel", _BERT_NAMES, {}, gguf_config.bert_config),
+    "qwen2vl": _ArchSpec("Qwen2ForCausalLM", gguf_names.LLAMA_NAMES, {}, gguf_config.qwen2_config),
+    "gemma3": _ArchSpec(
+        "Gemma3ForCausalLM", gguf_names.GEMMA3_NAMES, gguf_names.GEMMA3_FIXES, gguf_config.gemma3_config
+    ),
+    "phi3": _ArchSpec("Phi3ForCausalLM", gguf_names.PHI3_NAMES, {}, gguf_config.phi3_config),
+    "smollm3": _ArchSpec(
+        "SmolLM3ForCausalLM", gguf_names.LLAMA_NAMES, gguf_names.LLAMA_FIXES, gguf_config.smollm3_config
+    ),
+    "granite": _ArchSpec(
+        "GraniteForCausalLM", gguf_names.LLAMA_NAMES, gguf_names.LLAMA_FIXES, gguf_config.granite_config
+    ),
+    "olmo2": _ArchSpec("Olmo2ForCausalLM", gguf_names.OLMO2_NAMES, {}, gguf_config.olmo2_config),
+    "gemma2": _ArchSpec(
+        "Gemma2ForCausalLM", gguf_names.GEMMA2_NAMES, gguf_names.GEMMA3_FIXES, gguf_config.gemma2_config
+    ),
+    "gpt2": _ArchSpec(
+        "GPT2LMHeadModel", gguf_names.GPT2_NAMES, gguf_names.GPT2_FIXES, gguf_config.gpt2_config
+    ),
+    "gpt-oss": _ArchSpec("GptOssForCausalLM", gguf_names.GPT_OSS_NAMES, {}, gguf_config.gpt_oss_config),
+    "bert": _ArchSpec("BertModel", gguf_names.BERT_NAMES, {}, gguf_config.bert_config),
 }
 
 
