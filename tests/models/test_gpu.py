@@ -28,7 +28,21 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
 @pytest.mark.parametrize(
-    "arch", ["llama", "qwen3", "gemma3", "gemma2", "gpt2", "mistral-sliding", "mixtral", "qwen2-moe", "phi3"]
+    "arch",
+    [
+        "llama",
+        "qwen3",
+        "gemma3",
+        "gemma2",
+        "gpt2",
+        "mistral-sliding",
+        "mixtral",
+        "qwen2-moe",
+        "phi3",
+        "smollm3",
+        "granite",
+        "olmo2",
+    ],
 )
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("backend", ["triton", "torch"])

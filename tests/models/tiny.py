@@ -100,6 +100,14 @@ def _gemma2() -> transformers.PretrainedConfig:
     )  # fmt: skip
 
 
+def _granite_moe() -> transformers.PretrainedConfig:
+    return transformers.GraniteMoeConfig(
+        **_LLAMA_LIKE, num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=12.0,
+        attention_multiplier=1 / 64, residual_multiplier=0.22, logits_scaling=8.0, tie_word_embeddings=True,
+        bos_token_id=None, eos_token_id=0, pad_token_id=None,
+    )  # fmt: skip
+
+
 def _gpt2() -> transformers.PretrainedConfig:
     return transformers.GPT2Config(
         vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=256, initializer_range=0.15
@@ -150,6 +158,7 @@ TINY_CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
     "phi3": _phi3,
     "smollm3": _smollm3,
     "granite": _granite,
+    "granite-moe": _granite_moe,
     "olmo2": _olmo2,
     "gemma2": _gemma2,
     "gpt2": _gpt2,

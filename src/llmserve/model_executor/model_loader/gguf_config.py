@@ -261,10 +261,13 @@ def gpt_oss_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
 
 
 def granite_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
-    """Granite 3.x dense: Llama's keys and its four multipliers, which llama.cpp calls scales."""
-    return transformers.GraniteConfig(
+    """Granite 3.x, dense or MoE (`expert_count`): Llama's keys and its four multipliers, which
+    llama.cpp calls scales."""
+    moe = bool(ckpt.arch_field("expert_count"))
+    return (transformers.GraniteMoeConfig if moe else transformers.GraniteConfig)(
         **_decoder_kwargs(ckpt),
         **_rope_kwargs(_rope(ckpt)),
+        **(_moe_kwargs(ckpt, "num_local_experts", False) if moe else {}),
         embedding_multiplier=ckpt.arch_field("embedding_scale", 1.0),
         residual_multiplier=ckpt.arch_field("residual_scale", 1.0),
         attention_multiplier=ckpt.arch_field("attention.scale", 1.0),

@@ -165,6 +165,12 @@ _ARCHS: dict[str, _ArchSpec] = {
     "granite": _ArchSpec(
         "GraniteForCausalLM", gguf_names.LLAMA_NAMES, gguf_names.LLAMA_FIXES, gguf_config.granite_config
     ),
+    "granitemoe": _ArchSpec(
+        "GraniteMoeForCausalLM",
+        gguf_names.GRANITEMOE_NAMES,
+        gguf_names.LLAMA_FIXES,
+        gguf_config.granite_config,
+    ),
     "olmo2": _ArchSpec("Olmo2ForCausalLM", gguf_names.OLMO2_NAMES, {}, gguf_config.olmo2_config),
     "gemma2": _ArchSpec(
         "Gemma2ForCausalLM", gguf_names.GEMMA2_NAMES, gguf_names.GEMMA3_FIXES, gguf_config.gemma2_config

@@ -140,3 +140,6 @@ GPT2_FIXES: dict[str, Fix] = {
     f"blk.{{bid}}.{n}": lambda w, c: w.T.contiguous() if w.dim() == 2 else w
     for n in ("attn_qkv", "attn_output", "ffn_up", "ffn_down")
 }
+# Granite MoE: Llama's tensors (q / k permuted) with the experts stacked as the Qwen MoE files
+# name them (the converter splits the checkpoint's gate-and-up tensor in two).
+GRANITEMOE_NAMES = {k: v for k, v in LLAMA_NAMES.items() if k not in MIXTRAL_EXPERT_NAMES} | QWEN_EXPERT_NAMES
