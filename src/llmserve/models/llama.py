@@ -117,12 +117,12 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
         qk_size = self.q_size + self.kv_size
         q, k, v = qkv[:, : self.q_size], qkv[:, self.q_size : qk_size], qkv[:, qk_size:]
-        if not self.use_rope:  # a NoPE layer (SmolLM3): q and k as projected
-            return self.o_proj(self.attn(q, k, v, kv_cache, md))
         if self.q_norm is not None:  # Qwen3: per head, before RoPE
             q = self.q_norm(q.view(T, self.num_heads, self.head_dim))
             k = self.k_norm(k.view(T, self.num_kv_heads, self.head_dim))
-        elif rotary.cos is not None:
+        if not self.use_rope:  # a NoPE layer (SmolLM3): q and k not rotated
+            return self.o_proj(self.attn(q, k, v, kv_cache, md))
+        if self.q_norm is None and rotary.cos is not None:
             # q and k are adjacent columns: rotate all their heads in one call (half the
             # elementwise launches of rotating them apart; the attention layer gets them rotated).
             qk = rotary.rotate(qkv[:, :qk_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim))
