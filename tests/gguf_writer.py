@@ -119,7 +119,16 @@ def hf_metadata(arch: str, config: Any) -> Callable[[GGUFWriter], None]:
     """The metadata llama.cpp writes for `config` (plus a token list and bos/eos ids)."""
 
     def write(w: GGUFWriter) -> None:
-        if arch == "gpt2":
+        if arch == "starcoder2":  # TextModel's keys: LayerNorm's epsilon, no sliding window
+            w.add_block_count(config.num_hidden_layers)
+            w.add_context_length(config.max_position_embeddings)
+            w.add_embedding_length(config.hidden_size)
+            w.add_feed_forward_length(config.intermediate_size)
+            w.add_head_count(config.num_attention_heads)
+            w.add_head_count_kv(config.num_key_value_heads)
+            w.add_layer_norm_eps(config.norm_epsilon)
+            w.add_rope_freq_base(config.rope_parameters["rope_theta"])
+        elif arch == "gpt2":
             w.add_block_count(config.n_layer)
             w.add_context_length(config.n_positions)
             w.add_embedding_length(config.n_embd)

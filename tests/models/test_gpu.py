@@ -42,6 +42,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
         "smollm3",
         "granite",
         "olmo2",
+        "granite-moe",
+        "starcoder2",
     ],
 )
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -49,15 +49,16 @@ TOL = 2e-3
 
 
 def fake_quantize(
-    state_dict: dict[str, torch.Tensor], method: str, input_major_experts: bool = False
+    state_dict: dict[str, torch.Tensor], method: str, input_major_experts: bool = False, gpt2: bool = False
 ) -> dict[str, torch.Tensor]:
     """The checkpoint as `method` stores it, dequantized: linear weights in q8 or q4 blocks along
     their input dimension, embedding and LM head tables in q8, everything else untouched.
-    `input_major_experts`: stacked experts are [experts, in, out] (gpt-oss), not [experts, out, in]."""
+    `input_major_experts`: stacked experts are [experts, in, out] (gpt-oss), not [experts, out, in];
+    `gpt2`: GPT-2's Conv1D weights are [in, out] (StarCoder2's c_fc / c_proj are nn.Linear's)."""
     out = {}
     for name, w in state_dict.items():
         if _LINEAR.search(name) and w.dim() == 2:
-            conv1d = name.split(".")[-2] in ("c_attn", "c_proj", "c_fc")  # GPT-2 stores [in, out]
+            conv1d = gpt2 and name.split(".")[-2] in ("c_attn", "c_proj", "c_fc")
             rows = w.T if conv1d else w
             deq = quantize(rows, "q4" if method == "int4" else "q8").dequantize()
             out[name] = deq.T.contiguous() if conv1d else deq
@@ -84,7 +85,10 @@ def pair(request, arch, tmp_path_factory):
     """(transformers on the quantized weights, llmserve loading the float checkpoint quantized)."""
     folder = tmp_path_factory.mktemp(f"{arch}-{request.param}")
     hf = make_tiny_model(arch, folder)
-    hf.load_state_dict(fake_quantize(hf.state_dict(), request.param, hf.config.model_type == "gpt_oss"))
+    model_type = hf.config.model_type
+    hf.load_state_dict(
+        fake_quantize(hf.state_dict(), request.param, model_type == "gpt_oss", model_type == "gpt2")
+    )
     ours = load_model(
         ModelConfig(
             model=str(folder), quantization=request.param, cpu_activations="int16", show_progress=False

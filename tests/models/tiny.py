@@ -108,6 +108,12 @@ def _granite_moe() -> transformers.PretrainedConfig:
     )  # fmt: skip
 
 
+def _starcoder2() -> transformers.PretrainedConfig:
+    return transformers.Starcoder2Config(
+        **_LLAMA_LIKE, sliding_window=16, bos_token_id=None, eos_token_id=0, pad_token_id=None
+    )
+
+
 def _gpt2() -> transformers.PretrainedConfig:
     return transformers.GPT2Config(
         vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=256, initializer_range=0.15
@@ -161,6 +167,7 @@ TINY_CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
     "granite-moe": _granite_moe,
     "olmo2": _olmo2,
     "gemma2": _gemma2,
+    "starcoder2": _starcoder2,
     "gpt2": _gpt2,
     "mixtral": _mixtral,
     "qwen2-moe": _qwen2_moe,

@@ -85,6 +85,11 @@ TINY: dict[str, Callable[[], Any]] = {
         **_DECODER, num_hidden_layers=3, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16,
         sliding_window=8, max_position_embeddings=128, attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
     ),
+    # LayerNorms with biases, biases everywhere, a plain MLP (no window: llama.cpp writes none)
+    "starcoder2": lambda: transformers.Starcoder2Config(
+        **_DECODER, num_hidden_layers=2, num_key_value_heads=2, max_position_embeddings=128,
+        sliding_window=None, tie_word_embeddings=True, pad_token_id=None,
+    ),
     "gpt2": lambda: transformers.GPT2Config(
         vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4, bos_token_id=1, eos_token_id=2
     ),
@@ -113,7 +118,7 @@ CONFIG_KEYS = (
     "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
     "mlp_only_layers", "partial_rotary_factor", "original_max_position_embeddings", "no_rope_layers",
     "embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling",
-    "attn_logit_softcapping", "final_logit_softcapping",
+    "attn_logit_softcapping", "final_logit_softcapping", "norm_epsilon", "use_bias",
 )  # fmt: skip
 
 
@@ -349,7 +354,7 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
     for call in (ckpt.hf_config, lambda: ckpt.iter_weights(torch.float32)):
         with pytest.raises(
             UnsupportedArchitectureError,
-            match=rf"{path}.*'mamba'.*gemma2, gemma3, gpt-oss, gpt2, granite, llama, olmo2, phi3, qwen2, qwen2moe, qwen2vl, qwen3, qwen3moe, smollm3",
+            match=rf"{path}.*'mamba'.*gemma2, gemma3, gpt-oss, gpt2, granite, granitemoe, llama, olmo2, phi3, qwen2, qwen2moe, qwen2vl, qwen3, qwen3moe, smollm3, starcoder2",
         ):
             call()
 

@@ -276,6 +276,25 @@ def granite_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
     )
 
 
+def starcoder2_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
+    """StarCoder2: LayerNorm's epsilon, not RMSNorm's; llama.cpp writes no sliding window for it
+    and attends over the whole context (so does llmserve, unless the file names a window)."""
+    hidden, n_head = ckpt.require("embedding_length"), ckpt.require("attention.head_count")
+    return transformers.Starcoder2Config(
+        **_common_kwargs(ckpt),
+        **_rope_kwargs(_rope(ckpt)),
+        hidden_size=hidden,
+        intermediate_size=ckpt.require("feed_forward_length"),
+        num_hidden_layers=ckpt.require("block_count"),
+        num_attention_heads=n_head,
+        num_key_value_heads=ckpt.arch_field("attention.head_count_kv", n_head),
+        max_position_embeddings=ckpt.require("context_length"),
+        norm_epsilon=ckpt.require("attention.layer_norm_epsilon"),
+        sliding_window=ckpt.arch_field("attention.sliding_window") or None,
+        use_bias=ckpt.has_tensor("blk.0.attn_q.bias"),
+    )
+
+
 def olmo2_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
     """OLMo 2 (a file with a sliding window is OLMo 3's, whose per-layer RoPE is not read: refused)."""
     if ckpt.arch_field("attention.sliding_window"):

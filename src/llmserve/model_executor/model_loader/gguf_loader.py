@@ -171,6 +171,9 @@ _ARCHS: dict[str, _ArchSpec] = {
         gguf_names.LLAMA_FIXES,
         gguf_config.granite_config,
     ),
+    "starcoder2": _ArchSpec(
+        "Starcoder2ForCausalLM", gguf_names.STARCODER2_NAMES, {}, gguf_config.starcoder2_config
+    ),
     "olmo2": _ArchSpec("Olmo2ForCausalLM", gguf_names.OLMO2_NAMES, {}, gguf_config.olmo2_config),
     "gemma2": _ArchSpec(
         "Gemma2ForCausalLM", gguf_names.GEMMA2_NAMES, gguf_names.GEMMA3_FIXES, gguf_config.gemma2_config

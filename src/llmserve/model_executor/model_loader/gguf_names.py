@@ -143,3 +143,14 @@ GPT2_FIXES: dict[str, Fix] = {
 # Granite MoE: Llama's tensors (q / k permuted) with the experts stacked as the Qwen MoE files
 # name them (the converter splits the checkpoint's gate-and-up tensor in two).
 GRANITEMOE_NAMES = {k: v for k, v in LLAMA_NAMES.items() if k not in MIXTRAL_EXPERT_NAMES} | QWEN_EXPERT_NAMES
+# StarCoder2: Llama's attention tensors (nothing permuted: GPT-NeoX rotation), LayerNorms with
+# biases, and a plain MLP (c_fc, c_proj).
+STARCODER2_NAMES = {
+    k: v
+    for k, v in LLAMA_NAMES.items()
+    if k not in MIXTRAL_EXPERT_NAMES and not k.startswith("blk.{bid}.ffn_")
+} | {
+    "blk.{bid}.ffn_norm": "model.layers.{bid}.post_attention_layernorm",
+    "blk.{bid}.ffn_up": "model.layers.{bid}.mlp.c_fc",
+    "blk.{bid}.ffn_down": "model.layers.{bid}.mlp.c_proj",
+}
