@@ -210,3 +210,33 @@ def test_tensor_parallelism_refuses_phi3_by_name() -> None:
 
     with pytest.raises(ValueError, match="Phi3ForCausalLM"):
         sharding.check_supported(Phi3ForCausalLM, _phi3_config(), 2)
+
+
+def test_lora_on_the_fused_layers_matches_peft(tmp_path: Path) -> None:
+    """A PEFT adapter of Phi-3 targets its fused qkv_proj and gate_up_proj as single layers:
+    each is applied per shard (the whole A, the shard's rows of B), against PEFT's logits."""
+    pytest.importorskip("peft")
+    from llmserve.lora import LoRARequest
+    from tests.models.test_lora import TOL, make_adapter, make_runner, peft_reference, run_mixed
+    from tests.models.tiny import make_tiny_model
+
+    folder = tmp_path / "phi3"
+    make_tiny_model("phi3", folder)
+    adapters = [
+        make_adapter(folder, tmp_path / "all", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], seed=1),
+        make_adapter(folder, tmp_path / "some", ["qkv_proj", "down_proj"], seed=2),
+    ]
+    runner, manager = make_runner(folder, "none")
+    for i, path in enumerate(adapters, start=1):
+        manager.add(LoRARequest(f"a{i}", i, str(path)))
+    got = run_mixed(runner, [1, 2, 0])
+    prompts = [[5, 17, 99, 3, 8, 9], [200, 1, 1, 45, 67, 300, 12], [42, 43]]
+    plain = peft_reference(folder, None, "none")
+    for i, adapter in enumerate([*adapters, None]):
+        seq = prompts[i] + [7, 8, 9]
+        with torch.no_grad():
+            ref = peft_reference(folder, adapter, "none")(torch.tensor([seq])).logits[0]
+            without = plain(torch.tensor([seq])).logits[0]
+        torch.testing.assert_close(got[i], ref, rtol=TOL, atol=TOL)
+        if adapter is not None:
+            assert (ref - without).abs().max() > 0.1

@@ -135,8 +135,9 @@ def load_adapter(
         raise ValueError(f"{path}: no LoRA tensors (lora_A / lora_B) in the file")
     per_layer: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
     for (module_path, shard), pair in halves.items():
-        a, b = _checked_pair(model, module_path, shard, pair, path, max_rank, tp_shard)
-        per_layer.setdefault(module_path, {})[shard] = (a, b)
+        for part, part_pair in _parts(model, module_path, shard, pair):
+            a, b = _checked_pair(model, module_path, part, part_pair, path, max_rank, tp_shard)
+            per_layer.setdefault(module_path, {})[part] = (a, b)
     layers = {
         name: _stack(model.get_submodule(name).output_sizes, shards, scale, device, dtype)
         for name, shards in per_layer.items()
@@ -152,8 +153,30 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         raise ValueError(f"{path}: cannot read the LoRA adapter's tensors: {e}") from None
 
 
+WHOLE = -1
+"""`_route`'s shard for an adapter of a whole fused layer (Phi-3's qkv_proj, gate_up_proj)."""
+
+
+def _parts(
+    model: CausalLM, module_path: str, shard: int, pair: dict[str, torch.Tensor]
+) -> list[tuple[int, dict[str, torch.Tensor]]]:
+    """A pair of one shard as it is; a pair of a whole fused layer as one per shard, each with the
+    whole A and its shard's rows of B: B x A = [B_q; B_k; B_v] A, block by block the same sums."""
+    if shard != WHOLE:
+        return [(shard, pair)]
+    sizes = model.get_submodule(module_path).output_sizes
+    b, start, out = pair.get("B"), 0, []
+    for part, n in enumerate(sizes):
+        out.append((part, {**pair, **({"B": b[start : start + n]} if b is not None else {})}))
+        start += n
+    if b is not None and b.dim() == 2 and b.shape[0] != start:  # rows left over or missing
+        return [(0, pair)]  # _checked_pair names the shape against the first shard's
+    return out
+
+
 def _route(model: CausalLM, key: str, path: Path) -> tuple[str, int, str]:
-    """(module path, shard, "A" or "B") of a PEFT tensor name."""
+    """(module path, shard, "A" or "B") of a PEFT tensor name; shard `WHOLE` for a fused layer
+    the adapter targets as one (the checkpoint stores it fused)."""
     suffix = next((s for s in _SUFFIXES if key.endswith(s)), None)
     if suffix is None:
         raise ValueError(f"{path}: tensor {key!r} is not a lora_A / lora_B weight")
@@ -169,7 +192,9 @@ def _route(model: CausalLM, key: str, path: Path) -> tuple[str, int, str]:
         raise ValueError(
             f"{path}: tensor {key!r} targets {base!r}, which is no linear layer of the base model"
         )
-    return route[0], route[2], _SUFFIXES[suffix]
+    leaf = base.removesuffix(".weight").rpartition(".")[2]
+    whole = len(module.output_sizes) > 1 and leaf == route[0].rpartition(".")[2]
+    return route[0], WHOLE if whole else route[2], _SUFFIXES[suffix]
 
 
 def _checked_pair(
