@@ -119,16 +119,7 @@ def hf_metadata(arch: str, config: Any) -> Callable[[GGUFWriter], None]:
     """The metadata llama.cpp writes for `config` (plus a token list and bos/eos ids)."""
 
     def write(w: GGUFWriter) -> None:
-        if arch == "starcoder2":  # TextModel's keys: LayerNorm's epsilon, no sliding window
-            w.add_block_count(config.num_hidden_layers)
-            w.add_context_length(config.max_position_embeddings)
-            w.add_embedding_length(config.hidden_size)
-            w.add_feed_forward_length(config.intermediate_size)
-            w.add_head_count(config.num_attention_heads)
-            w.add_head_count_kv(config.num_key_value_heads)
-            w.add_layer_norm_eps(config.norm_epsilon)
-            w.add_rope_freq_base(config.rope_parameters["rope_theta"])
-        elif arch == "gpt2":
+        if arch == "gpt2":
             w.add_block_count(config.n_layer)
             w.add_context_length(config.n_positions)
             w.add_embedding_length(config.n_embd)
@@ -142,7 +133,10 @@ def hf_metadata(arch: str, config: Any) -> Callable[[GGUFWriter], None]:
             w.add_feed_forward_length(config.intermediate_size)
             w.add_head_count(config.num_attention_heads)
             w.add_head_count_kv(config.num_key_value_heads)
-            w.add_layer_norm_rms_eps(config.rms_norm_eps)
+            if arch == "starcoder2":  # LayerNorm's epsilon (and no sliding window: TextModel's keys)
+                w.add_layer_norm_eps(config.norm_epsilon)
+            else:
+                w.add_layer_norm_rms_eps(config.rms_norm_eps)
             rope = config.rope_parameters
             w.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
             head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
