@@ -151,6 +151,9 @@ def hf_metadata(arch: str, config: Any) -> Callable[[GGUFWriter], None]:
                 w.add_rope_dimension_count(head_dim)
             if arch in ("gemma2", "gemma3", "gpt-oss"):
                 w.add_sliding_window(config.sliding_window)
+            if arch == "exaone4" and config.sliding_window is not None:  # Exaone4Model's keys
+                w.add_sliding_window(config.sliding_window)
+                w.add_sliding_window_pattern([t == "sliding_attention" for t in config.layer_types])
             if arch == "gemma2":  # Gemma2Model.set_gguf_parameters
                 w.add_attn_logit_softcapping(config.attn_logit_softcapping)
                 w.add_final_logit_softcapping(config.final_logit_softcapping)

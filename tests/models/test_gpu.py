@@ -44,6 +44,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
         "olmo2",
         "granite-moe",
         "starcoder2",
+        "exaone4",
     ],
 )
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -114,6 +114,14 @@ def _starcoder2() -> transformers.PretrainedConfig:
     )
 
 
+def _exaone4() -> transformers.PretrainedConfig:
+    # the 32B's hybrid attention in two layers: a sliding layer with RoPE, a global one without
+    return transformers.Exaone4Config(
+        **_LLAMA_LIKE, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=0, pad_token_id=None,
+    )  # fmt: skip
+
+
 def _gpt2() -> transformers.PretrainedConfig:
     return transformers.GPT2Config(
         vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=256, initializer_range=0.15
@@ -168,6 +176,7 @@ TINY_CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
     "olmo2": _olmo2,
     "gemma2": _gemma2,
     "starcoder2": _starcoder2,
+    "exaone4": _exaone4,
     "gpt2": _gpt2,
     "mixtral": _mixtral,
     "qwen2-moe": _qwen2_moe,

@@ -90,6 +90,12 @@ TINY: dict[str, Callable[[], Any]] = {
         **_DECODER, num_hidden_layers=2, num_key_value_heads=2, max_position_embeddings=128,
         sliding_window=None, tie_word_embeddings=True, pad_token_id=None,
     ),
+    # post-norm layers, per-head q/k norms, a sliding layer then a global one without RoPE
+    "exaone4": lambda: transformers.Exaone4Config(
+        **_DECODER, num_hidden_layers=2, num_key_value_heads=2, max_position_embeddings=128,
+        sliding_window=8, layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False,
+        pad_token_id=None,
+    ),
     "gpt2": lambda: transformers.GPT2Config(
         vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4, bos_token_id=1, eos_token_id=2
     ),
@@ -354,7 +360,7 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
     for call in (ckpt.hf_config, lambda: ckpt.iter_weights(torch.float32)):
         with pytest.raises(
             UnsupportedArchitectureError,
-            match=rf"{path}.*'mamba'.*gemma2, gemma3, gpt-oss, gpt2, granite, granitemoe, llama, olmo2, phi3, qwen2, qwen2moe, qwen2vl, qwen3, qwen3moe, smollm3, starcoder2",
+            match=rf"{path}.*'mamba'.*exaone4, gemma2, gemma3, gpt-oss, gpt2, granite, granitemoe, llama, olmo2, phi3, qwen2, qwen2moe, qwen2vl, qwen3, qwen3moe, smollm3, starcoder2",
         ):
             call()
 

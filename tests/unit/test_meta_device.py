@@ -34,7 +34,7 @@ def _arch(config) -> str:
     return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
             "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "gpt2": "GPT2LMHeadModel",
             "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-            "gpt_oss": "GptOssForCausalLM", "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM", "gemma2": "Gemma2ForCausalLM", "granitemoe": "GraniteMoeForCausalLM", "starcoder2": "Starcoder2ForCausalLM",
+            "gpt_oss": "GptOssForCausalLM", "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM", "gemma2": "Gemma2ForCausalLM", "granitemoe": "GraniteMoeForCausalLM", "starcoder2": "Starcoder2ForCausalLM", "exaone4": "Exaone4ForCausalLM",
             }[config.model_type]  # fmt: skip
 
 

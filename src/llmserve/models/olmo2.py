@@ -42,11 +42,14 @@ class Olmo2Attention(LlamaAttention):
 
 
 class Olmo2DecoderLayer(nn.Module):
+    attn_cls: type[LlamaAttention] = Olmo2Attention
+    """The attention (exaone4.py's normalises q and k per head, as Qwen3)."""
+
     def __init__(
         self, config: Any, layer_idx: int, backend: AttentionBackend, arch: ArchFlags, build_mlp: MLPBuilder
     ):
         super().__init__()
-        self.self_attn = Olmo2Attention(config, layer_idx, backend, arch)
+        self.self_attn = self.attn_cls(config, layer_idx, backend, arch)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = build_mlp(config, layer_idx)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -276,6 +276,23 @@ def granite_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
     )
 
 
+def exaone4_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
+    """EXAONE 4.0: OLMo 2's keys, and where the file has a sliding window, which layers slide
+    (`sliding_window_pattern`, one flag a layer; absent: three of every four, as transformers'
+    default). llama.cpp applies the window to the 64-layer model only; llmserve follows the file."""
+    kw = _decoder_kwargs(ckpt)
+    window = ckpt.arch_field("attention.sliding_window")
+    n = kw["num_hidden_layers"]
+    pattern = ckpt.arch_field("attention.sliding_window_pattern")
+    sliding = [bool(f) for f in pattern] if pattern is not None else [(i + 1) % 4 != 0 for i in range(n)]
+    return transformers.Exaone4Config(
+        **kw,
+        **_rope_kwargs(_rope(ckpt)),
+        sliding_window=window or None,
+        layer_types=["sliding_attention" if window and s else "full_attention" for s in sliding],
+    )
+
+
 def starcoder2_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
     """StarCoder2: LayerNorm's epsilon, not RMSNorm's; llama.cpp writes no sliding window for it
     and attends over the whole context (so does llmserve, unless the file names a window)."""

@@ -175,6 +175,7 @@ _ARCHS: dict[str, _ArchSpec] = {
         "Starcoder2ForCausalLM", gguf_names.STARCODER2_NAMES, {}, gguf_config.starcoder2_config
     ),
     "olmo2": _ArchSpec("Olmo2ForCausalLM", gguf_names.OLMO2_NAMES, {}, gguf_config.olmo2_config),
+    "exaone4": _ArchSpec("Exaone4ForCausalLM", gguf_names.OLMO2_NAMES, {}, gguf_config.exaone4_config),
     "gemma2": _ArchSpec(
         "Gemma2ForCausalLM", gguf_names.GEMMA2_NAMES, gguf_names.GEMMA3_FIXES, gguf_config.gemma2_config
     ),
