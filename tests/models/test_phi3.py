@@ -65,11 +65,11 @@ def _greedy(loaded, prompt: list[int], n: int) -> list[int]:
 
 
 def test_short_factors_within_the_original_context(longrope) -> None:
-    """Served with a context of at most the original, the short set: transformers uses it for
-    every forward whose positions stay within the original context."""
+    """Served with a context of at most the original (the default), the short set: transformers
+    uses it for every forward whose positions stay within the original context."""
     hf, folder = longrope
-    loaded = load_model(ModelConfig(model=str(folder), max_model_len=ORIGINAL, show_progress=False))
-    assert "LongRoPE short factors" in loaded.summary()
+    loaded = load_model(ModelConfig(model=str(folder), show_progress=False))
+    assert loaded.max_model_len == ORIGINAL and "LongRoPE short factors" in loaded.summary()
     prompt = [5, 17, 99, 3, 200, 1, 45, 67]
     want, _ = hf_greedy(hf, prompt, ORIGINAL - len(prompt))
     assert _greedy(loaded, prompt, ORIGINAL - len(prompt)) == want
@@ -79,8 +79,8 @@ def test_long_factors_past_the_original_context(longrope) -> None:
     """Served with the whole position table, the long set: transformers uses it once a forward
     reaches past the original context, so a prompt longer than that compares token for token."""
     hf, folder = longrope
-    loaded = load_model(ModelConfig(model=str(folder), show_progress=False))
-    assert loaded.max_model_len == 256 and "LongRoPE long factors" in loaded.summary()
+    loaded = load_model(ModelConfig(model=str(folder), max_model_len=256, show_progress=False))
+    assert "LongRoPE long factors" in loaded.summary()
     prompt = torch.randint(1, 500, (ORIGINAL + 8,), generator=torch.Generator().manual_seed(3)).tolist()
     want, _ = hf_greedy(hf, prompt, 24)
     assert _greedy(loaded, prompt, 24) == want

@@ -67,8 +67,10 @@ def rope_for_context(config: Any, max_model_len: int) -> Any:
     it, so a sequence that crosses the original context attends over keys cached with the short
     set from queries rotated with the long one, and a batch's choice depends on its neighbours.
     llmserve picks once, by the context it serves, as llama.cpp and vLLM do: the long set when
-    `max_model_len` exceeds the original context. Serving a short context (`--max-model-len 4096`
-    on Phi-3-mini-128k) keeps the short set, which the model prefers for short prompts."""
+    `max_model_len` exceeds the original context. The default `max_model_len` of such a model is
+    the original context (model_loader's `_max_model_len`, vLLM's default too): the short set,
+    which the model prefers for short prompts; `--max-model-len 131072` on Phi-3-mini-128k asks
+    for the long one."""
     params = rope_parameters(config)
     if params["rope_type"] != "longrope":
         return config
@@ -76,6 +78,12 @@ def rope_for_context(config: Any, max_model_len: int) -> Any:
     config = copy.deepcopy(config)
     config.rope_parameters = params
     return config
+
+
+def longrope_original_context(config: Any) -> int | None:
+    """A LongRoPE model's original context (the default `max_model_len`), or None."""
+    params = rope_parameters(config)
+    return params["original_max_position_embeddings"] if params["rope_type"] == "longrope" else None
 
 
 def longrope_note(config: Any) -> str:

@@ -38,7 +38,7 @@ from llmserve.layers.quantization import (
     weight_groups,
 )
 from llmserve.layers.quantization.formats import KERNEL_CODES
-from llmserve.layers.rotary_embedding import longrope_note, rope_for_context
+from llmserve.layers.rotary_embedding import longrope_note, longrope_original_context, rope_for_context
 from llmserve.model_executor.device import DeviceProfile, build_profile, resolve_device
 from llmserve.model_executor.model_loader import hf_folder
 from llmserve.model_executor.model_loader.fused_tensors import split_fused
@@ -171,7 +171,9 @@ def text_config(hf_config: Any) -> Any:
 
 def _max_model_len(config: ModelConfig, hf_config: Any, source: ModelSource) -> int:
     """The user's `max_model_len` (at most the position table), else the model's own limit: a
-    sentence-transformers model's `max_seq_length` where it gives one, else the position table."""
+    sentence-transformers model's `max_seq_length` where it gives one, a LongRoPE model's original
+    context (its long factor set stretches the context at some cost to short prompts: asked for
+    with `max_model_len`, as vLLM does since its LongRoPE fix), else the position table."""
     hf_config = text_config(hf_config)  # a multimodal config: its language model's limit
     limit = int(
         getattr(hf_config, "max_position_embeddings", 0) or getattr(hf_config, "n_positions", 0) or 2048
@@ -180,6 +182,8 @@ def _max_model_len(config: ModelConfig, hf_config: Any, source: ModelSource) -> 
         limit -= hf_config.pad_token_id + 1  # its positions count from pad_token_id + 1 (models/bert.py)
     if config.max_model_len is None:
         trained = hf_folder.sentence_max_seq_length(source.path) if source.kind == "hf" else None
+        if trained is None:  # LongRoPE: the original context, short factors (rope_for_context)
+            trained = longrope_original_context(hf_config)
         return min(limit, trained) if trained is not None else limit
     if config.max_model_len > limit:
         raise ValueError(
