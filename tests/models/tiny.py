@@ -232,6 +232,13 @@ def save_tiny_tokenizer(folder: Path, vocab_size: int = 512, special: tuple[str,
     )
 
 
+def reference_attention(config: transformers.PretrainedConfig) -> dict[str, str]:
+    """transformers' attention kernel for a reference model: Gemma 2's soft cap on the scores runs
+    only in its eager attention, and transformers before 5.2x (the GPU image's 5.17) picks SDPA
+    for Gemma 2 by default, which drops the cap."""
+    return {"attn_implementation": "eager"} if config.model_type == "gemma2" else {}
+
+
 def make_tiny_model(
     name: str, folder: Path, seed: int = 0, special: tuple[str, ...] = ()
 ) -> transformers.PreTrainedModel:
@@ -239,7 +246,9 @@ def make_tiny_model(
     reference model for `name`."""
     torch.manual_seed(seed)
     config = {**TINY_CONFIGS, **FALLBACK_CONFIGS}[name]()
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, dtype=torch.float32, **reference_attention(config)
+    )
     model.eval()
     model.save_pretrained(folder)
     save_tiny_tokenizer(Path(folder), config.vocab_size, special)

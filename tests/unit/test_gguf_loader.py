@@ -29,6 +29,7 @@ from llmserve.model_executor.model_loader.errors import (
 from llmserve.model_executor.model_loader.gguf_loader import GGUFCheckpoint, _FastReader
 from llmserve.model_executor.model_loader.source import BUNDLED_MODELS, DEFAULT_MODEL
 from tests.gguf_writer import REFERENCE_DEQUANT, write_gguf, write_hf_model
+from tests.models.tiny import reference_attention
 
 _DECODER = dict(
     vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_heads=4, bos_token_id=1, eos_token_id=2
@@ -134,7 +135,7 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     arch, tmp = request.param, tmp_path_factory.mktemp(request.param)
     config = TINY[arch]()
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model = transformers.AutoModelForCausalLM.from_config(config, **reference_attention(config)).eval()
     config.architectures = [type(model).__name__]
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -176,7 +177,9 @@ def test_hf_model_from_gguf_gives_same_logits(tiny: dict[str, Any], tmp_path: Pa
     save_file(
         {n: t.contiguous() for n, t, _ in ckpt.iter_weights(torch.float32)}, tmp_path / "model.safetensors"
     )
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, output_loading_info=True, **reference_attention(tiny["config"])
+    )
     assert not info["unexpected_keys"] and set(info["missing_keys"]) <= (
         {"lm_head.weight"} if tiny["config"].tie_word_embeddings else set()
     )
