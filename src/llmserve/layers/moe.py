@@ -46,12 +46,13 @@ from llmserve.layers.mlp import DownLinear, GatedMLP, GateUpLinear
 
 MoEKernel = Literal["grouped", "triton", "dense"]
 
-GROUPED_FROM_TOKENS = 2048
+GROUPED_FROM_TOKENS = 1024
 """Under the `triton` kernel, a step of at least this many tokens that is not being captured into
 a CUDA graph runs `grouped` (cuBLAS per expert, one host sync per layer, nothing at this size). On
-an H100 at Mixtral-8x7B's width in bf16 (benchmarks/gpu/moe_kernel.py, eager): 2,048 tokens took
-3.35 ms grouped against the kernel's 5.32; at 256 they were even (1.69 against 1.64). Sizes between
-were not measured."""
+an H100 at Mixtral-8x7B's width in bf16 (benchmarks/gpu/moe_kernel.py, eager, ms): 2,048 tokens
+3.35 grouped against the kernel's 5.32 (2026-11-26); 1,024 tokens 2.12 against 2.98, 512 tokens
+1.85 against 2.10, 256 tokens 2.90 against 1.76 (2026-11-27). Eager grouped times move by a
+tenth or more from run to run, so the switch sits at 1,024, where the gap is widest."""
 
 
 class Router(nn.Module):
