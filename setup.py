@@ -24,6 +24,7 @@ setup(
                     "qgemm_q6_avx2",
                     "qgemm_q4k",
                     "decoder_stack",
+                    "decoder_act",
                     "decoder_moe",
                     "decoder_cache_rows",
                     "shm_comm",

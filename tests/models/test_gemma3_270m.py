@@ -71,3 +71,26 @@ def test_greedy_matches_transformers(models):
     assert generate_greedy(runner, [prompts[1]], NUM_TOKENS) == [expected[1]]
     # The continuation is text, not noise: the dequantization and architecture are right.
     assert "France" in tok.decode(expected[0])
+
+
+def test_fused_decoder_matches_the_layer_path():
+    """The default load (the file's Q4_K / Q6_K blocks, int16 activations) runs the fused CPU
+    decoder (sandwich norms, a RoPE table per layer type, the tanh GELU, all in C++): its logits
+    over a prompt and its greedy continuations equal the model's own layers' on the same weights
+    (summation orders differ, so within the quantized tests' tolerance)."""
+    loaded = load_model(ModelConfig(model="gemma3-270m", show_progress=False))
+    tok = load_tokenizer(loaded.source)
+    prompts = [tok.encode(p) for p in PROMPTS]
+    logits, greedy = {}, {}
+    for fused in (True, False):
+        runner = ForwardRunner(loaded.model, num_blocks=32, block_size=16)
+        assert runner.fused is not None, runner.fused_unsupported
+        runner.use_fused(fused)
+        logits[fused] = runner.execute(
+            [SequenceBatchEntry(prompts[2], len(prompts[2]), [0])], all_logits=True
+        )
+        runner = ForwardRunner(loaded.model, num_blocks=32, block_size=16)
+        runner.use_fused(fused)
+        greedy[fused] = generate_greedy(runner, prompts, 16)
+    torch.testing.assert_close(logits[True], logits[False], rtol=2e-2, atol=2e-2)
+    assert greedy[True] == greedy[False]

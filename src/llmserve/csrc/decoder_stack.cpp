@@ -12,7 +12,10 @@
 //   attn[t, hq] = softmax(scale * q . K[visible]) V[visible]            GQA: hq reads KV head hq / G;
 //                                                                       visible: causal, windowed
 //   res += attn @ Wo.T;  h = rms_norm(res) * w_post
-//   mlp_out = (silu(h @ Wgate.T) * (h @ Wup.T)) @ Wdown.T
+//   mlp_out = (silu(h @ Wgate.T) * (h @ Wup.T)) @ Wdown.T               gelu_tanh for Gemma
+//
+// Gemma's sandwich norms (Layer::post_attn_norm, post_mlp_norm) norm attn @ Wo.T and mlp_out before
+// each joins the residual stream; its sliding and global layers rotate with their own tables.
 //
 // and after the last layer the final norm: out = rms_norm(res + mlp_out) * w_final. The math and
 // its order are those of llmserve/models/llama.py; matmuls are the q8/q4/q6/q4k kernels of qgemm.h.
@@ -23,6 +26,7 @@
 
 #include "decoder_stack.h"
 #include "shm_comm.h"
+#include "vec_exp.h"
 
 #include <immintrin.h>
 #include <omp.h>
@@ -35,46 +39,6 @@
 
 namespace llmserve {
 namespace {
-
-// exp(x) for x <= 0 (softmax) and the sigmoid's exp(-x): 2^n * p(r), n = round(x / ln 2),
-// |r| <= ln2 / 2, p a degree-6 polynomial; written with plain arithmetic so that loops calling it
-// vectorize. Relative error ~2e-7 (as the float exp); inputs below -87 give 0.
-inline float fast_exp(float x) {
-  x = std::max(std::min(x, 88.0f), -87.0f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = std::fma(n, -0.693145751953125f, std::fma(n, -1.428606765330187e-06f, x));
-  float p = 1.3981999507e-3f;
-  p = std::fma(p, r, 8.3334519073e-3f);
-  p = std::fma(p, r, 4.1665795894e-2f);
-  p = std::fma(p, r, 1.6666665459e-1f);
-  p = std::fma(p, r, 5.0000001201e-1f);
-  p = std::fma(p, r, 1.0f);
-  p = std::fma(p, r, 1.0f);
-  int32_t bits;
-  std::memcpy(&bits, &p, 4);
-  bits += static_cast<int32_t>(n) << 23;
-  float out;
-  std::memcpy(&out, &bits, 4);
-  return out;
-}
-
-// fast_exp on eight lanes (the same steps with AVX2 intrinsics: GCC leaves the scalar loop as it is).
-inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693145751953125f),
-                                   _mm256_fmadd_ps(n, _mm256_set1_ps(-1.428606765330187e-06f), x));
-  __m256 p = _mm256_set1_ps(1.3981999507e-3f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i bits = _mm256_add_epi32(_mm256_castps_si256(p), _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23));
-  return _mm256_castsi256_ps(bits);
-}
 
 // out[i] = exp(scale * (x[i] - m)) for i < n; returns their sum.
 float exp_shifted(float* x, int64_t n, float scale, float m) {
@@ -105,23 +69,6 @@ float max_of(const float* x, int64_t n) {
   return m;
 }
 
-}  // namespace
-
-// a[i] = silu(g[i]) * u[i] = g[i] / (1 + e^{-g[i]}) * u[i]
-void silu_mul(const float* g, const float* u, int64_t n, float* a) {
-  int64_t i = 0;
-  const __m256 one = _mm256_set1_ps(1.0f);
-  for (; i + 8 <= n; i += 8) {
-    const __m256 x = _mm256_loadu_ps(g + i);
-    const __m256 den = _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x)));
-    __m256 inv = _mm256_rcp_ps(den);  // ~12 bits, then one Newton step: ~23 bits
-    inv = _mm256_mul_ps(inv, _mm256_fnmadd_ps(den, inv, _mm256_set1_ps(2.0f)));
-    _mm256_storeu_ps(a + i, _mm256_mul_ps(_mm256_mul_ps(x, inv), _mm256_loadu_ps(u + i)));
-  }
-  for (; i < n; ++i) a[i] = g[i] / (1.0f + fast_exp(-g[i])) * u[i];
-}
-
-namespace {
 
 void rms_norm(const float* x, const float* w, float eps, int64_t n, float* out) {
   float ss = 0.f;
@@ -454,7 +401,8 @@ void Decoder::forward(const float* x, int64_t M, const int64_t* positions, const
     for (int64_t m = 0; m < M; ++m) {
       float* r = res_ + m * H;
       if (l > 0) {
-        const float* mo = h_ + m * H;
+        float* mo = h_ + m * H;
+        if (const float* w = layers[l - 1].post_mlp_norm) rms_norm(mo, w, eps, H, mo);
 #pragma omp simd
         for (int64_t i = 0; i < H; ++i) r[i] += rs * mo[i];
       }
@@ -474,7 +422,7 @@ void Decoder::forward(const float* x, int64_t M, const int64_t* positions, const
       if (qkv_items) run_lora(l, kLoraQKV, h_, L.qkv.K, L.qkv.N, qkv_);
 #pragma omp for schedule(static)
       for (int64_t m = 0; m < M; ++m) {
-        const float* cs = cos_sin + positions[m] * rot;
+        const float* cs = (L.cos_sin ? L.cos_sin : cos_sin) + positions[m] * rot;
         for (int64_t hd = 0; hd < Hq + Hkv; ++hd) {
           float* v = qkv_ + m * qkv_n + hd * D;
           const float* nw = hd < Hq ? L.q_norm : L.k_norm;
@@ -552,7 +500,8 @@ void Decoder::forward(const float* x, int64_t M, const int64_t* positions, const
 #pragma omp for schedule(static)
       for (int64_t m = 0; m < M; ++m) {
         float* r = res_ + m * H;
-        const float* o = h_ + m * H;
+        float* o = h_ + m * H;
+        if (L.post_attn_norm) rms_norm(o, L.post_attn_norm, eps, H, o);
 #pragma omp simd
         for (int64_t i = 0; i < H; ++i) r[i] += rs * o[i];
         rms_norm(r, L.post_norm, eps, H, h_ + m * H);
@@ -574,7 +523,7 @@ void Decoder::forward(const float* x, int64_t M, const int64_t* positions, const
 #pragma omp for schedule(static)
       for (int64_t m = 0; m < M; ++m) {
         const float* g = gu_ + m * 2 * I;
-        silu_mul(g, g + I, I, act_ + m * I);
+        (activation == kActGeluTanh ? gelu_tanh_mul : silu_mul)(g, g + I, I, act_ + m * I);
       }
     }
     linear(L.down, act_, M, h_);
@@ -582,9 +531,11 @@ void Decoder::forward(const float* x, int64_t M, const int64_t* positions, const
     if (comm) comm->all_reduce(h_, M * H);  // the intermediate slices' shares summed
   }
   // 7. final norm
+  const float* last_norm = layers.empty() ? nullptr : layers.back().post_mlp_norm;
   for (int64_t m = 0; m < M; ++m) {
     float* r = res_ + m * H;
-    const float* mo = h_ + m * H;
+    float* mo = h_ + m * H;
+    if (last_norm) rms_norm(mo, last_norm, eps, H, mo);
 #pragma omp simd
     for (int64_t i = 0; i < H; ++i) r[i] += rs * mo[i];
     rms_norm(r, final_norm, eps, H, out + m * H);

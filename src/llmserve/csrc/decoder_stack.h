@@ -73,7 +73,14 @@ struct Layer {
   int64_t window = 0;        // sliding window, 0 = full attention
   int64_t rope = 1;          // 0: q and k not rotated (a NoPE layer, SmolLM3's every fourth)
   Moe moe;
+  // Gemma's sandwich norms: the attention's and the MLP's outputs normed before they join the
+  // residual stream (nullptr: added as they are)
+  const float* post_attn_norm = nullptr;
+  const float* post_mlp_norm = nullptr;
+  const float* cos_sin = nullptr;  // this layer's own RoPE table (Gemma 3's two bases), or nullptr: the stack's
 };
+
+constexpr int kActSilu = 0, kActGeluTanh = 1;  // Decoder::activation
 
 // Attention is computed on a fixed grid of positions, chunks [c * kChunk, (c + 1) * kChunk), the same
 // whatever else is in the batch: a token's result is then the same to the bit whether it is decoded
@@ -92,6 +99,7 @@ struct Decoder {
   int64_t num_blocks = 0, block_size = 0, max_position = 0;
   float eps = 1e-6f, scale = 1.0f;
   float residual_scale = 1.0f;   // r in residual += r * sublayer output (Granite; 1: r o == o exactly)
+  int activation = kActSilu;     // the gated MLP's: silu or gelu_tanh (Gemma)
   int cache_type = kCacheF32;    // K's type
   int v_cache_type = kCacheF32;  // V's: the same, unless K and V are kept apart (`--kv-cache-dtype int8,float16`)
   int64_t v_offset = 0;          // bytes from a layer's kv_cache to its V half (Hkv x K's head bytes when one type)
@@ -144,7 +152,9 @@ struct Decoder {
 
 // Shared with decoder_moe.cpp (defined in decoder_stack.cpp).
 void linear(const QuantLinear& w, const float* x, int64_t M, float* out);  // out [M, N] = x [M, K] W.T (+ b)
+// decoder_act.cpp
 void silu_mul(const float* g, const float* u, int64_t n, float* a);        // a = silu(g) * u
+void gelu_tanh_mul(const float* g, const float* u, int64_t n, float* a);   // a = gelu_tanh(g) * u
 
 // KV cache rows of D values in `cache_type` (decoder_cache_rows.cpp): bytes per row; one float32
 // row stored; `rows` rows read as float32 into dst (a float32 cache's own rows are returned as they are)

@@ -175,11 +175,12 @@ bool parse_moe(PyObject* t, Moe* moe) {
   return true;
 }
 
-// (input_norm, qkv, q_norm, k_norm, o, post_norm, gate_up, down, kv_cache, window, moe, rope); a MoE
-// layer's gate_up and down are None; rope 0: a layer without positions (NoPE)
+// (input_norm, qkv, q_norm, k_norm, o, post_norm, gate_up, down, kv_cache, window, moe, rope,
+// post_attn_norm, post_mlp_norm, cos_sin); a MoE layer's gate_up and down are None; rope 0: a layer
+// without positions (NoPE); the last three 0 where the layer has no such norm or its own RoPE table
 bool parse_layer(PyObject* t, Layer* L) {
-  if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 12) {
-    PyErr_SetString(PyExc_TypeError, "a layer is a tuple of 12 entries");
+  if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 15) {
+    PyErr_SetString(PyExc_TypeError, "a layer is a tuple of 15 entries");
     return false;
   }
   PyObject* moe = PyTuple_GET_ITEM(t, 10);
@@ -189,7 +190,9 @@ bool parse_layer(PyObject* t, Layer* L) {
          parse_linear(PyTuple_GET_ITEM(t, 4), &L->o) && item_ptr(t, 5, const_cast<float**>(&L->post_norm)) &&
          (!dense || parse_linear(PyTuple_GET_ITEM(t, 6), &L->gate_up)) &&
          (!dense || parse_linear(PyTuple_GET_ITEM(t, 7), &L->down)) && item_ptr(t, 8, &L->kv_cache) &&
-         item_ll(t, 9, &L->window) && parse_moe(moe, &L->moe) && item_ll(t, 11, &L->rope);
+         item_ll(t, 9, &L->window) && parse_moe(moe, &L->moe) && item_ll(t, 11, &L->rope) &&
+         item_ptr(t, 12, const_cast<float**>(&L->post_attn_norm)) &&
+         item_ptr(t, 13, const_cast<float**>(&L->post_mlp_norm)) && item_ptr(t, 14, const_cast<float**>(&L->cos_sin));
 }
 
 void free_decoder(PyObject* capsule) {
@@ -198,9 +201,10 @@ void free_decoder(PyObject* capsule) {
 
 // decoder_new(config, layers, cos_sin, final_norm[, comm]) -> capsule
 // config = (H, Hq, Hkv, D, rot, I, num_blocks, block_size, max_position, eps, scale, cache_type,
-//           v_cache_type, v_offset, residual_scale): K's cache type, V's, the bytes from a layer's cache
-//           to its V half, and what each sublayer's output is multiplied by as it joins the residual
-//           stream (Granite's residual_multiplier; 1 for the others);
+//           v_cache_type, v_offset, residual_scale, activation): K's cache type, V's, the bytes from a
+//           layer's cache to its V half, what each sublayer's output is multiplied by as it joins the
+//           residual stream (Granite's residual_multiplier; 1 for the others), and the gated MLP's
+//           activation (kActSilu, kActGeluTanh);
 // comm: a tensor-parallel rank's group (its layers are shards), or None
 PyObject* py_decoder_new(PyObject*, PyObject* args) {
   PyObject *config, *layers, *cos_sin, *final_norm, *comm = Py_None;
@@ -209,30 +213,31 @@ PyObject* py_decoder_new(PyObject*, PyObject* args) {
     return nullptr;
   ShmComm* group = nullptr;
   if (comm != Py_None && !(group = comm_of(comm))) return nullptr;
-  if (PyTuple_GET_SIZE(config) != 15) {
-    PyErr_SetString(PyExc_TypeError, "config is a tuple of 15 entries");
+  if (PyTuple_GET_SIZE(config) != 16) {
+    PyErr_SetString(PyExc_TypeError, "config is a tuple of 16 entries");
     return nullptr;
   }
   auto dec = new Decoder();
-  int64_t cache_type = 0, v_cache_type = 0;
+  int64_t cache_type = 0, v_cache_type = 0, activation = 0;
   bool ok = item_ll(config, 0, &dec->H) && item_ll(config, 1, &dec->Hq) && item_ll(config, 2, &dec->Hkv) &&
             item_ll(config, 3, &dec->D) && item_ll(config, 4, &dec->rot) && item_ll(config, 5, &dec->I) &&
             item_ll(config, 6, &dec->num_blocks) && item_ll(config, 7, &dec->block_size) &&
             item_ll(config, 8, &dec->max_position) && item_float(config, 9, &dec->eps) &&
             item_float(config, 10, &dec->scale) && item_ll(config, 11, &cache_type) &&
             item_ll(config, 12, &v_cache_type) && item_ll(config, 13, &dec->v_offset) &&
-            item_float(config, 14, &dec->residual_scale);
+            item_float(config, 14, &dec->residual_scale) && item_ll(config, 15, &activation);
   dec->cos_sin = static_cast<const float*>(PyLong_AsVoidPtr(cos_sin));
   dec->final_norm = static_cast<const float*>(PyLong_AsVoidPtr(final_norm));
   ok = ok && !PyErr_Occurred();
   if (ok && (cache_type < kCacheF32 || cache_type > kCacheI8 || v_cache_type < kCacheF32 ||
              v_cache_type > kCacheI8 || dec->v_offset <= 0 || dec->Hkv <= 0 || dec->Hq % dec->Hkv ||
-             dec->rot > dec->D || dec->rot % 2)) {
+             dec->rot > dec->D || dec->rot % 2 || (activation != kActSilu && activation != kActGeluTanh))) {
     PyErr_SetString(PyExc_ValueError, "decoder_new: inconsistent config");
     ok = false;
   }
   dec->cache_type = static_cast<int>(cache_type);
   dec->v_cache_type = static_cast<int>(v_cache_type);
+  dec->activation = static_cast<int>(activation);
   for (Py_ssize_t i = 0; ok && i < PyList_GET_SIZE(layers); ++i) {
     dec->layers.emplace_back();
     ok = parse_layer(PyList_GET_ITEM(layers, i), &dec->layers.back());

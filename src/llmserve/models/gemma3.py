@@ -26,6 +26,7 @@ from llmserve.layers.attention import Attention, AttentionBackend, AttentionMeta
 from llmserve.layers.layernorm import RMSNorm
 from llmserve.layers.linear import Linear
 from llmserve.layers.mlp import GatedMLP
+from llmserve.layers.quantization.fused_decoder import DecoderLayerSpec, DecoderSpec
 from llmserve.layers.rotary_embedding import RotaryEmbedding, RotaryInputs, rope_parameters
 from llmserve.layers.vocab_embedding import LMHead, VocabEmbedding
 from llmserve.models.base import QKV_GATE_UP_STACKING, CausalLM, KVCacheShape
@@ -59,6 +60,10 @@ def gemma3_rope_parameters(config: Any, layer_type: str) -> dict[str, Any]:
     if layer_type == SLIDING:
         return {"rope_type": "default", "rope_theta": float(getattr(config, "rope_local_base_freq", 10000.0))}
     return rope_parameters(config)
+
+
+def hidden_act_of(config: Any) -> str:
+    return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "gelu_pytorch_tanh")
 
 
 def is_gemma2(config: Any) -> bool:
@@ -122,8 +127,7 @@ class Gemma3DecoderLayer(nn.Module):
         self.self_attn = Gemma3Attention(config, layer_type, backend)
         self.post_attention_layernorm = RMSNorm(H, eps, weight_offset=1.0)
         self.pre_feedforward_layernorm = RMSNorm(H, eps, weight_offset=1.0)
-        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "gelu_pytorch_tanh")
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, act)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, hidden_act_of(config))
         self.post_feedforward_layernorm = RMSNorm(H, eps, weight_offset=1.0)
 
     def forward(
@@ -144,6 +148,8 @@ class Gemma3Model(nn.Module):
                 "Gemma 3 with use_bidirectional_attention (an embedding model) is not a causal LM"
             )
         H = config.hidden_size
+        self.hidden_size, self.intermediate_size = H, config.intermediate_size
+        self.hidden_act = hidden_act_of(config)
         self.embed_tokens = VocabEmbedding(config.vocab_size, H)
         # HF multiplies by this fp32 scalar cast to the weight dtype: sqrt(640) = 25.298 becomes
         # 25.25 in bf16, and the model was trained with the rounded value.
@@ -162,6 +168,43 @@ class Gemma3Model(nn.Module):
     def embed_scaled(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
         x = self.embed_tokens(input_ids)
         return x * self.embed_scale.to(x.dtype)
+
+    embed = embed_scaled  # what the fused CPU decoder's runner starts the stack from (CausalLM.embed)
+
+    def decoder_spec(self) -> DecoderSpec:
+        """The stack for the fused CPU decoder: sandwich norms, each layer type's own RoPE, the tanh
+        GELU. (Gemma 2's soft-capped scores it has no kernel for: Gemma2ForCausalLM gives none.)"""
+        attn0 = self.layers[0].self_attn
+        layers = [
+            DecoderLayerSpec(
+                input_norm=layer.input_layernorm,
+                qkv=layer.self_attn.qkv_proj,
+                q_norm=layer.self_attn.q_norm,
+                k_norm=layer.self_attn.k_norm,
+                o=layer.self_attn.o_proj,
+                post_norm=layer.pre_feedforward_layernorm,
+                gate_up=layer.mlp.gate_up_proj,
+                down=layer.mlp.down_proj,
+                sliding_window=layer.self_attn.attn.params.sliding_window,
+                post_attn_norm=layer.post_attention_layernorm,
+                post_mlp_norm=layer.post_feedforward_layernorm,
+                rotary=self.rotary_emb[layer.layer_type],
+            )
+            for layer in self.layers
+        ]
+        return DecoderSpec(
+            layers=layers,
+            final_norm=self.norm,
+            rotary=self.rotary_emb[self.layer_types[0]],
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_heads=attn0.num_heads,
+            num_kv_heads=attn0.num_kv_heads,
+            head_dim=attn0.head_dim,
+            scale=attn0.attn.params.scale,
+            eps=self.norm.eps,
+            activation=self.hidden_act,
+        )
 
     def forward(
         self,
@@ -206,6 +249,10 @@ class Gemma3ForCausalLM(CausalLM):
     def kv_cache_shape(self) -> KVCacheShape:
         c = self.config
         return KVCacheShape(c.num_hidden_layers, c.num_key_value_heads, head_dim_of(c))
+
+    def decoder_spec(self) -> DecoderSpec | None:
+        # Gemma 2 soft-caps its attention scores, which the fused decoder's kernel does not
+        return None if is_gemma2(self.config) else self.model.decoder_spec()
 
     def map_weight_name(self, name: str) -> str | None:
         for prefix in self._TEXT_PREFIXES:

@@ -1,4 +1,4 @@
-"""`FusedDecoder`: a Llama-family decoder stack's whole forward in one C++ call
+"""`FusedDecoder`: a Llama-family decoder stack's (or Gemma 3's) whole forward in one C++ call
 (csrc/decoder_stack.cpp), for any flat batch: decodes, prompt chunks, or both.
 
 With quantized weights the model's layer-by-layer forward is mostly glue: at batch 1 on a 2-core
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llmserve.layers.activation import fused_gated_name
 from llmserve.layers.attention import AttentionMetadata, LayerKVCache
 from llmserve.layers.layernorm import RMSNorm
 from llmserve.layers.linear import Linear
@@ -46,6 +47,12 @@ class DecoderLayerSpec:
     """Whether the layer rotates q and k (False: a NoPE layer, SmolLM3's every fourth)."""
     moe: SparseMoE | None = None
     """A mixture-of-experts MLP (run by csrc/decoder_moe.cpp) instead of gate_up / down."""
+    post_attn_norm: RMSNorm | None = None
+    """Gemma's sandwich norms: the attention's output normed before it joins the residual stream,"""
+    post_mlp_norm: RMSNorm | None = None
+    """and the MLP's."""
+    rotary: RotaryEmbedding | None = None
+    """This layer's own RoPE (Gemma 3's sliding and global layers have two bases); None: the stack's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +70,7 @@ class DecoderSpec:
     scale: float
     eps: float
     activation: str
+    """The gated MLP's: "silu", or the tanh GELU under any of its names (Gemma's gelu_pytorch_tanh)."""
     residual_scale: float = 1.0
     """What each sublayer's output is multiplied by as it joins the residual stream (Granite)."""
 
@@ -72,20 +80,53 @@ LORA_LINEARS = ("qkv", "o", "gate_up", "down")
 csrc/decoder_stack.h's kLora* indices (lora/fused.py passes an adapter's pairs in it)."""
 
 
+_ACTIVATIONS = {"silu_and_mul": 0, "gelu_tanh_and_mul": 1}  # csrc/decoder_stack.h's kActSilu, kActGeluTanh
+
+
 def _norms(layer: DecoderLayerSpec) -> list[RMSNorm]:
-    return [n for n in (layer.input_norm, layer.q_norm, layer.k_norm, layer.post_norm) if n is not None]
+    norms = (
+        layer.input_norm,
+        layer.q_norm,
+        layer.k_norm,
+        layer.post_norm,
+        layer.post_attn_norm,
+        layer.post_mlp_norm,
+    )
+    return [n for n in norms if n is not None]
+
+
+def _rotaries(spec: DecoderSpec) -> list[RotaryEmbedding]:
+    """The stack's RoPE and each layer's own, once each."""
+    found = {id(spec.rotary): spec.rotary}
+    for layer in spec.layers:
+        if layer.rotary is not None:
+            found.setdefault(id(layer.rotary), layer.rotary)
+    return list(found.values())
+
+
+def _norm_weight(norm: RMSNorm) -> torch.Tensor:
+    """The weight the C++ norm multiplies by: w, or Gemma's (1 + w) added once in float32, the value
+    the model's own norm computes at every call."""
+    return norm.weight if not norm.weight_offset else (norm.weight.float() + norm.weight_offset).contiguous()
 
 
 def unsupported_reason(spec: DecoderSpec, kv_caches: list[LayerKVCache]) -> str | None:
     """Why the fused decoder cannot run this stack (None: it can); a tensor-parallel rank's
     shard runs the same (its row-parallel and MoE outputs summed over the group in the call)."""
-    if not spec.rotary.backend_can_rotate:  # its RoPE takes one position a token
+    rotaries = _rotaries(spec)
+    if not all(r.backend_can_rotate for r in rotaries):  # its RoPE takes one position a token
         return "M-RoPE (three position ids a token)"
     if not cpu_kernels.has_native_kernels():
         return f"quantized kernel set is {cpu_kernels.kernels()!r}"
-    if spec.activation != "silu":
+    if fused_gated_name(spec.activation) not in _ACTIVATIONS:
         return f"activation {spec.activation!r}"
-    if spec.rotary.rotary_dim % 2 or spec.rotary.rotary_dim > spec.head_dim:
+    if (
+        any(layer.moe is not None for layer in spec.layers)
+        and fused_gated_name(spec.activation) != "silu_and_mul"
+    ):
+        return f"MoE experts with activation {spec.activation!r}"
+    dims = {r.rotary_dim for r in rotaries}
+    if len(dims) > 1 or spec.rotary.rotary_dim % 2 or spec.rotary.rotary_dim > spec.head_dim:
         return "rotary dims"
     for layer in spec.layers:
         linears = [layer.qkv, layer.o, *_mlp_linears(layer)]
@@ -107,7 +148,7 @@ def unsupported_reason(spec: DecoderSpec, kv_caches: list[LayerKVCache]) -> str 
                 "MoE routing the C++ decoder lacks (router bias, softmax over the chosen, gpt-oss's gating)"
             )
         for n in [*_norms(layer), spec.final_norm]:
-            if n.weight_offset or n.weight.dtype != torch.float32 or n.weight.device.type != "cpu":
+            if n.weight.dtype != torch.float32 or n.weight.device.type != "cpu":
                 return "norm weights are not float32 on the CPU"
     for cache in kv_caches:
         for half in (cache[0], cache[1]):
@@ -191,10 +232,18 @@ class FusedDecoder:
             raise ValueError(f"the fused decoder cannot run this model: {reason}")
         self.spec, self.kv_caches = spec, kv_caches
         k0, v0 = kv_caches[0][0], kv_caches[0][1]  # K and V halves (their own types in a KVPair)
-        self._cos_sin = spec.rotary.cos_sin_table(torch.device("cpu")).float().contiguous()  # [max_pos, rot]
+        # [max_pos, rot] tables: the stack's, then any layer's own (kept alive here, as the norms'
+        # offset weights are: the C++ side holds their addresses)
+        self._tables = {
+            id(r): r.cos_sin_table(torch.device("cpu")).float().contiguous() for r in _rotaries(spec)
+        }
+        self._cos_sin = self._tables[id(spec.rotary)]
+        self._max_position = min(t.shape[0] for t in self._tables.values())
+        self._norm_weights = {id(n): _norm_weight(n) for layer in spec.layers for n in _norms(layer)}
+        self._norm_weights[id(spec.final_norm)] = _norm_weight(spec.final_norm)
+        addr = lambda n: 0 if n is None else self._norm_weights[id(n)].data_ptr()  # noqa: E731
         layers = []
         for layer, kv in zip(spec.layers, kv_caches, strict=True):
-            addr = lambda n: 0 if n is None else n.weight.data_ptr()  # noqa: E731
             layers.append(
                 (
                     addr(layer.input_norm),
@@ -209,6 +258,9 @@ class FusedDecoder:
                     int(layer.sliding_window or 0),
                     _moe(layer.moe),
                     int(layer.rope),
+                    addr(layer.post_attn_norm),
+                    addr(layer.post_mlp_norm),
+                    0 if layer.rotary is None else self._tables[id(layer.rotary)].data_ptr(),
                 )
             )
         self.capsule: object
@@ -222,17 +274,18 @@ class FusedDecoder:
             spec.intermediate_size,
             k0.shape[1],  # num_blocks
             block_size,
-            self._cos_sin.shape[0],
+            self._max_position,
             float(spec.eps),
             float(spec.scale),
             _CACHE_TYPES[k0.dtype],
             _CACHE_TYPES[v0.dtype],
             _v_offset(kv_caches[0]),
             float(spec.residual_scale),
+            _ACTIVATIONS[fused_gated_name(spec.activation)],  # type: ignore[index]
         )
         self._comm = comm  # kept alive with the decoder, which holds its address
         self.capsule = cpu_kernels.decoder_new(
-            config, layers, self._cos_sin.data_ptr(), spec.final_norm.weight.data_ptr(), comm
+            config, layers, self._cos_sin.data_ptr(), addr(spec.final_norm), comm
         )
         self.cache_ptr = k0.data_ptr()
 
@@ -251,9 +304,9 @@ class FusedDecoder:
         x = x.contiguous()
         positions = positions.contiguous()
         out = torch.empty_like(x)
-        if max(md.seq_lens) > self._cos_sin.shape[0]:  # the C++ side indexes the table unchecked
+        if max(md.seq_lens) > self._max_position:  # the C++ side indexes the tables unchecked
             raise ValueError(
-                f"context of {max(md.seq_lens)} tokens is past the rotary table ({self._cos_sin.shape[0]})"
+                f"context of {max(md.seq_lens)} tokens is past the rotary table ({self._max_position})"
             )
         if md.num_seqs == T:  # one token per sequence
             token_seqs = torch.arange(T)
