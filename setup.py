@@ -39,6 +39,7 @@ setup(
                     "qgemm.h",
                     "job_runs.h",
                     "decoder_stack.h",
+                    "vec_exp.h",
                     "shm_comm.h",
                     "py_util.h",
                     "act_quant.inc",
