@@ -15,7 +15,8 @@
 //   mlp_out = (silu(h @ Wgate.T) * (h @ Wup.T)) @ Wdown.T               gelu_tanh for Gemma
 //
 // Gemma's sandwich norms (Layer::post_attn_norm, post_mlp_norm) norm attn @ Wo.T and mlp_out before
-// each joins the residual stream; its sliding and global layers rotate with their own tables.
+// each joins the residual stream; its sliding and global layers rotate with their own tables; Gemma 2
+// soft-caps the scaled scores. OLMo 2 and EXAONE 4.0 have those two norms and not w_in, w_post.
 //
 // and after the last layer the final norm: out = rms_norm(res + mlp_out) * w_final. The math and
 // its order are those of llmserve/models/llama.py; matmuls are the q8/q4/q6/q4k kernels of qgemm.h.
@@ -55,6 +56,14 @@ float exp_shifted(float* x, int64_t n, float scale, float m) {
   float total = lanes[0] + lanes[1] + lanes[2] + lanes[3] + lanes[4] + lanes[5] + lanes[6] + lanes[7];
   for (; i < n; ++i) total += (x[i] = fast_exp(scale * (x[i] - m)));
   return total;
+}
+
+// Gemma 2's soft cap on the scaled scores, kept in the unscaled units the softmax then scales:
+// x[i] = (c / scale) tanh(scale x[i] / c), tanh(y) = 1 - 2 / (1 + e^{2y}) (plain arithmetic: vectorizes)
+void cap_scores(float* x, int64_t n, float scale, float cap) {
+  const float in = 2.0f * scale / cap, out = cap / scale;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) x[i] = out * (1.0f - 2.0f / (1.0f + fast_exp(in * x[i])));
 }
 
 float max_of(const float* x, int64_t n) {
@@ -266,6 +275,7 @@ void attend_chunk(const Decoder& dec, const float* q, int64_t q_stride, int64_t 
   for (int64_t j = 0; j < n; ++j) {
     const int64_t r = row(j), a = row_lo(r), b = row_hi(r);
     float* sg = s + r * kChunk - p0;  // by position
+    if (dec.softcap > 0.f) cap_scores(sg + a, b - a, dec.scale, dec.softcap);
     const float m = max_of(sg + a, b - a);
     mx[r] = m;
     l[r] = exp_shifted(sg + a, b - a, dec.scale, m);
@@ -406,7 +416,8 @@ void Decoder::forward(const float* x, int64_t M, const int64_t* positions, const
 #pragma omp simd
         for (int64_t i = 0; i < H; ++i) r[i] += rs * mo[i];
       }
-      rms_norm(r, L.input_norm, eps, H, h_ + m * H);
+      if (L.input_norm) rms_norm(r, L.input_norm, eps, H, h_ + m * H);
+      else std::memcpy(h_ + m * H, r, H * 4);  // post-norm layers (OLMo 2) attend to the stream itself
     }
     // 2. q, k, v; per-head norms (Qwen3); rotary embedding of q and k
     linear(L.qkv, h_, M, qkv_);
@@ -423,10 +434,15 @@ void Decoder::forward(const float* x, int64_t M, const int64_t* positions, const
 #pragma omp for schedule(static)
       for (int64_t m = 0; m < M; ++m) {
         const float* cs = (L.cos_sin ? L.cos_sin : cos_sin) + positions[m] * rot;
+        float* qm = qkv_ + m * qkv_n;
+        if (L.qk_norm_whole) {  // OLMo 2: q over all its heads at once, k over all of its
+          rms_norm(qm, L.q_norm, eps, Hq * D, qm);
+          rms_norm(qm + Hq * D, L.k_norm, eps, Hkv * D, qm + Hq * D);
+        }
         for (int64_t hd = 0; hd < Hq + Hkv; ++hd) {
-          float* v = qkv_ + m * qkv_n + hd * D;
+          float* v = qm + hd * D;
           const float* nw = hd < Hq ? L.q_norm : L.k_norm;
-          if (nw) rms_norm(v, nw, eps, D, v);
+          if (nw && !L.qk_norm_whole) rms_norm(v, nw, eps, D, v);
           if (L.rope) rope(v, cs, rot);
         }
         // 3. this token's K and V into their cache slot (all of the batch's before any token
@@ -504,7 +520,8 @@ void Decoder::forward(const float* x, int64_t M, const int64_t* positions, const
         if (L.post_attn_norm) rms_norm(o, L.post_attn_norm, eps, H, o);
 #pragma omp simd
         for (int64_t i = 0; i < H; ++i) r[i] += rs * o[i];
-        rms_norm(r, L.post_norm, eps, H, h_ + m * H);
+        if (L.post_norm) rms_norm(r, L.post_norm, eps, H, h_ + m * H);
+        else std::memcpy(h_ + m * H, r, H * 4);
       }
     }
     // 6. gated MLP: silu(gate) * up, then down (its output stays in h for the next layer); or

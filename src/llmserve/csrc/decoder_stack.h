@@ -78,6 +78,8 @@ struct Layer {
   const float* post_attn_norm = nullptr;
   const float* post_mlp_norm = nullptr;
   const float* cos_sin = nullptr;  // this layer's own RoPE table (Gemma 3's two bases), or nullptr: the stack's
+  int64_t qk_norm_whole = 0;       // 1: q_norm over all Hq D of a token's q at once, k_norm over its Hkv D (OLMo 2)
+  // input_norm, post_norm nullptr: the layer's input is the stream itself (post-norm layers: OLMo 2)
 };
 
 constexpr int kActSilu = 0, kActGeluTanh = 1;  // Decoder::activation
@@ -100,6 +102,7 @@ struct Decoder {
   float eps = 1e-6f, scale = 1.0f;
   float residual_scale = 1.0f;   // r in residual += r * sublayer output (Granite; 1: r o == o exactly)
   int activation = kActSilu;     // the gated MLP's: silu or gelu_tanh (Gemma)
+  float softcap = 0.f;           // c in c tanh(scale s / c) on the scores (Gemma 2), 0: none
   int cache_type = kCacheF32;    // K's type
   int v_cache_type = kCacheF32;  // V's: the same, unless K and V are kept apart (`--kv-cache-dtype int8,float16`)
   int64_t v_offset = 0;          // bytes from a layer's kv_cache to its V half (Hkv x K's head bytes when one type)

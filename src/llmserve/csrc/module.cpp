@@ -176,11 +176,11 @@ bool parse_moe(PyObject* t, Moe* moe) {
 }
 
 // (input_norm, qkv, q_norm, k_norm, o, post_norm, gate_up, down, kv_cache, window, moe, rope,
-// post_attn_norm, post_mlp_norm, cos_sin); a MoE layer's gate_up and down are None; rope 0: a layer
-// without positions (NoPE); the last three 0 where the layer has no such norm or its own RoPE table
+// post_attn_norm, post_mlp_norm, cos_sin, qk_norm_whole); a MoE layer's gate_up and down are None;
+// rope 0: a layer without positions (NoPE); a norm or table 0 where the layer has none of its own
 bool parse_layer(PyObject* t, Layer* L) {
-  if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 15) {
-    PyErr_SetString(PyExc_TypeError, "a layer is a tuple of 15 entries");
+  if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 16) {
+    PyErr_SetString(PyExc_TypeError, "a layer is a tuple of 16 entries");
     return false;
   }
   PyObject* moe = PyTuple_GET_ITEM(t, 10);
@@ -192,7 +192,8 @@ bool parse_layer(PyObject* t, Layer* L) {
          (!dense || parse_linear(PyTuple_GET_ITEM(t, 7), &L->down)) && item_ptr(t, 8, &L->kv_cache) &&
          item_ll(t, 9, &L->window) && parse_moe(moe, &L->moe) && item_ll(t, 11, &L->rope) &&
          item_ptr(t, 12, const_cast<float**>(&L->post_attn_norm)) &&
-         item_ptr(t, 13, const_cast<float**>(&L->post_mlp_norm)) && item_ptr(t, 14, const_cast<float**>(&L->cos_sin));
+         item_ptr(t, 13, const_cast<float**>(&L->post_mlp_norm)) && item_ptr(t, 14, const_cast<float**>(&L->cos_sin)) &&
+         item_ll(t, 15, &L->qk_norm_whole);
 }
 
 void free_decoder(PyObject* capsule) {
@@ -201,10 +202,10 @@ void free_decoder(PyObject* capsule) {
 
 // decoder_new(config, layers, cos_sin, final_norm[, comm]) -> capsule
 // config = (H, Hq, Hkv, D, rot, I, num_blocks, block_size, max_position, eps, scale, cache_type,
-//           v_cache_type, v_offset, residual_scale, activation): K's cache type, V's, the bytes from a
+//           v_cache_type, v_offset, residual_scale, activation, softcap): K's cache type, V's, the bytes from a
 //           layer's cache to its V half, what each sublayer's output is multiplied by as it joins the
-//           residual stream (Granite's residual_multiplier; 1 for the others), and the gated MLP's
-//           activation (kActSilu, kActGeluTanh);
+//           residual stream (Granite's residual_multiplier; 1 for the others), the gated MLP's
+//           activation (kActSilu, kActGeluTanh), and the scores' soft cap (Gemma 2; 0: none);
 // comm: a tensor-parallel rank's group (its layers are shards), or None
 PyObject* py_decoder_new(PyObject*, PyObject* args) {
   PyObject *config, *layers, *cos_sin, *final_norm, *comm = Py_None;
@@ -213,8 +214,8 @@ PyObject* py_decoder_new(PyObject*, PyObject* args) {
     return nullptr;
   ShmComm* group = nullptr;
   if (comm != Py_None && !(group = comm_of(comm))) return nullptr;
-  if (PyTuple_GET_SIZE(config) != 16) {
-    PyErr_SetString(PyExc_TypeError, "config is a tuple of 16 entries");
+  if (PyTuple_GET_SIZE(config) != 17) {
+    PyErr_SetString(PyExc_TypeError, "config is a tuple of 17 entries");
     return nullptr;
   }
   auto dec = new Decoder();
@@ -225,13 +226,14 @@ PyObject* py_decoder_new(PyObject*, PyObject* args) {
             item_ll(config, 8, &dec->max_position) && item_float(config, 9, &dec->eps) &&
             item_float(config, 10, &dec->scale) && item_ll(config, 11, &cache_type) &&
             item_ll(config, 12, &v_cache_type) && item_ll(config, 13, &dec->v_offset) &&
-            item_float(config, 14, &dec->residual_scale) && item_ll(config, 15, &activation);
+            item_float(config, 14, &dec->residual_scale) && item_ll(config, 15, &activation) &&
+            item_float(config, 16, &dec->softcap);
   dec->cos_sin = static_cast<const float*>(PyLong_AsVoidPtr(cos_sin));
   dec->final_norm = static_cast<const float*>(PyLong_AsVoidPtr(final_norm));
   ok = ok && !PyErr_Occurred();
   if (ok && (cache_type < kCacheF32 || cache_type > kCacheI8 || v_cache_type < kCacheF32 ||
              v_cache_type > kCacheI8 || dec->v_offset <= 0 || dec->Hkv <= 0 || dec->Hq % dec->Hkv ||
-             dec->rot > dec->D || dec->rot % 2 || (activation != kActSilu && activation != kActGeluTanh))) {
+             dec->rot > dec->D || dec->rot % 2 || (activation != kActSilu && activation != kActGeluTanh) || dec->softcap < 0.f)) {
     PyErr_SetString(PyExc_ValueError, "decoder_new: inconsistent config");
     ok = false;
   }

@@ -173,7 +173,7 @@ class Gemma3Model(nn.Module):
 
     def decoder_spec(self) -> DecoderSpec:
         """The stack for the fused CPU decoder: sandwich norms, each layer type's own RoPE, the tanh
-        GELU. (Gemma 2's soft-capped scores it has no kernel for: Gemma2ForCausalLM gives none.)"""
+        GELU, and Gemma 2's soft cap on the attention scores."""
         attn0 = self.layers[0].self_attn
         layers = [
             DecoderLayerSpec(
@@ -204,6 +204,7 @@ class Gemma3Model(nn.Module):
             scale=attn0.attn.params.scale,
             eps=self.norm.eps,
             activation=self.hidden_act,
+            softcap=attn0.attn.params.softcap,
         )
 
     def forward(
@@ -251,8 +252,7 @@ class Gemma3ForCausalLM(CausalLM):
         return KVCacheShape(c.num_hidden_layers, c.num_key_value_heads, head_dim_of(c))
 
     def decoder_spec(self) -> DecoderSpec | None:
-        # Gemma 2 soft-caps its attention scores, which the fused decoder's kernel does not
-        return None if is_gemma2(self.config) else self.model.decoder_spec()
+        return self.model.decoder_spec()
 
     def map_weight_name(self, name: str) -> str | None:
         for prefix in self._TEXT_PREFIXES:

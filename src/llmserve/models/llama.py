@@ -200,26 +200,28 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         return x if self.embedding_multiplier == 1.0 else x * self.embedding_multiplier
 
-    def decoder_spec(self) -> DecoderSpec:
-        """The stack for the fused CPU decoder (each layer's MLP dense or a mixture of experts)."""
+    def layer_spec(self, layer: nn.Module) -> DecoderLayerSpec:
+        """One layer as the fused CPU decoder takes it (its MLP dense or a mixture of experts)."""
+        attn, moe = layer.self_attn, layer.mlp if isinstance(layer.mlp, SparseMoE) else None
+        return DecoderLayerSpec(
+            input_norm=layer.input_layernorm,
+            qkv=attn.qkv_proj,
+            q_norm=attn.q_norm,
+            k_norm=attn.k_norm,
+            o=attn.o_proj,
+            post_norm=layer.post_attention_layernorm,
+            gate_up=None if moe is not None else layer.mlp.gate_up_proj,
+            down=None if moe is not None else layer.mlp.down_proj,
+            sliding_window=attn.attn.params.sliding_window,
+            rope=attn.use_rope,
+            moe=moe,
+        )
+
+    def decoder_spec(self) -> DecoderSpec | None:
+        """The stack for the fused CPU decoder."""
         c = self.config
         attn0 = self.layers[0].self_attn
-        layers = [
-            DecoderLayerSpec(
-                input_norm=layer.input_layernorm,
-                qkv=layer.self_attn.qkv_proj,
-                q_norm=layer.self_attn.q_norm,
-                k_norm=layer.self_attn.k_norm,
-                o=layer.self_attn.o_proj,
-                post_norm=layer.post_attention_layernorm,
-                gate_up=None if isinstance(layer.mlp, SparseMoE) else layer.mlp.gate_up_proj,
-                down=None if isinstance(layer.mlp, SparseMoE) else layer.mlp.down_proj,
-                sliding_window=layer.self_attn.attn.params.sliding_window,
-                rope=layer.self_attn.use_rope,
-                moe=layer.mlp if isinstance(layer.mlp, SparseMoE) else None,
-            )
-            for layer in self.layers
-        ]
+        layers = [self.layer_spec(layer) for layer in self.layers]
         return DecoderSpec(
             layers=layers,
             final_norm=self.norm,
@@ -232,7 +234,7 @@ class LlamaModel(nn.Module):
             scale=attn0.attn.params.scale,
             eps=c.rms_norm_eps,
             activation=getattr(c, "hidden_act", "silu"),
-            residual_scale=self.layers[0].residual_multiplier,
+            residual_scale=getattr(self.layers[0], "residual_multiplier", 1.0),
         )
 
 
@@ -262,5 +264,5 @@ class LlamaForCausalLM(CausalLM):
         c = self.config
         return KVCacheShape(c.num_hidden_layers, c.num_key_value_heads, head_dim_of(c))
 
-    def decoder_spec(self) -> DecoderSpec:
+    def decoder_spec(self) -> DecoderSpec | None:
         return self.model.decoder_spec()

@@ -8,8 +8,8 @@ for each layer:
 logits = lm_head(rms_norm(x))
 
 The stack returns (MLP output, residual) as llama.py's layers do, so `LlamaModel.forward` runs it
-and its final norm adds the two. The fused CPU decoder runs pre-norm stacks only: a quantized
-OLMo 2 runs layer by layer (`decoder_spec` None).
+and its final norm adds the two. The fused CPU decoder runs it too: no input or pre-MLP norms, the
+two output norms (Gemma's `post_attn_norm`, `post_mlp_norm`), q and k normed whole.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch import nn
 
 from llmserve.layers.attention import AttentionBackend, AttentionMetadata, LayerKVCache
 from llmserve.layers.layernorm import RMSNorm
-from llmserve.layers.quantization.fused_decoder import DecoderSpec
+from llmserve.layers.quantization.fused_decoder import DecoderLayerSpec
 from llmserve.layers.rotary_embedding import RotaryInputs
 from llmserve.models.llama import ArchFlags, LlamaAttention, LlamaForCausalLM, LlamaModel, MLPBuilder
 
@@ -65,12 +65,24 @@ class Olmo2DecoderLayer(nn.Module):
 class Olmo2Model(LlamaModel):
     layer_cls = Olmo2DecoderLayer
 
-    def decoder_spec(self) -> DecoderSpec | None:  # type: ignore[override]
-        return None  # post-norm layers: the fused decoder's stack is pre-norm
+    def layer_spec(self, layer: nn.Module) -> DecoderLayerSpec:
+        attn = layer.self_attn
+        return DecoderLayerSpec(
+            input_norm=None,  # each sublayer reads the stream itself, its output normed
+            qkv=attn.qkv_proj,
+            q_norm=attn.q_norm,
+            k_norm=attn.k_norm,
+            o=attn.o_proj,
+            post_norm=None,
+            gate_up=layer.mlp.gate_up_proj,
+            down=layer.mlp.down_proj,
+            sliding_window=attn.attn.params.sliding_window,
+            rope=attn.use_rope,
+            post_attn_norm=layer.post_attention_layernorm,
+            post_mlp_norm=layer.post_feedforward_layernorm,
+            qk_norm_whole=isinstance(attn, Olmo2Attention),  # EXAONE 4.0's are per head
+        )
 
 
 class Olmo2ForCausalLM(LlamaForCausalLM):
     backbone_cls = Olmo2Model
-
-    def decoder_spec(self) -> DecoderSpec | None:  # type: ignore[override]
-        return None

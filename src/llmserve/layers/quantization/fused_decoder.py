@@ -34,12 +34,12 @@ _CACHE_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int
 
 @dataclass(frozen=True, slots=True)
 class DecoderLayerSpec:
-    input_norm: RMSNorm
+    input_norm: RMSNorm | None  # None (and post_norm None): a post-norm layer reads the stream as it is
     qkv: Linear  # [q | k | v] rows
     q_norm: RMSNorm | None
     k_norm: RMSNorm | None
     o: Linear
-    post_norm: RMSNorm
+    post_norm: RMSNorm | None
     gate_up: Linear | None  # [gate | up] rows; None where `moe` is the MLP
     down: Linear | None
     sliding_window: int | None
@@ -53,11 +53,14 @@ class DecoderLayerSpec:
     """and the MLP's."""
     rotary: RotaryEmbedding | None = None
     """This layer's own RoPE (Gemma 3's sliding and global layers have two bases); None: the stack's."""
+    qk_norm_whole: bool = False
+    """q_norm and k_norm over all of a token's heads at once (OLMo 2), not head by head."""
 
 
 @dataclass(frozen=True, slots=True)
 class DecoderSpec:
-    """A pre-norm decoder stack: RMSNorm, GQA attention with RoPE, RMSNorm, gated MLP."""
+    """A decoder stack: RMSNorm, GQA attention with RoPE, RMSNorm, gated MLP (pre-norm, as Llama's;
+    Gemma's sandwich norms and OLMo 2's post-norm layers through the layers' optional norms)."""
 
     layers: list[DecoderLayerSpec]
     final_norm: RMSNorm
@@ -73,6 +76,8 @@ class DecoderSpec:
     """The gated MLP's: "silu", or the tanh GELU under any of its names (Gemma's gelu_pytorch_tanh)."""
     residual_scale: float = 1.0
     """What each sublayer's output is multiplied by as it joins the residual stream (Granite)."""
+    softcap: float | None = None
+    """Gemma 2's cap c on the scaled attention scores: c tanh(s / c)."""
 
 
 LORA_LINEARS = ("qkv", "o", "gate_up", "down")
@@ -261,6 +266,7 @@ class FusedDecoder:
                     addr(layer.post_attn_norm),
                     addr(layer.post_mlp_norm),
                     0 if layer.rotary is None else self._tables[id(layer.rotary)].data_ptr(),
+                    int(layer.qk_norm_whole),
                 )
             )
         self.capsule: object
@@ -282,6 +288,7 @@ class FusedDecoder:
             _v_offset(kv_caches[0]),
             float(spec.residual_scale),
             _ACTIVATIONS[fused_gated_name(spec.activation)],  # type: ignore[index]
+            float(spec.softcap or 0.0),
         )
         self._comm = comm  # kept alive with the decoder, which holds its address
         self.capsule = cpu_kernels.decoder_new(
