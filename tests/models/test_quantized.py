@@ -42,7 +42,7 @@ LLAMA_FAMILY = [
     "olmo2",  # post-norm layers, q and k normed whole
     "exaone4",  # post-norm, per-head q/k norms, a NoPE global layer
 ]
-MOE = ["mixtral", "qwen2-moe", "qwen3-moe"]  # the fused decoder runs their experts too
+MOE = ["mixtral", "qwen2-moe", "qwen3-moe", "granite-moe"]  # the fused decoder runs their experts too
 _LINEAR = re.compile(r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|c_attn|c_proj|c_fc)\.weight$")
 # transformers keeps a MoE layer's experts stacked in memory: [experts, out, in] (gate rows, then up)
 _EXPERTS = re.compile(r"experts\.(gate_up_proj|down_proj)$")

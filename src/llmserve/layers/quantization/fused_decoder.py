@@ -145,13 +145,9 @@ def unsupported_reason(spec: DecoderSpec, kv_caches: list[LayerKVCache]) -> str 
         ):
             return "MoE router weights are not float32 on the CPU"
         if layer.moe is not None and (
-            layer.moe.softmax_after_top_k
-            or layer.moe.gate.bias is not None
-            or layer.moe.experts[0].glu is not None
+            layer.moe.gate.bias is not None or layer.moe.experts[0].glu is not None
         ):
-            return (
-                "MoE routing the C++ decoder lacks (router bias, softmax over the chosen, gpt-oss's gating)"
-            )
+            return "MoE routing the C++ decoder lacks (router bias, gpt-oss's gating)"
         for n in [*_norms(layer), spec.final_norm]:
             if n.weight.dtype != torch.float32 or n.weight.device.type != "cpu":
                 return "norm weights are not float32 on the CPU"
@@ -194,7 +190,9 @@ def _moe(moe: SparseMoE | None) -> tuple | None:
     return (
         moe.num_experts,
         moe.top_k,
-        int(moe.renormalize),
+        # a softmax over the k chosen logits (Granite MoE) is the softmax over all of them
+        # renormalised over the chosen: e^z_i / sum_chosen e^z_j either way
+        int(moe.renormalize or moe.softmax_after_top_k),
         moe.gate.weight.data_ptr(),
         [_linear(e.gate_up_proj) for e in moe.experts],  # type: ignore[arg-type]
         [_linear(e.down_proj) for e in moe.experts],  # type: ignore[arg-type]
