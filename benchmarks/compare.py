@@ -391,7 +391,7 @@ def main() -> None:
         for peer in peers:
             if peer == "transformers" and any(n.startswith("transformers") for n in results):
                 continue  # the float model once
-            name = f"{peer} ({w})"
+            name = f"{peer} ({Path(w).name})"  # a GGUF path by its file name (the plots' legends)
             results[name] = PEERS[peer](args, work, gguf, name)
     print_table(results, args.concurrency)
     report = {
