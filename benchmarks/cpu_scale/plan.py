@@ -38,6 +38,19 @@ SIZES: dict[str, ModelShape] = {
         num_local_experts=8,
         num_experts_per_tok=2,
     ),
+    # Gemma 3 1B's stack (hidden 1152, 26 layers, 4 heads of 256, 1 KV head, intermediate 6912,
+    # windows of 512 in five layers of six) with SmolLM2's 49,152-token vocabulary instead of
+    # Gemma's 262,144 (the tokenizer beside the weights must have the model's ids): 0.75B
+    # parameters, where the real model's embedding adds 0.25B more
+    "gemma3-1b": ModelShape(
+        arch="gemma3",
+        hidden_size=1152,
+        num_hidden_layers=26,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+        intermediate_size=6912,
+    ),
 }
 
 

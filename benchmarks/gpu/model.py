@@ -1,5 +1,5 @@
-"""The benchmark's model folder: a random Llama (or Mixtral) saved by transformers, SmolLM2's
-tokenizer beside it.
+"""The benchmark's model folder: a random Llama (or Mixtral, or Gemma 3) saved by transformers,
+SmolLM2's tokenizer beside it.
 
 Nothing is downloaded. The weights come from `LlamaForCausalLM(LlamaConfig(...))` (a shape with
 experts: `MixtralConfig`) under a fixed seed, saved with `save_pretrained` (safetensors) in the plan's dtype. The tokenizer is the one the
@@ -58,6 +58,17 @@ def build_model(
     if shape.num_local_experts:
         config_class = transformers.MixtralConfig
         moe = {"num_local_experts": shape.num_local_experts, "num_experts_per_tok": shape.num_experts_per_tok}
+    if shape.arch == "gemma3":  # its own RoPE bases (1M global, 10k local), query scale = head_dim
+        config_class = transformers.Gemma3TextConfig
+        moe = {
+            "head_dim": shape.head_dim,
+            "query_pre_attn_scalar": shape.head_dim,
+            "sliding_window": shape.sliding_window,
+        }
+    elif shape.arch != "llama":
+        raise ValueError(f"unknown arch {shape.arch!r}: llama or gemma3")
+    else:
+        moe["rope_theta"] = shape.rope_theta
     config = config_class(
         **moe,
         hidden_size=shape.hidden_size,
@@ -67,7 +78,6 @@ def build_model(
         intermediate_size=shape.intermediate_size,
         vocab_size=shape.vocab_size,
         max_position_embeddings=shape.max_position_embeddings,
-        rope_theta=shape.rope_theta,
         tie_word_embeddings=True,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,

@@ -29,13 +29,21 @@ class ModelShape:
     """> 0: a Mixtral (transformers' MixtralConfig) whose every MLP is this many experts of
     `intermediate_size`, `num_experts_per_tok` of them run per token."""
     num_experts_per_tok: int = 2
+    arch: str = "llama"
+    """"gemma3": a Gemma 3 text stack (transformers' Gemma3TextConfig: its sandwich norms, the tanh
+    GELU, five sliding layers of `sliding_window` positions to one global, two RoPE bases)."""
+    head_dim: int = 0
+    """Gemma 3's (its heads are wider than hidden / heads); 0: hidden / heads."""
+    sliding_window: int = 512
 
     def spec(self) -> dict[str, object]:
         """The shape as a model folder's marker records it (a dense shape without the expert
-        fields, so folders built before they existed are still reused)."""
+        fields, a Llama without the Gemma ones, so folders built before they existed are reused)."""
         fields = asdict(self)
         if not self.num_local_experts:
             del fields["num_local_experts"], fields["num_experts_per_tok"]
+        if self.arch == "llama":
+            del fields["arch"], fields["head_dim"], fields["sliding_window"]
         return fields
 
     def dense_twin(self) -> ModelShape:

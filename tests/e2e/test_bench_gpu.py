@@ -210,3 +210,35 @@ def test_synthetic_tokenizer_fallback(bench_gpu, tmp_path):
     requests = random_requests(tokenizer, 4, 128, 8, seed=1, salt="abcd1234")
     assert [len(tokenizer.encode(r.prompt)) for r in requests] == [128] * 4
     assert len({tuple(tokenizer.encode(r.prompt)) for r in requests}) == 4
+
+
+def test_a_gemma3_shape_builds_a_gemma3_folder(bench_gpu, tmp_path):
+    """bench_cpu_scale's `gemma3-1b` size builds through the same code: a Gemma 3 text model of the
+    shape (its head width, windows, query scale), which llmserve serves as transformers runs it."""
+    import torch
+    import transformers
+
+    from gpu import model as bench_model
+    from gpu.plan import ModelShape
+
+    from llmserve.config import ModelConfig
+    from llmserve.model_executor.forward_runner import ForwardRunner, SequenceBatchEntry
+    from llmserve.model_executor.model_loader import load_model
+
+    shape = ModelShape(
+        arch="gemma3", hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=48, intermediate_size=128, sliding_window=8,
+    )  # fmt: skip
+    assert shape.spec()["arch"] == "gemma3" and "arch" not in ModelShape().spec()  # Llama folders reused
+    bench_model.build_model(tmp_path, shape, "float32", 0, "synthetic")
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["model_type"] == "gemma3_text"
+    assert (config["head_dim"], config["query_pre_attn_scalar"], config["sliding_window"]) == (48, 48, 8)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ours = load_model(ModelConfig(model=str(tmp_path), quantization="none", show_progress=False))
+    prompt = list(range(100, 120))
+    runner = ForwardRunner(ours.model, num_blocks=8, block_size=4)
+    logits = runner.execute([SequenceBatchEntry(prompt, len(prompt), list(range(5)))], all_logits=True)
+    with torch.no_grad():
+        expected = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(logits, expected, rtol=1e-3, atol=1e-3)

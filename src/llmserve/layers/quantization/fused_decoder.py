@@ -1,5 +1,5 @@
-"""`FusedDecoder`: a Llama-family decoder stack's (or Gemma 3's) whole forward in one C++ call
-(csrc/decoder_stack.cpp), for any flat batch: decodes, prompt chunks, or both.
+"""`FusedDecoder`: a decoder stack's whole forward in one C++ call (Llama-family stacks, Gemma 2 and 3,
+OLMo 2, EXAONE 4.0; csrc/decoder_stack.cpp), for any flat batch: decodes, prompt chunks, or both.
 
 With quantized weights the model's layer-by-layer forward is mostly glue: at batch 1 on a 2-core
 CPU, ten torch/Python calls per layer cost about as much as the quantized matmuls themselves. The
