@@ -220,7 +220,6 @@ def test_a_gemma3_shape_builds_a_gemma3_folder(bench_gpu, tmp_path):
 
     from gpu import model as bench_model
     from gpu.plan import ModelShape
-
     from llmserve.config import ModelConfig
     from llmserve.model_executor.forward_runner import ForwardRunner, SequenceBatchEntry
     from llmserve.model_executor.model_loader import load_model
