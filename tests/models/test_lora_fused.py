@@ -243,3 +243,27 @@ def test_the_avx2_kernel_set_keeps_mixed_equal_to_alone_and_close_to_the_layer_p
         cpu_kernels.set_kernels("auto")
     for got, expected in zip(mixed, layered, strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "olmo2"])
+def test_adapters_on_sandwich_and_post_norm_stacks_run_fused_as_in_the_layer_path(tmp_path, arch):
+    """Gemma 3 (its o and down outputs normed before they join the stream) and OLMo 2 (post-norm
+    layers): an adapter's delta joins each projection's output before that norm, in the fused
+    decoder as in the model's layers; a mixed batch never enters the layers, and an adapter moves
+    the logits."""
+    make_tiny_model(arch, tmp_path)
+    adapter = make_adapter(tmp_path, tmp_path / "lora", ALL, seed=1)
+    runner, manager = make_runner(tmp_path, "int8")
+    manager.add(LoRARequest("a", 1, str(adapter)))
+    assert runner.fused is not None, runner.fused_unsupported
+    layers = runner.model.forward
+    _no_layers(runner)
+    try:
+        fused = run_mixed(runner, [1, 0, 1])
+    finally:
+        runner.model.forward = layers
+    runner.use_fused(False)
+    layered = run_mixed(runner, [1, 0, 1])
+    for got, expected in zip(fused, layered, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)
+    assert (fused[0] - run_mixed(runner, [0, 0, 0])[0]).abs().max() > 0.1
