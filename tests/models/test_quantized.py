@@ -552,3 +552,20 @@ def test_fused_decode_splits_long_contexts(tmp_path, window):
             ]
         )
     torch.testing.assert_close(logits[True], logits[False], rtol=TOL, atol=TOL)
+
+
+def test_the_engine_says_whether_steps_run_in_the_fused_decoder(tmp_path, caplog):
+    """One line at start-up: the fused CPU decoder runs the steps, or why it does not (a float model)."""
+    import logging
+
+    from llmserve.engine.llm import LLM
+
+    make_tiny_model("gemma3", tmp_path)
+    with caplog.at_level(logging.INFO, logger="llmserve.model_executor.model_runner"):
+        LLM(str(tmp_path), quantization="int8", num_kv_blocks=16, show_progress=False)
+        LLM(str(tmp_path), quantization="none", num_kv_blocks=16, show_progress=False)
+    lines = [r.getMessage() for r in caplog.records if r.name == "llmserve.model_executor.model_runner"]
+    assert lines == [
+        "steps run in the fused CPU decoder (one C++ call a step)",
+        "steps run layer by layer (not in the fused CPU decoder: float linear layers)",
+    ]

@@ -24,6 +24,7 @@ changed, and per step:
 from __future__ import annotations
 
 import dataclasses
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -42,6 +43,8 @@ from llmserve.sample import RequestSamplingState, Sampler, SamplingMetadata, com
 from llmserve.sample.philox import philox_exponentials_
 from llmserve.sample.rejection import verify_proposals
 from llmserve.structured_output import StructuredOutputManager, apply_bitmask, bitmask_words, to_device_async
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -121,6 +124,14 @@ class ModelRunner:
                 max_num_seqs,
                 max_model_len,
             )
+        if isinstance(self.runner, ForwardRunner) and self.runner.profile.fused_cpu_decoder:
+            if self.runner.fused is not None:
+                logger.info("steps run in the fused CPU decoder (one C++ call a step)")
+            else:  # a float model, or an architecture or format it does not take
+                logger.info(
+                    "steps run layer by layer (not in the fused CPU decoder: %s)",
+                    self.runner.fused_unsupported,
+                )
         self.structured_outputs = structured_outputs
         self.device = self.runner.device
         self.vocab_size = vocab_size
