@@ -144,12 +144,14 @@ class LLMEngine:
         self.is_cross_encoder = self.is_classifier and len(self.classifier_labels) == 1
         """A one-label classifier: a cross-encoder (reranker) that scores text pairs."""
         if self.is_classifier:
-            if model_config.pooling not in ("auto", "cls"):
+            # its head's pooling: the first token's state, or the mean of all (ModernBERT's "mean")
+            own = getattr(self.loaded.model, "classifier_pooling", "cls")
+            if model_config.pooling not in ("auto", own):
                 raise ValueError(
-                    f"{type(self.loaded.model).__name__} scores from its [CLS] token: pooling must be "
-                    f"'auto' or 'cls'; got {model_config.pooling!r}"
+                    f"{type(self.loaded.model).__name__} scores from its {own!r} pooling: pooling must be "
+                    f"'auto' or {own!r}; got {model_config.pooling!r}"
                 )
-            self.default_pooling = PoolingParams("cls", normalize=False)
+            self.default_pooling = PoolingParams(own, normalize=False)
         if self.is_encoder:
             self._check_encoder(speculative_config, lora_config)
         k = speculative_config.num_speculative_tokens if speculative_config is not None else 0

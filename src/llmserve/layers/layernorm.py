@@ -60,13 +60,13 @@ class RMSNorm(nn.Module):
 
 
 class LayerNorm(nn.Module):
-    """Standard LayerNorm with bias (GPT-2)."""
+    """Standard LayerNorm with bias (GPT-2), or without (`bias=False`: ModernBERT's)."""
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, bias: bool = True) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(hidden_size), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)

@@ -37,6 +37,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "RobertaModel": ("bert", "RobertaModel"),
     "XLMRobertaModel": ("bert", "RobertaModel"),
     "RobertaForSequenceClassification": ("bert", "RobertaForSequenceClassification"),
+    "ModernBertModel": ("modernbert", "ModernBertModel"),
+    "ModernBertForSequenceClassification": ("modernbert", "ModernBertForSequenceClassification"),
     "XLMRobertaForSequenceClassification": ("bert", "RobertaForSequenceClassification"),
 }
 

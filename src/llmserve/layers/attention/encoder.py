@@ -61,16 +61,26 @@ class EncoderMetadata:
 
 
 def bidirectional_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: EncoderMetadata, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    md: EncoderMetadata,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """q, k, v [T, n_heads, head_dim] -> [T, n_heads * head_dim], each sequence attending to itself."""
+    """q, k, v [T, n_heads, head_dim] -> [T, n_heads * head_dim], each sequence attending to itself;
+    `window` w: a token sees the positions at most w from its own, both sides (ModernBERT's local layers)."""
     n_heads, D = q.shape[1:]
     B, L = md.num_seqs, md.max_len
+    mask = md.key_mask
+    if window is not None and window < L - 1:
+        pos = torch.arange(L, device=mask.device)
+        mask = mask & ((pos[:, None] - pos[None, :]).abs() <= window)  # [B, 1, L, L]
 
     def grid(x: torch.Tensor) -> torch.Tensor:  # [T, nh, D] -> [B, nh, L, D]
         padded = x.new_zeros(B * L, n_heads, D).index_copy_(0, md.pad_index, x)
         return padded.view(B, L, n_heads, D).transpose(1, 2)
 
-    out = F.scaled_dot_product_attention(grid(q), grid(k), grid(v), attn_mask=md.key_mask, scale=scale)
+    out = F.scaled_dot_product_attention(grid(q), grid(k), grid(v), attn_mask=mask, scale=scale)
     out = out.transpose(1, 2).reshape(B * L, n_heads * D)  # [B*L, nh*D]
     return out.index_select(0, md.pad_index)
