@@ -73,7 +73,10 @@ def compare_tp(model: str, atol: float = 1e-4, backend: str = "mp", **options) -
     np.testing.assert_allclose(np.array(tp_lp), np.array(ref_lp), rtol=0, atol=atol)
 
 
-@pytest.mark.parametrize("name", ["llama", "llama3-rope-tied", "mistral-sliding", "qwen2", "qwen3"])
+@pytest.mark.parametrize(
+    "name",
+    ["llama", "llama3-rope-tied", "mistral-sliding", "qwen2", "qwen3", "gemma3", "gemma2", "granite", "exaone4"],
+)  # fmt: skip
 def test_tp2_matches_tp1_float(name, tmp_path):
     make_tiny_model(name, tmp_path)
     compare_tp(str(tmp_path))
@@ -116,14 +119,15 @@ def test_tp2_matches_tp1_q6_k_gguf(tmp_path):
     np.testing.assert_allclose(np.array(tp_lp), np.array(ref_lp), rtol=0, atol=2e-3)
 
 
-@pytest.mark.parametrize("source", ["int8", "q4_1-gguf"])
+@pytest.mark.parametrize("source", ["int8", "q4_1-gguf", "gemma3-int8"])
 def test_tp2_fused_decoder_matches_tp1(source, tmp_path, monkeypatch):
     """Each rank runs its shard of the stack in the fused C++ decoder, summing the o and down
     projections' shares over the shared-memory group inside the call: greedy tokens equal TP=1's
     (itself fused) and the layer path's over gloo, with prefix caching, chunked prefill and
-    preemption at work (PROMPTS share a prefix; ENGINE's budget of 8 tokens chunks them)."""
-    if source == "int8":
-        make_tiny_model("llama", tmp_path)
+    preemption at work (PROMPTS share a prefix; ENGINE's budget of 8 tokens chunks them). Gemma 3:
+    its post-attention and post-MLP norms apply to the summed outputs."""
+    if source.endswith("int8"):
+        make_tiny_model("gemma3" if source.startswith("gemma3") else "llama", tmp_path)
         model, options = str(tmp_path), {"quantization": "int8"}
     else:
         kinds = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "token_embd")
@@ -148,9 +152,9 @@ def test_refusals():
 
 
 def test_unsupported_architecture(tmp_path):
-    make_tiny_model("gemma3", tmp_path)
+    make_tiny_model("olmo2", tmp_path)  # its q and k norms span every head
     with pytest.raises(
-        ValueError, match="tensor parallelism does not support the Gemma3ForCausalLM architecture"
+        ValueError, match="tensor parallelism does not support the Olmo2ForCausalLM architecture"
     ):
         build_engine(str(tmp_path), show_progress=False, tensor_parallel_size=2)
 

@@ -62,8 +62,16 @@ SUPPORTED = (
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
     "GptOssForCausalLM",
+    "Gemma3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "GraniteForCausalLM",
+    "Exaone4ForCausalLM",
 )
-"""Model classes tensor parallelism splits (Mistral checkpoints run on LlamaForCausalLM)."""
+"""Model classes tensor parallelism splits (Mistral and SmolLM3 checkpoints run on
+LlamaForCausalLM). Not OLMo 2 (its q and k norms span every head, so a rank's share would be
+normed over its heads alone), Phi-3 (its fused checkpoint tensors), Granite MoE (its stacked
+experts are cut into experts after a rank would slice them), StarCoder2 (its c_fc / c_proj MLP) nor
+the multimodal models."""
 _SPLIT_WIDTHS = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
 """The MLP widths a shard holds 1 / size of: a dense MLP's, each expert's, the shared expert's
 (Mixtral's experts are `intermediate_size` wide)."""
