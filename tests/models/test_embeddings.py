@@ -204,3 +204,81 @@ def test_embeddings_beside_speculative_decoding(tiny):
     assert done["gen"].outputs[0].token_ids == alone
     for i, p in enumerate(prompts):
         assert_close(done[f"emb-{i}"].embedding, hf_embedding(hf, p, params), True)
+
+
+def _save_backbone(folder, name: str, causal_lm_config: bool) -> torch.nn.Module:
+    """A tiny decoder saved as HF's backbone alone (`Qwen3Model`, `LlamaModel`: `layers.0...`
+    without `model.`, no LM head), with a sentence-transformers last-token, normalised pooling;
+    `causal_lm_config`: its config names the `...ForCausalLM` class, as Qwen3-Embedding's does."""
+    from pathlib import Path
+
+    import transformers
+
+    from tests.models.tiny import TINY_CONFIGS, save_tiny_tokenizer
+
+    config = TINY_CONFIGS[name]()
+    torch.manual_seed(0)
+    backbone = transformers.AutoModel.from_config(config).eval()
+    backbone.save_pretrained(folder)
+    save_tiny_tokenizer(Path(folder), config.vocab_size, ())
+    if causal_lm_config:
+        saved = json.loads((folder / "config.json").read_text())
+        saved.update(
+            architectures=[type(backbone).__name__.replace("Model", "ForCausalLM")], tie_word_embeddings=True
+        )
+        (folder / "config.json").write_text(json.dumps(saved))
+    (folder / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]))  # fmt: skip
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": config.hidden_size, "pooling_mode_lasttoken": True})
+    )
+    return backbone
+
+
+@pytest.mark.parametrize(
+    ("name", "causal_lm_config"), [("qwen3", False), ("qwen3", True), ("llama", False)],
+    ids=["Qwen3Model", "Qwen3-Embedding-layout", "LlamaModel"],
+)  # fmt: skip
+def test_a_decoder_saved_without_its_head_serves_embeddings_only(tmp_path, name, causal_lm_config):
+    """Embedding models saved as a decoder backbone (gte-Qwen2, e5-mistral; Qwen3-Embedding, whose
+    config names Qwen3ForCausalLM over a backbone's tensors) load natively: last-token, normalised
+    embeddings as transformers' backbone gives them (its sentence-transformers config is the
+    default), and generation is refused naming the model."""
+    backbone = _save_backbone(tmp_path, name, causal_lm_config)
+    llm = make_llm(tmp_path)
+    assert llm.engine.loaded.model_impl == "native" and llm.engine.loaded.model.pooling_only
+    assert llm.engine.default_pooling == PoolingParams("last", True)
+    for out, prompt in zip(llm.embed(PROMPTS, use_tqdm=False), PROMPTS, strict=True):
+        with torch.no_grad():
+            ref = backbone(torch.tensor([prompt])).last_hidden_state[0, -1]
+        assert_close(out.embedding, torch.nn.functional.normalize(ref, dim=0), normalize=True)
+    with pytest.raises(
+        ParameterError, match="an embedding model .a decoder without an LM head.*/v1/embeddings"
+    ):
+        llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)
+
+
+def test_a_gguf_embedding_models_pooling_type_is_the_default(tmp_path):
+    """A `qwen3` GGUF with `qwen3.pooling_type` set (what llama.cpp's converter writes from an
+    embedding model's sentence-transformers config; MEAN here, since last-token pooling is the
+    default anyway): that pooling, normalised, by default, as transformers' backbone gives it."""
+    import gguf
+
+    from tests.gguf_writer import convert_state_dict, hf_metadata, with_placeholder_tokenizer, write_gguf
+
+    hf = make_tiny_model("qwen3", tmp_path / "hf")
+
+    def metadata(w) -> None:
+        with_placeholder_tokenizer(hf_metadata("qwen3", hf.config), hf.config.vocab_size)(w)
+        w.add_pooling_type(gguf.PoolingType.MEAN)
+
+    tensors = convert_state_dict("qwen3", hf.config, hf.state_dict())
+    (path,) = write_gguf(tmp_path / "embed.gguf", "qwen3", dict(tensors), metadata)
+    llm = make_llm(path)
+    assert llm.engine.default_pooling == PoolingParams("mean", True)
+    (out,) = llm.embed([PROMPTS[1]], use_tqdm=False)
+    assert_close(out.embedding, hf_embedding(hf, PROMPTS[1], PoolingParams("mean", True)), normalize=True)

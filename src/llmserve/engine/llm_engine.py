@@ -137,6 +137,8 @@ class LLMEngine:
 
         self.is_encoder = getattr(self.loaded.model, "is_encoder", False)
         """An encoder-only model (BERT): embeddings only, each sequence run whole, no KV cache."""
+        self.embedding_only = self.is_encoder or getattr(self.loaded.model, "pooling_only", False)
+        """No generation: an encoder, or a decoder stack saved without its LM head (Qwen3-Embedding)."""
         self.is_classifier = hasattr(self.loaded.model, "score_head")
         """A sequence classifier (models/bert.py `CrossEncoder`): its pooled output is its head's
         scores or label probabilities, not an embedding (engine/scoring.py)."""
@@ -321,7 +323,7 @@ class LLMEngine:
 
         Safe to call from another thread than the one that runs `step()`.
         """
-        if self.is_encoder:
+        if self.embedding_only:
             raise ParameterError(self.embedding_only_message(), param="model")
         prompt, place = self.media.expand(prompt, images, videos)
         text, ids = self.encode_prompt(prompt, add_special_tokens)
@@ -351,8 +353,13 @@ class LLMEngine:
                 "texts to /classify (LLM.classify)",
                 f"a classifier of {len(self.classifier_labels)} labels",
             )
-        else:
+        elif self.is_encoder:
             routes, kind = "its inputs to /v1/embeddings (LLM.embed)", "an embedding model"
+        else:
+            routes, kind = (
+                "its inputs to /v1/embeddings (LLM.embed)",
+                "an embedding model (a decoder without an LM head)",
+            )
         name = f"{self.loaded.source.name!r} ({type(self.loaded.model).__name__})"
         return f"model {name} is {kind}: it does not support {api}; send {routes}"
 

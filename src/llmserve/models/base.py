@@ -66,6 +66,12 @@ class CausalLM(nn.Module):
     """Whether it takes images (then it has `encode_image` (one image's preprocessed data -> its
     tokens' vectors), `embed_with_images` and `image_prompt_format`, the multimodal/ processor
     that writes its prompts; the runner feeds the vectors in, see gemma3_mm.py, qwen2_5_vl.py)."""
+    pooling_only: bool = False
+    """A decoder stack without an LM head of its own (a backbone checkpoint: an embedding model
+    such as Qwen3-Embedding or gte-Qwen2): it serves embeddings, and generation is refused."""
+    unprefixed_checkpoint: bool = False
+    """The checkpoint names the stack's tensors without `backbone_name` (HF's `XModel` saves
+    `layers.0...`, not `model.layers.0...`): `route_weight` adds it."""
     rope_axes: ClassVar[int] = 1
     """Position ids per token its forward takes: 3 for M-RoPE (positions [3, T], layers/mrope.py,
     with `rope_positions` giving a prompt's), else 1 (positions [T])."""
@@ -137,6 +143,8 @@ class CausalLM(nn.Module):
         None for a tensor the model does not use."""
         if any(s in ckpt_name for s in self.ignored_weights):
             return None
+        if self.unprefixed_checkpoint and not ckpt_name.startswith(f"{self.backbone_name}."):
+            ckpt_name = f"{self.backbone_name}.{ckpt_name}"
         name = self.map_weight_name(ckpt_name)
         if name is None:
             return None

@@ -40,7 +40,16 @@ _MODELS: dict[str, tuple[str, str]] = {
     "ModernBertModel": ("modernbert", "ModernBertModel"),
     "ModernBertForSequenceClassification": ("modernbert", "ModernBertForSequenceClassification"),
     "XLMRobertaForSequenceClassification": ("bert", "RobertaForSequenceClassification"),
+    # decoder backbones without an LM head (embedding models: gte-Qwen2, e5-mistral, Qwen3-Embedding
+    # saved as its backbone): the causal LM's stack, serving embeddings only (`BACKBONES`)
+    "LlamaModel": ("llama", "LlamaForCausalLM"),
+    "MistralModel": ("llama", "LlamaForCausalLM"),
+    "Qwen2Model": ("qwen2", "Qwen2ForCausalLM"),
+    "Qwen3Model": ("qwen3", "Qwen3ForCausalLM"),
 }
+BACKBONES = frozenset({"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model"})
+"""Architectures whose checkpoints hold a decoder stack alone (HF's `XModel`): loaded into the
+causal LM's class with its head tied to the embedding and never used (`CausalLM.pooling_only`)."""
 
 
 def supported_architectures() -> list[str]:

@@ -9,6 +9,7 @@ whole decoder layers to pinned host memory (offload.py) -> report what was loade
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import itertools
@@ -59,7 +60,7 @@ from llmserve.model_executor.model_loader.quant_plan import (
 from llmserve.model_executor.model_loader.source import ModelSource, resolve_model
 from llmserve.model_executor.offload import LayerOffloader, check_offload_device, offload_layers
 from llmserve.models import CausalLM, resolve_model_class
-from llmserve.models.registry import is_supported
+from llmserve.models.registry import BACKBONES, is_supported
 
 if TYPE_CHECKING:
     from llmserve.model_executor.model_loader.gguf_mmproj import GGUFVision
@@ -260,6 +261,15 @@ def load_model(config: ModelConfig, shard: TPShard | None = None) -> LoadedModel
         why = "asked for" if config.model_impl == "transformers" else f"no native implementation of {archs}"
         return load_transformers_model(config, source, hf_config, why)
     model_cls = resolve_model_class(archs, str(source.path))
+    # a decoder stack saved without its head (an embedding model): its names lack the backbone's
+    # prefix, and the head (tied to the embedding, never used) must not be looked for
+    unprefixed = source.kind == "hf" and hf_folder.is_backbone_checkpoint(
+        fmt, files, f"{model_cls.backbone_name}."
+    )
+    backbone = unprefixed or (source.kind == "hf" and bool(archs) and archs[0] in BACKBONES)
+    if backbone:
+        hf_config = copy.copy(hf_config)
+        hf_config.tie_word_embeddings = True
     device = resolve_device(config.device)
     profile = build_profile(device, config.attention_backend, config.enforce_eager)
     model_hf_config = hf_config
@@ -284,6 +294,9 @@ def load_model(config: ModelConfig, shard: TPShard | None = None) -> LoadedModel
     # device; each checkpoint tensor is then copied into its place exactly once.
     with torch.device(device), _default_dtype(dtype):
         model = model_cls(model_hf_config, get_attention_backend(profile.attention_backend, device))
+        if backbone:
+            model.pooling_only = True
+            model.unprefixed_checkpoint = unprefixed
         # Quantized layers replace float ones before loading: the float tensors were never written.
         target: Target = "float"
         if prequantized is None:

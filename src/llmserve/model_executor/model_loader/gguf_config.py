@@ -374,7 +374,7 @@ def gpt2_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
 
 
 # llama.cpp's `pooling_type` values that mean a pooling llmserve has (0: none, 4: rank)
-_GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}
+GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}
 
 
 def bert_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
@@ -398,7 +398,7 @@ def bert_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
         layer_norm_eps=ckpt.require("attention.layer_norm_epsilon"),
         hidden_act="gelu",
     )
-    config.gguf_pooling = _GGUF_POOLING.get(ckpt.arch_field("pooling_type"))
+    config.gguf_pooling = GGUF_POOLING.get(ckpt.arch_field("pooling_type"))
     return config
 
 

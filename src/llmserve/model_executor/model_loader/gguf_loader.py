@@ -342,7 +342,13 @@ class GGUFCheckpoint:
         """A transformers config for this model, with `.architectures` set to the HF class name."""
         spec = self._spec
         try:
-            return spec.build_config(self)
+            config = spec.build_config(self)
+            # an embedding model's file (llama.cpp writes `{arch}.pooling_type` from its
+            # sentence-transformers config: Qwen3-Embedding's last token): the engine's default pooling
+            pooling = gguf_config.GGUF_POOLING.get(self.arch_field("pooling_type"))
+            if pooling is not None:
+                config.gguf_pooling = pooling
+            return config
         except ModelLoadError:
             raise
         except Exception as exc:  # transformers validates configs with several exception types

@@ -91,6 +91,23 @@ def _open_safetensors(path: Path):
         raise ModelLoadError(f"{path}: cannot read safetensors file: {e}") from e
 
 
+def is_backbone_checkpoint(kind: str, files: list[Path], prefix: str = "model.") -> bool:
+    """Whether a safetensors checkpoint holds a decoder stack saved on its own (HF's `XModel`:
+    `layers.0...` and `embed_tokens...` without `prefix`, and no LM head), as Qwen3-Embedding's
+    does under a `...ForCausalLM` config; False for other formats (not read cheaply)."""
+    if kind != "safetensors":
+        return False
+    names: list[str] = []
+    for f in files:
+        with _open_safetensors(f) as sf:
+            names.extend(sf.keys())
+    return (
+        any(n.startswith("layers.") for n in names)
+        and any(n.startswith("embed_tokens.") for n in names)
+        and not any(n.startswith((prefix, "lm_head.")) for n in names)
+    )
+
+
 def count_tensors(kind: str, files: list[Path]) -> int | None:
     """Number of tensors (for the progress bar) without reading data; None when unknown cheaply."""
     if kind != "safetensors":

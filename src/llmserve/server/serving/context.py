@@ -40,10 +40,11 @@ class ServingContext:
         return self.engine.engine.max_model_len
 
     def check_generates(self) -> None:
-        """A 400 naming the model when it serves embeddings only (an encoder such as BERT): every
-        generation path (completions, chat and the second APIs' chat requests) asks here first."""
+        """A 400 naming the model when it serves embeddings only (an encoder such as BERT, a decoder
+        saved without its LM head): every generation path (completions, chat and the second APIs'
+        chat requests) asks here first."""
         engine = self.engine.engine
-        if engine.is_encoder:
+        if engine.embedding_only:
             raise APIError(400, engine.embedding_only_message(), param="model")
 
     @cached_property
