@@ -145,10 +145,51 @@ class BertEncoder(nn.Module):
         self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
 
 
-class BertModel(CausalLM):
-    """HF `BertModel` (the checkpoint sentence-transformers' BERT models ship)."""
+class Encoder(CausalLM):
+    """What every encoder shares (BERT's, ModernBERT's): no KV cache and no LM head (the engine
+    runs it through `EncoderForwardRunner`), oneDNN for its linear layers."""
 
     is_encoder = True
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise ValueError(f"{type(self).__name__} has no LM head: it serves embeddings, scores or classes")
+
+    def kv_cache_shape(self) -> KVCacheShape:
+        raise ValueError(f"{type(self).__name__} keeps no KV cache")
+
+    def use_onednn(self) -> None:
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.use_onednn()
+            elif isinstance(module, VocabEmbedding):
+                module.use_rows()
+
+
+class ClassifierOutputs:
+    """A sequence classifier's outputs from its config, as sentence-transformers' `CrossEncoder`
+    and transformers' pipeline read them: `num_labels`, `labels` (`id2label`), and the
+    `activation` of its logits (one label: the cross-encoder's, sigmoid unless the config says
+    Identity; several: softmax, or a sigmoid each for `multi_label_classification`)."""
+
+    def __init__(self, config: Any, owner: str) -> None:
+        num_labels = getattr(config, "num_labels", None)
+        if not isinstance(num_labels, int) or num_labels < 1:
+            raise ValueError(f"{owner}: num_labels must be >= 1; got {num_labels!r}")
+        self.num_labels: int = num_labels
+        id2label = getattr(config, "id2label", None) or {}
+        self.labels = [str(id2label.get(i, id2label.get(str(i), f"LABEL_{i}"))) for i in range(num_labels)]
+        self.activation: Callable[[torch.Tensor], torch.Tensor]
+        if num_labels == 1:
+            self.activation = cross_encoder_activation(config)
+        elif getattr(config, "problem_type", None) == "multi_label_classification":
+            self.activation = torch.sigmoid
+        else:
+            self.activation = lambda x: torch.softmax(x, dim=-1)
+
+
+class BertModel(Encoder):
+    """HF `BertModel` (the checkpoint sentence-transformers' BERT models ship)."""
+
     stacked_params: ClassVar[dict[str, tuple[str, int]]] = {
         "query": ("qkv", 0),
         "key": ("qkv", 1),
@@ -185,19 +226,6 @@ class BertModel(CausalLM):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embeddings.word_embeddings(input_ids)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        raise ValueError("BERT has no LM head: it serves embeddings only")
-
-    def kv_cache_shape(self) -> KVCacheShape:
-        raise ValueError("BERT keeps no KV cache")
-
-    def use_onednn(self) -> None:
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.use_onednn()
-            elif isinstance(module, VocabEmbedding):
-                module.use_rows()
 
 
 class RobertaModel(BertModel):
@@ -240,20 +268,11 @@ class CrossEncoder(BertModel):
     ignored_weights: ClassVar[tuple[str, ...]] = ("embeddings.position_ids",)
 
     def __init__(self, config: Any, backend: AttentionBackend | None = None) -> None:
-        num_labels = getattr(config, "num_labels", None)
-        if not isinstance(num_labels, int) or num_labels < 1:
-            raise ValueError(f"{type(self).__name__}: num_labels must be >= 1; got {num_labels!r}")
+        outputs = ClassifierOutputs(config, type(self).__name__)
         super().__init__(config, backend)
-        self.num_labels = num_labels
-        id2label = getattr(config, "id2label", None) or {}
-        self.labels = [str(id2label.get(i, id2label.get(str(i), f"LABEL_{i}"))) for i in range(num_labels)]
+        self.num_labels, self.activation = outputs.num_labels, outputs.activation
+        self.labels = outputs.labels
         """Each output's label (the config's `id2label`)."""
-        if num_labels == 1:
-            self.activation = cross_encoder_activation(config)
-        elif getattr(config, "problem_type", None) == "multi_label_classification":
-            self.activation = torch.sigmoid
-        else:
-            self.activation = lambda x: torch.softmax(x, dim=-1)
 
     def map_weight_name(self, name: str) -> str | None:
         return name.removeprefix(self.checkpoint_prefix)

@@ -32,8 +32,7 @@ from llmserve.layers.layernorm import LayerNorm
 from llmserve.layers.linear import Linear
 from llmserve.layers.rotary_embedding import RotaryEmbedding, rope_parameters
 from llmserve.layers.vocab_embedding import VocabEmbedding
-from llmserve.models.base import CausalLM, KVCacheShape
-from llmserve.models.bert import cross_encoder_activation
+from llmserve.models.bert import ClassifierOutputs, Encoder
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -122,10 +121,9 @@ class ModernBertEmbeddings(nn.Module):
         return self.norm(self.tok_embeddings(input_ids))
 
 
-class ModernBertModel(CausalLM):
+class ModernBertModel(Encoder):
     """HF `ModernBertModel` (the checkpoint sentence-transformers' ModernBERT models ship)."""
 
-    is_encoder = True
     uses_token_types = False  # pairs are `[CLS] a [SEP] b [SEP]`, one segment
     ignored_weights: ClassVar[tuple[str, ...]] = ("head.", "decoder.")
 
@@ -162,19 +160,6 @@ class ModernBertModel(CausalLM):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embeddings.tok_embeddings(input_ids)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        raise ValueError("ModernBERT has no LM head here: it serves embeddings, scores and classes")
-
-    def kv_cache_shape(self) -> KVCacheShape:
-        raise ValueError("ModernBERT keeps no KV cache")
-
-    def use_onednn(self) -> None:
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.use_onednn()
-            elif isinstance(module, VocabEmbedding):
-                module.use_rows()
-
 
 class ModernBertPredictionHead(nn.Module):
     """HF's: `norm(act(dense(x)))`."""
@@ -200,26 +185,16 @@ class ModernBertForSequenceClassification(ModernBertModel):
     ignored_weights: ClassVar[tuple[str, ...]] = ("decoder.",)
 
     def __init__(self, config: Any, backend: AttentionBackend | None = None) -> None:
-        num_labels = getattr(config, "num_labels", None)
-        if not isinstance(num_labels, int) or num_labels < 1:
-            raise ValueError(f"{type(self).__name__}: num_labels must be >= 1; got {num_labels!r}")
+        outputs = ClassifierOutputs(config, type(self).__name__)
         pooling = getattr(config, "classifier_pooling", "cls")
         if pooling not in ("cls", "mean"):
             raise ValueError(f"ModernBERT: classifier_pooling {pooling!r} is not supported (cls or mean)")
         super().__init__(config, backend)
         self.classifier_pooling: str = pooling
         """The engine's pooling for this model's requests (llm_engine.py reads it)."""
-        self.num_labels = num_labels
-        id2label = getattr(config, "id2label", None) or {}
-        self.labels = [str(id2label.get(i, id2label.get(str(i), f"LABEL_{i}"))) for i in range(num_labels)]
-        if num_labels == 1:
-            self.activation = cross_encoder_activation(config)
-        elif getattr(config, "problem_type", None) == "multi_label_classification":
-            self.activation = torch.sigmoid
-        else:
-            self.activation = lambda x: torch.softmax(x, dim=-1)
+        self.num_labels, self.labels, self.activation = outputs.num_labels, outputs.labels, outputs.activation
         self.head = ModernBertPredictionHead(config)
-        self.classifier = Linear(config.hidden_size, num_labels, bias=True)
+        self.classifier = Linear(config.hidden_size, self.num_labels, bias=True)
 
     def map_weight_name(self, name: str) -> str | None:
         if name.startswith(("head.", "classifier.")):
