@@ -145,14 +145,11 @@ class LLMEngine:
         self.classifier_labels: list[str] = list(getattr(self.loaded.model, "labels", []))
         self.is_cross_encoder = self.is_classifier and len(self.classifier_labels) == 1
         """A one-label classifier: a cross-encoder (reranker) that scores text pairs."""
-        if self.is_classifier:
-            # its head's pooling: the first token's state, or the mean of all (ModernBERT's "mean")
+        if self.is_classifier:  # its head's pooling: the first token's, or the mean (ModernBERT's "mean")
             own = getattr(self.loaded.model, "classifier_pooling", "cls")
             if model_config.pooling not in ("auto", own):
-                raise ValueError(
-                    f"{type(self.loaded.model).__name__} scores from its {own!r} pooling: pooling must be "
-                    f"'auto' or {own!r}; got {model_config.pooling!r}"
-                )
+                raise ValueError(f"{type(self.loaded.model).__name__} scores from its {own!r} pooling: pooling "
+                                 f"must be 'auto' or {own!r}; got {model_config.pooling!r}")  # fmt: skip
             self.default_pooling = PoolingParams(own, normalize=False)
         if self.is_encoder:
             self._check_encoder(speculative_config, lora_config)
@@ -343,8 +340,9 @@ class LLMEngine:
         return ProcessedPrompt(text, ids, params, max_tokens, mm_inputs=mm_inputs)
 
     def embedding_only_message(self, api: str = "text generation") -> str:
-        """Why an encoder model refuses a request of `api` (vLLM: "does not support ... API"), and
-        the routes it serves: a classifier's (engine/scoring.py), or embeddings."""
+        """Why an embedding-only model refuses a request of `api` (vLLM: "does not support ... API"),
+        and the routes it serves: a classifier's (engine/scoring.py), or embeddings."""
+        routes, kind = "its inputs to /v1/embeddings (LLM.embed)", "an embedding model"
         if self.is_cross_encoder:
             routes = "text pairs to /v1/score or /v1/rerank (LLM.score), or texts to /classify (LLM.classify)"
             kind = "a cross-encoder"
@@ -353,13 +351,8 @@ class LLMEngine:
                 "texts to /classify (LLM.classify)",
                 f"a classifier of {len(self.classifier_labels)} labels",
             )
-        elif self.is_encoder:
-            routes, kind = "its inputs to /v1/embeddings (LLM.embed)", "an embedding model"
-        else:
-            routes, kind = (
-                "its inputs to /v1/embeddings (LLM.embed)",
-                "an embedding model (a decoder without an LM head)",
-            )
+        elif not self.is_encoder:
+            kind += " (a decoder without an LM head)"
         name = f"{self.loaded.source.name!r} ({type(self.loaded.model).__name__})"
         return f"model {name} is {kind}: it does not support {api}; send {routes}"
 
