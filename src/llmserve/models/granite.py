@@ -61,7 +61,7 @@ def split_experts(weights: Iterable[tuple[str, Any, str]]) -> Iterator[tuple[str
 class GraniteMoeForCausalLM(GraniteForCausalLM):
     """Granite 3.x MoE (1B-A400M, 3B-A800M): Granite's multipliers, and a mixture of experts in
     every layer whose router softmaxes the k chosen logits (as gpt-oss's). The fused CPU decoder
-    does not run that routing: quantized, the layers run one by one."""
+    runs it as its renormalised full softmax (the same weights: fused_decoder.py `_moe`)."""
 
     @classmethod
     def build_mlp(cls, config: Any, layer_idx: int) -> nn.Module:
