@@ -15,6 +15,7 @@ where a queue of streams adds a replica."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -174,13 +175,20 @@ def test_haproxy_runs_through_llmserves_wrapper(url: str) -> None:
     """Ray started HAProxy as llmserve's wrapper (env.py), which found every line it rewrites in
     the config Ray wrote (tests/unit/test_ray_serve_haproxy.py checks what they do)."""
     port = int(url.rsplit(":", 1)[1])
-    haproxy = {
-        psutil.Process(c.pid) for c in psutil.net_connections("tcp")
-        if c.status == psutil.CONN_LISTEN and c.laddr.port == port
-    }  # fmt: skip
-    assert haproxy
-    for process in haproxy:
-        config = Path(process.cmdline()[process.cmdline().index("-f") + 1])
+    # the listener's command lines; Ray reloads HAProxy when replicas change (the kill tests above),
+    # so a process seen listening may have exited by the time it is read: look again until one answers
+    cmdlines: list[list[str]] = []
+    deadline = time.monotonic() + 30
+    while not cmdlines and time.monotonic() < deadline:
+        for c in psutil.net_connections("tcp"):
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid is not None:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    cmdlines.append(psutil.Process(c.pid).cmdline())
+        if not cmdlines:
+            time.sleep(0.5)
+    assert cmdlines, f"nothing listens on port {port}"
+    for cmdline in cmdlines:
+        config = Path(cmdline[cmdline.index("-f") + 1])
         assert config.name.startswith("llmserve-")
         text = config.read_text()
         assert f"filter lua.{haproxy_wrapper.GUARD}" in text and "lua-load-per-thread" in text
