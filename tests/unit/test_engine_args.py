@@ -33,6 +33,10 @@ def cli_args(*argv: str) -> EngineArgs:
             ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
             {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
         ),
+        (
+            ["--hf-overrides", '{"classifier_from_token": ["no", "yes"], "architectures": ["X"]}'],
+            {"hf_overrides": {"architectures": ["X"], "classifier_from_token": ["no", "yes"]}},
+        ),
     ],
 )
 def test_python_values_mean_what_the_command_line_means(argv: list[str], options: dict) -> None:
@@ -61,6 +65,7 @@ def test_speculative_config_from_json_text() -> None:
         ({"cpu_activations": "int4"}, "cpu_activations must be one of auto, int16, int8; got 'int4'"),
         ({"max_num_seq": 4}, "LLM: unknown engine option(s) ['max_num_seq']"),
         ({"stream_interval": 0}, "stream_interval must be >= 1; got 0"),
+        ({"hf_overrides": "[1]"}, "hf_overrides must be a JSON object; got '[1]'"),
     ],
 )
 def test_llm_names_a_bad_option_before_loading(options: dict, message: str) -> None:

@@ -128,6 +128,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--normalize-embeddings", default=None, action=argparse.BooleanOptionalAction,
         help="unit-length embeddings (default: as the model's sentence-transformers config says, else yes)",
     )  # fmt: skip
+    g.add_argument(
+        "--hf-overrides", default=None, metavar="JSON",
+        help="config fields set over the checkpoint's, as a JSON object (vLLM's); e.g. the original "
+        'Qwen3-Reranker as a reranker: \'{"architectures": ["Qwen3ForSequenceClassification"], '
+        '"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}\'',
+    )  # fmt: skip
     g.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
     g.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
     g.add_argument(
@@ -234,6 +240,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "speculative_config": args.speculative_config,
         "pooling": args.pooling,
         "normalize_embeddings": args.normalize_embeddings,
+        "hf_overrides": args.hf_overrides,
         "enable_lora": args.enable_lora,
         "max_loras": args.max_loras,
         "max_lora_rank": args.max_lora_rank,

@@ -13,6 +13,7 @@ unknown name is a `ValueError` that names the option and where it came from.
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 import typing
 from collections.abc import Mapping
@@ -53,6 +54,7 @@ class EngineArgs:
     cpu_offload_gb: float = 0.0
     pooling: str = "auto"
     normalize_embeddings: bool | None = None
+    hf_overrides: str | None = None
     block_size: int = 16
     kv_cache_memory: int | None = None
     num_kv_blocks: int | None = None
@@ -122,6 +124,7 @@ class EngineArgs:
             cpu_offload_gb=self.cpu_offload_gb,
             pooling=self.pooling,  # type: ignore[arg-type]
             normalize_embeddings=self.normalize_embeddings,
+            hf_overrides=self.hf_overrides,
         )
         cache = CacheConfig(
             block_size=self.block_size,
@@ -166,6 +169,8 @@ def _convert(name: str, value: Any, hint: Any, where: str) -> Any:
             return SpeculativeConfig.parse(value)
         except (TypeError, ValueError) as e:
             raise ValueError(f"{where}: speculative_config: {e}") from None
+    if name == "hf_overrides" and value is not None:
+        return _json_text(value)
     if name == "lora_modules" and value is not None:
         try:
             return lora_modules_text(value)
@@ -191,6 +196,17 @@ def _convert(name: str, value: Any, hint: Any, where: str) -> Any:
     except ValueError as e:
         raise ValueError(f"{where}: {name}: {e}") from None
     raise ValueError(f"{where}: {name} must be a {base.__name__}; got {value!r}")
+
+
+def _json_text(value: Any) -> str:
+    """A JSON option as one canonical text, whether given as a mapping or as JSON text (text that is
+    not JSON stays as it is, for the config to refuse by name)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return value
+    return json.dumps(value, sort_keys=True)
 
 
 def _as_int(value: Any) -> int:

@@ -6,8 +6,9 @@ lives in the loaded model's HF config; what is measured at run time lives elsewh
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 DTypeName = Literal["auto", "float32", "float16", "bfloat16"]
 _DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
@@ -129,7 +130,25 @@ class ModelConfig:
     """Scale embeddings to unit L2 norm. None: as the model's sentence-transformers config says
     (a `Normalize` module) where it has one, else yes (vLLM's default for embedding models)."""
 
+    hf_overrides: str | None = None
+    """Fields set over the checkpoint's config before the model is built, as a JSON object (vLLM's
+    `--hf-overrides`), e.g. the original Qwen3-Reranker as a reranker: `{"architectures":
+    ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+    "is_original_qwen3_reranker": true}`. A dict value merges into a dict field."""
+
+    def hf_overrides_dict(self) -> dict[str, Any] | None:
+        return None if self.hf_overrides is None else json.loads(self.hf_overrides)
+
     def __post_init__(self) -> None:
+        if self.hf_overrides is not None:
+            try:
+                overrides = json.loads(self.hf_overrides)
+            except ValueError as e:
+                raise ValueError(
+                    f"hf_overrides must be a JSON object; got {self.hf_overrides!r} ({e})"
+                ) from None
+            if not isinstance(overrides, dict):
+                raise ValueError(f"hf_overrides must be a JSON object; got {self.hf_overrides!r}")
         if self.pooling not in _POOLINGS:
             raise ValueError(f"pooling must be one of {', '.join(_POOLINGS)}; got {self.pooling!r}")
         if self.dtype not in _DTYPES:

@@ -134,7 +134,7 @@ class LLM:
         cpu_activations, max_model_len, block_size, kv_cache_memory, num_kv_blocks,
         enable_prefix_caching, kv_cache_dtype, max_num_batched_tokens, max_num_seqs,
         scheduling_policy, admission_policy, batching_mode, model_impl, speculative_config,
-        show_progress, enable_lora, max_loras, max_lora_rank, max_cpu_loras, lora_dtype, tensor_parallel_size,
+        show_progress, hf_overrides, enable_lora, max_loras, max_lora_rank, max_cpu_loras, lora_dtype, tensor_parallel_size,
         distributed_executor_backend, threads_per_rank, ray_placement_strategy), with the command
         line's values: `kv_cache_memory="4GiB"` as `--kv-cache-memory 4GiB`. `speculative_config`: vLLM's dict (or its JSON), e.g.
         {"method": "ngram", "num_speculative_tokens": 4}."""

@@ -46,10 +46,20 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralModel": ("llama", "LlamaForCausalLM"),
     "Qwen2Model": ("qwen2", "Qwen2ForCausalLM"),
     "Qwen3Model": ("qwen3", "Qwen3ForCausalLM"),
+    # decoder stacks with a classifier on the last token (reward models, rerankers), no LM head
+    "LlamaForSequenceClassification": ("decoder_classifier", "LlamaForSequenceClassification"),
+    "MistralForSequenceClassification": ("decoder_classifier", "LlamaForSequenceClassification"),
+    "Qwen2ForSequenceClassification": ("decoder_classifier", "Qwen2ForSequenceClassification"),
+    "Qwen3ForSequenceClassification": ("decoder_classifier", "Qwen3ForSequenceClassification"),
 }
 BACKBONES = frozenset({"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model"})
 """Architectures whose checkpoints hold a decoder stack alone (HF's `XModel`): loaded into the
 causal LM's class with its head tied to the embedding and never used (`CausalLM.pooling_only`)."""
+DECODER_CLASSIFIERS = frozenset(
+    name for name, (module, _) in _MODELS.items() if module == "decoder_classifier"
+)
+HEADLESS = BACKBONES | DECODER_CLASSIFIERS
+"""Decoder checkpoints without an LM head: the loader ties the (unused) head to the embedding."""
 
 
 def supported_architectures() -> list[str]:

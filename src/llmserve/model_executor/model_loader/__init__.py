@@ -48,6 +48,7 @@ from llmserve.model_executor.model_loader.hf_quant_config import (
     read_checkpoint_quantization,
     resolve_target,
 )
+from llmserve.model_executor.model_loader.overrides import apply_hf_overrides, with_classifier_token_ids
 from llmserve.model_executor.model_loader.prequantized import PrequantizedCheckpoint
 from llmserve.model_executor.model_loader.quant_plan import (
     check_supported,
@@ -60,7 +61,7 @@ from llmserve.model_executor.model_loader.quant_plan import (
 from llmserve.model_executor.model_loader.source import ModelSource, resolve_model
 from llmserve.model_executor.offload import LayerOffloader, check_offload_device, offload_layers
 from llmserve.models import CausalLM, resolve_model_class
-from llmserve.models.registry import BACKBONES, is_supported
+from llmserve.models.registry import HEADLESS, is_supported
 
 if TYPE_CHECKING:
     from llmserve.model_executor.model_loader.gguf_mmproj import GGUFVision
@@ -236,6 +237,7 @@ def load_model(config: ModelConfig, shard: TPShard | None = None) -> LoadedModel
                 return prequantized.weights(hf_folder.iter_weights(fmt, files, None), target, dtype)
             return hf_folder.iter_weights(fmt, files, dtype, cut)
 
+    hf_config = apply_hf_overrides(hf_config, config.hf_overrides_dict())
     archs = getattr(hf_config, "architectures", None)
     if config.model_impl == "transformers" or (
         config.model_impl == "auto" and source.kind == "hf" and not is_supported(archs)
@@ -266,10 +268,12 @@ def load_model(config: ModelConfig, shard: TPShard | None = None) -> LoadedModel
     unprefixed = source.kind == "hf" and hf_folder.is_backbone_checkpoint(
         fmt, files, f"{model_cls.backbone_name}."
     )
-    backbone = unprefixed or (source.kind == "hf" and bool(archs) and archs[0] in BACKBONES)
+    # ... and a decoder classifier's checkpoint has a `score` head in the LM head's place
+    backbone = unprefixed or (bool(archs) and archs[0] in HEADLESS)
     if backbone:
         hf_config = copy.copy(hf_config)
         hf_config.tie_word_embeddings = True
+    hf_config = with_classifier_token_ids(hf_config, source)
     device = resolve_device(config.device)
     profile = build_profile(device, config.attention_backend, config.enforce_eager)
     model_hf_config = hf_config
