@@ -1,7 +1,10 @@
 """Decoder LMs as sequence classifiers (models/decoder_classifier.py) against transformers: HF's
 `Llama/Qwen2/Qwen3ForSequenceClassification` (a one-label reranker or reward model: sigmoid of the
-last token's logit; three labels: softmax), and the original Qwen3-Reranker's layout, a causal LM
-scored through `hf_overrides` as the two-way softmax of its "no" and "yes" logits."""
+last token's logit; three labels: softmax), the original Qwen3-Reranker's layout, a causal LM
+scored through `hf_overrides` as the two-way softmax of its "no" and "yes" logits, and a Qwen3-Reranker
+GGUF as llama.cpp's converter writes it (`cls.output`, RANK pooling, a `rerank` template). Checked once
+by hand against llama.cpp itself: llama-server `--reranking` on the GGUF test's file gave the same
+tokens for every pair and scores within 3e-4 of these (its KV cache is float16)."""
 
 from __future__ import annotations
 
@@ -150,3 +153,65 @@ def test_overrides_reach_a_config_field(tmp_path):
     llm = LLM(str(tmp_path), show_progress=False, device="cpu", num_kv_blocks=16,
               hf_overrides={"max_position_embeddings": 40})  # fmt: skip
     assert llm.engine.max_model_len == 40
+
+
+RERANK_TEMPLATE = "Judge: yes or no.\nQuery: {query}\nDocument: {document}\nAnswer: "
+
+
+def write_reranker_gguf(folder: Path, hf: torch.nn.Module, no: int, yes: int) -> Path:
+    """The Qwen3 causal LM as llama.cpp's converter writes a Qwen3-Reranker: `pooling_type` RANK, a
+    `cls.output` tensor of the LM head's "yes" then "no" rows, the labels, and a `rerank` template."""
+    import gguf
+
+    from tests.gguf_writer import convert_state_dict, hf_metadata, hf_vocab, write_gguf
+
+    tensors = dict(convert_state_dict("qwen3", hf.config, hf.state_dict()))
+    head = hf.get_output_embeddings().weight.detach()
+    tensors["cls.output.weight"] = torch.stack([head[yes], head[no]]).numpy()
+    tokens, types, merges = hf_vocab(folder)
+    base = hf_metadata("qwen3", hf.config)
+
+    def metadata(w: gguf.GGUFWriter) -> None:
+        base(w)
+        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
+            w.kv_data[0].pop(key, None)
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("gpt-2")
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_merges(merges)
+        w.add_eos_token_id(0)
+        w.add_pooling_type(gguf.PoolingType.RANK)
+        w.add_classifier_output_labels(["yes", "no"])
+        w.add_chat_template([{"name": "rerank", "template": RERANK_TEMPLATE}])
+
+    return write_gguf(folder / "reranker.gguf", "qwen3", tensors, metadata)[0]
+
+
+def test_a_qwen3_reranker_gguf_scores_p_yes_in_its_rerank_template(tmp_path):
+    """A Qwen3-Reranker GGUF (llama.cpp's layout): each pair is written into the file's `rerank`
+    template as llama-server writes it, and scored P("yes") of the two-way softmax that llama.cpp
+    computes on its `cls.output` rows, against transformers' causal LM on the same tokens."""
+    config = TINY_CONFIGS["qwen3"]()
+    config.tie_word_embeddings = True
+    torch.manual_seed(3)
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hf.get_output_embeddings().weight[-2:].normal_(0, 0.2)
+    save_tiny_tokenizer(tmp_path, config.vocab_size, special=("no", "yes"))
+    no, yes = config.vocab_size - 2, config.vocab_size - 1
+    path = write_reranker_gguf(tmp_path, hf, no, yes)
+    llm = LLM(str(path), show_progress=False, device="cpu", num_kv_blocks=64, block_size=4)
+    assert type(llm.engine.loaded.model).__name__ == "Qwen3ForSequenceClassification"
+    assert llm.engine.classifier_labels == ["yes"]
+    outs = llm.score(QUERY, DOCS, use_tqdm=False)
+    for out, doc in zip(outs, DOCS, strict=True):
+        text = RERANK_TEMPLATE.replace("{query}", QUERY).replace("{document}", doc)
+        assert out.prompt_token_ids == text_ids(tmp_path, text)  # no BOS added, none needed
+        logits = hf_last_logits(hf, out.prompt_token_ids)
+        assert out.score == pytest.approx(torch.softmax(logits[[yes, no]], dim=0)[0].item(), abs=1e-4)
+    assert max(o.score for o in outs) - min(o.score for o in outs) > 0.01
+    # truncation shortens the document, never the template around it
+    (cut,) = llm.score(QUERY, DOCS[3] * 4, use_tqdm=False, truncate_prompt_tokens=60)
+    assert 55 <= len(cut.prompt_token_ids) <= 60
+    assert cut.prompt_token_ids[-len(text_ids(tmp_path, "\nAnswer: ")) :] == text_ids(tmp_path, "\nAnswer: ")

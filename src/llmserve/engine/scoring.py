@@ -117,6 +117,9 @@ def pair_input(engine: LLMEngine, text_1: str, text_2: str, truncate: int | None
         raise ParameterError(f"model {engine.loaded.source.name!r} is {why}", param="model")
     if engine.scheduler_config.is_static:
         raise ParameterError("scores need continuous batching", param="model")
+    template = getattr(engine.loaded.hf_config, "rerank_template", None)
+    if template is not None:
+        return templated_pair_input(engine, template, text_1, text_2, truncate)
     backend = engine.tokenizer.backend
     if truncate is None:
         encoding = backend.encode(text_1, text_2, add_special_tokens=True)
@@ -142,6 +145,30 @@ def pair_input(engine: LLMEngine, text_1: str, text_2: str, truncate: int | None
             param="model",
         )
     return engine.pooled_prompt(None, ids, dataclasses.replace(engine.default_pooling, second_segment=start))
+
+
+def templated_pair_input(
+    engine: LLMEngine, template: str, query: str, document: str, truncate: int | None
+) -> ProcessedPrompt:
+    """A pair written into the model's rerank prompt (a GGUF's `tokenizer.chat_template.rerank`, as
+    llama-server formats it: `{query}` and `{document}` replaced, special tokens read as such,
+    none added). Under `truncate` the document keeps as many of its first tokens as fit."""
+    text = template.replace("{query}", query).replace("{document}", document)
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    if truncate is not None and len(ids) > truncation_limit(engine, truncate):
+        limit = truncation_limit(engine, truncate)
+        doc_ids = engine.tokenizer.encode(document, add_special_tokens=False)
+        num_fixed = len(ids) - len(doc_ids)  # the template and the query around the document
+        if num_fixed >= limit:
+            raise ParameterError(
+                f"truncate_prompt_tokens {truncate} leaves no room for the document in the rerank "
+                f"prompt ({num_fixed} tokens without it)",
+                "truncate_prompt_tokens",
+            )
+        kept = engine.tokenizer.decode(doc_ids[: limit - num_fixed])
+        text = template.replace("{query}", query).replace("{document}", kept)
+        ids = engine.tokenizer.encode(text, add_special_tokens=False)[:limit]
+    return engine.pooled_prompt(text, ids, engine.default_pooling)
 
 
 @dataclass(frozen=True, slots=True)

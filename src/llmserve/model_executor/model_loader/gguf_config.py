@@ -185,11 +185,21 @@ def qwen3moe_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
 
 
 def qwen3_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
-    return transformers.Qwen3Config(
+    """Qwen3, or a Qwen3-Reranker as llama.cpp's converter writes it (`pooling_type` RANK and a
+    `cls.output` head of the "yes" and "no" rows): a one-label `Qwen3ForSequenceClassification`
+    whose score is P(yes), with the file's `rerank` prompt template (`rerank_template`)."""
+    config = transformers.Qwen3Config(
         **_decoder_kwargs(ckpt),
         **_rope_kwargs(_rope(ckpt)),
         attention_bias=ckpt.has_tensor("blk.0.attn_q.bias"),
     )
+    if ckpt.has_tensor("cls.output.weight"):
+        config.architectures = ["Qwen3ForSequenceClassification"]
+        config.num_labels = 1
+        labels = ckpt.arch_field("classifier.output_labels") or ["yes"]
+        config.id2label, config.label2id = {0: str(labels[0])}, {str(labels[0]): 0}
+        config.rerank_template = ckpt.field("tokenizer.chat_template.rerank")
+    return config
 
 
 def gemma3_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:

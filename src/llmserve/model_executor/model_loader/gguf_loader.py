@@ -144,7 +144,9 @@ _ARCHS: dict[str, _ArchSpec] = {
         "LlamaForCausalLM", gguf_names.LLAMA_NAMES, gguf_names.LLAMA_FIXES, gguf_config.llama_config
     ),
     "qwen2": _ArchSpec("Qwen2ForCausalLM", gguf_names.LLAMA_NAMES, {}, gguf_config.qwen2_config),
-    "qwen3": _ArchSpec("Qwen3ForCausalLM", gguf_names.QWEN3_NAMES, {}, gguf_config.qwen3_config),
+    "qwen3": _ArchSpec(
+        "Qwen3ForCausalLM", gguf_names.QWEN3_NAMES, gguf_names.QWEN3_FIXES, gguf_config.qwen3_config
+    ),
     "qwen2moe": _ArchSpec(
         "Qwen2MoeForCausalLM",
         gguf_names.QWEN2MOE_NAMES,

@@ -3,6 +3,8 @@ undo what llama.cpp's converter changed in a tensor, for gguf_loader.py's `_ARCH
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from llmserve.model_executor.model_loader.errors import ModelLoadError
@@ -44,6 +46,7 @@ QWEN_EXPERT_NAMES = {
 QWEN3_NAMES = LLAMA_NAMES | {
     "blk.{bid}.attn_q_norm": "model.layers.{bid}.self_attn.q_norm",
     "blk.{bid}.attn_k_norm": "model.layers.{bid}.self_attn.k_norm",
+    "cls.output": "score",  # a Qwen3-Reranker file's "yes" and "no" rows (QWEN3_FIXES)
 }
 # Gemma 3 has four norms per layer; GGUF's ffn_norm is the *pre*-feedforward one.
 QWEN2MOE_NAMES = {k: v for k, v in LLAMA_NAMES.items() if k not in MIXTRAL_EXPERT_NAMES} | QWEN_EXPERT_NAMES
@@ -131,6 +134,19 @@ LLAMA_FIXES: dict[str, Fix] = {
         w, c.arch_field("attention.head_count_kv") or c.require("attention.head_count")
     ),
 }
+
+
+def _two_way_head(w: torch.Tensor, ckpt: Any) -> torch.Tensor:
+    """A Qwen3-Reranker file's `cls.output` rows (its "yes" then its "no" row of the LM head; llama.cpp
+    scores the softmax's first entry) as the one-label head whose sigmoid is that probability."""
+    if w.dim() != 2 or w.shape[0] != 2:
+        raise ModelLoadError(
+            f"{ckpt.parts[0]}: cls.output has shape {list(w.shape)}; a reranker's is [2, hidden]"
+        )
+    return w[0:1] - w[1:2]
+
+
+QWEN3_FIXES: dict[str, Fix] = {"cls.output": _two_way_head}
 # Qwen2-MoE's shared-expert gate, nn.Linear(hidden, 1) in HF, is stored as a vector.
 QWEN2MOE_FIXES: dict[str, Fix] = {"blk.{bid}.ffn_gate_inp_shexp": lambda w, c: w.reshape(1, -1)}
 # Gemma's RMSNorm multiplies by (1 + w); llama.cpp stores 1 + w.
