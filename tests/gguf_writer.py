@@ -237,6 +237,21 @@ def hf_vocab(folder: Path) -> tuple[list[str], list[int], list[str]]:
     return tokens, types, merges
 
 
+def add_bpe_vocab(w: GGUFWriter, vocab: tuple[list[str], list[int], list[str]], pre: str) -> None:
+    """Put a byte-level BPE vocabulary (`hf_vocab`'s tokens, types and merges) in place of the
+    placeholder tokens `hf_metadata` writes, with `pre` as `tokenizer.ggml.pre`, EOS 0 and no BOS."""
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
+        w.kv_data[0].pop(key, None)
+    tokens, types, merges = vocab
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_eos_token_id(0)
+    w.add_add_bos_token(False)
+
+
 def write_gguf(
     path: Path,
     arch: str,

@@ -163,24 +163,17 @@ def write_reranker_gguf(folder: Path, hf: torch.nn.Module, no: int, yes: int) ->
     `cls.output` tensor of the LM head's "yes" then "no" rows, the labels, and a `rerank` template."""
     import gguf
 
-    from tests.gguf_writer import convert_state_dict, hf_metadata, hf_vocab, write_gguf
+    from tests.gguf_writer import add_bpe_vocab, convert_state_dict, hf_metadata, hf_vocab, write_gguf
 
     tensors = dict(convert_state_dict("qwen3", hf.config, hf.state_dict()))
     head = hf.get_output_embeddings().weight.detach()
     tensors["cls.output.weight"] = torch.stack([head[yes], head[no]]).numpy()
-    tokens, types, merges = hf_vocab(folder)
+    vocab = hf_vocab(folder)
     base = hf_metadata("qwen3", hf.config)
 
     def metadata(w: gguf.GGUFWriter) -> None:
         base(w)
-        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
-            w.kv_data[0].pop(key, None)
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("gpt-2")
-        w.add_token_list(tokens)
-        w.add_token_types(types)
-        w.add_token_merges(merges)
-        w.add_eos_token_id(0)
+        add_bpe_vocab(w, vocab, "gpt-2")
         w.add_pooling_type(gguf.PoolingType.RANK)
         w.add_classifier_output_labels(["yes", "no"])
         w.add_chat_template([{"name": "rerank", "template": RERANK_TEMPLATE}])

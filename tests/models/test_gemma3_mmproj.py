@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType as Q
 
 from llmserve.engine.llm import LLM
 from llmserve.sampling_params import SamplingParams
-from tests.gguf_writer import convert_state_dict, hf_metadata, hf_vocab, write_gguf
+from tests.gguf_writer import add_bpe_vocab, convert_state_dict, hf_metadata, hf_vocab, write_gguf
 from tests.models.test_gemma3_vision import PROMPT, _pixels, make_image
 from tests.models.tiny import GEMMA3_VLM_TEMPLATE, make_tiny_gemma3_vlm
 
@@ -49,15 +49,7 @@ def text_gguf(path: Path, hf, folder: Path, keep_image_token: bool) -> Path:
 
     def metadata(w: gguf.GGUFWriter) -> None:
         base(w)
-        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
-            w.kv_data[0].pop(key)
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("gpt-2")
-        w.add_token_list(tokens)
-        w.add_token_types(types)
-        w.add_token_merges(merges)
-        w.add_eos_token_id(0)
-        w.add_add_bos_token(False)
+        add_bpe_vocab(w, (tokens, types, merges), "gpt-2")
         w.add_chat_template(GEMMA3_VLM_TEMPLATE)
 
     return write_gguf(path, "gemma3", dict(tensors), metadata)[0]

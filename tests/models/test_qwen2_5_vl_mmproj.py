@@ -35,7 +35,7 @@ from llmserve.engine.llm import LLM
 from llmserve.model_executor.model_loader.gguf_loader import GGUFCheckpoint
 from llmserve.multimodal.qwen_vl import CLIP_MEAN, CLIP_STD
 from llmserve.sampling_params import SamplingParams
-from tests.gguf_writer import convert_state_dict, hf_metadata, hf_vocab, write_gguf
+from tests.gguf_writer import add_bpe_vocab, convert_state_dict, hf_metadata, hf_vocab, write_gguf
 from tests.models.test_qwen2_5_vl import PROMPT, _hf_images, hf_generate, make_image
 from tests.models.tiny import QWEN_VL_TEMPLATE, assert_greedy_matches, make_tiny_qwen2_5_vl
 
@@ -83,16 +83,8 @@ def write_text(folder: Path, hf, out: Path) -> Path:
     def metadata(w: gguf.GGUFWriter) -> None:
         base(w)
         w.add_type(gguf.GGUFType.MODEL)
-        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
-            w.kv_data[0].pop(key)
+        add_bpe_vocab(w, (tokens, types, merges), "qwen2")
         w.add_rope_dimension_sections([*config.rope_parameters["mrope_section"], 0])
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("qwen2")
-        w.add_token_list(tokens)
-        w.add_token_types(types)
-        w.add_token_merges(merges)
-        w.add_eos_token_id(0)
-        w.add_add_bos_token(False)
         w.add_chat_template(QWEN_VL_TEMPLATE)
 
     return write_gguf(out, "qwen2vl", dict(tensors), metadata)[0]
