@@ -119,7 +119,7 @@ class LLMEngine:
         self.scheduler_config = self.scheduler_config.for_model(fused)
         text_config = self.loaded.text_config  # a multimodal checkpoint: its language model's
         self.vocab_size = int(text_config.vocab_size)
-        self.hidden_size = int(getattr(text_config, "hidden_size", 0))
+        self.hidden_size = self.loaded.embedding_size  # (of the pooled vectors, after any Dense layers)
         self.images = self._image_processor()
         """Prompts with images (None: the model takes none)."""
         self.media = MediaInputs(

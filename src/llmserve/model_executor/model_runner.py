@@ -309,7 +309,10 @@ class ModelRunner:
                 done.append(state)
         if not done:
             return {}
-        head = getattr(self.runner.model, "score_head", None)  # a cross-encoder scores its pooled rows
+        # a cross-encoder scores its pooled rows; an embedding model may project them (Dense layers)
+        head = getattr(self.runner.model, "score_head", None) or getattr(
+            self.runner.model, "dense_head", None
+        )
         vectors = finish([s.pooler for s in done], head)  # type: ignore[misc]
         return {s.req_id: v for s, v in zip(done, vectors, strict=True)}
 

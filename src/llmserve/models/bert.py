@@ -157,6 +157,14 @@ class Encoder(CausalLM):
     def kv_cache_shape(self) -> KVCacheShape:
         raise ValueError(f"{type(self).__name__} keeps no KV cache")
 
+    def rope_layers(self, x: torch.Tensor, positions: torch.Tensor, md: EncoderMetadata) -> torch.Tensor:
+        """`x` [T, H] through `self.layers`, each called with its layer type's RoPE (`self.rotary`,
+        keyed by the types in `self.layer_types`): ModernBERT's and EmbeddingGemma's stacks."""
+        cos_sin = {t: rope.cos_sin(positions, x.dtype) for t, rope in self.rotary.items()}
+        for layer, t in zip(self.layers, self.layer_types, strict=True):
+            x = layer(x, cos_sin[t], self.rotary[t], md)
+        return x
+
     def use_onednn(self) -> None:
         for module in self.modules():
             if isinstance(module, Linear):

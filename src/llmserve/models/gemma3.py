@@ -71,7 +71,8 @@ def is_gemma2(config: Any) -> bool:
 
 
 class Gemma3Attention(nn.Module):
-    def __init__(self, config: Any, layer_type: str, backend: AttentionBackend) -> None:
+    def __init__(self, config: Any, layer_type: str, backend: AttentionBackend | None) -> None:
+        """`backend` None: no paged attention layer (the encoder's subclass attends without a cache)."""
         super().__init__()
         H, D = config.hidden_size, head_dim_of(config)
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -90,6 +91,8 @@ class Gemma3Attention(nn.Module):
         # config's `attn_logit_softcapping` is never applied by transformers (nor here).
         softcap = getattr(config, "attn_logit_softcapping", None) if gemma2 else None
         window = getattr(config, "sliding_window", None)
+        if backend is None:
+            return
         self.attn = Attention(
             self.num_heads,
             D,
@@ -119,22 +122,24 @@ class Gemma3Attention(nn.Module):
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_type: str, backend: AttentionBackend) -> None:
+    attention_cls: type[Gemma3Attention] = Gemma3Attention
+
+    def __init__(self, config: Any, layer_type: str, backend: AttentionBackend | None) -> None:
         super().__init__()
         H, eps = config.hidden_size, config.rms_norm_eps
         self.layer_type = layer_type
         self.input_layernorm = RMSNorm(H, eps, weight_offset=1.0)
-        self.self_attn = Gemma3Attention(config, layer_type, backend)
+        self.self_attn = self.attention_cls(config, layer_type, backend)
         self.post_attention_layernorm = RMSNorm(H, eps, weight_offset=1.0)
         self.pre_feedforward_layernorm = RMSNorm(H, eps, weight_offset=1.0)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, hidden_act_of(config))
         self.post_feedforward_layernorm = RMSNorm(H, eps, weight_offset=1.0)
 
-    def forward(
-        self, x: torch.Tensor, rotary: RotaryInputs, kv_cache: LayerKVCache, md: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *attn_inputs: Any) -> torch.Tensor:
+        """`attn_inputs`: the attention's other inputs, (rotary, kv_cache, md) in the decoder,
+        (cos_sin, rope, md) in the encoder (gemma3_embedding.py)."""
         # Gemma normalises both the input and the output of each sublayer ("sandwich" norms).
-        h = self.self_attn(self.input_layernorm(x), rotary, kv_cache, md)
+        h = self.self_attn(self.input_layernorm(x), *attn_inputs)
         x = x + self.post_attention_layernorm(h)
         h = self.mlp(self.pre_feedforward_layernorm(x))
         return x + self.post_feedforward_layernorm(h)

@@ -147,12 +147,7 @@ class ModernBertModel(Encoder):
         positions: torch.Tensor,  # [T], from 0 in each sequence
         md: EncoderMetadata,
     ) -> torch.Tensor:  # [T, H]
-        x = self.embeddings(input_ids)
-        cos_sin = {t: rope.cos_sin(positions, x.dtype) for t, rope in self.rotary.items()}
-        for layer in self.layers:
-            t = layer.attn.layer_type
-            x = layer(x, cos_sin[t], self.rotary[t], md)
-        return self.final_norm(x)
+        return self.final_norm(self.rope_layers(self.embeddings(input_ids), positions, md))
 
     def map_weight_name(self, name: str) -> str | None:
         return name.removeprefix("model.")

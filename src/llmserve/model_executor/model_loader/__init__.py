@@ -59,6 +59,7 @@ from llmserve.model_executor.model_loader.quant_plan import (
     use_fp8_kernel,
 )
 from llmserve.model_executor.model_loader.source import ModelSource, resolve_model
+from llmserve.model_executor.model_loader.st_dense import attach_dense_head
 from llmserve.model_executor.offload import LayerOffloader, check_offload_device, offload_layers
 from llmserve.models import CausalLM, resolve_model_class
 from llmserve.models.registry import HEADLESS, is_supported
@@ -108,6 +109,12 @@ class LoadedModel:
     def text_config(self) -> Any:
         """The language model's config (a multimodal checkpoint's text config)."""
         return text_config(self.hf_config)
+
+    @property
+    def embedding_size(self) -> int:
+        """The width of the model's pooled vectors: its Dense layers' output (st_dense.py), else its
+        hidden size (0: a config without one)."""
+        return int(getattr(self.model, "embedding_size", 0) or getattr(self.text_config, "hidden_size", 0))
 
     def kv_cache_dtype(self, name: str = "auto") -> KVDtypes:
         """`CacheConfig.kv_cache_dtype` for this model (see `DeviceProfile.kv_cache_dtype`)."""
@@ -325,6 +332,8 @@ def load_model(config: ModelConfig, shard: TPShard | None = None) -> LoadedModel
         stream = _tracked(stream, bar)  # (the bar counts the checkpoint's tensors, not their parts)
         model.load_weights(split_fused(stream, splits) if splits else stream)
     model.eval()
+    if source.kind == "hf":  # sentence-transformers' Dense layers after the pooling (EmbeddingGemma)
+        attach_dense_head(model, source.path, int(getattr(hf_config, "hidden_size", 0)), device)
     if shard is not None:
         sharding.parallelize(model, shard, int(hf_config.vocab_size))
     # int8 only when asked: it changes the model's answers (the default keeps them, STYLE.md 16)
