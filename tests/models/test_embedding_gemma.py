@@ -22,8 +22,16 @@ TEXTS = ["The quick brown fox", "jumps over the lazy dog. 0123456789 " * 3, "caf
 DENSE = 96  # the Dense layers: hidden -> DENSE -> hidden, as EmbeddingGemma's 768 -> 3072 -> 768
 
 
-def save_embedding_gemma(folder: Path, seed: int = 0) -> tuple[torch.nn.Module, list[torch.Tensor]]:
+def save_embedding_gemma(
+    folder: Path, seed: int = 0, llama_cpp_shape: bool = False
+) -> tuple[torch.nn.Module, list[torch.Tensor]]:
+    """`llama_cpp_shape`: what llama.cpp assumes of the files it reads (not written in them): five
+    sliding layers then a full one, and 1 / sqrt(head_dim) as the attention scale."""
     config = TINY_CONFIGS["gemma3"]()
+    if llama_cpp_shape:
+        config.num_hidden_layers = 6
+        config.layer_types = ["sliding_attention"] * 5 + ["full_attention"]
+        config.query_pre_attn_scalar = config.head_dim
     config.use_bidirectional_attention = True
     config.sliding_window = 4  # shorter than most inputs: the window matters
     config.num_key_value_heads = 1  # EmbeddingGemma's grouped-query attention (3 heads, 1 KV head)
@@ -119,3 +127,38 @@ def test_a_causal_gemma3_backbone_is_refused_by_name(tmp_path):
     save_tiny_tokenizer(tmp_path, config.vocab_size)
     with pytest.raises(ValueError, match="without use_bidirectional_attention"):
         LLM(str(tmp_path), show_progress=False, device="cpu")
+
+
+def test_an_embedding_gemma_gguf_matches_transformers(tmp_path):
+    """llama.cpp's `gemma-embedding` file (its converter with `--sentence-transformers-dense-modules`:
+    Gemma 3's tensors, `dense_2` and `dense_3`, MEAN pooling, config.json's window): the same
+    vectors as transformers' model pooled and projected. Checked once by hand against llama.cpp
+    itself: its converter's file of such a model (SmolLM2's vocabulary) loads to the same vectors as
+    the HF folder (max difference 0.0), and llama-server's embeddings of it agree (cosine >= 0.9999997,
+    the same tokens)."""
+    import gguf
+
+    from tests.gguf_writer import add_bpe_vocab, convert_state_dict, hf_metadata, hf_vocab, write_gguf
+
+    hf, dense = save_embedding_gemma(tmp_path, seed=1, llama_cpp_shape=True)
+    config = hf.config
+    state = {f"model.{k}": v for k, v in hf.state_dict().items()}
+    tensors = dict(convert_state_dict("gemma3", config, state))
+    tensors["dense_2.weight"], tensors["dense_3.weight"] = (w.numpy() for w in dense)
+    base, vocab = hf_metadata("gemma3", config), hf_vocab(tmp_path)
+
+    def metadata(w: gguf.GGUFWriter) -> None:
+        base(w)
+        add_bpe_vocab(w, vocab, "gpt-2")
+        w.kv_data[0].pop("gemma-embedding.attention.sliding_window")
+        w.add_sliding_window(
+            (config.sliding_window - 1) * 2
+        )  # config.json's value, as the converter writes it
+        w.add_pooling_type(gguf.PoolingType.MEAN)
+
+    (path,) = write_gguf(tmp_path / "embeddinggemma.gguf", "gemma-embedding", tensors, metadata)
+    llm = LLM(str(path), show_progress=False, device="cpu")
+    assert llm.engine.default_pooling == PoolingParams("mean", True)
+    for out in llm.embed(TEXTS, use_tqdm=False):
+        ref = reference(hf, dense, out.prompt_token_ids)
+        torch.testing.assert_close(torch.tensor(out.embedding), ref, rtol=1e-4, atol=1e-5)

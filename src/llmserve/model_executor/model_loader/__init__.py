@@ -59,7 +59,11 @@ from llmserve.model_executor.model_loader.quant_plan import (
     use_fp8_kernel,
 )
 from llmserve.model_executor.model_loader.source import ModelSource, resolve_model
-from llmserve.model_executor.model_loader.st_dense import attach_dense_head
+from llmserve.model_executor.model_loader.st_dense import (
+    attach_dense_head,
+    gguf_dense_stack,
+    load_dense_stack,
+)
 from llmserve.model_executor.offload import LayerOffloader, check_offload_device, offload_layers
 from llmserve.models import CausalLM, resolve_model_class
 from llmserve.models.registry import HEADLESS, is_supported
@@ -332,8 +336,9 @@ def load_model(config: ModelConfig, shard: TPShard | None = None) -> LoadedModel
         stream = _tracked(stream, bar)  # (the bar counts the checkpoint's tensors, not their parts)
         model.load_weights(split_fused(stream, splits) if splits else stream)
     model.eval()
-    if source.kind == "hf":  # sentence-transformers' Dense layers after the pooling (EmbeddingGemma)
-        attach_dense_head(model, source.path, int(getattr(hf_config, "hidden_size", 0)), device)
+    # sentence-transformers' Dense layers after the pooling (EmbeddingGemma's)
+    dense = load_dense_stack(source.path, device) if source.kind == "hf" else gguf_dense_stack(ckpt, device)
+    attach_dense_head(model, dense, int(getattr(hf_config, "hidden_size", 0)), str(source.path))
     if shard is not None:
         sharding.parallelize(model, shard, int(hf_config.vocab_size))
     # int8 only when asked: it changes the model's answers (the default keeps them, STYLE.md 16)

@@ -229,6 +229,18 @@ def gemma3_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
     )
 
 
+def gemma_embedding_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
+    """EmbeddingGemma (llama.cpp's `gemma-embedding`): Gemma 3's config, attending both ways. The
+    file keeps config.json's window (llama.cpp masks |i - j| > window / 2); transformers' config
+    holds window / 2 + 1 for the same mask (|i - j| < that), so that is what it gets here. Its
+    Dense layers, `dense_2` and `dense_3`, are read apart (st_dense.gguf_dense_stack)."""
+    config = gemma3_config(ckpt)
+    config.architectures = ["Gemma3TextModel"]
+    config.use_bidirectional_attention = True
+    config.sliding_window = int(ckpt.require("attention.sliding_window")) // 2 + 1
+    return config
+
+
 def gemma2_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
     """Gemma 2, with llama.cpp's rules for what the GGUF leaves out: every other layer sliding
     (the first one), a window of 4096, and queries scaled by 1/sqrt(head_dim) except in 27B (46

@@ -57,7 +57,10 @@ SUPPORTED_TENSOR_TYPES: tuple[GGMLQuantizationType, ...] = (
 )  # fmt: skip
 # llama.cpp-only tensors with no HF counterpart (rope_freqs and Phi-3's rope_factors_* are folded
 # into the config instead).
-_NON_HF_TENSORS = ("rope_freqs", "rope_factors_long", "rope_factors_short", "blk.{bid}.attn_rot_embd")
+_NON_HF_TENSORS = (
+    "rope_freqs", "rope_factors_long", "rope_factors_short", "blk.{bid}.attn_rot_embd",
+    "dense_2", "dense_3",  # EmbeddingGemma's Dense layers: read apart (st_dense.gguf_dense_stack)
+)  # fmt: skip
 _BLOCK_RE = re.compile(r"^(v\.)?blk\.(\d+)\.(.+)$")  # a vision projector's blocks are `v.blk.N.*`
 
 
@@ -159,6 +162,12 @@ _ARCHS: dict[str, _ArchSpec] = {
     "qwen2vl": _ArchSpec("Qwen2ForCausalLM", gguf_names.LLAMA_NAMES, {}, gguf_config.qwen2_config),
     "gemma3": _ArchSpec(
         "Gemma3ForCausalLM", gguf_names.GEMMA3_NAMES, gguf_names.GEMMA3_FIXES, gguf_config.gemma3_config
+    ),
+    "gemma-embedding": _ArchSpec(
+        "Gemma3TextModel",
+        gguf_names.GEMMA3_NAMES,
+        gguf_names.GEMMA3_FIXES,
+        gguf_config.gemma_embedding_config,
     ),
     "phi3": _ArchSpec("Phi3ForCausalLM", gguf_names.PHI3_NAMES, {}, gguf_config.phi3_config),
     "smollm3": _ArchSpec(

@@ -10,11 +10,15 @@ import itertools
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from llmserve.model_executor.model_loader.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from llmserve.model_executor.model_loader.gguf_loader import GGUFCheckpoint
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "Identity": lambda x: x,
@@ -99,15 +103,26 @@ def load_dense_stack(folder: Path, device: torch.device) -> DenseStack | None:
     return DenseStack(layers, device)
 
 
-def attach_dense_head(model: nn.Module, folder: Path, hidden_size: int, device: torch.device) -> None:
-    """Give `model` the folder's Dense stack as `dense_head` (and its output width as
-    `embedding_size`), when the folder has one; its first layer must take the pooled width."""
-    stack = load_dense_stack(folder, device)
+def gguf_dense_stack(ckpt: GGUFCheckpoint, device: torch.device) -> DenseStack | None:
+    """A GGUF's Dense layers (llama.cpp's converter with `--sentence-transformers-dense-modules`
+    writes EmbeddingGemma's as `dense_2`, `dense_3`, without biases or activations)."""
+    names = [n for n in ("dense_2.weight", "dense_3.weight") if ckpt.has_tensor(n)]
+    if not names:
+        return None
+    # tensor_data is row-major in GGUF's order reversed: [out, in], nn.Linear's layout
+    return DenseStack(
+        [(torch.from_numpy(ckpt.tensor_data(n).copy()), None, "Identity") for n in names], device
+    )
+
+
+def attach_dense_head(model: nn.Module, stack: DenseStack | None, hidden_size: int, where: str) -> None:
+    """Give `model` a Dense stack as `dense_head` (and its output width as `embedding_size`);
+    nothing when `stack` is None. Its first layer must take the pooled width."""
     if stack is None:
         return
     if stack.weights[0].shape[1] != hidden_size:
         raise ModelLoadError(
-            f"{folder}: the first Dense layer takes {stack.weights[0].shape[1]} features; the model pools "
+            f"{where}: the first Dense layer takes {stack.weights[0].shape[1]} features; the model pools "
             f"{hidden_size}"
         )
     model.dense_head = stack
