@@ -157,20 +157,41 @@ class Encoder(CausalLM):
     def kv_cache_shape(self) -> KVCacheShape:
         raise ValueError(f"{type(self).__name__} keeps no KV cache")
 
-    def rope_layers(self, x: torch.Tensor, positions: torch.Tensor, md: EncoderMetadata) -> torch.Tensor:
-        """`x` [T, H] through `self.layers`, each called with its layer type's RoPE (`self.rotary`,
-        keyed by the types in `self.layer_types`): ModernBERT's and EmbeddingGemma's stacks."""
-        cos_sin = {t: rope.cos_sin(positions, x.dtype) for t, rope in self.rotary.items()}
-        for layer, t in zip(self.layers, self.layer_types, strict=True):
-            x = layer(x, cos_sin[t], self.rotary[t], md)
-        return x
-
     def use_onednn(self) -> None:
         for module in self.modules():
             if isinstance(module, Linear):
                 module.use_onednn()
             elif isinstance(module, VocabEmbedding):
                 module.use_rows()
+
+
+class RopeEncoder(Encoder):
+    """An encoder whose layers take rotary positions (ModernBERT, EmbeddingGemma, nomic-bert):
+    `input_states(ids)`, then `self.layers`, each called as layer(x, cos_sin, rope, md) with its
+    layer type's RoPE (`self.rotary`, keyed by the types in `self.layer_types`), then
+    `output_states(x)`."""
+
+    layers: nn.ModuleList
+    layer_types: list[str]
+    rotary: nn.ModuleDict
+
+    def input_states(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
+        raise NotImplementedError
+
+    def output_states(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]: the final norm, if any
+        return x
+
+    def forward(  # type: ignore[override]
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T], from 0 in each sequence
+        md: EncoderMetadata,
+    ) -> torch.Tensor:  # [T, H]
+        x = self.input_states(input_ids)
+        cos_sin = {t: rope.cos_sin(positions, x.dtype) for t, rope in self.rotary.items()}
+        for layer, t in zip(self.layers, self.layer_types, strict=True):
+            x = layer(x, cos_sin[t], self.rotary[t], md)
+        return self.output_states(x)
 
 
 class ClassifierOutputs:

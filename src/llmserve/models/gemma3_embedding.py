@@ -26,7 +26,7 @@ from llmserve.layers.layernorm import RMSNorm
 from llmserve.layers.rotary_embedding import RotaryEmbedding
 from llmserve.layers.vocab_embedding import VocabEmbedding
 from llmserve.models.base import QKV_GATE_UP_STACKING
-from llmserve.models.bert import Encoder
+from llmserve.models.bert import RopeEncoder
 from llmserve.models.gemma3 import (
     SLIDING,
     Gemma3Attention,
@@ -64,7 +64,7 @@ class Gemma3EncoderLayer(Gemma3DecoderLayer):
     attention_cls = Gemma3EncoderAttention
 
 
-class Gemma3EmbeddingModel(Encoder):
+class Gemma3EmbeddingModel(RopeEncoder):
     """HF `Gemma3TextModel` with bidirectional attention (EmbeddingGemma)."""
 
     stacked_params = QKV_GATE_UP_STACKING
@@ -91,13 +91,11 @@ class Gemma3EmbeddingModel(Encoder):
              for t in sorted(set(self.layer_types))}
         )  # fmt: skip
 
-    def forward(  # type: ignore[override]
-        self,
-        input_ids: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T], from 0 in each sequence
-        md: EncoderMetadata,
-    ) -> torch.Tensor:  # [T, H]
-        return self.norm(self.rope_layers(self.embed(input_ids), positions, md))
+    def input_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(input_ids)
+
+    def output_states(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x)
 
     embed = Gemma3Model.embed_scaled  # the token rows times sqrt(hidden), rounded as HF rounds it
 

@@ -32,7 +32,7 @@ from llmserve.layers.layernorm import LayerNorm
 from llmserve.layers.linear import Linear
 from llmserve.layers.rotary_embedding import RotaryEmbedding, rope_parameters
 from llmserve.layers.vocab_embedding import VocabEmbedding
-from llmserve.models.bert import ClassifierOutputs, Encoder
+from llmserve.models.bert import ClassifierOutputs, RopeEncoder
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -121,7 +121,7 @@ class ModernBertEmbeddings(nn.Module):
         return self.norm(self.tok_embeddings(input_ids))
 
 
-class ModernBertModel(Encoder):
+class ModernBertModel(RopeEncoder):
     """HF `ModernBertModel` (the checkpoint sentence-transformers' ModernBERT models ship)."""
 
     uses_token_types = False  # pairs are `[CLS] a [SEP] b [SEP]`, one segment
@@ -141,13 +141,11 @@ class ModernBertModel(Encoder):
             {t: RotaryEmbedding(D, D, config.max_position_embeddings, modernbert_rope(config, t)) for t in sorted(set(self.layer_types))}
         )  # fmt: skip
 
-    def forward(  # type: ignore[override]
-        self,
-        input_ids: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T], from 0 in each sequence
-        md: EncoderMetadata,
-    ) -> torch.Tensor:  # [T, H]
-        return self.final_norm(self.rope_layers(self.embeddings(input_ids), positions, md))
+    def input_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embeddings(input_ids)
+
+    def output_states(self, x: torch.Tensor) -> torch.Tensor:
+        return self.final_norm(x)
 
     def map_weight_name(self, name: str) -> str | None:
         return name.removeprefix("model.")

@@ -41,6 +41,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "ModernBertForSequenceClassification": ("modernbert", "ModernBertForSequenceClassification"),
     "XLMRobertaForSequenceClassification": ("bert", "RobertaForSequenceClassification"),
     "Gemma3TextModel": ("gemma3_embedding", "Gemma3EmbeddingModel"),  # EmbeddingGemma (bidirectional)
+    "NomicBertModel": ("nomic_bert", "NomicBertModel"),  # nomic-embed-text (GGUF files)
     # decoder backbones without an LM head (embedding models: gte-Qwen2, e5-mistral, Qwen3-Embedding
     # saved as its backbone): the causal LM's stack, serving embeddings only (`BACKBONES`)
     "LlamaModel": ("llama", "LlamaForCausalLM"),

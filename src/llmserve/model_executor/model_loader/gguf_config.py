@@ -407,6 +407,11 @@ def bert_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
             f"{ckpt.parts[0]}: a BERT classifier or reranker (its `cls` head) in GGUF is not supported; "
             "serve its HF folder"
         )
+    return _bert_config(ckpt, hidden_act="gelu")
+
+
+def _bert_config(ckpt: GGUFCheckpoint, **extra: Any) -> transformers.PretrainedConfig:
+    """The sizes every BERT-shaped encoder file gives alike, its `pooling_type` as `gguf_pooling`."""
     config = transformers.BertConfig(
         architectures=[ckpt.hf_architecture],
         vocab_size=ckpt.vocab_size(),
@@ -418,9 +423,17 @@ def bert_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
         max_position_embeddings=ckpt.require("context_length"),
         type_vocab_size=int(ckpt.field("tokenizer.ggml.token_type_count", 2)),
         layer_norm_eps=ckpt.require("attention.layer_norm_epsilon"),
-        hidden_act="gelu",
+        **extra,
     )
     config.gguf_pooling = GGUF_POOLING.get(ckpt.arch_field("pooling_type"))
+    return config
+
+
+def nomic_bert_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
+    """nomic-bert (nomic-embed-text as Ollama ships it): BERT's sizes, no position table (RoPE with
+    the file's base instead), its `pooling_type` the default pooling."""
+    config = _bert_config(ckpt)
+    config.rotary_emb_base = float(ckpt.arch_field("rope.freq_base", 10000.0))
     return config
 
 

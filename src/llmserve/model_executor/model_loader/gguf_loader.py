@@ -195,6 +195,7 @@ _ARCHS: dict[str, _ArchSpec] = {
     ),
     "gpt-oss": _ArchSpec("GptOssForCausalLM", gguf_names.GPT_OSS_NAMES, {}, gguf_config.gpt_oss_config),
     "bert": _ArchSpec("BertModel", gguf_names.BERT_NAMES, {}, gguf_config.bert_config),
+    "nomic-bert": _ArchSpec("NomicBertModel", gguf_names.NOMIC_BERT_NAMES, {}, gguf_config.nomic_bert_config),
 }
 
 

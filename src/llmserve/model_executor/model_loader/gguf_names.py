@@ -117,6 +117,20 @@ BERT_NAMES = {
     "blk.{bid}.layer_output_norm": "encoder.layer.{bid}.output.LayerNorm",
 }
 
+# nomic-bert: nomic's own checkpoint names (what llama.cpp's tensor map reads them from)
+NOMIC_BERT_NAMES = {
+    "token_embd": "embeddings.word_embeddings",
+    "token_types": "embeddings.token_type_embeddings",
+    "token_embd_norm": "emb_ln",
+    "blk.{bid}.attn_qkv": "encoder.layers.{bid}.attn.Wqkv",
+    "blk.{bid}.attn_output": "encoder.layers.{bid}.attn.out_proj",
+    "blk.{bid}.attn_output_norm": "encoder.layers.{bid}.norm1",
+    "blk.{bid}.ffn_up": "encoder.layers.{bid}.mlp.fc11",
+    "blk.{bid}.ffn_gate": "encoder.layers.{bid}.mlp.fc12",
+    "blk.{bid}.ffn_down": "encoder.layers.{bid}.mlp.fc2",
+    "blk.{bid}.layer_output_norm": "encoder.layers.{bid}.norm2",
+}
+
 
 def unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Invert llama.cpp's `permute`: within each head, rows (x0, x1, ..., y0, y1, ...) became
