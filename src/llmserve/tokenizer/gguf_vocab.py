@@ -263,14 +263,54 @@ def _wordpiece(vocab: GGUFVocab) -> tuple[BackendTokenizer, bool]:
     backend.decoder = decoders.WordPiece(prefix="##")
     cls_id = vocab.token_id("cls_token_id") or vocab.token_id("bos_token_id")
     sep_id = vocab.token_id("seperator_token_id") or vocab.token_id("eos_token_id")  # llama.cpp's spelling
-    if cls_id is None or sep_id is None:
-        raise ValueError(f"GGUF file {vocab.path}: a bert vocabulary without its [CLS] and [SEP] ids")
-    cls, sep = vocab.tokens[cls_id], vocab.tokens[sep_id]
-    backend.post_processor = processors.TemplateProcessing(
-        single=f"{cls} $A {sep}",
-        pair=f"{cls} $A {sep} $B:1 {sep}:1",
-        special_tokens=[(cls, cls_id), (sep, sep_id)],
+    backend.post_processor = _wrap(vocab, cls_id, sep_id, "{o} $A {c} $B:1 {c}:1", "[CLS] and [SEP]")
+    return backend, False
+
+
+def _wrap(
+    vocab: GGUFVocab, open_id: int | None, close_id: int | None, pair: str, names: str
+) -> processors.TemplateProcessing:
+    """An encoder's wrapping: `open text close`, a pair as `pair` spells it ({o}, {c}: the tokens)."""
+    if open_id is None or close_id is None:
+        raise ValueError(f"GGUF file {vocab.path}: a {vocab.model} vocabulary without its {names} ids")
+    o, c = vocab.tokens[open_id], vocab.tokens[close_id]
+    return processors.TemplateProcessing(
+        single=f"{o} $A {c}", pair=pair.format(o=o, c=c), special_tokens=[(o, open_id), (c, close_id)]
     )
+
+
+def _unigram(vocab: GGUFVocab) -> tuple[BackendTokenizer, bool]:
+    """A sentencepiece Unigram vocabulary (llama.cpp's `t5`, which its converter writes for the
+    XLM-RoBERTa encoders: BGE-M3, multilingual-E5, bge-reranker-v2-m3), built as transformers
+    converts XLM-R's sentencepiece model: the pieces with their scores in id order, the model's
+    precompiled normalisation (`precompiled_charsmap`: NFKC and friends), whitespace runs
+    collapsed (`remove_extra_whitespaces`), "▁" before each word (`add_space_prefix`), and each
+    input wrapped as `<s> text </s>`, a pair as `<s> a </s></s> b </s>`."""
+    scores = vocab.meta.get("tokenizer.ggml.scores")
+    unk_id = vocab.token_id("unknown_token_id")
+    if scores is None or len(scores) != len(vocab.tokens) or unk_id is None:
+        raise ValueError(f"GGUF file {vocab.path}: a t5 (Unigram) vocabulary needs a score and an unknown id")
+    model = models.Unigram([(t, float(x)) for t, x in zip(vocab.tokens, scores, strict=True)], unk_id, False)
+    backend = BackendTokenizer(model)
+    # llama.cpp's order: the charsmap, then (remove_extra_whitespaces) no space at either end and one
+    # for each run, then "▁" for every space and (add_space_prefix) one in front; the pieces are
+    # found over the whole text (a piece never holds "▁" past its start, so word by word is the same)
+    norm: list[normalizers.Normalizer] = []
+    charsmap = vocab.meta.get("tokenizer.ggml.precompiled_charsmap")
+    if charsmap:
+        norm.append(normalizers.Precompiled(bytes(int(b) & 0xFF for b in charsmap)))
+    if vocab.meta.get("tokenizer.ggml.remove_extra_whitespaces", True):
+        norm += [normalizers.Strip(left=True, right=True), normalizers.Replace(Regex(" {2,}"), " ")]
+    norm.append(normalizers.Replace(" ", _SPIECE_SPACE))
+    prefix = bool(vocab.meta.get("tokenizer.ggml.add_space_prefix", True))
+    if prefix:
+        norm.append(normalizers.Prepend(_SPIECE_SPACE))
+    backend.normalizer = normalizers.Sequence(norm)
+    backend.decoder = decoders.Metaspace(
+        replacement=_SPIECE_SPACE, prepend_scheme="always" if prefix else "never", split=True
+    )
+    bos_id, eos_id = vocab.token_id("bos_token_id"), vocab.token_id("eos_token_id")
+    backend.post_processor = _wrap(vocab, bos_id, eos_id, "{o} $A {c} {c} $B {c}", "<s> and </s>")
     return backend, False
 
 
@@ -279,6 +319,7 @@ _BUILDERS: dict[str, Callable[[GGUFVocab], tuple[BackendTokenizer, bool]]] = {
     "gpt2": _byte_level_bpe,
     "llama": _sentencepiece_bpe,
     "bert": _wordpiece,
+    "t5": _unigram,
 }
 
 
@@ -323,7 +364,8 @@ def load_gguf_tokenizer(path: Path, name: str) -> Tokenizer:
         )
     backend, default_add_bos = builder(vocab)
     _add_special_tokens(backend, vocab)
-    wraps_cls_sep = vocab.model == "bert"  # [CLS] ... [SEP] by the post-processor, not a BOS rule
+    # [CLS] ... [SEP] (or <s> ... </s>) by the post-processor, not a BOS rule
+    wraps_cls_sep = vocab.model in ("bert", "t5")
     return Tokenizer(
         backend,
         name=name,
