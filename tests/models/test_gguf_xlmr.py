@@ -40,9 +40,10 @@ TEXTS = [
 ]
 
 
-def save_xlmr(folder: Path) -> transformers.XLMRobertaModel:
+def save_xlmr(folder: Path, reranker: bool = False) -> transformers.PreTrainedModel:
     """A sentencepiece Unigram model (nmt_nfkc) trained on CORPUS, converted by transformers to
-    XLM-R's tokenizer, beside a tiny random `XLMRobertaModel` of its vocabulary."""
+    XLM-R's tokenizer, beside a tiny random `XLMRobertaModel` of its vocabulary (`reranker`: an
+    `XLMRobertaForSequenceClassification` of one label, as bge-reranker-v2-m3)."""
     import sentencepiece as spm
 
     proto = io.BytesIO()
@@ -57,10 +58,14 @@ def save_xlmr(folder: Path) -> transformers.XLMRobertaModel:
     tok.save_pretrained(folder)
     config = transformers.XLMRobertaConfig(
         vocab_size=len(tok), hidden_size=48, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
-        max_position_embeddings=66, type_vocab_size=1, pad_token_id=tok.pad_token_id, initializer_range=0.2,
+        max_position_embeddings=130, type_vocab_size=1, pad_token_id=tok.pad_token_id, initializer_range=0.2,
     )  # fmt: skip
     torch.manual_seed(0)
-    hf = transformers.XLMRobertaModel(config, add_pooling_layer=False).eval()
+    if reranker:
+        config.num_labels = 1
+        hf = transformers.XLMRobertaForSequenceClassification(config).eval()
+    else:
+        hf = transformers.XLMRobertaModel(config, add_pooling_layer=False).eval()
     hf.save_pretrained(folder)
     return hf
 
@@ -69,7 +74,7 @@ def write_xlmr_gguf(folder: Path, hf: transformers.XLMRobertaModel) -> Path:
     """What llama.cpp's converter writes for an XLM-R folder (its XLMRobertaModel class)."""
     config, vocab = hf.config, json.loads((folder / "tokenizer.json").read_text())
     offset = config.pad_token_id + 1  # RoBERTa's positions start after the pad id: the converter cuts them
-    state = dict(hf.state_dict())
+    state = {k.removeprefix("roberta."): v for k, v in hf.state_dict().items()}
     state["embeddings.position_embeddings.weight"] = state["embeddings.position_embeddings.weight"][offset:]
     state.pop("embeddings.position_ids", None)
     tensors = convert_state_dict("bert", config, state)
@@ -94,7 +99,9 @@ def write_xlmr_gguf(folder: Path, hf: transformers.XLMRobertaModel) -> Path:
         w.add_head_count(config.num_attention_heads)
         w.add_layer_norm_eps(config.layer_norm_eps)
         w.add_causal_attention(False)
-        w.add_pooling_type(gguf.PoolingType.CLS)
+        w.add_pooling_type(
+            gguf.PoolingType.RANK if "classifier.dense.weight" in state else gguf.PoolingType.CLS
+        )
         w.add_tokenizer_model("t5")
         w.add_tokenizer_pre("default")
         w.add_token_list([p for p, _ in pieces])
@@ -148,3 +155,23 @@ def test_embeddings_match_transformers(xlmr):
             torch.tensor(out.embedding), torch.nn.functional.normalize(ref, dim=0), rtol=1e-4, atol=1e-5
         )
     assert np.isfinite(np.array(llm.embed([TEXTS[0] * 2], use_tqdm=False)[0].embedding)).all()
+
+
+def test_an_xlmr_reranker_gguf_scores_pairs_as_transformers(tmp_path):
+    """bge-reranker-v2-m3's layout in GGUF (`cls` and `cls.output`: RoBERTa's classification head,
+    `pooling_type` RANK): each pair read as `<s> query </s></s> document </s>` and scored with
+    the sigmoid of transformers' logit (sentence-transformers' CrossEncoder; llama-server answers
+    the logit itself, the same order)."""
+    hf = save_xlmr(tmp_path, reranker=True)
+    llm = LLM(str(write_xlmr_gguf(tmp_path, hf)), show_progress=False, device="cpu")
+    assert llm.engine.is_cross_encoder
+    reference = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    query, docs = CORPUS[0], [CORPUS[1], TEXTS[0], CORPUS[0], TEXTS[3]]
+    outs = llm.score(query, docs, use_tqdm=False)
+    for out, doc in zip(outs, docs, strict=True):
+        ids = reference.encode(query, doc).ids
+        assert out.prompt_token_ids == ids
+        with torch.no_grad():
+            logit = hf(torch.tensor([ids])).logits[0, 0]
+        assert out.score == pytest.approx(logit.sigmoid().item(), abs=1e-5)
+    assert max(o.score for o in outs) - min(o.score for o in outs) > 1e-3

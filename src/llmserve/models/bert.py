@@ -237,7 +237,9 @@ class BertModel(Encoder):
             raise ValueError(f"BERT: position_embedding_type {kind!r} is not supported (only 'absolute')")
         if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
             raise ValueError("BERT as a decoder (is_decoder, add_cross_attention) is not supported")
-        self.embeddings = BertEmbeddings(config, config.pad_token_id if self.roberta_positions else None)
+        # (a GGUF file's table starts at RoBERTa's first position: llama.cpp's converter cut the rows before it)
+        roberta = self.roberta_positions and not getattr(config, "positions_from_zero", False)
+        self.embeddings = BertEmbeddings(config, config.pad_token_id if roberta else None)
         self.encoder = BertEncoder(config)
         self.uses_token_types = config.type_vocab_size > 1
         """Whether a text pair's second text gets token type 1 (BERT); RoBERTa has one type."""

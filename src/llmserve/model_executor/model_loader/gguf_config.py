@@ -402,12 +402,22 @@ GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}
 def bert_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
     """A BERT encoder (llama.cpp's `bert`: all-MiniLM, BGE, mxbai-embed-large as Ollama ships
     them). `gguf_pooling` carries the file's `pooling_type` to the engine's default pooling."""
-    if ckpt.has_tensor("cls.weight") or ckpt.has_tensor("cls.output.weight"):
+    config = _bert_config(ckpt, hidden_act="gelu")
+    if ckpt.has_tensor("cls.output.weight") and ckpt.has_tensor("cls.weight"):
+        # an XLM-R reranker or classifier (bge-reranker-v2-m3): RoBERTa's head, dense + tanh + out_proj,
+        # over a position table that starts at RoBERTa's first position
+        num_labels = int(ckpt.tensor_shape("cls.output.weight")[0])
+        labels = ckpt.arch_field("classifier.output_labels") or [f"LABEL_{i}" for i in range(num_labels)]
+        config.architectures = ["XLMRobertaForSequenceClassification"]
+        config.num_labels = num_labels
+        config.id2label, config.label2id = dict(enumerate(labels)), {v: i for i, v in enumerate(labels)}
+        config.positions_from_zero = True
+    elif ckpt.has_tensor("cls.output.weight") or ckpt.has_tensor("cls.weight"):
         raise ModelLoadError(
-            f"{ckpt.parts[0]}: a BERT classifier or reranker (its `cls` head) in GGUF is not supported; "
-            "serve its HF folder"
+            f"{ckpt.parts[0]}: a BERT classifier in GGUF is not supported: llama.cpp's converter drops "
+            "BERT's pooler, which its head reads, so no file of it gives the model's scores; serve its HF folder"
         )
-    return _bert_config(ckpt, hidden_act="gelu")
+    return config
 
 
 def _bert_config(ckpt: GGUFCheckpoint, **extra: Any) -> transformers.PretrainedConfig:

@@ -115,6 +115,8 @@ BERT_NAMES = {
     "blk.{bid}.ffn_up": "encoder.layer.{bid}.intermediate.dense",
     "blk.{bid}.ffn_down": "encoder.layer.{bid}.output.dense",
     "blk.{bid}.layer_output_norm": "encoder.layer.{bid}.output.LayerNorm",
+    "cls": "classifier.dense",  # an XLM-R reranker's head (RobertaClassificationHead)
+    "cls.output": "classifier.out_proj",
 }
 
 # nomic-bert: nomic's own checkpoint names (what llama.cpp's tensor map reads them from)
