@@ -204,14 +204,6 @@ def test_prequantized_fused_tensors_are_refused_by_name(tmp_path: Path) -> None:
     ]
 
 
-def test_tensor_parallelism_refuses_phi3_by_name() -> None:
-    from llmserve.distributed import sharding
-    from llmserve.models.phi3 import Phi3ForCausalLM
-
-    with pytest.raises(ValueError, match="Phi3ForCausalLM"):
-        sharding.check_supported(Phi3ForCausalLM, _phi3_config(), 2)
-
-
 def test_lora_on_the_fused_layers_matches_peft(tmp_path: Path) -> None:
     """A PEFT adapter of Phi-3 targets its fused qkv_proj and gate_up_proj as single layers:
     each is applied per shard (the whole A, the shard's rows of B), against PEFT's logits."""

@@ -75,7 +75,8 @@ def compare_tp(model: str, atol: float = 1e-4, backend: str = "mp", **options) -
 
 @pytest.mark.parametrize(
     "name",
-    ["llama", "llama3-rope-tied", "mistral-sliding", "qwen2", "qwen3", "gemma3", "gemma2", "granite", "exaone4"],
+    ["llama", "llama3-rope-tied", "mistral-sliding", "qwen2", "qwen3", "gemma3", "gemma2", "granite", "exaone4",
+     "phi3", "granite-moe", "starcoder2"],
 )  # fmt: skip
 def test_tp2_matches_tp1_float(name, tmp_path):
     make_tiny_model(name, tmp_path)

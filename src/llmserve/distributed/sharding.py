@@ -52,8 +52,8 @@ from llmserve.layers.vocab_embedding import LMHead, VocabEmbedding
 from llmserve.models.base import CausalLM
 from llmserve.models.gpt_oss import STACKED_EXPERTS
 
-_COLUMN = frozenset({"qkv_proj", "gate_up_proj"})
-_ROW = frozenset({"o_proj", "down_proj"})
+_COLUMN = frozenset({"qkv_proj", "gate_up_proj", "c_fc"})  # (c_fc, c_proj: StarCoder2's MLP)
+_ROW = frozenset({"o_proj", "down_proj", "c_proj"})
 SUPPORTED = (
     "LlamaForCausalLM",
     "Qwen2ForCausalLM",
@@ -65,13 +65,15 @@ SUPPORTED = (
     "Gemma3ForCausalLM",
     "Gemma2ForCausalLM",
     "GraniteForCausalLM",
+    "GraniteMoeForCausalLM",
     "Exaone4ForCausalLM",
+    "Phi3ForCausalLM",
+    "Starcoder2ForCausalLM",
 )
 """Model classes tensor parallelism splits (Mistral and SmolLM3 checkpoints run on
-LlamaForCausalLM). Not OLMo 2 (its q and k norms span every head, so a rank's share would be
-normed over its heads alone), Phi-3 (its fused checkpoint tensors), Granite MoE (its stacked
-experts are cut into experts after a rank would slice them), StarCoder2 (its c_fc / c_proj MLP) nor
-the multimodal models."""
+LlamaForCausalLM; Phi-3's fused and Granite MoE's stacked checkpoint tensors are cut after the
+loader splits them into the parts the model loads). Not OLMo 2 (its q and k norms span every head,
+so a rank's share would be normed over its heads alone) nor the multimodal models."""
 _SPLIT_WIDTHS = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
 """The MLP widths a shard holds 1 / size of: a dense MLP's, each expert's, the shared expert's
 (Mixtral's experts are `intermediate_size` wide)."""

@@ -83,6 +83,16 @@ class CausalLM(nn.Module):
         (model_loader/fused_tensors.py cuts them as they stream in). Phi-3's; none by default."""
         return {}
 
+    regroups_checkpoint: ClassVar[bool] = False
+    """Whether `regroup_checkpoint` changes the stream (tensor parallelism then cuts a rank's part
+    after it, from the tensors the model loads, not from the checkpoint's)."""
+
+    @classmethod
+    def regroup_checkpoint(cls, weights: Iterable[tuple[str, Any, str]]) -> Iterable[tuple[str, Any, str]]:
+        """The checkpoint's tensors as the model loads them, where it stores some otherwise (Granite
+        MoE's stacked experts, one tensor for all); as they come by default."""
+        return weights
+
     backbone_name: ClassVar[str] = "model"
     """The attribute holding the decoder stack (its name is the checkpoint's prefix)."""
     lm_head: LMHead

@@ -80,5 +80,8 @@ class GraniteMoeForCausalLM(GraniteForCausalLM):
         name = re.sub(r"\.mlp\.router(\.layer)?\.weight$", ".mlp.gate.weight", name)
         return super().map_weight_name(name)
 
-    def load_weights(self, weights: Iterable[tuple[str, Any, str]]) -> None:
-        super().load_weights(split_experts(weights))
+    regroups_checkpoint = True
+
+    @classmethod
+    def regroup_checkpoint(cls, weights: Iterable[tuple[str, Any, str]]) -> Iterable[tuple[str, Any, str]]:
+        return split_experts(weights)

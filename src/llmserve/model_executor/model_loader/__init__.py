@@ -330,11 +330,18 @@ def load_model(config: ModelConfig, shard: TPShard | None = None) -> LoadedModel
         total=num_tensors, desc=f"Loading {source.name}", unit="tensor", disable=not config.show_progress
     )
     cut = None if shard is None else functools.partial(sharding.shard_tensor, model, shard=shard)
+    splits = model_cls.checkpoint_splits(hf_config)
+    # a rank's part is read alone where the checkpoint stores tensors as the model loads them; a
+    # fused or stacked tensor is read whole and the rank's part cut from its parts
+    cut_parts = cut is not None and (bool(splits) or model_cls.regroups_checkpoint)
     with bar:
-        stream = weights(dtype, keep_quantized, cut)
-        splits = model_cls.checkpoint_splits(hf_config)
+        stream = weights(dtype, keep_quantized, None if cut_parts else cut)
         stream = _tracked(stream, bar)  # (the bar counts the checkpoint's tensors, not their parts)
-        model.load_weights(split_fused(stream, splits) if splits else stream)
+        stream = model_cls.regroup_checkpoint(split_fused(stream, splits) if splits else stream)
+        if cut_parts:
+            assert cut is not None
+            stream = ((name, cut(name, tensor), file) for name, tensor, file in stream)
+        model.load_weights(stream)
     model.eval()
     # sentence-transformers' Dense layers after the pooling (EmbeddingGemma's)
     dense = load_dense_stack(source.path, device) if source.kind == "hf" else gguf_dense_stack(ckpt, device)
