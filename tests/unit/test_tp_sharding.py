@@ -21,9 +21,9 @@ from llmserve.distributed.sharding import (
     shard_lora_pair,
 )
 from llmserve.layers.quantization.formats import quantize
+from llmserve.models.gpt2 import GPT2LMHeadModel
 from llmserve.models.gpt_oss import split_experts
 from llmserve.models.llama import LlamaForCausalLM
-from llmserve.models.olmo2 import Olmo2ForCausalLM
 from llmserve.models.qwen_moe import Qwen3MoeForCausalLM
 
 
@@ -81,8 +81,8 @@ def test_check_supported():
         check_supported(LlamaForCausalLM, config, 4)
     with pytest.raises(ValueError, match=r"num_key_value_heads \(2\)"):
         check_supported(LlamaForCausalLM, config, 3)
-    with pytest.raises(ValueError, match="does not support the Olmo2ForCausalLM architecture"):
-        check_supported(Olmo2ForCausalLM, config, 2)
+    with pytest.raises(ValueError, match="does not support the GPT2LMHeadModel architecture"):
+        check_supported(GPT2LMHeadModel, config, 2)
     moe = transformers.Qwen2MoeConfig(
         hidden_size=64, num_attention_heads=4, num_key_value_heads=4, intermediate_size=128,
         moe_intermediate_size=48, shared_expert_intermediate_size=90,

@@ -69,11 +69,12 @@ SUPPORTED = (
     "Exaone4ForCausalLM",
     "Phi3ForCausalLM",
     "Starcoder2ForCausalLM",
+    "Olmo2ForCausalLM",
 )
 """Model classes tensor parallelism splits (Mistral and SmolLM3 checkpoints run on
 LlamaForCausalLM; Phi-3's fused and Granite MoE's stacked checkpoint tensors are cut after the
-loader splits them into the parts the model loads). Not OLMo 2 (its q and k norms span every head,
-so a rank's share would be normed over its heads alone) nor the multimodal models."""
+loader splits them into the parts the model loads). OLMo 2's q and k norms span every head: a
+rank's norm sums its heads' squares over the group (`parallelize`). Not the multimodal models."""
 _SPLIT_WIDTHS = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
 """The MLP widths a shard holds 1 / size of: a dense MLP's, each expert's, the shared expert's
 (Mixtral's experts are `intermediate_size` wide)."""
@@ -226,6 +227,9 @@ def shard_tensor(model: CausalLM, name: str, tensor: Any, shard: TPShard) -> tor
         if attr == "bias":  # added once, by rank 0, to the summed output
             return tensor[:] if r == 0 else torch.zeros(_shape(tensor))
         return _columns(name, tensor, r * module.in_features, module.in_features)
+    if leaf in ("q_norm", "k_norm") and _shape(tensor)[0] != module.weight.shape[0]:
+        n = module.weight.shape[0]  # a norm over every head (OLMo 2): the rank's heads' weights
+        return _rows(tensor, r * n, n)
     return tensor[:] if hasattr(tensor, "get_shape") else tensor
 
 
@@ -268,8 +272,24 @@ def parallelize(model: CausalLM, shard: TPShard, vocab_size: int) -> None:
     for layer in backbone.layers:
         for module in (layer.self_attn, layer.mlp):
             module.register_forward_hook(lambda _m, _args, out: shard.require_group().all_reduce(out))
+        if getattr(layer.self_attn, "norms_span_heads", False):  # OLMo 2's q and k norms
+            _sum_squares_over_ranks(layer.self_attn.q_norm, shard)
+            _sum_squares_over_ranks(layer.self_attn.k_norm, shard)
     _vocab_parallel_embedding(backbone.embed_tokens, shard)
     _gathered_head(model.lm_head, shard, vocab_size)
+
+
+def _sum_squares_over_ranks(norm: nn.Module, shard: TPShard) -> None:
+    """An RMSNorm over every head (OLMo 2's q and k), of which each rank holds its heads' part:
+    x / sqrt(mean of x^2 over all the ranks' parts + eps) * w, the squares summed over the group."""
+    width = norm.weight.shape[0] * shard.size
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        squares = shard.require_group().all_reduce(xf.pow(2).sum(-1, keepdim=True).contiguous())  # [T, 1]
+        return norm.weight * (xf * torch.rsqrt(squares / width + norm.eps)).to(x.dtype)
+
+    norm.forward = forward
 
 
 def _vocab_parallel_embedding(embed: nn.Module, shard: TPShard) -> None:

@@ -141,6 +141,12 @@ class ForwardRunner:
             reason: str | None = (
                 "tensor parallelism over gloo (a shard's stack sums over the shared-memory group)"
             )
+        elif (
+            self.group is not None and spec is not None and any(layer.qk_norm_whole for layer in spec.layers)
+        ):
+            reason = (
+                "q and k normed over every head (OLMo 2): a shard's layers sum their squares over the group"
+            )
         else:
             reason = "no decoder spec" if spec is None else unsupported_reason(spec, self.kv_caches)
         if self.group is not None and not self.group.all_ok(reason is None):

@@ -31,6 +31,7 @@ class Olmo2Attention(LlamaAttention):
         super().__init__(config, layer_idx, backend, arch)  # (arch.qk_norm False: no per-head norms)
         self.q_norm = RMSNorm(self.q_size, config.rms_norm_eps)  # over all heads' q
         self.k_norm = RMSNorm(self.kv_size, config.rms_norm_eps)
+        self.norms_span_heads = True  # (tensor parallelism sums their squares over the ranks)
 
     def forward(
         self, x: torch.Tensor, rotary: RotaryInputs, kv_cache: LayerKVCache, md: AttentionMetadata
