@@ -237,6 +237,18 @@ def hf_vocab(folder: Path) -> tuple[list[str], list[int], list[str]]:
     return tokens, types, merges
 
 
+def add_encoder_metadata(w: GGUFWriter, config: Any, context_length: int, pooling: gguf.PoolingType) -> None:
+    """A BERT-shaped encoder's sizes as llama.cpp's converter writes them (`bert` and its kin)."""
+    w.add_block_count(config.num_hidden_layers)
+    w.add_context_length(context_length)
+    w.add_embedding_length(config.hidden_size)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(config.num_attention_heads)
+    w.add_layer_norm_eps(config.layer_norm_eps)
+    w.add_causal_attention(False)
+    w.add_pooling_type(pooling)
+
+
 def add_bpe_vocab(w: GGUFWriter, vocab: tuple[list[str], list[int], list[str]], pre: str) -> None:
     """Put a byte-level BPE vocabulary (`hf_vocab`'s tokens, types and merges) in place of the
     placeholder tokens `hf_metadata` writes, with `pre` as `tokenizer.ggml.pre`, EOS 0 and no BOS."""

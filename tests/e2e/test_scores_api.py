@@ -106,7 +106,7 @@ def test_score_side_by_side(client, folders):
     assert [d["score"] for d in body["data"]] == pytest.approx(ref, abs=1e-5)
 
 
-@pytest.mark.parametrize("path", ["/v1/rerank", "/rerank", "/v2/rerank"])
+@pytest.mark.parametrize("path", ["/v1/rerank", "/rerank", "/v2/rerank", "/reranking", "/v1/reranking"])
 @pytest.mark.parametrize("model", ["ce", "emb"])
 def test_rerank_orders_documents_by_relevance(client, folders, path, model):
     pairs = [(QUERY, d) for d in DOCS]

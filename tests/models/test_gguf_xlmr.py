@@ -22,7 +22,7 @@ import torch
 import transformers
 
 from llmserve import LLM, PoolingParams
-from tests.gguf_writer import convert_state_dict, write_gguf
+from tests.gguf_writer import add_encoder_metadata, convert_state_dict, write_gguf
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -92,16 +92,8 @@ def write_xlmr_gguf(folder: Path, hf: transformers.XLMRobertaModel) -> Path:
     ids = {t: i for i, t in special.items()}
 
     def metadata(w: gguf.GGUFWriter) -> None:
-        w.add_block_count(config.num_hidden_layers)
-        w.add_context_length(config.max_position_embeddings - offset)
-        w.add_embedding_length(config.hidden_size)
-        w.add_feed_forward_length(config.intermediate_size)
-        w.add_head_count(config.num_attention_heads)
-        w.add_layer_norm_eps(config.layer_norm_eps)
-        w.add_causal_attention(False)
-        w.add_pooling_type(
-            gguf.PoolingType.RANK if "classifier.dense.weight" in state else gguf.PoolingType.CLS
-        )
+        pooling = gguf.PoolingType.RANK if "classifier.dense.weight" in state else gguf.PoolingType.CLS
+        add_encoder_metadata(w, config, config.max_position_embeddings - offset, pooling)
         w.add_tokenizer_model("t5")
         w.add_tokenizer_pre("default")
         w.add_token_list([p for p, _ in pieces])

@@ -168,6 +168,8 @@ async def score(req: ScoreRequest, raw: Request, models: Models) -> Any:
 @openai.post("/v1/rerank")
 @openai.post("/rerank")
 @openai.post("/v2/rerank")
+@openai.post("/reranking")  # llama-server's other spellings
+@openai.post("/v1/reranking")
 async def rerank(req: RerankRequest, raw: Request, models: Models) -> Any:
     return await models.serve(
         req.model,

@@ -82,6 +82,9 @@ BPE_PRE_TOKENIZERS: dict[str, PreTokenizerSpec] = {
     "mpt": _GPT2,
     "olmo": _GPT2,
     "jais": _GPT2,
+    "roberta-bpe": _GPT2,  # RoBERTa encoders (granite-embedding)
+    "jina-v1-en": _GPT2,
+    "jina-v2-code": _GPT2,
     "smollm": _DIGITS_THEN_GPT2,
     "starcoder": _DIGITS_THEN_GPT2,
     "refact": _DIGITS_THEN_GPT2,
@@ -314,6 +317,9 @@ def _unigram(vocab: GGUFVocab) -> tuple[BackendTokenizer, bool]:
     return backend, False
 
 
+_ENCODERS = frozenset({"bert", "nomic-bert"})
+"""GGUF architectures that are encoders: an input is wrapped whatever its vocabulary's kind."""
+
 # tokenizer.ggml.model -> builder returning (backend, default for add_bos_token)
 _BUILDERS: dict[str, Callable[[GGUFVocab], tuple[BackendTokenizer, bool]]] = {
     "gpt2": _byte_level_bpe,
@@ -366,6 +372,11 @@ def load_gguf_tokenizer(path: Path, name: str) -> Tokenizer:
     _add_special_tokens(backend, vocab)
     # [CLS] ... [SEP] (or <s> ... </s>) by the post-processor, not a BOS rule
     wraps_cls_sep = vocab.model in ("bert", "t5")
+    if vocab.model == "gpt2" and vocab.meta.get("general.architecture") in _ENCODERS:
+        # a RoBERTa encoder's byte-level BPE (granite-embedding): <s> text </s>, as llama.cpp adds them
+        bos_id, eos_id = vocab.token_id("bos_token_id"), vocab.token_id("eos_token_id")
+        backend.post_processor = _wrap(vocab, bos_id, eos_id, "{o} $A {c} {c} $B {c}", "<s> and </s>")
+        wraps_cls_sep = True
     return Tokenizer(
         backend,
         name=name,
