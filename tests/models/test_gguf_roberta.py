@@ -22,22 +22,48 @@ SPECIAL = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
 TEXTS = ["The quick brown fox", "jumps over the lazy dog. 0123456789", "naïve café", " leading space"]
 
 
-def save_roberta(folder: Path) -> transformers.RobertaModel:
-    """A byte-level BPE trained on a few sentences with RoBERTa's special tokens and template,
-    beside a tiny random `RobertaModel` of its vocabulary."""
+def save_bpe_tokenizer(folder: Path, special: list[str], post_processor: processors.PostProcessor) -> int:
+    """A byte-level BPE trained on a few sentences with an encoder's `special` tokens (first ids)
+    and template, saved as tokenizer.json; its vocabulary size."""
     tok = tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=300, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     tok.train_from_iterator(
         ["The quick brown fox jumps over the lazy dog. 0123456789 naïve café."] * 50, trainer
     )
-    tok.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0), add_prefix_space=False)
+    tok.post_processor = post_processor
     tok.save(str(folder / "tokenizer.json"))
+    return tok.get_vocab_size()
+
+
+def check_mean_embeddings(folder: Path, hf: torch.nn.Module, llm: LLM, texts: list[str]) -> None:
+    """The HF tokenizer's ids (a pair's too), and transformers' final states mean-pooled, normalised."""
+    reference = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    assert llm.engine.default_pooling == PoolingParams("mean", True)
+    for out, text in zip(llm.embed(texts, use_tqdm=False), texts, strict=True):
+        assert out.prompt_token_ids == reference.encode(text).ids
+        with torch.no_grad():
+            ref = hf(torch.tensor([out.prompt_token_ids])).last_hidden_state[0].mean(0)
+        torch.testing.assert_close(
+            torch.tensor(out.embedding), torch.nn.functional.normalize(ref, dim=0), rtol=1e-4, atol=1e-5
+        )
+    assert (
+        llm.get_tokenizer().backend.encode(texts[0], texts[-1]).ids
+        == reference.encode(texts[0], texts[-1]).ids
+    )
+
+
+def save_roberta(folder: Path) -> transformers.RobertaModel:
+    """A byte-level BPE trained on a few sentences with RoBERTa's special tokens and template,
+    beside a tiny random `RobertaModel` of its vocabulary."""
+    vocab_size = save_bpe_tokenizer(
+        folder, SPECIAL, processors.RobertaProcessing(("</s>", 2), ("<s>", 0), add_prefix_space=False)
+    )
     config = transformers.RobertaConfig(
-        vocab_size=tok.get_vocab_size(), hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=vocab_size, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
         intermediate_size=96, max_position_embeddings=66, type_vocab_size=1, pad_token_id=1,
         bos_token_id=0, eos_token_id=2, initializer_range=0.2,
     )  # fmt: skip
@@ -83,16 +109,5 @@ def roberta(tmp_path_factory) -> tuple[Path, transformers.RobertaModel, LLM]:
 
 
 def test_ids_and_embeddings_match_the_hf_model(roberta):
-    folder, hf, llm = roberta
-    reference = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
-    assert llm.engine.default_pooling == PoolingParams("mean", True)
-    for out, text in zip(llm.embed(TEXTS, use_tqdm=False), TEXTS, strict=True):
-        assert out.prompt_token_ids == reference.encode(text).ids  # <s> text </s>
-        with torch.no_grad():
-            ref = hf(torch.tensor([out.prompt_token_ids])).last_hidden_state[0].mean(0)
-        torch.testing.assert_close(
-            torch.tensor(out.embedding), torch.nn.functional.normalize(ref, dim=0), rtol=1e-4, atol=1e-5
-        )
-    assert (
-        llm.get_tokenizer().backend.encode(TEXTS[0], TEXTS[1]).ids == reference.encode(TEXTS[0], TEXTS[1]).ids
-    )
+    """<s> text </s> as the HF tokenizer writes it, and transformers' vectors."""
+    check_mean_embeddings(*roberta, TEXTS)

@@ -363,7 +363,7 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
     for call in (ckpt.hf_config, lambda: ckpt.iter_weights(torch.float32)):
         with pytest.raises(
             UnsupportedArchitectureError,
-            match=rf"{path}.*'mamba'.*exaone4, gemma-embedding, gemma2, gemma3, gpt-oss, gpt2, granite, granitemoe, llama, nomic-bert, olmo2, phi3, qwen2, qwen2moe, qwen2vl, qwen3, qwen3moe, smollm3, starcoder2",
+            match=rf"{path}.*'mamba'.*exaone4, gemma-embedding, gemma2, gemma3, gpt-oss, gpt2, granite, granitemoe, llama, modern-bert, nomic-bert, olmo2, phi3, qwen2, qwen2moe, qwen2vl, qwen3, qwen3moe, smollm3, starcoder2",
         ):
             call()
 

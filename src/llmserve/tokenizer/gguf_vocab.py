@@ -271,14 +271,21 @@ def _wordpiece(vocab: GGUFVocab) -> tuple[BackendTokenizer, bool]:
 
 
 def _wrap(
-    vocab: GGUFVocab, open_id: int | None, close_id: int | None, pair: str, names: str
+    vocab: GGUFVocab, open_id: int | None, close_id: int | None, pair: str, names: str, flags: bool = False
 ) -> processors.TemplateProcessing:
-    """An encoder's wrapping: `open text close`, a pair as `pair` spells it ({o}, {c}: the tokens)."""
+    """An encoder's wrapping: `open text close`, a pair as `pair` spells it ({o}, {c}: the tokens).
+    `flags`: each of the two only where the file's `add_bos_token` / `add_eos_token` says (default
+    true), as llama.cpp adds them to a BPE encoder's input."""
     if open_id is None or close_id is None:
         raise ValueError(f"GGUF file {vocab.path}: a {vocab.model} vocabulary without its {names} ids")
     o, c = vocab.tokens[open_id], vocab.tokens[close_id]
+    single = f"{o} $A {c}"
+    if flags:
+        opens = bool(vocab.meta.get("tokenizer.ggml.add_bos_token", True))
+        closes = bool(vocab.meta.get("tokenizer.ggml.add_eos_token", True))
+        single = " ".join([o] * opens + ["$A"] + [c] * closes)
     return processors.TemplateProcessing(
-        single=f"{o} $A {c}", pair=pair.format(o=o, c=c), special_tokens=[(o, open_id), (c, close_id)]
+        single=single, pair=pair.format(o=o, c=c), special_tokens=[(o, open_id), (c, close_id)]
     )
 
 
@@ -317,7 +324,7 @@ def _unigram(vocab: GGUFVocab) -> tuple[BackendTokenizer, bool]:
     return backend, False
 
 
-_ENCODERS = frozenset({"bert", "nomic-bert"})
+_ENCODERS = frozenset({"bert", "nomic-bert", "modern-bert"})
 """GGUF architectures that are encoders: an input is wrapped whatever its vocabulary's kind."""
 
 # tokenizer.ggml.model -> builder returning (backend, default for add_bos_token)
@@ -372,10 +379,14 @@ def load_gguf_tokenizer(path: Path, name: str) -> Tokenizer:
     _add_special_tokens(backend, vocab)
     # [CLS] ... [SEP] (or <s> ... </s>) by the post-processor, not a BOS rule
     wraps_cls_sep = vocab.model in ("bert", "t5")
-    if vocab.model == "gpt2" and vocab.meta.get("general.architecture") in _ENCODERS:
-        # a RoBERTa encoder's byte-level BPE (granite-embedding): <s> text </s>, as llama.cpp adds them
-        bos_id, eos_id = vocab.token_id("bos_token_id"), vocab.token_id("eos_token_id")
-        backend.post_processor = _wrap(vocab, bos_id, eos_id, "{o} $A {c} {c} $B {c}", "<s> and </s>")
+    arch = vocab.meta.get("general.architecture")
+    if vocab.model == "gpt2" and arch in _ENCODERS:
+        # an encoder's byte-level BPE: RoBERTa's <s> text </s> (granite-embedding), ModernBERT's
+        # [CLS] text [SEP], as llama.cpp adds them; a pair as the HF tokenizer writes it
+        open_id = vocab.token_id("cls_token_id") or vocab.token_id("bos_token_id")
+        close_id = vocab.token_id("seperator_token_id") or vocab.token_id("eos_token_id")
+        pair = "{o} $A {c} $B {c}" if arch == "modern-bert" else "{o} $A {c} {c} $B {c}"
+        backend.post_processor = _wrap(vocab, open_id, close_id, pair, "opening and closing", flags=True)
         wraps_cls_sep = True
     return Tokenizer(
         backend,

@@ -447,6 +447,39 @@ def nomic_bert_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
     return config
 
 
+def modern_bert_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
+    """ModernBERT (llama.cpp's `modern-bert`: modernbert-embed, granite-embedding R2): its window
+    (llama.cpp masks |i - j| > window / 2, as transformers' `local_attention`), a global layer every
+    `sliding_window_pattern` (3) from the first, each layer type's RoPE base, GeGLU unless the file
+    names another activation; biases where the file has them."""
+    hidden, n_layer = ckpt.require("embedding_length"), ckpt.require("block_count")
+    every = int(ckpt.arch_field("attention.sliding_window_pattern") or 3)
+    bias = ckpt.has_tensor("token_embd_norm.bias")
+    rope = {
+        "full_attention": {"rope_type": "default", "rope_theta": float(ckpt.arch_field("rope.freq_base", 160000.0))},
+        "sliding_attention": {"rope_type": "default", "rope_theta": float(ckpt.arch_field("rope.freq_base_swa", 10000.0))},
+    }  # fmt: skip
+    config = transformers.ModernBertConfig(
+        architectures=[ckpt.hf_architecture],
+        vocab_size=ckpt.vocab_size(),
+        hidden_size=hidden,
+        num_hidden_layers=n_layer,
+        num_attention_heads=ckpt.require("attention.head_count"),
+        intermediate_size=ckpt.require("feed_forward_length"),
+        max_position_embeddings=ckpt.require("context_length"),
+        # (the converter writes LayerNorm's epsilon under the RMS norm's key)
+        norm_eps=ckpt.arch_field("attention.layer_norm_rms_epsilon") or ckpt.require("attention.layer_norm_epsilon"),
+        local_attention=int(ckpt.arch_field("attention.sliding_window") or ckpt.require("context_length")),
+        layer_types=["sliding_attention" if i % every else "full_attention" for i in range(n_layer)],
+        hidden_activation=ckpt.arch_field("hidden_activation") or "gelu",
+        norm_bias=bias, attention_bias=ckpt.has_tensor("blk.0.attn_qkv.bias"), mlp_bias=ckpt.has_tensor("blk.0.ffn_up.bias"),
+        pad_token_id=ckpt.field("tokenizer.ggml.padding_token_id", 0),
+    )  # fmt: skip
+    config.rope_parameters = rope
+    config.gguf_pooling = GGUF_POOLING.get(ckpt.arch_field("pooling_type"))
+    return config
+
+
 def clip_vision_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
     """A vision projector file (llama.cpp's mmproj, `clip.vision.*` keys) -> its vision tower's
     config, by `clip.projector_type` (gguf_clip.PROJECTORS); the projector's own sizes (pooling,

@@ -196,6 +196,9 @@ _ARCHS: dict[str, _ArchSpec] = {
     "gpt-oss": _ArchSpec("GptOssForCausalLM", gguf_names.GPT_OSS_NAMES, {}, gguf_config.gpt_oss_config),
     "bert": _ArchSpec("BertModel", gguf_names.BERT_NAMES, {}, gguf_config.bert_config),
     "nomic-bert": _ArchSpec("NomicBertModel", gguf_names.NOMIC_BERT_NAMES, {}, gguf_config.nomic_bert_config),
+    "modern-bert": _ArchSpec(
+        "ModernBertModel", gguf_names.MODERN_BERT_NAMES, {}, gguf_config.modern_bert_config
+    ),
 }
 
 

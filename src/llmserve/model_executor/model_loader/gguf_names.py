@@ -133,6 +133,19 @@ NOMIC_BERT_NAMES = {
     "blk.{bid}.layer_output_norm": "encoder.layers.{bid}.norm2",
 }
 
+# ModernBERT (llama.cpp's `modern-bert`): HF's names without the masked-LM checkpoint's `model.`
+MODERN_BERT_NAMES = {
+    "token_embd": "embeddings.tok_embeddings",
+    "token_embd_norm": "embeddings.norm",
+    "blk.{bid}.attn_norm": "layers.{bid}.attn_norm",
+    "blk.{bid}.attn_qkv": "layers.{bid}.attn.Wqkv",
+    "blk.{bid}.attn_output": "layers.{bid}.attn.Wo",
+    "blk.{bid}.ffn_norm": "layers.{bid}.mlp_norm",
+    "blk.{bid}.ffn_up": "layers.{bid}.mlp.Wi",
+    "blk.{bid}.ffn_down": "layers.{bid}.mlp.Wo",
+    "output_norm": "final_norm",
+}
+
 
 def unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Invert llama.cpp's `permute`: within each head, rows (x0, x1, ..., y0, y1, ...) became
