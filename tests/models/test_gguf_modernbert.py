@@ -10,6 +10,7 @@ from pathlib import Path
 
 import gguf
 import pytest
+import tokenizers
 import torch
 import transformers
 from tokenizers import processors
@@ -22,7 +23,9 @@ SPECIAL = ["<|endoftext|>", "[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]"]
 TEXTS = ["The quick brown fox", "jumps over the lazy dog. 0123456789 " * 3, "naïve café", "fox"]
 
 
-def save_modernbert(folder: Path) -> transformers.ModernBertModel:
+def save_modernbert(folder: Path, reranker: bool = False) -> transformers.PreTrainedModel:
+    """`reranker`: a `ModernBertForSequenceClassification` of one label, mean-pooled (as
+    gte-reranker-modernbert-base), instead of the encoder alone."""
     vocab_size = save_bpe_tokenizer(folder, SPECIAL, processors.TemplateProcessing(
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
     ))  # fmt: skip
@@ -32,7 +35,11 @@ def save_modernbert(folder: Path) -> transformers.ModernBertModel:
         initializer_range=0.2, pad_token_id=4, cls_token_id=2, sep_token_id=3, bos_token_id=2, eos_token_id=3,
     )  # fmt: skip
     torch.manual_seed(0)
-    hf = transformers.ModernBertModel(config).eval()
+    if reranker:
+        config.num_labels, config.classifier_pooling = 1, "mean"
+        hf = transformers.ModernBertForSequenceClassification(config).eval()
+    else:
+        hf = transformers.ModernBertModel(config).eval()
     with torch.no_grad():  # LayerNorms away from 1, so a missing weight shows
         for name, p in hf.named_parameters():
             if "norm" in name:
@@ -43,7 +50,12 @@ def save_modernbert(folder: Path) -> transformers.ModernBertModel:
 
 def write_modernbert_gguf(folder: Path, hf: transformers.ModernBertModel) -> Path:
     config = hf.config
-    tensors = convert_state_dict("modern-bert", config, dict(hf.state_dict()))
+    # the converter drops `model.` and names the classifier `classifier.out_proj` (-> cls.output)
+    state = {
+        k.removeprefix("model.").replace("classifier.", "classifier.out_proj."): v
+        for k, v in hf.state_dict().items()
+    }
+    tensors = convert_state_dict("modern-bert", config, state)
     vocab = hf_vocab(folder)
     rope = config.rope_parameters
 
@@ -86,3 +98,21 @@ def test_ids_and_embeddings_match_the_hf_model(modernbert):
     (the longer text spans the window of 6, so the windowed layers are checked)."""
     assert type(modernbert[2].engine.loaded.model).__name__ == "ModernBertModel"
     check_mean_embeddings(*modernbert, TEXTS)
+
+
+def test_a_modernbert_reranker_gguf_scores_pairs_as_transformers(tmp_path):
+    """gte-reranker-modernbert-base's layout in GGUF (`cls`, `cls.norm`, `cls.output`: the head and
+    the classifier; no `classifier.pooling_type`, which llama.cpp reads as mean): each pair as
+    `[CLS] query [SEP] document [SEP]`, scored with the sigmoid of transformers' logit."""
+    hf = save_modernbert(tmp_path, reranker=True)
+    llm = LLM(str(write_modernbert_gguf(tmp_path, hf)), show_progress=False, device="cpu")
+    assert llm.engine.is_cross_encoder and llm.engine.default_pooling.pooling == "mean"
+    reference = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    query, docs = TEXTS[0], TEXTS[1:]
+    outs = llm.score(query, docs, use_tqdm=False)
+    for out, doc in zip(outs, docs, strict=True):
+        ids = reference.encode(query, doc).ids
+        assert out.prompt_token_ids == ids
+        with torch.no_grad():
+            logit = hf(torch.tensor([ids])).logits[0, 0]
+        assert out.score == pytest.approx(logit.sigmoid().item(), abs=1e-5)

@@ -406,11 +406,7 @@ def bert_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
     if ckpt.has_tensor("cls.output.weight") and ckpt.has_tensor("cls.weight"):
         # an XLM-R reranker or classifier (bge-reranker-v2-m3): RoBERTa's head, dense + tanh + out_proj,
         # over a position table that starts at RoBERTa's first position
-        num_labels = int(ckpt.tensor_shape("cls.output.weight")[0])
-        labels = ckpt.arch_field("classifier.output_labels") or [f"LABEL_{i}" for i in range(num_labels)]
-        config.architectures = ["XLMRobertaForSequenceClassification"]
-        config.num_labels = num_labels
-        config.id2label, config.label2id = dict(enumerate(labels)), {v: i for i, v in enumerate(labels)}
+        _classifier(config, ckpt, "XLMRobertaForSequenceClassification")
         config.positions_from_zero = True
     elif ckpt.has_tensor("cls.output.weight") or ckpt.has_tensor("cls.weight"):
         raise ModelLoadError(
@@ -418,6 +414,16 @@ def bert_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
             "BERT's pooler, which its head reads, so no file of it gives the model's scores; serve its HF folder"
         )
     return config
+
+
+def _classifier(config: Any, ckpt: GGUFCheckpoint, architecture: str) -> None:
+    """An encoder file with a classifier head (`cls.output`): `architecture`, its labels (the
+    file's `classifier.output_labels`, or transformers' LABEL_i)."""
+    num_labels = int(ckpt.tensor_shape("cls.output.weight")[0])
+    labels = ckpt.arch_field("classifier.output_labels") or [f"LABEL_{i}" for i in range(num_labels)]
+    config.architectures = [architecture]
+    config.num_labels = num_labels
+    config.id2label, config.label2id = dict(enumerate(labels)), {v: i for i, v in enumerate(labels)}
 
 
 def _bert_config(ckpt: GGUFCheckpoint, **extra: Any) -> transformers.PretrainedConfig:
@@ -477,6 +483,11 @@ def modern_bert_config(ckpt: GGUFCheckpoint) -> transformers.PretrainedConfig:
     )  # fmt: skip
     config.rope_parameters = rope
     config.gguf_pooling = GGUF_POOLING.get(ckpt.arch_field("pooling_type"))
+    if ckpt.has_tensor("cls.output.weight"):  # a reranker (gte-reranker-modernbert-base) or classifier
+        _classifier(config, ckpt, "ModernBertForSequenceClassification")
+        # the head's pooling; llama.cpp reads a file without one as mean
+        config.classifier_pooling = GGUF_POOLING.get(ckpt.arch_field("classifier.pooling_type"), "mean")
+        config.classifier_bias = ckpt.has_tensor("cls.bias")
     return config
 
 

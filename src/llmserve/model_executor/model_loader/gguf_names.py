@@ -144,6 +144,9 @@ MODERN_BERT_NAMES = {
     "blk.{bid}.ffn_up": "layers.{bid}.mlp.Wi",
     "blk.{bid}.ffn_down": "layers.{bid}.mlp.Wo",
     "output_norm": "final_norm",
+    "cls": "head.dense",  # a reranker's or classifier's head (ModernBertForSequenceClassification)
+    "cls.norm": "head.norm",
+    "cls.output": "classifier",
 }
 
 
