@@ -10,14 +10,13 @@ from pathlib import Path
 
 import gguf
 import pytest
-import tokenizers
 import torch
 import transformers
 from tokenizers import processors
 
 from llmserve import LLM
 from tests.gguf_writer import add_bpe_vocab, add_encoder_metadata, convert_state_dict, hf_vocab, write_gguf
-from tests.models.test_gguf_roberta import check_mean_embeddings, save_bpe_tokenizer
+from tests.models.test_gguf_roberta import check_mean_embeddings, check_pair_scores, save_bpe_tokenizer
 
 SPECIAL = ["<|endoftext|>", "[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]"]
 TEXTS = ["The quick brown fox", "jumps over the lazy dog. 0123456789 " * 3, "naïve café", "fox"]
@@ -106,13 +105,5 @@ def test_a_modernbert_reranker_gguf_scores_pairs_as_transformers(tmp_path):
     `[CLS] query [SEP] document [SEP]`, scored with the sigmoid of transformers' logit."""
     hf = save_modernbert(tmp_path, reranker=True)
     llm = LLM(str(write_modernbert_gguf(tmp_path, hf)), show_progress=False, device="cpu")
-    assert llm.engine.is_cross_encoder and llm.engine.default_pooling.pooling == "mean"
-    reference = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
-    query, docs = TEXTS[0], TEXTS[1:]
-    outs = llm.score(query, docs, use_tqdm=False)
-    for out, doc in zip(outs, docs, strict=True):
-        ids = reference.encode(query, doc).ids
-        assert out.prompt_token_ids == ids
-        with torch.no_grad():
-            logit = hf(torch.tensor([ids])).logits[0, 0]
-        assert out.score == pytest.approx(logit.sigmoid().item(), abs=1e-5)
+    assert llm.engine.default_pooling.pooling == "mean"
+    check_pair_scores(tmp_path, hf, llm, TEXTS[0], TEXTS[1:])

@@ -56,6 +56,21 @@ def check_mean_embeddings(folder: Path, hf: torch.nn.Module, llm: LLM, texts: li
     )
 
 
+def check_pair_scores(folder: Path, hf: torch.nn.Module, llm: LLM, query: str, docs: list[str]) -> None:
+    """A one-label reranker: each pair as the HF tokenizer encodes it, scored with the sigmoid of
+    transformers' logit (sentence-transformers' CrossEncoder), the scores apart from each other."""
+    assert llm.engine.is_cross_encoder
+    reference = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    outs = llm.score(query, docs, use_tqdm=False)
+    for out, doc in zip(outs, docs, strict=True):
+        ids = reference.encode(query, doc).ids
+        assert out.prompt_token_ids == ids
+        with torch.no_grad():
+            logit = hf(torch.tensor([ids])).logits[0, 0]
+        assert out.score == pytest.approx(logit.sigmoid().item(), abs=1e-5)
+    assert max(o.score for o in outs) - min(o.score for o in outs) > 1e-3
+
+
 def save_roberta(folder: Path) -> transformers.RobertaModel:
     """A byte-level BPE trained on a few sentences with RoBERTa's special tokens and template,
     beside a tiny random `RobertaModel` of its vocabulary."""

@@ -23,6 +23,7 @@ import transformers
 
 from llmserve import LLM, PoolingParams
 from tests.gguf_writer import add_encoder_metadata, convert_state_dict, write_gguf
+from tests.models.test_gguf_roberta import check_pair_scores
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -156,14 +157,4 @@ def test_an_xlmr_reranker_gguf_scores_pairs_as_transformers(tmp_path):
     the logit itself, the same order)."""
     hf = save_xlmr(tmp_path, reranker=True)
     llm = LLM(str(write_xlmr_gguf(tmp_path, hf)), show_progress=False, device="cpu")
-    assert llm.engine.is_cross_encoder
-    reference = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
-    query, docs = CORPUS[0], [CORPUS[1], TEXTS[0], CORPUS[0], TEXTS[3]]
-    outs = llm.score(query, docs, use_tqdm=False)
-    for out, doc in zip(outs, docs, strict=True):
-        ids = reference.encode(query, doc).ids
-        assert out.prompt_token_ids == ids
-        with torch.no_grad():
-            logit = hf(torch.tensor([ids])).logits[0, 0]
-        assert out.score == pytest.approx(logit.sigmoid().item(), abs=1e-5)
-    assert max(o.score for o in outs) - min(o.score for o in outs) > 1e-3
+    check_pair_scores(tmp_path, hf, llm, CORPUS[0], [CORPUS[1], TEXTS[0], CORPUS[0], TEXTS[3]])
