@@ -65,13 +65,13 @@ def start(server: str, file: Path, port: int, args: argparse.Namespace) -> subpr
     return wait_healthy(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), port)
 
 
-def embed_all(url: str, batch: list[str], concurrency: int) -> tuple[float, list[list[float]]]:
+def embed_all(url: str, batch: list[str], concurrency: int, model: str) -> tuple[float, list[list[float]]]:
     """(seconds, vectors in order) for `batch` sent as `concurrency` equal requests at once."""
     parts = [batch[i::concurrency] for i in range(concurrency)]
 
     def post(part: list[str]) -> list[list[float]]:
         with httpx.Client(timeout=600) as client:
-            r = client.post(f"{url}/v1/embeddings", json={"input": part, "model": "m"})
+            r = client.post(f"{url}/v1/embeddings", json={"input": part, "model": model})
             r.raise_for_status()
             return [d["embedding"] for d in sorted(r.json()["data"], key=lambda d: d["index"])]
 
@@ -90,14 +90,16 @@ def run_server(server: str, file: Path, args: argparse.Namespace) -> dict:
     port = free_port()
     proc = start(server, file, port, args)
     out: dict = {"levels": {}}
+    url = f"http://127.0.0.1:{port}"
     try:
+        model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
         for c in args.concurrency:
             rng = random.Random(1000 + c)
-            embed_all(f"http://127.0.0.1:{port}", texts(rng, args.inputs, args.words), c)  # warm-up
+            embed_all(url, texts(rng, args.inputs, args.words), c, model)  # warm-up
             rates, last = [], None
             for _ in range(args.rounds):
                 batch = texts(rng, args.inputs, args.words)
-                seconds, vectors = embed_all(f"http://127.0.0.1:{port}", batch, c)
+                seconds, vectors = embed_all(url, batch, c, model)
                 rates.append(len(batch) / seconds)
                 last = (batch, vectors)
             out["levels"][str(c)] = {"texts_per_s": statistics.median(rates), "rounds": rates}
