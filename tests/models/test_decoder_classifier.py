@@ -208,3 +208,21 @@ def test_a_qwen3_reranker_gguf_scores_p_yes_in_its_rerank_template(tmp_path):
     (cut,) = llm.score(QUERY, DOCS[3] * 4, use_tqdm=False, truncate_prompt_tokens=60)
     assert 55 <= len(cut.prompt_token_ids) <= 60
     assert cut.prompt_token_ids[-len(text_ids(tmp_path, "\nAnswer: ")) :] == text_ids(tmp_path, "\nAnswer: ")
+
+
+def test_a_rerank_template_given_as_an_override_formats_each_pair(tmp_path):
+    """`rerank_template` (what a Qwen3-Reranker GGUF carries) given through `hf_overrides` to an
+    HF folder: each pair is written into it, as llama-server writes a GGUF's, and scored there."""
+    config = TINY_CONFIGS["qwen3"]()
+    torch.manual_seed(2)
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    hf.save_pretrained(tmp_path)
+    save_tiny_tokenizer(tmp_path, config.vocab_size, special=("no", "yes"))
+    no, yes = config.vocab_size - 2, config.vocab_size - 1
+    llm = LLM(str(tmp_path), show_progress=False, device="cpu", num_kv_blocks=64, block_size=4,
+              hf_overrides={**RERANKER, "rerank_template": RERANK_TEMPLATE})  # fmt: skip
+    for out, doc in zip(llm.score(QUERY, DOCS[:2], use_tqdm=False), DOCS[:2], strict=True):
+        text = RERANK_TEMPLATE.replace("{query}", QUERY).replace("{document}", doc)
+        assert out.prompt_token_ids == text_ids(tmp_path, text)
+        logits = hf_last_logits(hf, out.prompt_token_ids)
+        assert out.score == pytest.approx(torch.softmax(logits[[no, yes]], dim=0)[1].item(), abs=1e-5)
