@@ -245,14 +245,15 @@ def test_the_avx2_kernel_set_keeps_mixed_equal_to_alone_and_close_to_the_layer_p
         torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "olmo2"])
+@pytest.mark.parametrize("arch", ["gemma3", "olmo2", "starcoder2"])
 def test_adapters_on_sandwich_and_post_norm_stacks_run_fused_as_in_the_layer_path(tmp_path, arch):
-    """Gemma 3 (its o and down outputs normed before they join the stream) and OLMo 2 (post-norm
-    layers): an adapter's delta joins each projection's output before that norm, in the fused
-    decoder as in the model's layers; a mixed batch never enters the layers, and an adapter moves
-    the logits."""
+    """Gemma 3 (its o and down outputs normed before they join the stream), OLMo 2 (post-norm
+    layers) and StarCoder2 (LayerNorms, a plain MLP: c_fc's delta in gate_up's place): an adapter's
+    delta joins each projection's output before that norm, in the fused decoder as in the model's
+    layers; a mixed batch never enters the layers, and an adapter moves the logits."""
     make_tiny_model(arch, tmp_path)
-    adapter = make_adapter(tmp_path, tmp_path / "lora", ALL, seed=1)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj"] if arch == "starcoder2" else ALL
+    adapter = make_adapter(tmp_path, tmp_path / "lora", targets, seed=1)
     runner, manager = make_runner(tmp_path, "int8")
     manager.add(LoRARequest("a", 1, str(adapter)))
     assert runner.fused is not None, runner.fused_unsupported

@@ -41,6 +41,7 @@ LLAMA_FAMILY = [
     "gemma2",  # soft-capped scores
     "olmo2",  # post-norm layers, q and k normed whole
     "exaone4",  # post-norm, per-head q/k norms, a NoPE global layer
+    "starcoder2",  # LayerNorms with biases, a plain MLP, biases on every linear layer
 ]
 MOE = ["mixtral", "qwen2-moe", "qwen3-moe", "granite-moe"]  # the fused decoder runs their experts too
 _LINEAR = re.compile(r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|c_attn|c_proj|c_fc)\.weight$")
@@ -234,7 +235,7 @@ def test_fused_decode_matches_layer_by_layer(tmp_path, name, kv_cache_dtype):
 )
 @pytest.mark.parametrize("cpu_activations", ["int16", "int8"])
 @pytest.mark.parametrize(
-    "name", ["llama", "mistral-sliding", "qwen3", "qwen2-moe", "gemma3", "gemma2", "olmo2"]
+    "name", ["llama", "mistral-sliding", "qwen3", "qwen2-moe", "gemma3", "gemma2", "olmo2", "starcoder2"]
 )
 def test_fused_rows_do_not_depend_on_the_batch(tmp_path, name, cpu_activations, kv_cache_dtype):
     """A token's logits are the same to the bit whether it is decoded alone or among other tokens

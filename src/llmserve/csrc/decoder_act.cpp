@@ -48,4 +48,19 @@ void gelu_tanh_mul(const float* g, const float* u, int64_t n, float* a) {
   }
 }
 
+// a[i] = gelu_tanh(g[i]): a plain MLP's (StarCoder2)
+void gelu_tanh(const float* g, int64_t n, float* a) {
+  int64_t i = 0;
+  const __m256 c2 = _mm256_set1_ps(2.0f * kGeluC), ca = _mm256_set1_ps(kGeluA), one = _mm256_set1_ps(1.0f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(g + i);
+    const __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+    _mm256_storeu_ps(a + i, over_one_plus_exp(x, _mm256_mul_ps(c2, _mm256_fmadd_ps(ca, x3, x)), one));
+  }
+  for (; i < n; ++i) {
+    const float x = g[i], z = 2.0f * kGeluC * (x + kGeluA * x * x * x);
+    a[i] = x / (1.0f + fast_exp(-z));
+  }
+}
+
 }  // namespace llmserve

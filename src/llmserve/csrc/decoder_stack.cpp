@@ -17,6 +17,8 @@
 // Gemma's sandwich norms (Layer::post_attn_norm, post_mlp_norm) norm attn @ Wo.T and mlp_out before
 // each joins the residual stream; its sliding and global layers rotate with their own tables; Gemma 2
 // soft-caps the scaled scores. OLMo 2 and EXAONE 4.0 have those two norms and not w_in, w_post.
+// StarCoder2's stream norms are LayerNorms with biases (Decoder::norm_kind) and its MLP is plain,
+// down(gelu_tanh(h @ Wup.T)) (Layer::gated 0); its linear layers' biases are the kernels' (+ b).
 //
 // and after the last layer the final norm: out = rms_norm(res + mlp_out) * w_final. The math and
 // its order are those of llmserve/models/llama.py; matmuls are the q8/q4/q6/q4k kernels of qgemm.h.
@@ -86,6 +88,25 @@ void rms_norm(const float* x, const float* w, float eps, int64_t n, float* out) 
   const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inv * w[i];
+}
+
+// (x - mean) / sqrt(var + eps) * w + b (StarCoder2's LayerNorm; b nullptr: none); out may be x
+void layer_norm(const float* x, const float* w, const float* b, float eps, int64_t n, float* out) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += x[i];
+  const float mean = sum / static_cast<float>(n);
+  float var = 0.f;
+#pragma omp simd reduction(+ : var)
+  for (int64_t i = 0; i < n; ++i) var += (x[i] - mean) * (x[i] - mean);
+  const float inv = 1.0f / std::sqrt(var / static_cast<float>(n) + eps);
+  if (b) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) out[i] = (x[i] - mean) * inv * w[i] + b[i];
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) out[i] = (x[i] - mean) * inv * w[i];
+  }
 }
 
 // x [rot]: first half pairs with second half (GPT-NeoX / HF layout); cs = [cos | sin] halves.
@@ -340,6 +361,12 @@ void linear(const QuantLinear& w, const float* x, int64_t M, float* out) {
 // for each KV head, over each grid chunk that any of them sees (causal: up to its own position;
 // within the sliding window). One token decoding alone has a chunk per 128 positions per KV head,
 // which spreads a long context over every core.
+// The stream's norms (input, post-attention, final): RMSNorm, or StarCoder2's LayerNorm with its bias.
+void Decoder::norm(const float* x, const float* w, const float* b, float* out) const {
+  if (norm_kind == kNormLayer) layer_norm(x, w, b, eps, H, out);
+  else rms_norm(x, w, eps, H, out);
+}
+
 void Decoder::plan_attention(int64_t T, const int64_t* positions, const int64_t* token_seqs, int64_t window) {
   items.clear();
   lo.resize(T);
@@ -416,7 +443,7 @@ void Decoder::forward(const float* x, int64_t M, const int64_t* positions, const
 #pragma omp simd
         for (int64_t i = 0; i < H; ++i) r[i] += rs * mo[i];
       }
-      if (L.input_norm) rms_norm(r, L.input_norm, eps, H, h_ + m * H);
+      if (L.input_norm) norm(r, L.input_norm, L.input_norm_bias, h_ + m * H);
       else std::memcpy(h_ + m * H, r, H * 4);  // post-norm layers (OLMo 2) attend to the stream itself
     }
     // 2. q, k, v; per-head norms (Qwen3); rotary embedding of q and k
@@ -520,7 +547,7 @@ void Decoder::forward(const float* x, int64_t M, const int64_t* positions, const
         if (L.post_attn_norm) rms_norm(o, L.post_attn_norm, eps, H, o);
 #pragma omp simd
         for (int64_t i = 0; i < H; ++i) r[i] += rs * o[i];
-        if (L.post_norm) rms_norm(r, L.post_norm, eps, H, h_ + m * H);
+        if (L.post_norm) norm(r, L.post_norm, L.post_norm_bias, h_ + m * H);
         else std::memcpy(h_ + m * H, r, H * 4);
       }
     }
@@ -539,6 +566,10 @@ void Decoder::forward(const float* x, int64_t M, const int64_t* positions, const
       if (gu_items) run_lora(l, kLoraGateUp, h_, L.gate_up.K, L.gate_up.N, gu_);
 #pragma omp for schedule(static)
       for (int64_t m = 0; m < M; ++m) {
+        if (!L.gated) {  // a plain MLP (StarCoder2): act(up x), its up rows alone in gate_up
+          gelu_tanh(gu_ + m * I, I, act_ + m * I);
+          continue;
+        }
         const float* g = gu_ + m * 2 * I;
         (activation == kActGeluTanh ? gelu_tanh_mul : silu_mul)(g, g + I, I, act_ + m * I);
       }
@@ -555,7 +586,7 @@ void Decoder::forward(const float* x, int64_t M, const int64_t* positions, const
     if (last_norm) rms_norm(mo, last_norm, eps, H, mo);
 #pragma omp simd
     for (int64_t i = 0; i < H; ++i) r[i] += rs * mo[i];
-    rms_norm(r, final_norm, eps, H, out + m * H);
+    norm(r, final_norm, final_norm_bias, out + m * H);
   }
 }
 

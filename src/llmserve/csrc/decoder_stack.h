@@ -79,10 +79,15 @@ struct Layer {
   const float* post_mlp_norm = nullptr;
   const float* cos_sin = nullptr;  // this layer's own RoPE table (Gemma 3's two bases), or nullptr: the stack's
   int64_t qk_norm_whole = 0;       // 1: q_norm over all Hq D of a token's q at once, k_norm over its Hkv D (OLMo 2)
+  // LayerNorm stacks (StarCoder2, Decoder::norm_kind): the input and post-attention norms' biases
+  const float* input_norm_bias = nullptr;
+  const float* post_norm_bias = nullptr;
+  int64_t gated = 1;  // 0: a plain MLP, down(act(up x)), `gate_up` holding the up rows alone (StarCoder2)
   // input_norm, post_norm nullptr: the layer's input is the stream itself (post-norm layers: OLMo 2)
 };
 
 constexpr int kActSilu = 0, kActGeluTanh = 1;  // Decoder::activation
+constexpr int kNormRms = 0, kNormLayer = 1;     // Decoder::norm_kind: the input, post-attention and final norms
 
 // Attention is computed on a fixed grid of positions, chunks [c * kChunk, (c + 1) * kChunk), the same
 // whatever else is in the batch: a token's result is then the same to the bit whether it is decoded
@@ -103,6 +108,8 @@ struct Decoder {
   float residual_scale = 1.0f;   // r in residual += r * sublayer output (Granite; 1: r o == o exactly)
   int activation = kActSilu;     // the gated MLP's: silu or gelu_tanh (Gemma)
   float softcap = 0.f;           // c in c tanh(scale s / c) on the scores (Gemma 2), 0: none
+  int norm_kind = kNormRms;      // LayerNorm with biases for StarCoder2 (q/k and Gemma's norms stay RMS)
+  const float* final_norm_bias = nullptr;
   int cache_type = kCacheF32;    // K's type
   int v_cache_type = kCacheF32;  // V's: the same, unless K and V are kept apart (`--kv-cache-dtype int8,float16`)
   int64_t v_offset = 0;          // bytes from a layer's kv_cache to its V half (Hkv x K's head bytes when one type)
@@ -138,6 +145,7 @@ struct Decoder {
   void run_lora(size_t l, int module, const float* x, int64_t K, int64_t N, float* y);
   void add_lora(size_t l, int module, const float* x, int64_t K, int64_t N, float* y);
   void plan_attention(int64_t T, const int64_t* positions, const int64_t* token_seqs, int64_t window);
+  void norm(const float* x, const float* w, const float* b, float* out) const;  // the stream's [H] norm
   int64_t capacity = 0;
   std::vector<float> res, h, qkv, attn, gate_up, act;
   std::vector<AttentionItem> items;  // this layer's attention work
@@ -158,6 +166,7 @@ void linear(const QuantLinear& w, const float* x, int64_t M, float* out);  // ou
 // decoder_act.cpp
 void silu_mul(const float* g, const float* u, int64_t n, float* a);        // a = silu(g) * u
 void gelu_tanh_mul(const float* g, const float* u, int64_t n, float* a);   // a = gelu_tanh(g) * u
+void gelu_tanh(const float* g, int64_t n, float* a);                        // a = gelu_tanh(g)
 
 // KV cache rows of D values in `cache_type` (decoder_cache_rows.cpp): bytes per row; one float32
 // row stored; `rows` rows read as float32 into dst (a float32 cache's own rows are returned as they are)

@@ -176,11 +176,12 @@ bool parse_moe(PyObject* t, Moe* moe) {
 }
 
 // (input_norm, qkv, q_norm, k_norm, o, post_norm, gate_up, down, kv_cache, window, moe, rope,
-// post_attn_norm, post_mlp_norm, cos_sin, qk_norm_whole); a MoE layer's gate_up and down are None;
-// rope 0: a layer without positions (NoPE); a norm or table 0 where the layer has none of its own
+// post_attn_norm, post_mlp_norm, cos_sin, qk_norm_whole, input_norm_bias, post_norm_bias, gated);
+// a MoE layer's gate_up and down are None; rope 0: a layer without positions (NoPE); a norm, bias or
+// table 0 where the layer has none of its own; gated 0: a plain MLP (gate_up holds the up rows)
 bool parse_layer(PyObject* t, Layer* L) {
-  if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 16) {
-    PyErr_SetString(PyExc_TypeError, "a layer is a tuple of 16 entries");
+  if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 19) {
+    PyErr_SetString(PyExc_TypeError, "a layer is a tuple of 19 entries");
     return false;
   }
   PyObject* moe = PyTuple_GET_ITEM(t, 10);
@@ -193,7 +194,8 @@ bool parse_layer(PyObject* t, Layer* L) {
          item_ll(t, 9, &L->window) && parse_moe(moe, &L->moe) && item_ll(t, 11, &L->rope) &&
          item_ptr(t, 12, const_cast<float**>(&L->post_attn_norm)) &&
          item_ptr(t, 13, const_cast<float**>(&L->post_mlp_norm)) && item_ptr(t, 14, const_cast<float**>(&L->cos_sin)) &&
-         item_ll(t, 15, &L->qk_norm_whole);
+         item_ll(t, 15, &L->qk_norm_whole) && item_ptr(t, 16, const_cast<float**>(&L->input_norm_bias)) &&
+         item_ptr(t, 17, const_cast<float**>(&L->post_norm_bias)) && item_ll(t, 18, &L->gated);
 }
 
 void free_decoder(PyObject* capsule) {
@@ -202,10 +204,12 @@ void free_decoder(PyObject* capsule) {
 
 // decoder_new(config, layers, cos_sin, final_norm[, comm]) -> capsule
 // config = (H, Hq, Hkv, D, rot, I, num_blocks, block_size, max_position, eps, scale, cache_type,
-//           v_cache_type, v_offset, residual_scale, activation, softcap): K's cache type, V's, the bytes from a
+//           v_cache_type, v_offset, residual_scale, activation, softcap, norm_kind, final_norm_bias): K's
+//           cache type, V's, the bytes from a
 //           layer's cache to its V half, what each sublayer's output is multiplied by as it joins the
 //           residual stream (Granite's residual_multiplier; 1 for the others), the gated MLP's
-//           activation (kActSilu, kActGeluTanh), and the scores' soft cap (Gemma 2; 0: none);
+//           activation (kActSilu, kActGeluTanh), the scores' soft cap (Gemma 2; 0: none), the stream
+//           norms' kind (kNormRms, kNormLayer) and the final norm's bias (LayerNorm's; 0: none);
 // comm: a tensor-parallel rank's group (its layers are shards), or None
 PyObject* py_decoder_new(PyObject*, PyObject* args) {
   PyObject *config, *layers, *cos_sin, *final_norm, *comm = Py_None;
@@ -214,12 +218,12 @@ PyObject* py_decoder_new(PyObject*, PyObject* args) {
     return nullptr;
   ShmComm* group = nullptr;
   if (comm != Py_None && !(group = comm_of(comm))) return nullptr;
-  if (PyTuple_GET_SIZE(config) != 17) {
-    PyErr_SetString(PyExc_TypeError, "config is a tuple of 17 entries");
+  if (PyTuple_GET_SIZE(config) != 19) {
+    PyErr_SetString(PyExc_TypeError, "config is a tuple of 19 entries");
     return nullptr;
   }
   auto dec = new Decoder();
-  int64_t cache_type = 0, v_cache_type = 0, activation = 0;
+  int64_t cache_type = 0, v_cache_type = 0, activation = 0, norm_kind = 0;
   bool ok = item_ll(config, 0, &dec->H) && item_ll(config, 1, &dec->Hq) && item_ll(config, 2, &dec->Hkv) &&
             item_ll(config, 3, &dec->D) && item_ll(config, 4, &dec->rot) && item_ll(config, 5, &dec->I) &&
             item_ll(config, 6, &dec->num_blocks) && item_ll(config, 7, &dec->block_size) &&
@@ -227,19 +231,22 @@ PyObject* py_decoder_new(PyObject*, PyObject* args) {
             item_float(config, 10, &dec->scale) && item_ll(config, 11, &cache_type) &&
             item_ll(config, 12, &v_cache_type) && item_ll(config, 13, &dec->v_offset) &&
             item_float(config, 14, &dec->residual_scale) && item_ll(config, 15, &activation) &&
-            item_float(config, 16, &dec->softcap);
+            item_float(config, 16, &dec->softcap) && item_ll(config, 17, &norm_kind) &&
+            item_ptr(config, 18, const_cast<float**>(&dec->final_norm_bias));
   dec->cos_sin = static_cast<const float*>(PyLong_AsVoidPtr(cos_sin));
   dec->final_norm = static_cast<const float*>(PyLong_AsVoidPtr(final_norm));
   ok = ok && !PyErr_Occurred();
   if (ok && (cache_type < kCacheF32 || cache_type > kCacheI8 || v_cache_type < kCacheF32 ||
              v_cache_type > kCacheI8 || dec->v_offset <= 0 || dec->Hkv <= 0 || dec->Hq % dec->Hkv ||
-             dec->rot > dec->D || dec->rot % 2 || (activation != kActSilu && activation != kActGeluTanh) || dec->softcap < 0.f)) {
+             dec->rot > dec->D || dec->rot % 2 || (activation != kActSilu && activation != kActGeluTanh) || dec->softcap < 0.f ||
+             (norm_kind != kNormRms && norm_kind != kNormLayer))) {
     PyErr_SetString(PyExc_ValueError, "decoder_new: inconsistent config");
     ok = false;
   }
   dec->cache_type = static_cast<int>(cache_type);
   dec->v_cache_type = static_cast<int>(v_cache_type);
   dec->activation = static_cast<int>(activation);
+  dec->norm_kind = static_cast<int>(norm_kind);
   for (Py_ssize_t i = 0; ok && i < PyList_GET_SIZE(layers); ++i) {
     dec->layers.emplace_back();
     ok = parse_layer(PyList_GET_ITEM(layers, i), &dec->layers.back());

@@ -8,8 +8,8 @@ a plain (ungated) MLP:
         x = x + c_proj(gelu_tanh(c_fc(layer_norm_2(x))))
     logits = lm_head(layer_norm(x))                   (tied to the embedding unless the config says)
 
-The fused CPU decoder runs RMSNorm stacks with gated MLPs: a quantized StarCoder2 runs layer by
-layer (`decoder_spec` None).
+The fused CPU decoder runs it too (`decoder_spec`): LayerNorms with biases for the stream's norms,
+a plain MLP (`gated` False: c_fc as its up projection), the linear layers' biases in the kernels.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from llmserve.layers.activation import get_activation
 from llmserve.layers.attention import Attention, AttentionBackend, AttentionMetadata, LayerKVCache
 from llmserve.layers.layernorm import LayerNorm
 from llmserve.layers.linear import Linear
+from llmserve.layers.quantization.fused_decoder import DecoderLayerSpec, DecoderSpec
 from llmserve.layers.rotary_embedding import RotaryEmbedding, RotaryInputs, rope_parameters
 from llmserve.layers.vocab_embedding import LMHead, VocabEmbedding
 from llmserve.models.base import QKV_GATE_UP_STACKING, CausalLM, KVCacheShape
@@ -87,6 +88,7 @@ class Starcoder2DecoderLayer(nn.Module):
 class Starcoder2Model(nn.Module):
     def __init__(self, config: Any, backend: AttentionBackend) -> None:
         super().__init__()
+        self.config = config
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             Starcoder2DecoderLayer(config, backend) for _ in range(config.num_hidden_layers)
@@ -110,6 +112,40 @@ class Starcoder2Model(nn.Module):
             x = layer(x, rotary, kv_cache, md)
         return self.norm(x)
 
+    def decoder_spec(self) -> DecoderSpec | None:
+        """The stack for the fused CPU decoder (its LayerNorm and plain-MLP forms); None for an
+        activation it lacks (the tanh GELU is StarCoder2's)."""
+        attn0 = self.layers[0].self_attn.attn
+        layers = [
+            DecoderLayerSpec(
+                input_norm=layer.input_layernorm,
+                qkv=layer.self_attn.qkv_proj,
+                q_norm=None,
+                k_norm=None,
+                o=layer.self_attn.o_proj,
+                post_norm=layer.post_attention_layernorm,
+                gate_up=layer.mlp.c_fc,
+                down=layer.mlp.c_proj,
+                sliding_window=layer.self_attn.attn.params.sliding_window,
+                gated=False,
+            )
+            for layer in self.layers
+        ]
+        return DecoderSpec(
+            layers=layers,
+            final_norm=self.norm,
+            rotary=self.rotary_emb,
+            hidden_size=self.config.hidden_size,
+            intermediate_size=self.config.intermediate_size,
+            num_heads=self.config.num_attention_heads,
+            num_kv_heads=self.config.num_key_value_heads,
+            head_dim=head_dim_of(self.config),
+            scale=attn0.params.scale,
+            eps=self.config.norm_epsilon,
+            activation=getattr(self.config, "hidden_act", "gelu_pytorch_tanh"),
+            layer_norm=True,
+        )
+
 
 class Starcoder2ForCausalLM(CausalLM):
     stacked_params: ClassVar[dict[str, tuple[str, int]]] = {
@@ -127,3 +163,6 @@ class Starcoder2ForCausalLM(CausalLM):
     def kv_cache_shape(self) -> KVCacheShape:
         c = self.config
         return KVCacheShape(c.num_hidden_layers, c.num_key_value_heads, head_dim_of(c))
+
+    def decoder_spec(self) -> DecoderSpec | None:
+        return self.model.decoder_spec()

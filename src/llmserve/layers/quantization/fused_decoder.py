@@ -22,7 +22,7 @@ import torch
 
 from llmserve.layers.activation import fused_gated_name
 from llmserve.layers.attention import AttentionMetadata, LayerKVCache
-from llmserve.layers.layernorm import RMSNorm
+from llmserve.layers.layernorm import LayerNorm, RMSNorm
 from llmserve.layers.linear import Linear
 from llmserve.layers.moe import SparseMoE
 from llmserve.layers.quantization import cpu_kernels
@@ -34,13 +34,15 @@ _CACHE_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int
 
 @dataclass(frozen=True, slots=True)
 class DecoderLayerSpec:
-    input_norm: RMSNorm | None  # None (and post_norm None): a post-norm layer reads the stream as it is
+    input_norm: RMSNorm | LayerNorm | None  # None (and post_norm None): a post-norm layer reads the stream
     qkv: Linear  # [q | k | v] rows
     q_norm: RMSNorm | None
     k_norm: RMSNorm | None
     o: Linear
-    post_norm: RMSNorm | None
-    gate_up: Linear | None  # [gate | up] rows; None where `moe` is the MLP
+    post_norm: RMSNorm | LayerNorm | None
+    gate_up: (
+        Linear | None
+    )  # [gate | up] rows (the up rows alone when not `gated`); None where `moe` is the MLP
     down: Linear | None
     sliding_window: int | None
     rope: bool = True
@@ -55,6 +57,8 @@ class DecoderLayerSpec:
     """This layer's own RoPE (Gemma 3's sliding and global layers have two bases); None: the stack's."""
     qk_norm_whole: bool = False
     """q_norm and k_norm over all of a token's heads at once (OLMo 2), not head by head."""
+    gated: bool = True
+    """False: a plain MLP, down(act(up x)), `gate_up` the up projection alone (StarCoder2's c_fc)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +67,7 @@ class DecoderSpec:
     Gemma's sandwich norms and OLMo 2's post-norm layers through the layers' optional norms)."""
 
     layers: list[DecoderLayerSpec]
-    final_norm: RMSNorm
+    final_norm: RMSNorm | LayerNorm
     rotary: RotaryEmbedding
     hidden_size: int
     intermediate_size: int
@@ -78,6 +82,8 @@ class DecoderSpec:
     """What each sublayer's output is multiplied by as it joins the residual stream (Granite)."""
     softcap: float | None = None
     """Gemma 2's cap c on the scaled attention scores: c tanh(s / c)."""
+    layer_norm: bool = False
+    """The input, post-attention and final norms are LayerNorms with biases (StarCoder2), not RMSNorms."""
 
 
 LORA_LINEARS = ("qkv", "o", "gate_up", "down")
@@ -109,10 +115,17 @@ def _rotaries(spec: DecoderSpec) -> list[RotaryEmbedding]:
     return list(found.values())
 
 
-def _norm_weight(norm: RMSNorm) -> torch.Tensor:
+def _bias(norm: RMSNorm | LayerNorm | None) -> int:
+    """A LayerNorm's bias address (0: none, or an RMSNorm)."""
+    bias = getattr(norm, "bias", None)
+    return 0 if bias is None else bias.data_ptr()
+
+
+def _norm_weight(norm: RMSNorm | LayerNorm) -> torch.Tensor:
     """The weight the C++ norm multiplies by: w, or Gemma's (1 + w) added once in float32, the value
     the model's own norm computes at every call."""
-    return norm.weight if not norm.weight_offset else (norm.weight.float() + norm.weight_offset).contiguous()
+    offset = getattr(norm, "weight_offset", 0.0)  # (a LayerNorm has none)
+    return norm.weight if not offset else (norm.weight.float() + offset).contiguous()
 
 
 def unsupported_reason(spec: DecoderSpec, kv_caches: list[LayerKVCache]) -> str | None:
@@ -130,6 +143,11 @@ def unsupported_reason(spec: DecoderSpec, kv_caches: list[LayerKVCache]) -> str 
         and fused_gated_name(spec.activation) != "silu_and_mul"
     ):
         return f"MoE experts with activation {spec.activation!r}"
+    if (
+        not all(layer.gated for layer in spec.layers)
+        and fused_gated_name(spec.activation) != "gelu_tanh_and_mul"
+    ):
+        return f"a plain MLP with activation {spec.activation!r} (the C++ one is the tanh GELU)"
     dims = {r.rotary_dim for r in rotaries}
     if len(dims) > 1 or spec.rotary.rotary_dim % 2 or spec.rotary.rotary_dim > spec.head_dim:
         return "rotary dims"
@@ -149,7 +167,10 @@ def unsupported_reason(spec: DecoderSpec, kv_caches: list[LayerKVCache]) -> str 
         ):
             return "MoE routing the C++ decoder lacks (router bias, gpt-oss's gating)"
         for n in [*_norms(layer), spec.final_norm]:
-            if n.weight.dtype != torch.float32 or n.weight.device.type != "cpu":
+            if any(
+                t is not None and (t.dtype != torch.float32 or t.device.type != "cpu")
+                for t in (n.weight, getattr(n, "bias", None))
+            ):
                 return "norm weights are not float32 on the CPU"
     for cache in kv_caches:
         for half in (cache[0], cache[1]):
@@ -265,6 +286,9 @@ class FusedDecoder:
                     addr(layer.post_mlp_norm),
                     0 if layer.rotary is None else self._tables[id(layer.rotary)].data_ptr(),
                     int(layer.qk_norm_whole),
+                    _bias(layer.input_norm),
+                    _bias(layer.post_norm),
+                    int(layer.gated),
                 )
             )
         self.capsule: object
@@ -287,6 +311,8 @@ class FusedDecoder:
             float(spec.residual_scale),
             _ACTIVATIONS[fused_gated_name(spec.activation)],  # type: ignore[index]
             float(spec.softcap or 0.0),
+            int(spec.layer_norm),  # csrc/decoder_stack.h's kNormRms, kNormLayer
+            _bias(spec.final_norm),
         )
         self._comm = comm  # kept alive with the decoder, which holds its address
         self.capsule = cpu_kernels.decoder_new(
