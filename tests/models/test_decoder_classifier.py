@@ -61,7 +61,7 @@ def hf_last_logits(hf: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     return logits[-1] if logits.dim() == 2 else logits
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gemma2", "gemma3"])
 def test_a_one_label_decoder_classifier_scores_pairs_as_transformers(tmp_path, name):
     """`LLM.score`: each pair's tokens as transformers' tokenizer joins them, scored with the
     sigmoid of transformers' logit on the last token; the model refuses generation."""

@@ -3,8 +3,9 @@ causal LM's stack.
 
     checkpoint                                   head (`score`, [labels, hidden])
     XForSequenceClassification (Llama, Mistral,  the checkpoint's `score.weight`
-      Qwen2, Qwen3): reward models, Qwen3-
-      Reranker converted to one label (seq-cls)
+      Qwen2, Qwen3, Gemma 2, Gemma 3): reward
+      models, Qwen3-Reranker converted to one
+      label (seq-cls)
     a causal LM with `classifier_from_token`     rows of its LM head (or of its tied embedding):
       in its config (`--hf-overrides`, as vLLM     two tokens and `from_2_way_softmax` (the original
       reads it: the original Qwen3-Reranker)       Qwen3-Reranker: "no", "yes") give one label,
@@ -28,7 +29,9 @@ import torch
 from torch import nn
 
 from llmserve.layers.attention import AttentionBackend
+from llmserve.models.base import CausalLM
 from llmserve.models.bert import ClassifierOutputs
+from llmserve.models.gemma3 import Gemma2ForCausalLM, Gemma3ForCausalLM
 from llmserve.models.llama import LlamaForCausalLM
 from llmserve.models.qwen2 import Qwen2ForCausalLM
 from llmserve.models.qwen3 import Qwen3ForCausalLM
@@ -68,9 +71,9 @@ class ScoreHead(nn.Module):
             self.register_buffer("weight", weight)
 
 
-class DecoderClassifier(LlamaForCausalLM):
-    """A Llama-family stack with a linear classifier on its last token (see the module's table).
-    Subclasses pick the stack (`Qwen3ForSequenceClassification`...)."""
+class DecoderClassifier(CausalLM):
+    """A decoder stack with a linear classifier on its last token (see the module's table): a mixin
+    before the causal LM class whose stack it runs (`Qwen3ForSequenceClassification`...)."""
 
     classifier_pooling: ClassVar[str] = "last"
     uses_token_types: ClassVar[bool] = False
@@ -133,7 +136,7 @@ class _Labels:
         self.num_labels, self.id2label = num_labels, id2label
 
 
-class LlamaForSequenceClassification(DecoderClassifier):
+class LlamaForSequenceClassification(DecoderClassifier, LlamaForCausalLM):
     """HF `LlamaForSequenceClassification` (and Mistral's): reward models such as Skywork-Reward."""
 
 
@@ -146,3 +149,11 @@ class Qwen3ForSequenceClassification(DecoderClassifier, Qwen3ForCausalLM):
     original Qwen3-Reranker (a `Qwen3ForCausalLM`) with vLLM's overrides:
     `{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
     "is_original_qwen3_reranker": true}`."""
+
+
+class Gemma2ForSequenceClassification(DecoderClassifier, Gemma2ForCausalLM):
+    """HF `Gemma2ForSequenceClassification`: reward models such as Skywork-Reward-Gemma-2."""
+
+
+class Gemma3TextForSequenceClassification(DecoderClassifier, Gemma3ForCausalLM):
+    """HF `Gemma3TextForSequenceClassification` (Gemma 3's text stack)."""

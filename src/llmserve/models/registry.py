@@ -53,6 +53,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForSequenceClassification": ("decoder_classifier", "LlamaForSequenceClassification"),
     "Qwen2ForSequenceClassification": ("decoder_classifier", "Qwen2ForSequenceClassification"),
     "Qwen3ForSequenceClassification": ("decoder_classifier", "Qwen3ForSequenceClassification"),
+    "Gemma2ForSequenceClassification": ("decoder_classifier", "Gemma2ForSequenceClassification"),
+    "Gemma3TextForSequenceClassification": ("decoder_classifier", "Gemma3TextForSequenceClassification"),
 }
 BACKBONES = frozenset({"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model"})
 """Architectures whose checkpoints hold a decoder stack alone (HF's `XModel`): loaded into the
