@@ -6,10 +6,12 @@ OpenAI-shaped 400s while the server keeps serving."""
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -230,6 +232,36 @@ def test_classify_gives_each_inputs_label_probabilities(client, folders, path):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     r = client.post("/v1/score", json={"model": "cls", "text_1": "w1", "text_2": "w2"})
     assert r.status_code == 400 and "/classify" in r.json()["error"]["message"]
+
+
+def test_pooling_gives_each_models_own_output(client, folders):
+    """vLLM's /pooling, one route for every pooling model: the embedding model's embeddings (as
+    /v1/embeddings gives them, base64 too), the classifier's label probabilities (as /classify),
+    the cross-encoder's score for a text (its head on one input); bad fields are 400s."""
+    texts = ["w3 w17 w5", "w60 w61 w62"]
+    body = client.post("/pooling", json={"model": "emb", "input": texts}).json()
+    assert body["object"] == "list" and body["id"].startswith("pool-") and body["model"] == "emb"
+    assert [d["object"] for d in body["data"]] == ["pooling", "pooling"]
+    embedded = client.post("/v1/embeddings", json={"model": "emb", "input": texts}).json()
+    for d, e in zip(body["data"], embedded["data"], strict=True):
+        assert d["data"] == pytest.approx(e["embedding"], abs=1e-6)
+    assert body["usage"]["prompt_tokens"] == embedded["usage"]["prompt_tokens"] > 0
+    b64 = client.post(
+        "/pooling", json={"model": "emb", "input": texts[0], "encoding_format": "base64"}
+    ).json()
+    decoded = np.frombuffer(base64.b64decode(b64["data"][0]["data"]), dtype="<f4")
+    assert decoded.tolist() == pytest.approx(embedded["data"][0]["embedding"], abs=1e-6)
+    classified = client.post("/classify", json={"model": "cls", "input": texts}).json()
+    pooled = client.post("/pooling", json={"model": "cls", "input": texts}).json()
+    assert [d["data"] for d in pooled["data"]] == [c["probs"] for c in classified["data"]]
+    score = client.post("/pooling", json={"model": "ce", "input": texts[0]}).json()["data"][0]["data"]
+    ce = client.post("/classify", json={"model": "ce", "input": texts[0]}).json()["data"][0]["probs"]
+    assert len(score) == 1 and score == ce and 0.0 < score[0] < 1.0  # the one-label head's sigmoid
+    for bad, param in (({"model": "cls", "input": "w1", "dimensions": 4}, "dimensions"),
+                       ({"model": "emb", "input": []}, "input"),
+                       ({"model": "emb", "input": "w1", "dimensions": 0}, "dimensions")):  # fmt: skip
+        r = client.post("/pooling", json=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 def test_a_cross_encoder_refuses_embeddings_and_chat_with_the_route_to_use(client):

@@ -59,9 +59,11 @@ from llmserve.server.serving.ollama_models import OllamaModels
 from llmserve.server.serving.responses import ResponsesServing
 from llmserve.server.serving.scores import (
     ClassifyRequest,
+    PoolingRequest,
     RerankRequest,
     ScoreRequest,
     create_classification,
+    create_pooling,
     create_rerank,
     create_score,
 )
@@ -175,6 +177,15 @@ async def rerank(req: RerankRequest, raw: Request, models: Models) -> Any:
         req.model,
         remote=lambda remote: remote.proxy(raw, "/rerank"),
         native=lambda ctx: create_rerank(ctx, req, raw),
+    )
+
+
+@openai.post("/pooling")
+async def pooling(req: PoolingRequest, raw: Request, models: Models) -> Any:
+    return await models.serve(
+        req.model,
+        remote=lambda remote: remote.proxy(raw, remote.at_root("/pooling")),  # vLLM's: not under /v1
+        native=lambda ctx: create_pooling(ctx, req, raw),
     )
 
 

@@ -122,7 +122,8 @@ def _openai_inputs(req: EmbeddingRequest) -> list[str | list[int]]:
     return list(x)  # type: ignore[arg-type]
 
 
-def _base64(vector: list[float]) -> str:
+def encode_vector(vector: list[float]) -> str:
+    """A vector as OpenAI's base64 encoding: little-endian float32 bytes."""
     return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
 
 
@@ -131,7 +132,7 @@ async def create_embeddings(ctx: ServingContext, req: EmbeddingRequest, raw: Req
     if req.dimensions is not None and req.dimensions < 1:
         raise APIError(400, f"dimensions must be >= 1; got {req.dimensions}", param="dimensions")
     processed, vectors = await embed(ctx, raw, _openai_inputs(req), req.dimensions, truncate=False)
-    encode = _base64 if req.encoding_format == "base64" else list
+    encode = encode_vector if req.encoding_format == "base64" else list
     num_tokens = sum(len(p.token_ids) for p in processed)
     return JSONResponse({
         "object": "list",

@@ -1,6 +1,7 @@
 """Scores of text pairs over HTTP: vLLM's `POST /v1/score` and the rerank API that vLLM,
 llama-server, Jina and Cohere share (`POST /v1/rerank`, also at `/rerank` and `/v2/rerank`); and
-vLLM's `POST /classify` (also `/v1/classify`), a sequence classifier's labels for texts.
+vLLM's `POST /classify` (also `/v1/classify`), a sequence classifier's labels for texts, and vLLM's
+`POST /pooling`, any pooling model's own output (an embedding, or its classifier head's).
 
     score    text_1: a string or strings, text_2: a string or strings; one text_1 meets every
              text_2, or the two lists pair side by side -> data[i].score per pair, in order
@@ -21,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import StrictBool, StrictInt, StrictStr
@@ -32,7 +33,7 @@ from llmserve.engine.scoring import classify_input, pair_texts, plan_scores
 from llmserve.server.errors import APIError
 from llmserve.server.protocol import TokenIds, _Request
 from llmserve.server.serving.context import ServingContext
-from llmserve.server.serving.embeddings import run_pooled
+from llmserve.server.serving.embeddings import embed, encode_vector, run_pooled
 
 
 class ScoreRequest(_Request):
@@ -138,8 +139,11 @@ async def create_rerank(ctx: ServingContext, req: RerankRequest, raw: Request) -
     })  # fmt: skip
 
 
-async def create_classification(ctx: ServingContext, req: ClassifyRequest, raw: Request) -> JSONResponse:
-    """`POST /classify` on a native model: each input's label probabilities and its label."""
+async def classify_outputs(
+    ctx: ServingContext, raw: Request, req: ClassifyRequest
+) -> tuple[list[ProcessedPrompt], list[list[float]]]:
+    """A sequence classifier's inputs (`req.input`, checked: a 400 naming the bad one) and each
+    one's outputs (its head's: label probabilities, or a cross-encoder's score), in order."""
     engine = ctx.engine.engine
     x = req.input
     inputs = [x] if isinstance(x, str) or (x and all(isinstance(t, int) for t in x)) else list(x)
@@ -163,12 +167,59 @@ async def create_classification(ctx: ServingContext, req: ClassifyRequest, raw: 
         return out
 
     processed = await asyncio.to_thread(process)
-    vectors = await run_pooled(ctx, raw, processed, "classify")
-    labels = engine.classifier_labels
+    return processed, await run_pooled(ctx, raw, processed, "classify")
+
+
+async def create_classification(ctx: ServingContext, req: ClassifyRequest, raw: Request) -> JSONResponse:
+    """`POST /classify` on a native model: each input's label probabilities and its label."""
+    processed, vectors = await classify_outputs(ctx, raw, req)
+    labels = ctx.engine.engine.classifier_labels
     num_tokens = sum(len(p.token_ids) for p in processed)
     data = [{"index": i, "label": labels[max(range(len(v)), key=v.__getitem__)], "probs": v, "num_classes": len(v)}
             for i, v in enumerate(vectors)]  # fmt: skip
     return JSONResponse({
         "id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": ctx.model_name,
         "data": data, "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0},
+    })  # fmt: skip
+
+
+class PoolingRequest(ClassifyRequest):
+    """`POST /pooling` (vLLM's): one input or several, as text or token ids."""
+
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: StrictInt | None = None
+
+
+async def create_pooling(ctx: ServingContext, req: PoolingRequest, raw: Request) -> JSONResponse:
+    """`POST /pooling` on a native model: each input's pooled output as the model gives it, vLLM's
+    one route for every pooling model: an embedding model's embedding (its pooling and
+    normalisation, `dimensions` cut), a classifier's label probabilities, a cross-encoder's or a
+    reward model's score (a one-label head's, after its activation)."""
+    engine = ctx.engine.engine
+    if engine.is_classifier:
+        if req.dimensions is not None:
+            raise APIError(
+                400, "dimensions applies to embeddings; this model is a classifier", param="dimensions"
+            )
+        processed, vectors = await classify_outputs(ctx, raw, req)
+    else:
+        if req.truncate_prompt_tokens is not None:
+            raise APIError(
+                400, "truncate_prompt_tokens applies to classifiers here; /v1/embeddings inputs must fit",
+                param="truncate_prompt_tokens",
+            )  # fmt: skip
+        if req.dimensions is not None and req.dimensions < 1:
+            raise APIError(400, f"dimensions must be >= 1; got {req.dimensions}", param="dimensions")
+        inputs = [req.input] if isinstance(req.input, str) or (
+            req.input and all(isinstance(t, int) for t in req.input)
+        ) else list(req.input)  # fmt: skip
+        if not inputs:
+            raise APIError(400, "input must not be empty", param="input")
+        processed, vectors = await embed(ctx, raw, inputs, req.dimensions, truncate=False)  # type: ignore[arg-type]
+    encode = encode_vector if req.encoding_format == "base64" else list
+    num_tokens = sum(len(p.token_ids) for p in processed)
+    return JSONResponse({
+        "id": f"pool-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": ctx.model_name,
+        "data": [{"index": i, "object": "pooling", "data": encode(v)} for i, v in enumerate(vectors)],
+        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0},
     })  # fmt: skip
